@@ -1,0 +1,30 @@
+"""hmp: list-driven mixed precision for PyTorch on CPU, CUDA and HPU.
+
+A drop-in for Habana's ``habana_frameworks.torch.hpex.hmp``::
+
+    import hmp
+    hmp.convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=False)
+    ...
+    with hmp.disable_casts():
+        optimizer.step()
+
+Importing hmp patches nothing; only convert() does.
+"""
+
+from .convert import convert, effective_lists, is_converted, revert
+from .state import casts_enabled, disable_casts
+from .wrap import op_wrap, to_bf16, to_fp32
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "convert",
+    "revert",
+    "disable_casts",
+    "op_wrap",
+    "to_bf16",
+    "to_fp32",
+    "is_converted",
+    "casts_enabled",
+    "effective_lists",
+]

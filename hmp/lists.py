@@ -1,0 +1,132 @@
+"""Op list files: reading, validating and combining them into effective lists.
+
+Everything here runs before anything is patched, so a bad file raises with
+torch untouched.
+"""
+
+import difflib
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("hmp")
+
+KINDS = ("bf16", "fp32", "promote")
+
+
+def list_dir():
+    """The folder holding the shipped list files.
+
+    Installed, it is ``hmp/op_lists``; in a source checkout it is the
+    repository's ``op_lists/`` next to the package.
+    """
+    here = Path(__file__).resolve().parent
+    installed = here / "op_lists"
+    return installed if installed.is_dir() else here.parent / "op_lists"
+
+
+def default_path(name):
+    return list_dir() / name
+
+
+def _check_path(path, what):
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"hmp: {what} must be a str or os.PathLike, got {type(path).__name__}: {path!r}")
+    return Path(os.fspath(path))
+
+
+def read_names(path, what="list file"):
+    """Return ``[(line_number, name), ...]`` from a list file.
+
+    Tolerates a UTF-8 BOM, CRLF, blank lines, surrounding whitespace and
+    ``#`` comments. Raises OSError naming the path when it cannot be read and
+    ValueError naming the path and line for text that is not a valid name.
+    """
+    path = _check_path(path, what)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise type(e)(e.errno, f"hmp: cannot read {what} {str(path)!r}: {e.strerror}", str(path)) from None
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    entries = []
+    errors = []
+    # split on \n only so line numbers match what an editor shows
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            errors.append(f"line {number}: not valid UTF-8 ({e.reason} at byte {e.start})")
+            continue
+        name = text.split("#", 1)[0].strip()
+        if not name:
+            continue
+        if not (name.isascii() and name.isidentifier()):
+            errors.append(f"line {number}: {_short(name)!r} is not an op name")
+            continue
+        entries.append((number, name))
+    if errors:
+        raise ValueError(_error_text(path, what, errors))
+    return entries
+
+
+def _short(text, limit=80):
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _error_text(path, what, errors, limit=10):
+    more = f"\n  ... and {len(errors) - limit} more" if len(errors) > limit else ""
+    return f"hmp: bad {what} {str(path)!r}:\n  " + "\n  ".join(errors[:limit]) + more
+
+
+def load(path, known, what):
+    """Read a list file and check every name with ``known(name) -> bool``.
+
+    ``known`` is the resolver's test; ``suggest(name)`` gives close matches.
+    Returns the names in file order, duplicates dropped.
+    """
+    entries = read_names(path, what)
+    errors = []
+    names = {}
+    for number, name in entries:
+        if name in names:
+            continue
+        if not known.exists(name):
+            close = known.suggest(name)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            errors.append(f"line {number}: unknown op {name!r}{hint}")
+            continue
+        names[name] = number
+    if errors:
+        raise ValueError(_error_text(_check_path(path, what), what, errors))
+    return list(names)
+
+
+def combine(bf16, fp32, promote, bf16_from_user, fp32_from_user, sources):
+    """Apply the precedence rules and return ``{"bf16", "fp32", "promote"}`` sets.
+
+    Two user files may not share an op. A single user file wins over the
+    other, default list. The BF16 and FP32 lists win over the promote list.
+    """
+    bf16, fp32, promote = set(bf16), set(fp32), set(promote)
+    both = bf16 & fp32
+    if both:
+        if bf16_from_user and fp32_from_user:
+            raise ValueError(
+                f"hmp: ops in both the BF16 list {sources['bf16']!r} and the FP32 list "
+                f"{sources['fp32']!r}: {', '.join(sorted(both))}"
+            )
+        if bf16_from_user:
+            log.info("hmp: BF16 list %s takes %s out of the default FP32 list", sources["bf16"], ", ".join(sorted(both)))
+            fp32 -= both
+        elif fp32_from_user:
+            log.info("hmp: FP32 list %s takes %s out of the default BF16 list", sources["fp32"], ", ".join(sorted(both)))
+            bf16 -= both
+        else:
+            raise ValueError(f"hmp: the default lists overlap: {', '.join(sorted(both))}")
+    promote -= bf16 | fp32
+    return {"bf16": bf16, "fp32": fp32, "promote": promote}
+
+
+def suggest(name, universe, n=3):
+    return difflib.get_close_matches(name, universe, n=n, cutoff=0.6)

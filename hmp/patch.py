@@ -1,0 +1,41 @@
+"""An undo log for namespace patches, undone in reverse.
+
+Undo leaves each namespace exactly as it was: an attribute the namespace
+owned is set back to the identical object, and one it only inherited (a
+``torch.Tensor`` method that lives on ``torch._C.TensorBase``) is deleted.
+"""
+
+_MISSING = object()
+
+
+class PatchLog:
+    def __init__(self):
+        self._entries = []  # (namespace, attr, previous own value or _MISSING)
+
+    def __len__(self):
+        return len(self._entries)
+
+    def setattr(self, namespace, attr, value):
+        previous = namespace.__dict__.get(attr, _MISSING)
+        setattr(namespace, attr, value)
+        self._entries.append((namespace, attr, previous))
+
+    def undo(self):
+        """Undo every change, newest first. Keeps going past a failing entry
+        and raises the first error at the end, so one bad entry cannot leave
+        the rest patched."""
+        first_error = None
+        while self._entries:
+            namespace, attr, previous = self._entries.pop()
+            try:
+                if previous is _MISSING:
+                    delattr(namespace, attr)
+                else:
+                    setattr(namespace, attr, previous)
+            except Exception as e:  # pragma: no cover - only a hostile namespace gets here
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+
+    def labels(self):
+        return [f"{getattr(ns, '__name__', ns)}.{attr}" for ns, attr, _ in self._entries]

@@ -1,0 +1,194 @@
+"""Cast policies: which arguments of a call are cast, and to which dtype.
+
+Each policy is a small factory returning ``prepare(args, kwargs) ->
+(args, kwargs)``. ``prepare`` returns its inputs unchanged (the same
+objects) when nothing needs a cast, and never mutates them. The ``cast``
+function is chosen at convert time (plain, or through the weight cache).
+"""
+
+import torch
+
+Tensor = torch.Tensor
+FP16, BF16, FP32, FP64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+FLOATS = frozenset((FP16, BF16, FP32, FP64))
+# every floating dtype but the key: what a cast *to* the key converts
+OTHER_FLOATS = {d: FLOATS - {d} for d in FLOATS}
+_promote_types = torch.promote_types  # captured: listing promote_types cannot recurse
+
+NORM_OPS = frozenset((
+    "batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm",
+    "native_batch_norm", "native_layer_norm", "native_group_norm",
+))
+
+
+def cast_seq(seq, src, dst, cast):
+    """``seq`` with every tensor whose dtype is in ``src`` cast to ``dst``.
+
+    Looks one level into list/tuple items (``torch.cat([a, b])``). Returns
+    ``seq`` itself when nothing was cast.
+    """
+    out = None
+    for i, a in enumerate(seq):
+        if isinstance(a, Tensor):
+            if a.dtype in src:
+                if out is None:
+                    out = list(seq)
+                out[i] = cast(a, dst)
+        elif type(a) is list or type(a) is tuple:
+            b = cast_seq(a, src, dst, cast)
+            if b is not a:
+                if out is None:
+                    out = list(seq)
+                out[i] = b
+    if out is None:
+        return seq
+    return out if type(seq) is list else tuple(out)
+
+
+def cast_kwargs(kwargs, src, dst, cast):
+    out = None
+    for k, v in kwargs.items():
+        if isinstance(v, Tensor):
+            if v.dtype in src:
+                if out is None:
+                    out = dict(kwargs)
+                out[k] = cast(v, dst)
+        elif type(v) is list or type(v) is tuple:
+            b = cast_seq(v, src, dst, cast)
+            if b is not v:
+                if out is None:
+                    out = dict(kwargs)
+                out[k] = b
+    return kwargs if out is None else out
+
+
+def to_dtype(src, dst, cast):
+    """Cast every tensor argument whose dtype is in ``src`` to ``dst``."""
+
+    def prepare(args, kwargs):
+        args = cast_seq(args, src, dst, cast)
+        if kwargs:
+            kwargs = cast_kwargs(kwargs, src, dst, cast)
+        return args, kwargs
+
+    return prepare
+
+
+def lower(low, cast):
+    """BF16 list: float32 tensors go to the lower dtype; nothing else is touched."""
+    return to_dtype(frozenset((FP32,)), low, cast)
+
+
+def fp32(cast):
+    """FP32 list: bfloat16 and float16 tensors go to float32."""
+    return to_dtype(frozenset((BF16, FP16)), FP32, cast)
+
+
+def lower_input_only(low, cast):
+    """Normalization ops: only the input is cast; weight, bias and running
+    statistics keep their dtype (BatchNorm's running stats stay fp32)."""
+
+    def prepare(args, kwargs):
+        if args:
+            x = args[0]
+            if isinstance(x, Tensor) and x.dtype is FP32:
+                args = (cast(x, low),) + args[1:]
+        elif kwargs:
+            x = kwargs.get("input")
+            if isinstance(x, Tensor) and x.dtype is FP32:
+                kwargs = dict(kwargs, input=cast(x, low))
+        return args, kwargs
+
+    return prepare
+
+
+def _widest(seq, dt):
+    for a in seq:
+        if isinstance(a, Tensor):
+            d = a.dtype
+            if d in FLOATS and d is not dt:
+                dt = d if dt is None else _promote_types(dt, d)
+        elif type(a) is list or type(a) is tuple:
+            dt = _widest(a, dt)
+    return dt
+
+
+def widest(args, kwargs):
+    """The widest floating dtype among the tensor arguments, or None."""
+    dt = _widest(args, None)
+    if kwargs:
+        dt = _widest(kwargs.values(), dt)
+    return dt
+
+
+def promote(cast):
+    """Promote list: every floating tensor goes to the widest floating dtype."""
+
+    def prepare(args, kwargs):
+        dt = widest(args, kwargs)
+        if dt is None:
+            return args, kwargs
+        src = OTHER_FLOATS[dt]
+        args = cast_seq(args, src, dt, cast)
+        if kwargs:
+            kwargs = cast_kwargs(kwargs, src, dt, cast)
+        return args, kwargs
+
+    return prepare
+
+
+def _first_tensor(value):
+    if isinstance(value, Tensor):
+        return value
+    if type(value) is list or type(value) is tuple:
+        for v in value:
+            if isinstance(v, Tensor):
+                return v
+    return None
+
+
+def _into(target, args, kwargs, cast):
+    """Cast every floating argument except ``target`` to ``target``'s dtype."""
+    if target is None or target.dtype not in FLOATS:
+        return args, kwargs
+    dst = target.dtype
+    src = OTHER_FLOATS[dst]
+    # target already has dtype dst, so it is never in src and never copied
+    args = cast_seq(args, src, dst, cast)
+    if kwargs:
+        out = kwargs.get("out")
+        if out is None:
+            kwargs = cast_kwargs(kwargs, src, dst, cast)
+        else:  # every out tensor is written as given, never a cast copy
+            rest = dict(kwargs)
+            del rest["out"]
+            kwargs = dict(cast_kwargs(rest, src, dst, cast), out=out)
+    return args, kwargs
+
+
+def inplace_self(cast):
+    """``X_`` and ``__iX__``: the first argument is written."""
+
+    def prepare(args, kwargs):
+        return _into(args[0] if args else None, args, kwargs, cast)
+
+    return prepare
+
+
+def inplace_out(cast):
+    """A call with ``out=``: the out tensor is written."""
+
+    def prepare(args, kwargs):
+        return _into(_first_tensor(kwargs["out"]), args, kwargs, cast)
+
+    return prepare
+
+
+def inplace_input(cast):
+    """A call with ``inplace=True``: the input (first argument) is written."""
+
+    def prepare(args, kwargs):
+        target = args[0] if args else kwargs.get("input")
+        return _into(target if isinstance(target, Tensor) else None, args, kwargs, cast)
+
+    return prepare

@@ -1,0 +1,128 @@
+"""Op names to the places they live, resolved from torch itself.
+
+A list name ``X`` binds every entry point of the op: ``torch.X``,
+``torch.nn.functional.X``, ``torch.Tensor.X``, the dunders ``__X__``,
+``__rX__`` and ``__iX__``, the in-place forms ``X_``, and
+``torchvision.ops.X`` when torchvision is installed. Nothing is hand-kept,
+so a name torch does not have is an error rather than a silent skip.
+"""
+
+import importlib
+import importlib.util
+import inspect
+import logging
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .lists import suggest
+
+log = logging.getLogger("hmp")
+
+ORIGINAL = "__hmp_original__"  # set on every hmp wrapper, points at what it wraps
+
+
+def unwrap(obj):
+    return getattr(obj, ORIGINAL, obj)
+
+
+@dataclass(frozen=True)
+class Site:
+    """One attribute that a list name binds."""
+
+    namespace: object
+    attr: str
+    owner: str  # printable namespace name
+    inplace: bool  # the op writes its first argument (``X_``, ``__iX__``)
+    inplace_param: object = None  # position of an ``inplace=`` parameter, if the function has one
+
+    @property
+    def label(self):
+        return f"{self.owner}.{self.attr}"
+
+
+def _is_op(raw):
+    """A plain callable, not a class, module, property or static/class method."""
+    if isinstance(raw, (type, types.ModuleType, staticmethod, classmethod, property)):
+        return False
+    return callable(raw)
+
+
+def _inplace_param(fn):
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # builtins carry no signature
+        return None
+    return params.index("inplace") if "inplace" in params else None
+
+
+def _torchvision_ops():
+    if importlib.util.find_spec("torchvision") is None:
+        return None
+    try:
+        return importlib.import_module("torchvision.ops")
+    except Exception as e:  # a broken torchvision must not break hmp
+        log.warning("hmp: torchvision is installed but torchvision.ops failed to import (%s); not binding it", e)
+        return None
+
+
+class Resolver:
+    def __init__(self):
+        self.modules = [("torch", torch), ("torch.nn.functional", F)]
+        tv = _torchvision_ops()
+        if tv is not None:
+            self.modules.append(("torchvision.ops", tv))
+        self._cache = {}
+        self._universe = None
+
+    def _lookup(self, namespace, attr, in_class):
+        if in_class:
+            try:
+                raw = inspect.getattr_static(namespace, attr)
+            except AttributeError:
+                return None
+        else:
+            raw = namespace.__dict__.get(attr)
+        raw = unwrap(raw)
+        return raw if raw is not None and _is_op(raw) else None
+
+    def sites(self, name):
+        """Every Site that ``name`` binds; empty when torch has no such op."""
+        if name in self._cache:
+            return self._cache[name]
+        found = []
+        inplace_name = None if name.endswith("_") else name + "_"
+        explicit_inplace = name.endswith("_") and not name.endswith("__")
+        for owner, module in self.modules:
+            for attr in (name, inplace_name):
+                if attr is None:
+                    continue
+                fn = self._lookup(module, attr, in_class=False)
+                if fn is not None:
+                    inplace = attr is inplace_name or explicit_inplace
+                    found.append(Site(module, attr, owner, inplace, None if inplace else _inplace_param(fn)))
+        T = torch.Tensor
+        attrs = [(name, explicit_inplace), (inplace_name, True)]
+        dunder = f"__{name}__"
+        if not name.startswith("_") and self._lookup(T, dunder, in_class=True) is not None:
+            attrs += [(dunder, False), (f"__r{name}__", False), (f"__i{name}__", True)]
+        for attr, inplace in attrs:
+            if attr is not None and self._lookup(T, attr, in_class=True) is not None:
+                found.append(Site(T, attr, "torch.Tensor", inplace))
+        self._cache[name] = found
+        return found
+
+    def exists(self, name):
+        return bool(self.sites(name))
+
+    def suggest(self, name):
+        if self._universe is None:
+            names = set()
+            for _, module in self.modules:
+                names.update(a for a in dir(module) if not a.startswith("__"))
+            for a in dir(torch.Tensor):
+                names.add(a[2:-2] if a.startswith("__") and a.endswith("__") else a)
+            self._universe = sorted(names)
+        return suggest(name, self._universe)

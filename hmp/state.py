@@ -1,0 +1,38 @@
+"""Per-thread casting state.
+
+One integer per thread, ``off``, is all the per-call wrapper reads: it is
+non-zero inside ``disable_casts()`` and while a wrapped op runs (so ops that
+a listed op calls internally are not cast again: the outermost op decides).
+"""
+
+import contextlib
+import threading
+
+
+class _ThreadState(threading.local):
+    # class attribute: every new thread starts with casting on
+    off = 0
+
+
+tls = _ThreadState()
+
+
+def casts_enabled():
+    """True when hmp wrappers would cast in the calling thread right now."""
+    return tls.off == 0
+
+
+class disable_casts(contextlib.ContextDecorator):
+    """Turn hmp casting off for a block or a function, in this thread only.
+
+    Nestable and exception-safe: leaving an inner block keeps the outer one
+    disabled, and the previous state is restored on every exit path.
+    """
+
+    def __enter__(self):
+        tls.off += 1
+        return self
+
+    def __exit__(self, *exc):
+        tls.off -= 1
+        return False

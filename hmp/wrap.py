@@ -1,0 +1,154 @@
+"""Wrapper factories: one small function per call form, kept apart from
+where wrappers are installed (patch.py) and from what they cast (policy.py).
+
+The per-call path reads one thread-local integer; everything else (policy,
+dtype, in-place detection, logging) was decided when the wrapper was made.
+"""
+
+import functools
+import logging
+
+import torch
+
+from . import policy
+from .resolve import ORIGINAL
+from .state import tls
+
+log = logging.getLogger("hmp")
+
+_to = torch._C.TensorBase.to  # never through a patched name, so listing `to` cannot recurse
+
+
+def plain_cast(t, dtype):
+    return _to(t, dtype)
+
+
+def _finish(wrapper, op):
+    try:
+        functools.update_wrapper(wrapper, op)
+    except (AttributeError, TypeError):  # some builtins lack __dict__ or names
+        wrapper.__wrapped__ = op
+    setattr(wrapper, ORIGINAL, op)
+    return wrapper
+
+
+def wrap_simple(op, prepare):
+    """Every call goes through ``prepare`` (in-place sites, ``op_wrap``)."""
+
+    def wrapper(*args, **kwargs):
+        st = tls
+        if st.off:
+            return op(*args, **kwargs)
+        args, kwargs = prepare(args, kwargs)
+        st.off = 1
+        try:
+            return op(*args, **kwargs)
+        finally:
+            st.off = 0
+
+    return _finish(wrapper, op)
+
+
+def wrap_call(op, prepare, prepare_out, prepare_inplace=None, inplace_param=None):
+    """Out-of-place entry point. A call with ``out=`` (or ``inplace=True``
+    for functions that take it) follows the in-place rule instead."""
+    if inplace_param is None:
+
+        def wrapper(*args, **kwargs):
+            st = tls
+            if st.off:
+                return op(*args, **kwargs)
+            if kwargs and kwargs.get("out") is not None:
+                args, kwargs = prepare_out(args, kwargs)
+            else:
+                args, kwargs = prepare(args, kwargs)
+            st.off = 1
+            try:
+                return op(*args, **kwargs)
+            finally:
+                st.off = 0
+
+    else:
+
+        def wrapper(*args, **kwargs):
+            st = tls
+            if st.off:
+                return op(*args, **kwargs)
+            if len(args) > inplace_param:
+                inplace = args[inplace_param]
+            else:
+                inplace = kwargs.get("inplace", False) if kwargs else False
+            if inplace:
+                args, kwargs = prepare_inplace(args, kwargs)
+            elif kwargs and kwargs.get("out") is not None:
+                args, kwargs = prepare_out(args, kwargs)
+            else:
+                args, kwargs = prepare(args, kwargs)
+            st.off = 1
+            try:
+                return op(*args, **kwargs)
+            finally:
+                st.off = 0
+
+    return _finish(wrapper, op)
+
+
+def _dtypes(args, kwargs):
+    out = []
+
+    def visit(v):
+        if isinstance(v, torch.Tensor):
+            out.append(str(v.dtype).replace("torch.", ""))
+        elif type(v) is list or type(v) is tuple:
+            for x in v:
+                visit(x)
+
+    visit(args)
+    if kwargs:
+        visit(tuple(kwargs.values()))
+    return out
+
+
+def logged(prepare, label):
+    """``prepare`` that also logs the op, its input dtypes and what it ran in."""
+
+    def verbose_prepare(args, kwargs):
+        before = _dtypes(args, kwargs)
+        args, kwargs = prepare(args, kwargs)
+        log.debug("hmp: %s inputs (%s) -> (%s)", label, ", ".join(before), ", ".join(_dtypes(args, kwargs)))
+        return args, kwargs
+
+    return verbose_prepare
+
+
+def op_wrap(op, cast_fn):
+    """Habana's public helper: a wrapper of ``op`` that passes every tensor
+    argument (positional, keyword, or inside a list/tuple) through
+    ``cast_fn`` before calling it. It follows ``disable_casts`` and the
+    outermost-op rule like every hmp wrapper, converted or not."""
+
+    def cast_value(v):
+        if isinstance(v, torch.Tensor):
+            return cast_fn(v)
+        if type(v) is list or type(v) is tuple:
+            return type(v)(cast_value(x) for x in v)
+        return v
+
+    def prepare(args, kwargs):
+        return tuple(cast_value(a) for a in args), {k: cast_value(v) for k, v in kwargs.items()}
+
+    return wrap_simple(op, prepare)
+
+
+def to_bf16(t):
+    """Cast a float32 tensor to bfloat16; anything else is returned as is."""
+    if isinstance(t, torch.Tensor) and t.dtype is torch.float32:
+        return _to(t, torch.bfloat16)
+    return t
+
+
+def to_fp32(t):
+    """Cast a bfloat16/float16 tensor to float32; anything else is returned as is."""
+    if isinstance(t, torch.Tensor) and (t.dtype is torch.bfloat16 or t.dtype is torch.float16):
+        return _to(t, torch.float32)
+    return t
