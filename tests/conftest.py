@@ -1,0 +1,53 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hmp
+
+NAMESPACES = {"torch": torch, "torch.nn.functional": F, "torch.Tensor": torch.Tensor}
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def snapshot():
+    """Every entry of the patched namespaces, by identity."""
+    return {name: dict(vars(ns)) for name, ns in NAMESPACES.items()}
+
+
+def assert_same(before, after):
+    for name in before:
+        b, a = before[name], after[name]
+        assert b.keys() == a.keys(), f"{name}: added {set(a) - set(b)}, removed {set(b) - set(a)}"
+        changed = [k for k in b if b[k] is not a[k]]
+        assert not changed, f"{name}: entries not identical: {changed[:10]}"
+
+
+@pytest.fixture(autouse=True)
+def _always_revert():
+    """No test leaks a conversion (or a disabled state) into the next one."""
+    yield
+    hmp.revert()
+    assert hmp.casts_enabled(), "a test left disable_casts active"
+
+
+@pytest.fixture
+def pristine():
+    hmp.revert()
+    before = snapshot()
+    yield before
+    hmp.revert()
+    assert_same(before, snapshot())
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+def write(tmp_path, name, text, mode="w"):
+    path = tmp_path / name
+    if mode == "wb":
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return path

@@ -1,0 +1,154 @@
+"""List files: format, defaults, precedence and errors raised before patching."""
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import hmp
+from conftest import assert_same, snapshot, write
+
+DEFAULT_BF16 = sorted(
+    "addmm batch_norm bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d dot "
+    "dropout dropout1d dropout2d dropout3d group_norm instance_norm layer_norm leaky_relu linear matmul "
+    "mm mul mv relu t".split()
+)
+DEFAULT_FP32 = sorted(
+    "binary_cross_entropy binary_cross_entropy_with_logits cross_entropy div divide embedding "
+    "embedding_bag log log2 log_softmax nll_loss smooth_l1_loss softmax topk truediv".split()
+)
+PROMOTE_AT_LEAST = set("add sub mul div truediv pow addcmul addcdiv cat stack where index_put scatter_add".split())
+
+
+def test_default_lists_exactly():
+    hmp.convert()
+    lists = hmp.effective_lists()
+    assert set(lists) == {"bf16", "fp32", "promote"}
+    assert lists["bf16"] == DEFAULT_BF16
+    assert lists["fp32"] == DEFAULT_FP32
+    # the BF16 and FP32 lists win over the promote list
+    assert PROMOTE_AT_LEAST - set(DEFAULT_BF16) - set(DEFAULT_FP32) <= set(lists["promote"])
+    assert not set(lists["promote"]) & (set(DEFAULT_BF16) | set(DEFAULT_FP32))
+    assert lists["promote"] == sorted(lists["promote"])
+
+
+def test_effective_lists_empty_when_not_converted():
+    assert hmp.effective_lists() == {"bf16": [], "fp32": [], "promote": []}
+    assert not hmp.is_converted()
+
+
+@pytest.mark.parametrize("blank", ["", None])
+def test_empty_or_none_means_default(blank):
+    hmp.convert(bf16_file_path=blank, fp32_file_path=blank)
+    assert hmp.effective_lists()["bf16"] == DEFAULT_BF16
+
+
+def test_format_tolerance(tmp_path):
+    text = "\ufeff  linear  \r\n\r\n# a comment\r\nmm # trailing comment\r\n\t conv2d\t\n\nlinear\n"
+    path = write(tmp_path, "bf16.txt", text.encode("utf-8"), mode="wb")
+    hmp.convert(bf16_file_path=path)
+    assert hmp.effective_lists()["bf16"] == ["conv2d", "linear", "mm"]
+
+
+def test_pathlike_and_str(tmp_path):
+    path = write(tmp_path, "fp32.txt", "softmax\n")
+    hmp.convert(fp32_file_path=str(path))
+    assert hmp.effective_lists()["fp32"] == ["softmax"]
+    hmp.convert(fp32_file_path=Path(path))
+    assert hmp.effective_lists()["fp32"] == ["softmax"]
+
+
+def test_user_file_replaces_default(tmp_path):
+    hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "linear\n"))
+    lists = hmp.effective_lists()
+    assert lists["bf16"] == ["linear"]
+    assert lists["fp32"] == DEFAULT_FP32
+
+
+def test_single_user_list_wins_over_other_default(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="hmp"):
+        hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "softmax\nlinear\n"))
+    lists = hmp.effective_lists()
+    assert "softmax" in lists["bf16"] and "softmax" not in lists["fp32"]
+    assert any("softmax" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+    # and the other way round
+    hmp.convert(fp32_file_path=write(tmp_path, "f.txt", "linear\n"))
+    lists = hmp.effective_lists()
+    assert lists["fp32"] == ["linear"] and "linear" not in lists["bf16"]
+    x = torch.randn(2, 4)
+    assert torch.nn.functional.linear(x.bfloat16(), torch.randn(3, 4)).dtype == torch.float32
+
+
+def test_promote_file_replaces_promote_list(tmp_path):
+    hmp.convert(promote_file_path=write(tmp_path, "p.txt", "add\nmaximum\nmul\n"))
+    # mul stays in the BF16 list, which wins
+    assert hmp.effective_lists()["promote"] == ["add", "maximum"]
+    a, b = torch.randn(3), torch.randn(3).bfloat16()
+    assert torch.maximum(a, b).dtype == torch.float32
+    assert torch.cat([a, b]).dtype == torch.float32  # cat is no longer in any list: torch's own promotion
+
+
+def test_unknown_op_names_file_line_and_suggestion(tmp_path, pristine):
+    path = write(tmp_path, "bf16.txt", "linear\n\n# c\nlinaer\n")
+    with pytest.raises(ValueError) as info:
+        hmp.convert(bf16_file_path=path)
+    msg = str(info.value)
+    assert str(path) in msg and "line 4" in msg and "'linaer'" in msg and "linear" in msg.split("did you mean")[1]
+    assert not hmp.is_converted()
+
+
+def test_invalid_name_and_bad_utf8(tmp_path, pristine):
+    path = write(tmp_path, "b.txt", b"linear\nmm\xff\xfe\n", mode="wb")
+    with pytest.raises(ValueError, match=r"line 2.*UTF-8"):
+        hmp.convert(bf16_file_path=path)
+    path = write(tmp_path, "c.txt", "linear\nnot an op\n")
+    with pytest.raises(ValueError, match=r"c\.txt.*\n.*line 2: 'not an op' is not an op name"):
+        hmp.convert(bf16_file_path=path)
+
+
+def test_conflict_between_two_user_files(tmp_path, pristine):
+    b = write(tmp_path, "b.txt", "linear\nsoftmax\nmm\n")
+    f = write(tmp_path, "f.txt", "softmax\nmm\n")
+    with pytest.raises(ValueError, match="mm, softmax"):
+        hmp.convert(bf16_file_path=b, fp32_file_path=f)
+
+
+def test_missing_file_and_directory(tmp_path, pristine):
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(OSError, match="nope.txt"):
+        hmp.convert(bf16_file_path=missing)
+    with pytest.raises(OSError, match=str(tmp_path)):
+        hmp.convert(fp32_file_path=tmp_path)
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_file(tmp_path, pristine):
+    path = write(tmp_path, "b.txt", "linear\n")
+    path.chmod(0)
+    with pytest.raises(OSError, match="b.txt"):
+        hmp.convert(bf16_file_path=path)
+
+
+def test_wrong_path_type(pristine):
+    with pytest.raises(TypeError, match="bf16_file_path|BF16"):
+        hmp.convert(bf16_file_path=3)
+
+
+def test_failed_convert_keeps_previous_conversion(tmp_path):
+    hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "linear\n"))
+    before = snapshot()
+    with pytest.raises(ValueError):
+        hmp.convert(bf16_file_path=write(tmp_path, "bad.txt", "linearr\n"))
+    assert_same(before, snapshot())
+    assert hmp.effective_lists()["bf16"] == ["linear"]
+
+
+def test_bad_options(pristine):
+    with pytest.raises(ValueError, match="opt_level"):
+        hmp.convert(opt_level="O3")
+    with pytest.raises(ValueError, match="low_precision_type"):
+        hmp.convert(low_precision_type=torch.float64)
+    with pytest.raises(TypeError, match="isVerbose"):
+        hmp.convert(isVerbose="yes")
