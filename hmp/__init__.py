@@ -11,6 +11,7 @@ A drop-in for Habana's ``habana_frameworks.torch.hpex.hmp``::
 Importing hmp patches nothing; only convert() does.
 """
 
+from .cache import clear_cache
 from .convert import convert, effective_lists, is_converted, revert
 from .state import casts_enabled, disable_casts
 from .wrap import op_wrap, to_bf16, to_fp32
@@ -27,4 +28,5 @@ __all__ = [
     "is_converted",
     "casts_enabled",
     "effective_lists",
+    "clear_cache",
 ]

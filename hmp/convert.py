@@ -14,9 +14,10 @@ import warnings
 
 import torch
 
-from . import lists, policy, wrap
+from . import lists, policy, state, wrap
+from .cache import cache as weight_cache
 from .patch import PatchLog
-from .resolve import Resolver, unwrap
+from .resolve import FUSED, Resolver, unwrap
 
 log = logging.getLogger("hmp")
 
@@ -75,33 +76,34 @@ def effective_lists_for(opt_level="O1", bf16_file_path="", fp32_file_path="", pr
     return lists.combine(names["bf16"], names["fp32"], names["promote"], from_user["bf16"], from_user["fp32"], sources)
 
 
-def _plan(effective, low, verbose, resolver):
+def _plan(effective, low, verbose, resolver, cast):
     """[(site, make_wrapper(original) -> wrapper)] for every entry point."""
-    cast = wrap.plain_cast
     out = policy.inplace_out(cast)
     into_input = policy.inplace_input(cast)
     into_self = policy.inplace_self(cast)
     by_kind = {"bf16": policy.lower(low, cast), "fp32": policy.fp32(cast), "promote": policy.promote(cast)}
     norm = policy.lower_input_only(low, cast)
     plan, seen = [], set()
-    for kind in lists.KINDS:
-        for name in sorted(effective[kind]):
-            for site in resolver.sites(name):
-                key = (id(site.namespace), site.attr)
-                if key in seen:
-                    continue
-                seen.add(key)
-                if site.inplace:
-                    make = _simple(_maybe_logged(into_self, site, verbose))
-                else:
-                    prepare = norm if (kind == "bf16" and name in policy.NORM_OPS) else by_kind[kind]
-                    make = _call(
-                        _maybe_logged(prepare, site, verbose),
-                        _maybe_logged(out, site, verbose),
-                        _maybe_logged(into_input, site, verbose),
-                        site.inplace_param,
-                    )
-                plan.append((site, make))
+    # listed names first, so a fused kernel listed by name keeps its own list
+    named = [(kind, name, resolver.sites(name)) for kind in lists.KINDS for name in sorted(effective[kind])]
+    fused = [(kind, f, resolver.sites(f)) for kind, name, _ in named for f in FUSED.get(name, ())]
+    for kind, name, sites in named + fused:
+        for site in sites:
+            key = (id(site.namespace), site.attr)
+            if key in seen:
+                continue
+            seen.add(key)
+            if site.inplace:
+                make = _simple(_maybe_logged(into_self, site, verbose))
+            else:
+                prepare = norm if (kind == "bf16" and name in policy.NORM_OPS) else by_kind[kind]
+                make = _call(
+                    _maybe_logged(prepare, site, verbose),
+                    _maybe_logged(out, site, verbose),
+                    _maybe_logged(into_input, site, verbose),
+                    site.inplace_param,
+                )
+            plan.append((site, make))
     return plan
 
 
@@ -141,18 +143,22 @@ def _start_verbose_logging():
 
 
 def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=False,
-            low_precision_type=torch.bfloat16, *, promote_file_path=""):
+            low_precision_type=torch.bfloat16, *, promote_file_path="", cache=True):
     """Patch torch so listed ops run in the dtypes their lists say.
 
     ``""`` or ``None`` for a path means the default list. Calling it again
     re-configures; it never wraps a wrapper. Raises before patching anything.
+    ``cache=False`` turns off the weight-cast cache (see hmp/cache.py).
     """
     rt = runtime
     with rt.lock:
         _options(opt_level, isVerbose, low_precision_type)
+        if not isinstance(cache, bool):
+            raise TypeError(f"hmp: cache must be a bool, got {cache!r}")
         resolver = Resolver()
         effective = effective_lists_for(opt_level, bf16_file_path, fp32_file_path, promote_file_path, resolver)
-        plan = _plan(effective, low_precision_type, isVerbose, resolver)
+        cast = weight_cache.cast if cache else wrap.plain_cast
+        plan = _plan(effective, low_precision_type, isVerbose, resolver, cast)
         _revert_locked()
         try:
             for site, make in plan:
@@ -161,7 +167,10 @@ def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=Fals
             rt.patches.undo()
             raise
         rt.lists = {k: sorted(v) for k, v in effective.items()}
-        rt.options = {"opt_level": opt_level, "low_precision_type": low_precision_type, "verbose": isVerbose}
+        rt.options = {"opt_level": opt_level, "low_precision_type": low_precision_type, "verbose": isVerbose,
+                      "cache": cache}
+        if cache:
+            state.on_reenable = weight_cache.clear
         if isVerbose:
             rt._log_restore = _start_verbose_logging()
             low = str(low_precision_type).replace("torch.", "")
@@ -177,6 +186,8 @@ def _revert_locked():
     try:
         rt.patches.undo()
     finally:
+        state.on_reenable = None
+        weight_cache.clear()
         rt.lists = None
         rt.options = None
         if rt._log_restore is not None:

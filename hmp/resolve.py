@@ -21,6 +21,15 @@ from .lists import suggest
 
 log = logging.getLogger("hmp")
 
+# Fused kernels that contain a listed op but are reached without passing
+# through its name (nn.TransformerEncoder's eval fast path calls
+# torch._transformer_encoder_layer_fwd directly). They follow the list of the
+# op they contain unless they are listed themselves.
+FUSED = {
+    "linear": ("_transformer_encoder_layer_fwd", "_native_multi_head_attention"),
+    "matmul": ("scaled_dot_product_attention",),
+}
+
 ORIGINAL = "__hmp_original__"  # set on every hmp wrapper, points at what it wraps
 
 

@@ -16,6 +16,10 @@ class _ThreadState(threading.local):
 
 tls = _ThreadState()
 
+# Called when a thread leaves its outermost disable_casts() block (set by
+# convert() to empty the weight-cast cache after an optimizer step).
+on_reenable = None
+
 
 def casts_enabled():
     """True when hmp wrappers would cast in the calling thread right now."""
@@ -35,4 +39,6 @@ class disable_casts(contextlib.ContextDecorator):
 
     def __exit__(self, *exc):
         tls.off -= 1
+        if tls.off == 0 and on_reenable is not None:
+            on_reenable()
         return False
