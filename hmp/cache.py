@@ -22,7 +22,8 @@ import weakref
 
 import torch
 
-_to = torch._C.TensorBase.to
+from .policy import PLAIN_CASTS
+
 _grad_enabled = torch.is_grad_enabled
 _Parameter = torch.nn.Parameter
 
@@ -40,19 +41,30 @@ class CastCache:
     def _forget(self, key, _ref):
         self._entries.pop(key, None)
 
-    def cast(self, t, dtype):
-        if not (t.requires_grad or type(t) is _Parameter) or not t.is_leaf:
-            return _to(t, dtype)
-        key = id(t)
-        entry = self._entries.get(key)
-        version, grad = t._version, _grad_enabled()
-        if entry is not None and entry[0] == version and entry[2] is grad and entry[3] is dtype \
-                and entry[1] == t.data_ptr():
-            return entry[4]
-        copy = _to(t, dtype)
-        ref = entry[5] if entry is not None else weakref.ref(t, functools.partial(self._forget, key))
-        self._entries[key] = (version, t.data_ptr(), grad, dtype, copy, ref)
-        return copy
+    def caster(self, dtype):
+        """A one-argument cast to ``dtype`` that goes through the cache for
+        parameters and other leaf tensors that require grad."""
+        plain = PLAIN_CASTS[dtype]
+        entries, forget = self._entries, self._forget
+
+        def cast(t):
+            if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
+                return plain(t)
+            key = id(t)
+            entry = entries.get(key)
+            version, grad = t._version, _grad_enabled()
+            if entry is not None and entry[0] == version and entry[2] is grad and entry[3] is dtype \
+                    and entry[1] == t.data_ptr():
+                return entry[4]
+            copy = plain(t)
+            ref = entry[5] if entry is not None else weakref.ref(t, functools.partial(forget, key))
+            entries[key] = (version, t.data_ptr(), grad, dtype, copy, ref)
+            return copy
+
+        return cast
+
+    def casters(self):
+        return {dtype: self.caster(dtype) for dtype in PLAIN_CASTS}
 
 
 cache = CastCache()

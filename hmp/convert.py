@@ -76,13 +76,13 @@ def effective_lists_for(opt_level="O1", bf16_file_path="", fp32_file_path="", pr
     return lists.combine(names["bf16"], names["fp32"], names["promote"], from_user["bf16"], from_user["fp32"], sources)
 
 
-def _plan(effective, low, verbose, resolver, cast):
+def _plan(effective, low, verbose, resolver, casts):
     """[(site, make_wrapper(original) -> wrapper)] for every entry point."""
-    out = policy.inplace_out(cast)
-    into_input = policy.inplace_input(cast)
-    into_self = policy.inplace_self(cast)
-    by_kind = {"bf16": policy.lower(low, cast), "fp32": policy.fp32(cast), "promote": policy.promote(cast)}
-    norm = policy.lower_input_only(low, cast)
+    out = policy.inplace_out(casts)
+    into_input = policy.inplace_input(casts)
+    into_self = policy.inplace_self(casts)
+    by_kind = {"bf16": policy.lower(low, casts), "fp32": policy.fp32(casts), "promote": policy.promote(casts)}
+    norm = policy.lower_input_only(low, casts)
     plan, seen = [], set()
     # listed names first, so a fused kernel listed by name keeps its own list
     named = [(kind, name, resolver.sites(name)) for kind in lists.KINDS for name in sorted(effective[kind])]
@@ -157,8 +157,8 @@ def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=Fals
             raise TypeError(f"hmp: cache must be a bool, got {cache!r}")
         resolver = Resolver()
         effective = effective_lists_for(opt_level, bf16_file_path, fp32_file_path, promote_file_path, resolver)
-        cast = weight_cache.cast if cache else wrap.plain_cast
-        plan = _plan(effective, low_precision_type, isVerbose, resolver, cast)
+        casts = weight_cache.casters() if cache else dict(policy.PLAIN_CASTS)
+        plan = _plan(effective, low_precision_type, isVerbose, resolver, casts)
         _revert_locked()
         try:
             for site, make in plan:

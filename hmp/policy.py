@@ -2,8 +2,9 @@
 
 Each policy is a small factory returning ``prepare(args, kwargs) ->
 (args, kwargs)``. ``prepare`` returns its inputs unchanged (the same
-objects) when nothing needs a cast, and never mutates them. The ``cast``
-function is chosen at convert time (plain, or through the weight cache).
+objects) when nothing needs a cast, and never mutates them. ``casts`` maps a
+dtype to a one-argument cast function; it is chosen at convert time (plain,
+or through the weight cache).
 """
 
 import torch
@@ -15,14 +16,20 @@ FLOATS = frozenset((FP16, BF16, FP32, FP64))
 OTHER_FLOATS = {d: FLOATS - {d} for d in FLOATS}
 _promote_types = torch.promote_types  # captured: listing promote_types cannot recurse
 
+# Casts go straight to TensorBase's C methods, never through a name hmp may
+# patch (so listing `to` or `float` cannot recurse). The per-dtype methods
+# parse their arguments faster than `to`; all of them are differentiable.
+_TB = torch._C.TensorBase
+PLAIN_CASTS = {FP16: _TB.half, BF16: _TB.bfloat16, FP32: _TB.float, FP64: _TB.double}
+
 NORM_OPS = frozenset((
     "batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm",
     "native_batch_norm", "native_layer_norm", "native_group_norm",
 ))
 
 
-def cast_seq(seq, src, dst, cast):
-    """``seq`` with every tensor whose dtype is in ``src`` cast to ``dst``.
+def cast_seq(seq, src, cast):
+    """``seq`` with every tensor whose dtype is in ``src`` passed through ``cast``.
 
     Looks one level into list/tuple items (``torch.cat([a, b])``). Returns
     ``seq`` itself when nothing was cast.
@@ -33,9 +40,9 @@ def cast_seq(seq, src, dst, cast):
             if a.dtype in src:
                 if out is None:
                     out = list(seq)
-                out[i] = cast(a, dst)
+                out[i] = cast(a)
         elif type(a) is list or type(a) is tuple:
-            b = cast_seq(a, src, dst, cast)
+            b = cast_seq(a, src, cast)
             if b is not a:
                 if out is None:
                     out = list(seq)
@@ -45,16 +52,16 @@ def cast_seq(seq, src, dst, cast):
     return out if type(seq) is list else tuple(out)
 
 
-def cast_kwargs(kwargs, src, dst, cast):
+def cast_kwargs(kwargs, src, cast):
     out = None
     for k, v in kwargs.items():
         if isinstance(v, Tensor):
             if v.dtype in src:
                 if out is None:
                     out = dict(kwargs)
-                out[k] = cast(v, dst)
+                out[k] = cast(v)
         elif type(v) is list or type(v) is tuple:
-            b = cast_seq(v, src, dst, cast)
+            b = cast_seq(v, src, cast)
             if b is not v:
                 if out is None:
                     out = dict(kwargs)
@@ -62,41 +69,42 @@ def cast_kwargs(kwargs, src, dst, cast):
     return kwargs if out is None else out
 
 
-def to_dtype(src, dst, cast):
-    """Cast every tensor argument whose dtype is in ``src`` to ``dst``."""
+def to_dtype(src, cast):
+    """Cast every tensor argument whose dtype is in ``src`` with ``cast``."""
 
     def prepare(args, kwargs):
-        args = cast_seq(args, src, dst, cast)
+        args = cast_seq(args, src, cast)
         if kwargs:
-            kwargs = cast_kwargs(kwargs, src, dst, cast)
+            kwargs = cast_kwargs(kwargs, src, cast)
         return args, kwargs
 
     return prepare
 
 
-def lower(low, cast):
+def lower(low, casts):
     """BF16 list: float32 tensors go to the lower dtype; nothing else is touched."""
-    return to_dtype(frozenset((FP32,)), low, cast)
+    return to_dtype(frozenset((FP32,)), casts[low])
 
 
-def fp32(cast):
+def fp32(casts):
     """FP32 list: bfloat16 and float16 tensors go to float32."""
-    return to_dtype(frozenset((BF16, FP16)), FP32, cast)
+    return to_dtype(frozenset((BF16, FP16)), casts[FP32])
 
 
-def lower_input_only(low, cast):
+def lower_input_only(low, casts):
     """Normalization ops: only the input is cast; weight, bias and running
     statistics keep their dtype (BatchNorm's running stats stay fp32)."""
+    cast = casts[low]
 
     def prepare(args, kwargs):
         if args:
             x = args[0]
             if isinstance(x, Tensor) and x.dtype is FP32:
-                args = (cast(x, low),) + args[1:]
+                args = (cast(x),) + args[1:]
         elif kwargs:
             x = kwargs.get("input")
             if isinstance(x, Tensor) and x.dtype is FP32:
-                kwargs = dict(kwargs, input=cast(x, low))
+                kwargs = dict(kwargs, input=cast(x))
         return args, kwargs
 
     return prepare
@@ -121,17 +129,17 @@ def widest(args, kwargs):
     return dt
 
 
-def promote(cast):
+def promote(casts):
     """Promote list: every floating tensor goes to the widest floating dtype."""
 
     def prepare(args, kwargs):
         dt = widest(args, kwargs)
         if dt is None:
             return args, kwargs
-        src = OTHER_FLOATS[dt]
-        args = cast_seq(args, src, dt, cast)
+        src, cast = OTHER_FLOATS[dt], casts[dt]
+        args = cast_seq(args, src, cast)
         if kwargs:
-            kwargs = cast_kwargs(kwargs, src, dt, cast)
+            kwargs = cast_kwargs(kwargs, src, cast)
         return args, kwargs
 
     return prepare
@@ -147,48 +155,49 @@ def _first_tensor(value):
     return None
 
 
-def _into(target, args, kwargs, cast):
+def _into(target, args, kwargs, casts):
     """Cast every floating argument except ``target`` to ``target``'s dtype."""
     if target is None or target.dtype not in FLOATS:
         return args, kwargs
     dst = target.dtype
-    src = OTHER_FLOATS[dst]
+    src, cast = OTHER_FLOATS[dst], casts[dst]
     # target already has dtype dst, so it is never in src and never copied
-    args = cast_seq(args, src, dst, cast)
+    args = cast_seq(args, src, cast)
     if kwargs:
         out = kwargs.get("out")
         if out is None:
-            kwargs = cast_kwargs(kwargs, src, dst, cast)
+            kwargs = cast_kwargs(kwargs, src, cast)
         else:  # every out tensor is written as given, never a cast copy
             rest = dict(kwargs)
             del rest["out"]
-            kwargs = dict(cast_kwargs(rest, src, dst, cast), out=out)
+            kwargs = dict(cast_kwargs(rest, src, cast), out=out)
     return args, kwargs
 
 
-def inplace_self(cast):
+def inplace_self(casts):
     """``X_`` and ``__iX__``: the first argument is written."""
 
     def prepare(args, kwargs):
-        return _into(args[0] if args else None, args, kwargs, cast)
+        target = args[0] if args else None
+        return _into(target if isinstance(target, Tensor) else None, args, kwargs, casts)
 
     return prepare
 
 
-def inplace_out(cast):
+def inplace_out(casts):
     """A call with ``out=``: the out tensor is written."""
 
     def prepare(args, kwargs):
-        return _into(_first_tensor(kwargs["out"]), args, kwargs, cast)
+        return _into(_first_tensor(kwargs["out"]), args, kwargs, casts)
 
     return prepare
 
 
-def inplace_input(cast):
+def inplace_input(casts):
     """A call with ``inplace=True``: the input (first argument) is written."""
 
     def prepare(args, kwargs):
         target = args[0] if args else kwargs.get("input")
-        return _into(target if isinstance(target, Tensor) else None, args, kwargs, cast)
+        return _into(target if isinstance(target, Tensor) else None, args, kwargs, casts)
 
     return prepare

@@ -16,11 +16,8 @@ from .state import tls
 
 log = logging.getLogger("hmp")
 
-_to = torch._C.TensorBase.to  # never through a patched name, so listing `to` cannot recurse
-
-
-def plain_cast(t, dtype):
-    return _to(t, dtype)
+_to_bf16 = policy.PLAIN_CASTS[torch.bfloat16]
+_to_fp32 = policy.PLAIN_CASTS[torch.float32]
 
 
 def _finish(wrapper, op):
@@ -143,12 +140,12 @@ def op_wrap(op, cast_fn):
 def to_bf16(t):
     """Cast a float32 tensor to bfloat16; anything else is returned as is."""
     if isinstance(t, torch.Tensor) and t.dtype is torch.float32:
-        return _to(t, torch.bfloat16)
+        return _to_bf16(t)
     return t
 
 
 def to_fp32(t):
     """Cast a bfloat16/float16 tensor to float32; anything else is returned as is."""
     if isinstance(t, torch.Tensor) and (t.dtype is torch.bfloat16 or t.dtype is torch.float16):
-        return _to(t, torch.float32)
+        return _to_fp32(t)
     return t
