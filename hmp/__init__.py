@@ -14,6 +14,7 @@ Importing hmp patches nothing; only convert() does.
 from .cache import clear_cache
 from .convert import convert, effective_lists, is_converted, revert
 from .state import casts_enabled, disable_casts
+from .user import bf16_function, fp32_function, promote_function, register, unregister
 from .wrap import op_wrap, to_bf16, to_fp32
 
 __version__ = "0.1.0"
@@ -29,4 +30,9 @@ __all__ = [
     "casts_enabled",
     "effective_lists",
     "clear_cache",
+    "bf16_function",
+    "fp32_function",
+    "promote_function",
+    "register",
+    "unregister",
 ]

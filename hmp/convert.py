@@ -14,20 +14,27 @@ import warnings
 
 import torch
 
-from . import lists, policy, state, wrap
+from . import lists, policy, state, user, wrap
 from .cache import cache as weight_cache
 from .patch import PatchLog
-from .resolve import FUSED, Resolver, unwrap
+from .resolve import FUSED, Resolver, Site, unwrap
 
 log = logging.getLogger("hmp")
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
 OPT_LEVELS = ("O1", "O2")
 DEFAULT_FILES = {
-    "O1": {"bf16": "bf16.txt", "fp32": "fp32.txt"},
-    "O2": {"bf16": "o2_bf16.txt", "fp32": "o2_fp32.txt"},
+    "O1": {"bf16": "bf16.txt", "fp32": "fp32.txt", "promote": "promote.txt"},
+    "O2": {"bf16": "o2_bf16.txt", "fp32": "o2_fp32.txt", "promote": "promote.txt"},
 }
 TITLES = {"bf16": "BF16 list file", "fp32": "FP32 list file", "promote": "promote list file"}
+# Environment variables naming list files when convert() gets no path, in
+# order of precedence: the names Lightning's HPU docs use, then the names
+# Habana's autocast reads.
+ENV_LISTS = {
+    "bf16": ("LOWER_LIST", "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST"),
+    "fp32": ("FP32_LIST", "PT_HPU_AUTOCAST_FP32_OPS_LIST"),
+}
 
 
 class _Runtime:
@@ -38,6 +45,7 @@ class _Runtime:
         self.patches = PatchLog()
         self.lists = None  # {"bf16": [...], "fp32": [...], "promote": [...]} while converted
         self.options = None
+        self.policies = None  # the _Policies of the current conversion
         self._log_restore = None
 
 
@@ -48,41 +56,87 @@ def _given(path):
     return path is not None and not (isinstance(path, str) and path == "")
 
 
-def _options(opt_level, isVerbose, low_precision_type):
+def _options(opt_level, isVerbose, low_precision_type, cache):
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"hmp: opt_level must be one of {', '.join(OPT_LEVELS)}, got {opt_level!r}")
     if low_precision_type not in LOW_DTYPES:
         raise ValueError(f"hmp: low_precision_type must be torch.bfloat16 or torch.float16, got {low_precision_type!r}")
     if not isinstance(isVerbose, bool):
         raise TypeError(f"hmp: isVerbose must be a bool, got {isVerbose!r}")
+    if not isinstance(cache, bool):
+        raise TypeError(f"hmp: cache must be a bool, got {cache!r}")
 
 
-def effective_lists_for(opt_level="O1", bf16_file_path="", fp32_file_path="", promote_file_path="", resolver=None):
-    """Read, validate and combine the lists; raises before anything changes."""
+def _env_path(kind, environ):
+    for var in ENV_LISTS.get(kind, ()):
+        value = environ.get(var, "")
+        if value:
+            return value, var
+    return "", None
+
+
+def effective_lists_for(opt_level="O1", bf16_file_path="", fp32_file_path="", promote_file_path="",
+                        resolver=None, environ=None):
+    """Read, validate and combine the lists; raises before anything changes.
+
+    Precedence for each list: the explicit argument, then the environment
+    variables in ENV_LISTS, then the shipped default.
+    """
     resolver = resolver or Resolver()
+    environ = os.environ if environ is None else environ
     paths = {"bf16": bf16_file_path, "fp32": fp32_file_path, "promote": promote_file_path}
+    titles = dict(TITLES)
+    for kind in ("bf16", "fp32"):
+        if not _given(paths[kind]):
+            paths[kind], var = _env_path(kind, environ)
+            if var:
+                titles[kind] = f"{TITLES[kind]} (from ${var})"
+                log.info("hmp: %s list from $%s: %s", kind, var, paths[kind])
     if opt_level == "O2":
-        ignored = [TITLES[k] for k in ("bf16", "fp32") if _given(paths[k])]
+        ignored = [titles[k] for k in ("bf16", "fp32") if _given(paths[k])]
         if ignored:
-            warnings.warn(f"hmp: opt_level O2 uses its own lists; ignoring the given {' and '.join(ignored)}", stacklevel=3)
+            warnings.warn(f"hmp: opt_level O2 uses its own lists; ignoring the given {' and '.join(ignored)}",
+                          stacklevel=3)
         paths["bf16"] = paths["fp32"] = ""
     from_user = {k: _given(p) for k, p in paths.items()}
-    defaults = dict(DEFAULT_FILES[opt_level], promote="promote.txt")
     sources, names = {}, {}
     for kind in lists.KINDS:
-        path = paths[kind] if from_user[kind] else lists.default_path(defaults[kind])
+        path = paths[kind] if from_user[kind] else lists.default_path(DEFAULT_FILES[opt_level][kind])
         sources[kind] = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path
-        names[kind] = lists.load(path, resolver, TITLES[kind])
+        names[kind] = lists.load(path, resolver, titles[kind])
     return lists.combine(names["bf16"], names["fp32"], names["promote"], from_user["bf16"], from_user["fp32"], sources)
 
 
-def _plan(effective, low, verbose, resolver, casts):
+class _Policies:
+    """Every prepare function of one conversion, built once at convert time."""
+
+    def __init__(self, low, casts, verbose):
+        self.verbose = verbose
+        self.kind = {"bf16": policy.lower(low, casts), "fp32": policy.fp32(casts), "promote": policy.promote(casts)}
+        self.norm = policy.lower_input_only(low, casts)
+        self.out = policy.inplace_out(casts)
+        self.into_input = policy.inplace_input(casts)
+        self.into_self = policy.inplace_self(casts)
+
+    def _log(self, prepare, label):
+        return wrap.logged(prepare, label) if self.verbose else prepare
+
+    def maker(self, kind, name, site):
+        """``make(original) -> wrapper`` for one site of op ``name`` in list ``kind``."""
+        label = site.label
+        if site.inplace:
+            prepare = self._log(self.into_self, label)
+            return lambda op: wrap.wrap_simple(op, prepare)
+        main = self.norm if (kind == "bf16" and name in policy.NORM_OPS) else self.kind[kind]
+        main, out, into = self._log(main, label), self._log(self.out, label), self._log(self.into_input, label)
+        return lambda op: wrap.wrap_call(op, main, out, into, site.inplace_param)
+
+    def user_prepares(self):
+        return {kind: self._log(p, f"user {kind} function") for kind, p in self.kind.items()}
+
+
+def _plan(effective, policies, resolver):
     """[(site, make_wrapper(original) -> wrapper)] for every entry point."""
-    out = policy.inplace_out(casts)
-    into_input = policy.inplace_input(casts)
-    into_self = policy.inplace_self(casts)
-    by_kind = {"bf16": policy.lower(low, casts), "fp32": policy.fp32(casts), "promote": policy.promote(casts)}
-    norm = policy.lower_input_only(low, casts)
     plan, seen = [], set()
     # listed names first, so a fused kernel listed by name keeps its own list
     named = [(kind, name, resolver.sites(name)) for kind in lists.KINDS for name in sorted(effective[kind])]
@@ -90,39 +144,33 @@ def _plan(effective, low, verbose, resolver, casts):
     for kind, name, sites in named + fused:
         for site in sites:
             key = (id(site.namespace), site.attr)
-            if key in seen:
-                continue
-            seen.add(key)
-            if site.inplace:
-                make = _simple(_maybe_logged(into_self, site, verbose))
-            else:
-                prepare = norm if (kind == "bf16" and name in policy.NORM_OPS) else by_kind[kind]
-                make = _call(
-                    _maybe_logged(prepare, site, verbose),
-                    _maybe_logged(out, site, verbose),
-                    _maybe_logged(into_input, site, verbose),
-                    site.inplace_param,
-                )
-            plan.append((site, make))
+            if key not in seen:
+                seen.add(key)
+                plan.append((site, policies.maker(kind, name, site)))
     return plan
-
-
-def _maybe_logged(prepare, site, verbose):
-    return wrap.logged(prepare, site.label) if verbose else prepare
-
-
-def _simple(prepare):
-    return lambda op: wrap.wrap_simple(op, prepare)
-
-
-def _call(prepare, prepare_out, prepare_inplace, inplace_param):
-    return lambda op: wrap.wrap_call(op, prepare, prepare_out, prepare_inplace, inplace_param)
 
 
 def _original(site):
     if isinstance(site.namespace, type):
         return unwrap(inspect.getattr_static(site.namespace, site.attr))
     return unwrap(site.namespace.__dict__[site.attr])
+
+
+def _registration_site(owner, name):
+    fn = unwrap(getattr(owner, name))
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = []
+    return Site(owner, name, user.owner_label(owner), False, params.index("inplace") if "inplace" in params else None)
+
+
+def apply_registration(entry):
+    """Wrap one ``hmp.register()`` entry into the current conversion."""
+    owner, name, kind = entry
+    site = _registration_site(owner, name)
+    wrapper = runtime.policies.maker(kind, name, site)(unwrap(getattr(owner, name)))
+    runtime.patches.setattr(owner, name, wrapper)
 
 
 def _start_verbose_logging():
@@ -146,26 +194,35 @@ def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=Fals
             low_precision_type=torch.bfloat16, *, promote_file_path="", cache=True):
     """Patch torch so listed ops run in the dtypes their lists say.
 
-    ``""`` or ``None`` for a path means the default list. Calling it again
-    re-configures; it never wraps a wrapper. Raises before patching anything.
-    ``cache=False`` turns off the weight-cast cache (see hmp/cache.py).
+    ``""`` or ``None`` for a path means the list named by the environment
+    (``LOWER_LIST``/``FP32_LIST``, then ``PT_HPU_AUTOCAST_*``), else the
+    default. Calling it again re-configures; it never wraps a wrapper. Raises
+    before patching anything. ``cache=False`` turns off the weight-cast cache
+    (see hmp/cache.py).
     """
     rt = runtime
     with rt.lock:
-        _options(opt_level, isVerbose, low_precision_type)
-        if not isinstance(cache, bool):
-            raise TypeError(f"hmp: cache must be a bool, got {cache!r}")
+        _options(opt_level, isVerbose, low_precision_type, cache)
         resolver = Resolver()
         effective = effective_lists_for(opt_level, bf16_file_path, fp32_file_path, promote_file_path, resolver)
-        casts = weight_cache.casters() if cache else dict(policy.PLAIN_CASTS)
-        plan = _plan(effective, low_precision_type, isVerbose, resolver, casts)
+        policies = _Policies(low_precision_type, weight_cache.casters() if cache else dict(policy.PLAIN_CASTS),
+                             isVerbose)
+        plan = _plan(effective, policies, resolver)
+        for owner, name, _ in user.registered:
+            if not callable(getattr(owner, name, None)):
+                raise ValueError(f"hmp: registered {user.owner_label(owner)}.{name} is gone")
         _revert_locked()
         try:
             for site, make in plan:
                 rt.patches.setattr(site.namespace, site.attr, make(_original(site)))
+            rt.policies = policies
+            for entry in list(user.registered):
+                apply_registration(entry)
         except BaseException:
             rt.patches.undo()
+            rt.policies = None
             raise
+        user.active = policies.user_prepares()
         rt.lists = {k: sorted(v) for k, v in effective.items()}
         rt.options = {"opt_level": opt_level, "low_precision_type": low_precision_type, "verbose": isVerbose,
                       "cache": cache}
@@ -186,10 +243,12 @@ def _revert_locked():
     try:
         rt.patches.undo()
     finally:
+        user.active = None
         state.on_reenable = None
         weight_cache.clear()
         rt.lists = None
         rt.options = None
+        rt.policies = None
         if rt._log_restore is not None:
             rt._log_restore()
             rt._log_restore = None

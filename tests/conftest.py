@@ -22,9 +22,15 @@ def assert_same(before, after):
         assert not changed, f"{name}: entries not identical: {changed[:10]}"
 
 
+ENV_LIST_VARS = ("LOWER_LIST", "FP32_LIST", "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST", "PT_HPU_AUTOCAST_FP32_OPS_LIST")
+
+
 @pytest.fixture(autouse=True)
-def _always_revert():
-    """No test leaks a conversion (or a disabled state) into the next one."""
+def _always_revert(monkeypatch):
+    """No test leaks a conversion (or a disabled state) into the next one,
+    and list files named in the caller's environment do not leak in."""
+    for var in ENV_LIST_VARS:
+        monkeypatch.delenv(var, raising=False)
     yield
     hmp.revert()
     assert hmp.casts_enabled(), "a test left disable_casts active"
