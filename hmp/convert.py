@@ -127,8 +127,12 @@ class _Policies:
         if site.inplace:
             prepare = self._log(self.into_self, label)
             return lambda op: wrap.wrap_simple(op, prepare)
-        main = self.norm if (kind == "bf16" and name in policy.NORM_OPS) else self.kind[kind]
+        norm = kind == "bf16" and name in policy.NORM_OPS
+        main = self.norm if norm else self.kind[kind]
         main, out, into = self._log(main, label), self._log(self.out, label), self._log(self.into_input, label)
+        if norm and name in policy.AFFINE_ONLY_NORMS:
+            lower_all = self.kind["bf16"]
+            return lambda op: wrap.wrap_call(wrap.mixed_or_lower(op, lower_all), main, out, into, site.inplace_param)
         return lambda op: wrap.wrap_call(op, main, out, into, site.inplace_param)
 
     def user_prepares(self):

@@ -26,6 +26,10 @@ NORM_OPS = frozenset((
     "batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm",
     "native_batch_norm", "native_layer_norm", "native_group_norm",
 ))
+# Norms without running statistics. Some devices' kernels reject a bf16 input
+# with fp32 weight and bias (CUDA's layer_norm); there these fall back to
+# casting weight and bias too (see wrap.mixed_or_lower).
+AFFINE_ONLY_NORMS = frozenset(("layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm"))
 
 
 def cast_seq(seq, src, cast):

@@ -11,7 +11,7 @@ import logging
 import torch
 
 from . import policy
-from .resolve import ORIGINAL
+from .resolve import ORIGINAL, unwrap
 from .state import tls
 
 log = logging.getLogger("hmp")
@@ -25,7 +25,7 @@ def _finish(wrapper, op):
         functools.update_wrapper(wrapper, op)
     except (AttributeError, TypeError):  # some builtins lack __dict__ or names
         wrapper.__wrapped__ = op
-    setattr(wrapper, ORIGINAL, op)
+    setattr(wrapper, ORIGINAL, unwrap(op))
     return wrapper
 
 
@@ -88,6 +88,39 @@ def wrap_call(op, prepare, prepare_out, prepare_inplace=None, inplace_param=None
                 st.off = 0
 
     return _finish(wrapper, op)
+
+
+def _mentions_dtype(error):
+    text = str(error).lower()
+    return "dtype" in text or "scalar type" in text
+
+
+def mixed_or_lower(op, lower_all):
+    """``op`` for a norm whose input alone was cast. Where the device's kernel
+    rejects mixed dtypes, retry with weight and bias cast too, and from then
+    on go straight there for that device type."""
+    unsupported = set()
+
+    def call(*args, **kwargs):
+        x = args[0] if args else kwargs.get("input")
+        device = x.device.type if isinstance(x, torch.Tensor) else None
+        if device in unsupported:
+            args, kwargs = lower_all(args, kwargs)
+            return op(*args, **kwargs)
+        try:
+            return op(*args, **kwargs)
+        except RuntimeError as e:
+            if not _mentions_dtype(e):
+                raise
+            cast_args, cast_kwargs = lower_all(args, kwargs)
+            if cast_args is args and cast_kwargs is kwargs:
+                raise  # nothing left to cast: not a mixed-dtype problem
+            result = op(*cast_args, **cast_kwargs)
+            unsupported.add(device)
+            log.info("hmp: %s rejects mixed dtypes on %s; casting weight and bias too", getattr(op, "__name__", op), device)
+            return result
+
+    return _finish(call, op)
 
 
 def _dtypes(args, kwargs):

@@ -317,3 +317,52 @@ def test_op_wrap_and_cast_helpers():
     assert hmp.to_bf16(x.double()).dtype == torch.float64
     assert hmp.to_bf16(3) == 3
     assert wrapped.__name__ == "my_op"
+
+
+def test_layer_norm_kernel_gets_fp32_weight_on_cpu():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "layer_norm" in func.overloadpacket.__name__:
+                self.calls.append([a.dtype for a in args if isinstance(a, torch.Tensor)])
+            return func(*args, **(kwargs or {}))
+
+    hmp.convert()
+    ln = torch.nn.LayerNorm(6)
+    seen = Seen()
+    with seen:
+        ln(torch.randn(2, 6))
+    assert seen.calls == [[BF16, FP32, FP32]]
+
+
+def test_norm_falls_back_where_a_kernel_rejects_mixed_dtypes():
+    """A stand-in for a device kernel (CUDA's layer_norm) that requires one dtype."""
+    from hmp import policy, wrap
+
+    calls = []
+
+    def strict_layer_norm(x, shape, weight, bias, eps=1e-5):
+        calls.append((x.dtype, weight.dtype))
+        if x.dtype != weight.dtype:
+            raise RuntimeError(f"expected scalar type {x.dtype} but found {weight.dtype}")
+        return torch.ones_like(x)
+
+    lower_all = policy.lower(BF16, policy.PLAIN_CASTS)
+    call = wrap.mixed_or_lower(strict_layer_norm, lower_all)
+    x, w, b = torch.randn(2, 4).bfloat16(), torch.randn(4), torch.randn(4)
+    assert call(x, (4,), w, b).dtype == BF16
+    assert calls == [(BF16, FP32), (BF16, BF16)]
+    call(x, (4,), w, b)  # remembered for this device type: no failing first try
+    assert calls[2:] == [(BF16, BF16)]
+    assert w.dtype == FP32  # the user's weight is never changed
+
+    def shape_error(x, shape, weight, bias):
+        raise RuntimeError("normalized_shape mismatch")
+
+    with pytest.raises(RuntimeError, match="normalized_shape"):
+        wrap.mixed_or_lower(shape_error, lower_all)(x, (4,), w, b)
