@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from . import lists, policy, state, user, wrap
+from . import lists, policy, record, state, user, wrap
 from .cache import cache as weight_cache
 from .patch import PatchLog
 from .resolve import FUSED, Resolver, Site, unwrap
@@ -108,35 +108,50 @@ def effective_lists_for(opt_level="O1", bf16_file_path="", fp32_file_path="", pr
 
 
 class _Policies:
-    """Every prepare function of one conversion, built once at convert time."""
+    """Every prepare function of one conversion, built once at convert time.
 
-    def __init__(self, low, casts, verbose):
-        self.verbose = verbose
+    ``recorder`` (hmp/record.py) instruments the wrappers for profiling;
+    ``passthrough`` makes them cast nothing while still recording.
+    """
+
+    def __init__(self, low, casts, verbose, recorder=None, passthrough=False):
+        self.verbose, self.recorder = verbose, recorder
         self.kind = {"bf16": policy.lower(low, casts), "fp32": policy.fp32(casts), "promote": policy.promote(casts)}
         self.norm = policy.lower_input_only(low, casts)
         self.out = policy.inplace_out(casts)
         self.into_input = policy.inplace_input(casts)
         self.into_self = policy.inplace_self(casts)
+        if passthrough:
+            for attr in ("norm", "out", "into_input", "into_self"):
+                setattr(self, attr, record.passthrough)
+            self.kind = dict.fromkeys(self.kind, record.passthrough)
 
-    def _log(self, prepare, label):
-        return wrap.logged(prepare, label) if self.verbose else prepare
+    def _wrap_prepare(self, prepare, label, name):
+        if self.verbose:
+            prepare = wrap.logged(prepare, label)
+        if self.recorder is not None:
+            prepare = self.recorder.prepare(prepare, name)
+        return prepare
 
     def maker(self, kind, name, site):
         """``make(original) -> wrapper`` for one site of op ``name`` in list ``kind``."""
-        label = site.label
+        label, rec = site.label, self.recorder
+        timed = (lambda op: op) if rec is None else rec.op
         if site.inplace:
-            prepare = self._log(self.into_self, label)
-            return lambda op: wrap.wrap_simple(op, prepare)
+            prepare = self._wrap_prepare(self.into_self, label, name)
+            return lambda op: wrap.wrap_simple(timed(op), prepare)
         norm = kind == "bf16" and name in policy.NORM_OPS
         main = self.norm if norm else self.kind[kind]
-        main, out, into = self._log(main, label), self._log(self.out, label), self._log(self.into_input, label)
+        main, out, into = (self._wrap_prepare(p, label, name) for p in (main, self.out, self.into_input))
         if norm and name in policy.AFFINE_ONLY_NORMS:
             lower_all = self.kind["bf16"]
-            return lambda op: wrap.wrap_call(wrap.mixed_or_lower(op, lower_all), main, out, into, site.inplace_param)
-        return lambda op: wrap.wrap_call(op, main, out, into, site.inplace_param)
+            return lambda op: wrap.wrap_call(timed(wrap.mixed_or_lower(op, lower_all)), main, out, into,
+                                             site.inplace_param)
+        return lambda op: wrap.wrap_call(timed(op), main, out, into, site.inplace_param)
 
     def user_prepares(self):
-        return {kind: self._log(p, f"user {kind} function") for kind, p in self.kind.items()}
+        return {kind: self._wrap_prepare(p, f"user {kind} function", f"user_{kind}_function")
+                for kind, p in self.kind.items()}
 
 
 def _plan(effective, policies, resolver):
@@ -204,13 +219,27 @@ def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=Fals
     before patching anything. ``cache=False`` turns off the weight-cast cache
     (see hmp/cache.py).
     """
-    rt = runtime
-    with rt.lock:
+    with runtime.lock:
         _options(opt_level, isVerbose, low_precision_type, cache)
         resolver = Resolver()
         effective = effective_lists_for(opt_level, bf16_file_path, fp32_file_path, promote_file_path, resolver)
-        policies = _Policies(low_precision_type, weight_cache.casters() if cache else dict(policy.PLAIN_CASTS),
-                             isVerbose)
+        options = {"opt_level": opt_level, "low_precision_type": low_precision_type, "verbose": isVerbose,
+                   "cache": cache}
+        install(effective, options, resolver=resolver)
+
+
+def install(effective, options, resolver=None, recorder=None, passthrough=False):
+    """Patch for already validated ``effective`` lists (a dict of name sets).
+
+    convert() calls this; so do profile/audit/tune, which also pass a
+    recorder. Everything that can fail happens before the first patch.
+    """
+    rt = runtime
+    with rt.lock:
+        resolver = resolver or Resolver()
+        low, cache, verbose = options["low_precision_type"], options["cache"], options["verbose"]
+        casts = weight_cache.casters() if cache else dict(policy.PLAIN_CASTS)
+        policies = _Policies(low, casts, verbose, recorder, passthrough)
         plan = _plan(effective, policies, resolver)
         for owner, name, _ in user.registered:
             if not callable(getattr(owner, name, None)):
@@ -228,14 +257,12 @@ def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=Fals
             raise
         user.active = policies.user_prepares()
         rt.lists = {k: sorted(v) for k, v in effective.items()}
-        rt.options = {"opt_level": opt_level, "low_precision_type": low_precision_type, "verbose": isVerbose,
-                      "cache": cache}
+        rt.options = dict(options)
         if cache:
             state.on_reenable = weight_cache.clear
-        if isVerbose:
+        if verbose:
             rt._log_restore = _start_verbose_logging()
-            low = str(low_precision_type).replace("torch.", "")
-            log.info("hmp: convert opt_level=%s, lower dtype %s", opt_level, low)
+            log.info("hmp: convert opt_level=%s, lower dtype %s", options["opt_level"], str(low).replace("torch.", ""))
             for kind in lists.KINDS:
                 log.info("hmp: %s list: %s", kind, ", ".join(rt.lists[kind]))
             for label in rt.patches.labels():
@@ -266,6 +293,15 @@ def revert():
 
 def is_converted():
     return runtime.lists is not None
+
+
+def current():
+    """``(effective lists, options)`` of the current conversion, or None; what
+    install() takes to restore it."""
+    with runtime.lock:
+        if runtime.lists is None:
+            return None
+        return {k: set(v) for k, v in runtime.lists.items()}, dict(runtime.options)
 
 
 def effective_lists():

@@ -1,0 +1,115 @@
+"""Recording what hmp's wrappers do, for hmp.profile / hmp.audit / hmp.tune.
+
+A conversion built with a Recorder gets instrumented prepare functions and
+op adapters; an ordinary conversion has none of this (nothing is left
+behind once the recording conversion is replaced). Only the outermost
+listed op of a call is recorded, as only it casts.
+"""
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+_Tensor = torch.Tensor
+
+
+def _tensors(args, kwargs):
+    out = []
+
+    def visit(v):
+        if isinstance(v, _Tensor):
+            out.append(v)
+        elif type(v) is list or type(v) is tuple:
+            for x in v:
+                visit(x)
+
+    for a in args:
+        visit(a)
+    if kwargs:
+        for v in kwargs.values():
+            visit(v)
+    return out
+
+
+def _dtype_names(tensors):
+    return tuple(str(t.dtype).replace("torch.", "") for t in tensors)
+
+
+def _synchronize(tensors):
+    for t in tensors:
+        if t.device.type == "cuda":
+            torch.cuda.synchronize(t.device)
+            return
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    input_dtypes: Counter = field(default_factory=Counter)  # tuple of dtype names -> calls
+    chosen_dtypes: Counter = field(default_factory=Counter)
+    op_seconds: float = 0.0
+    cast_seconds: float = 0.0
+    casts: int = 0
+    bytes_cast: int = 0
+
+
+class Recorder:
+    """Collects per-op statistics and, when asked, each call's output."""
+
+    def __init__(self, keep_outputs=False):
+        self.keep_outputs = keep_outputs
+        self.stats = {}
+        self.outputs = []  # (op name, output) in call order
+        self._tls = threading.local()
+
+    def prepare(self, prepare, name):
+        def recorded_prepare(args, kwargs):
+            before = _tensors(args, kwargs)
+            _synchronize(before)
+            start = time.perf_counter()
+            new_args, new_kwargs = prepare(args, kwargs)
+            after = _tensors(new_args, new_kwargs)
+            _synchronize(after)
+            seconds = time.perf_counter() - start
+            stats = self.stats.get(name)
+            if stats is None:
+                stats = self.stats[name] = OpStats()
+            stats.calls += 1
+            stats.cast_seconds += seconds
+            stats.input_dtypes[_dtype_names(before)] += 1
+            stats.chosen_dtypes[_dtype_names(after)] += 1
+            for old, new in zip(before, after):
+                if new is not old:
+                    stats.casts += 1
+                    stats.bytes_cast += new.numel() * new.element_size()
+            self._tls.pending = (name, stats, after)
+            return new_args, new_kwargs
+
+        return recorded_prepare
+
+    def op(self, op):
+        """``op`` timed when called by the outermost wrapper's guarded path."""
+
+        def recorded_op(*args, **kwargs):
+            pending = getattr(self._tls, "pending", None)
+            if pending is None:
+                return op(*args, **kwargs)
+            self._tls.pending = None
+            name, stats, inputs = pending
+            start = time.perf_counter()
+            out = op(*args, **kwargs)
+            _synchronize(inputs)
+            stats.op_seconds += time.perf_counter() - start
+            if self.keep_outputs:
+                self.outputs.append((name, out))
+            return out
+
+        return recorded_op
+
+
+def passthrough(args, kwargs):
+    """A prepare that casts nothing (the fp32 reference run of an audit)."""
+    return args, kwargs
