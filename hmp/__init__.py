@@ -11,9 +11,12 @@ A drop-in for Habana's ``habana_frameworks.torch.hpex.hmp``::
 Importing hmp patches nothing; only convert() does.
 """
 
+from .audit import audit
 from .cache import clear_cache
 from .convert import convert, effective_lists, is_converted, revert
 from .state import casts_enabled, disable_casts
+from .profile import profile
+from .tune import tune
 from .user import bf16_function, fp32_function, promote_function, register, unregister
 from .wrap import op_wrap, to_bf16, to_fp32
 
@@ -35,4 +38,7 @@ __all__ = [
     "promote_function",
     "register",
     "unregister",
+    "profile",
+    "audit",
+    "tune",
 ]

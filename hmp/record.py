@@ -59,8 +59,11 @@ class OpStats:
 class Recorder:
     """Collects per-op statistics and, when asked, each call's output."""
 
-    def __init__(self, keep_outputs=False):
-        self.keep_outputs = keep_outputs
+    def __init__(self, keep_outputs=False, restore_dtype=False):
+        # restore_dtype: cast an op's floating outputs back to the dtype of its
+        # first floating input, so only this op's rounding reaches the rest
+        # of the model (used to measure one op at a time)
+        self.keep_outputs, self.restore_dtype = keep_outputs, restore_dtype
         self.stats = {}
         self.outputs = []  # (op name, output) in call order
         self._tls = threading.local()
@@ -85,7 +88,8 @@ class Recorder:
                 if new is not old:
                     stats.casts += 1
                     stats.bytes_cast += new.numel() * new.element_size()
-            self._tls.pending = (name, stats, after)
+            first = next((t.dtype for t in before if t.is_floating_point()), None)
+            self._tls.pending = (name, stats, after, first)
             return new_args, new_kwargs
 
         return recorded_prepare
@@ -98,16 +102,31 @@ class Recorder:
             if pending is None:
                 return op(*args, **kwargs)
             self._tls.pending = None
-            name, stats, inputs = pending
+            name, stats, inputs, first = pending
             start = time.perf_counter()
             out = op(*args, **kwargs)
             _synchronize(inputs)
             stats.op_seconds += time.perf_counter() - start
+            if self.restore_dtype and first is not None:
+                out = _restore(out, first)
             if self.keep_outputs:
-                self.outputs.append((name, out))
+                self.outputs.append((name, snapshot(out)))
             return out
 
         return recorded_op
+
+
+def _restore(value, dtype):
+    if isinstance(value, _Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if type(value) is tuple or type(value) is list:
+        return type(value)(_restore(v, dtype) for v in value)
+    return value
+
+
+def snapshot(value):
+    """Detached copies of the floating tensors in an op's output."""
+    return tuple(t.detach().clone() for t in _tensors((value,), None) if t.is_floating_point())
 
 
 def passthrough(args, kwargs):

@@ -1,0 +1,228 @@
+"""hmp.tune: lists that are fast and safe for this model.
+
+1. audit the current lists; flagged ops move to the FP32 list;
+2. find the ops the step runs that are expensive and not in the BF16 list
+   (unlisted or FP32-listed), try each alone in bf16, and keep those whose
+   own error and the error they pass on to the loss stay under the bounds;
+3. validate: train a few steps from the same state in fp32, with the current
+   lists and with the candidate; if the candidate's loss strays from fp32's,
+   drop the additions; time a step of each.
+"""
+
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import lists as list_kinds
+from .audit import StateGuard, _by_op, _lists_and_options, _worst, audit, compare, run_step
+from .convert import current, install, revert
+from .resolve import Resolver
+
+
+# calls a step makes that are not math to run in another dtype
+NOT_CANDIDATES = frozenset(("backward", "to", "type", "float", "double", "half", "bfloat16", "detach", "clone",
+                            "copy_", "item", "tolist", "numpy", "contiguous", "view", "reshape", "size", "dim"))
+
+
+def _floating(value):
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point()
+    return isinstance(value, (list, tuple)) and any(_floating(v) for v in value)
+
+
+class _OpTimes(TorchFunctionMode):
+    """Time per top-level torch call that maps floating tensors to floating
+    tensors, by op name (an fp32 run, hmp off)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        elapsed = time.perf_counter() - start
+        name = getattr(func, "__name__", "")
+        if name in NOT_CANDIDATES or name.endswith("_") and not name.endswith("__"):
+            return out
+        if not (_floating(out) and (_floating(list(args)) or _floating(list(kwargs.values())))):
+            return out
+        if name.startswith("__") and name.endswith("__"):
+            name = name[2:-2]
+            if name[:1] in ("r", "i") and name[1:] in ("add", "sub", "mul", "matmul", "truediv", "pow", "div"):
+                name = name[1:]
+        self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
+        return out
+
+
+class TuneResult:
+    def __init__(self, lists, before, audit_report, trials, validation, timings):
+        self.lists = lists  # {"bf16", "fp32", "promote"} -> sorted names
+        self.before = before
+        self.audit = audit_report
+        self.trials = trials  # op -> {"seconds", "own_max_rel", "loss_error", "nonfinite", "accepted"}
+        self.validation = validation  # name -> final loss after the validation steps
+        self.timings = timings  # name -> median step seconds
+
+    @property
+    def moved_to_fp32(self):
+        return sorted(set(self.lists["fp32"]) - set(self.before["fp32"]))
+
+    @property
+    def added_to_bf16(self):
+        return sorted(set(self.lists["bf16"]) - set(self.before["bf16"]))
+
+    def table(self):
+        lines = ["## audit of the starting lists", "", self.audit.table(), "", "## ops tried in bf16", "",
+                 "| op | was in | fp32 time ms | own max rel err | error passed to loss | inf/NaN | kept in bf16 |",
+                 "|---|---|---:|---:|---:|---:|---|"]
+        for op, t in sorted(self.trials.items(), key=lambda kv: -kv[1]["seconds"]):
+            lines.append(f"| {op} | {t['was'] or 'no list'} | {t['seconds'] * 1e3:.3f} | {t['own_max_rel']:.3g} | "
+                         f"{t['loss_error']:.3g} | {t['nonfinite']} | {'yes' if t['accepted'] else 'no'} |")
+        lines += ["", "## validation", "", "| lists | final loss | step ms (median) |", "|---|---:|---:|"]
+        for name in self.validation:
+            ms = self.timings.get(name)
+            lines.append(f"| {name} | {self.validation[name]:.5f} | {'' if ms is None else f'{ms * 1e3:.2f}'} |")
+        lines += ["", f"moved to FP32: {', '.join(self.moved_to_fp32) or 'none'}",
+                  f"added to BF16: {', '.join(self.added_to_bf16) or 'none'}"]
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.table()
+
+    def write(self, bf16_path, fp32_path, promote_path=None):
+        """Write list files that hmp.convert() loads."""
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        header = (f"# written by hmp.tune on {stamp}\n"
+                  f"# moved to FP32 (flagged by the audit): {', '.join(self.moved_to_fp32) or 'none'}\n"
+                  f"# added to BF16 (safe and expensive): {', '.join(self.added_to_bf16) or 'none'}\n"
+                  f"# validation final losses: " + ", ".join(f"{k} {v:.5f}" for k, v in self.validation.items()) + "\n")
+        targets = [("bf16", bf16_path), ("fp32", fp32_path)] + ([("promote", promote_path)] if promote_path else [])
+        for kind, path in targets:
+            Path(path).write_text(header + "\n".join(self.lists[kind]) + "\n")
+
+
+def _as_sets(lists):
+    return {k: set(v) for k, v in lists.items()}
+
+
+def _as_float(value):
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().mean())
+    return float(value)
+
+
+def _train(fn, args, kwargs, guard, steps, lists, options):
+    """fn's value after ``steps`` calls from the guarded state, and the step times."""
+    guard.restore()
+    if lists is None:
+        revert()
+    else:
+        install(lists, options)
+    times, value = [], None
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            value = fn(*args, **kwargs)
+            times.append(time.perf_counter() - start)
+    finally:
+        revert()
+    return _as_float(value), times
+
+
+def _interleaved_times(fn, args, kwargs, guard, configs, options, rounds):
+    """Median step seconds per configuration, configurations interleaved."""
+    samples = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, lists in configs.items():
+            samples[name] += _train(fn, args, kwargs, guard, 3, lists, options)[1][1:]
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3, tolerance=0.02,
+         min_share=0.02, rounds=5, **kwargs):
+    """Tune the lists for ``step_fn(*args, **kwargs)``, a training step that
+    returns the loss.
+
+    ``state``: the modules and optimizers the step changes (those among the
+    arguments are found by themselves); they are as before when tune returns,
+    and so is hmp's configuration. ``threshold``/``loss_threshold``: bounds
+    on an op's own relative error and on the relative loss error it alone
+    causes; ``tolerance``: how far the tuned lists' loss after ``steps``
+    steps may be from fp32's; ``min_share``: the share of fp32 op time an op
+    must take to be worth trying in bf16; ``rounds``: timing rounds.
+    """
+    saved = current()
+    start_lists, options = _lists_and_options()
+    start_lists = _as_sets(start_lists)
+    guard = StateGuard(list(state) + list(args) + list(kwargs.values()))
+    try:
+        report = audit(step_fn, *args, state=state, threshold=threshold, loss_threshold=loss_threshold, **kwargs)
+        lists = {k: set(v) for k, v in start_lists.items()}
+        for op in report.flagged:
+            for k in list_kinds.KINDS:
+                lists[k].discard(op)
+            lists["fp32"].add(op)
+
+        # what the step spends its time on, in fp32
+        guard.restore()
+        revert()
+        times = _OpTimes()
+        with times:
+            step_fn(*args, **kwargs)
+        total = sum(times.seconds.values()) or 1.0
+        resolver = Resolver()
+        candidates = [op for op, s in times.seconds.items()
+                      if s / total >= min_share and op not in lists["bf16"] and op not in report.flagged
+                      and resolver.exists(op)]
+        # the fp32 reference, recording the candidates' outputs without casting
+        watch = {"bf16": set(candidates), "fp32": set(), "promote": set()}
+        ref_final, ref = run_step(step_fn, args, kwargs, guard, watch, options, passthrough=True, keep_outputs=True)
+        ref_outputs = _by_op(ref.outputs)
+        trials = {}
+        for op in candidates:
+            only = {"bf16": {op}, "fp32": set(), "promote": set()}
+            own_final, own = run_step(step_fn, args, kwargs, guard, only, options, keep_outputs=True,
+                                      restore_dtype=True)
+            loss_error, _, nonfinite = compare(ref_final, own_final)
+            own_max_rel, _, own_nonfinite = _worst(zip(ref_outputs.get(op, []), _by_op(own.outputs).get(op, [])))
+            stats = own.stats.get(op)
+            accepted = (stats is not None and stats.casts > 0 and own_max_rel <= threshold
+                        and loss_error <= loss_threshold and not (nonfinite or own_nonfinite))
+            trials[op] = {"was": next((k for k in list_kinds.KINDS if op in lists[k]), None),
+                          "seconds": times.seconds[op], "own_max_rel": own_max_rel, "loss_error": loss_error,
+                          "nonfinite": nonfinite + own_nonfinite, "accepted": accepted}
+        candidate = {k: set(v) for k, v in lists.items()}
+        for op, t in trials.items():
+            if t["accepted"]:
+                for k in list_kinds.KINDS:
+                    candidate[k].discard(op)
+                candidate["bf16"].add(op)
+
+        configs = {"fp32": None, "starting lists": start_lists, "tuned lists": candidate}
+        validation = {name: _train(step_fn, args, kwargs, guard, steps, lists_, options)[0]
+                      for name, lists_ in configs.items()}
+
+        def close(name):
+            return abs(validation[name] - validation["fp32"]) <= tolerance * abs(validation["fp32"])
+
+        if not close("tuned lists") and candidate != lists:
+            for t in trials.values():
+                t["accepted"] = False
+            candidate = configs["tuned lists"] = lists
+            validation["tuned lists"] = _train(step_fn, args, kwargs, guard, steps, candidate, options)[0]
+        timings = _interleaved_times(step_fn, args, kwargs, guard, configs, options, rounds)
+    finally:
+        guard.restore()
+        if saved is not None:
+            install(*saved)
+        else:
+            revert()
+    final = {k: sorted(v) for k, v in candidate.items()}
+    final["promote"] = sorted(candidate["promote"] - candidate["bf16"] - candidate["fp32"])
+    return TuneResult(final, {k: sorted(v) for k, v in start_lists.items()}, report, trials, validation, timings)
