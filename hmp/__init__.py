@@ -12,6 +12,7 @@ Importing hmp patches nothing; only convert() does.
 """
 
 from .cache import clear_cache
+from .config import convert_from_config
 from .convert import convert, effective_lists, is_converted, revert
 from .state import casts_enabled, disable_casts
 from .wrap import op_wrap, to_bf16, to_fp32
@@ -29,4 +30,5 @@ __all__ = [
     "casts_enabled",
     "effective_lists",
     "clear_cache",
+    "convert_from_config",
 ]
