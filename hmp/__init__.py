@@ -13,6 +13,7 @@ Importing hmp patches nothing; only convert() does.
 
 from .audit import audit
 from .cache import clear_cache
+from .config import convert_from_config
 from .convert import convert, effective_lists, is_converted, revert
 from .state import casts_enabled, disable_casts
 from .profile import profile
@@ -41,4 +42,5 @@ __all__ = [
     "profile",
     "audit",
     "tune",
+    "convert_from_config",
 ]

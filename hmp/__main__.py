@@ -1,15 +1,36 @@
-"""Command line: ``python -m hmp demo`` (and later subcommands)."""
+"""Command line: ``python -m hmp demo``, ``python -m hmp run script.py [args]``."""
 
 import argparse
+import importlib
 import sys
+
+# subcommand -> the module that defines it with add_parser(subparsers); a
+# module is imported only when its subcommand is asked for (all of them for
+# --help), and one that is not there is left out.
+SUBCOMMANDS = {
+    "demo": "hmp.demo",
+    "run": "hmp.legacy",
+}
+
+
+def _load(module_name):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        return None
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m hmp", description="hmp: list-driven mixed precision for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
-    from . import demo
-
-    demo.add_parser(sub)
+    wanted = [argv[0]] if argv and argv[0] in SUBCOMMANDS else list(SUBCOMMANDS)
+    for command in wanted:
+        module = _load(SUBCOMMANDS[command])
+        if module is not None:
+            module.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -1,0 +1,248 @@
+"""optimum-habana's ``gaudi_config.json``, applied with hmp.
+
+optimum-habana configures mixed precision with a small JSON file::
+
+    {
+      "use_habana_mixed_precision": true,
+      "hmp_opt_level": "O1",
+      "hmp_is_verbose": false,
+      "hmp_bf16_ops": ["add", "addmm", "bmm", ...],
+      "hmp_fp32_ops": ["embedding", "nll_loss", "log_softmax"],
+      "use_fused_adam": true
+    }
+
+or, in later releases, ``"use_torch_autocast": true`` with
+``autocast_bf16_ops`` / ``autocast_fp32_ops``. :func:`convert_from_config`
+maps both forms onto :func:`hmp.convert`. The lists in the config are op
+names (not files); they are checked here first, so an error names the field
+and the position (``hmp_bf16_ops[3]: unknown op 'sofmax'; did you mean
+softmax?``), and nothing changes when the config is wrong.
+"""
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+
+import torch
+
+from .convert import OPT_LEVELS, convert, revert
+from .resolve import Resolver
+
+log = logging.getLogger("hmp")
+
+# field -> what it holds
+BOOL_FIELDS = ("use_habana_mixed_precision", "use_torch_autocast", "hmp_is_verbose")
+LIST_FIELDS = ("hmp_bf16_ops", "hmp_fp32_ops", "autocast_bf16_ops", "autocast_fp32_ops")
+STR_FIELDS = ("hmp_opt_level",)
+FIELDS = BOOL_FIELDS + LIST_FIELDS + STR_FIELDS
+
+# which list fields each mode reads: (bf16 field, fp32 field)
+MODE_LISTS = {
+    "use_habana_mixed_precision": ("hmp_bf16_ops", "hmp_fp32_ops"),
+    "use_torch_autocast": ("autocast_bf16_ops", "autocast_fp32_ops"),
+}
+
+
+def _where(source):
+    return f"hmp: gaudi config {source}"
+
+
+def read_config(path_or_mapping):
+    """Return ``(mapping, printable source)`` from a path or a mapping."""
+    if isinstance(path_or_mapping, Mapping):
+        return dict(path_or_mapping), "(mapping)"
+    if not isinstance(path_or_mapping, (str, os.PathLike)):
+        raise TypeError(
+            f"hmp: convert_from_config takes a path (str or os.PathLike) or a mapping, "
+            f"got {type(path_or_mapping).__name__}: {path_or_mapping!r}"
+        )
+    path = os.fspath(path_or_mapping)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise type(e)(e.errno, f"hmp: cannot read gaudi config {path!r}: {e.strerror}", path) from None
+    try:
+        config = json.loads(data.decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"hmp: gaudi config {path!r} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"hmp: gaudi config {path!r} must hold a JSON object, got {type(config).__name__}")
+    return config, repr(path)
+
+
+def _check_types(config, errors):
+    for field in BOOL_FIELDS:
+        value = config.get(field)
+        if value is not None and not isinstance(value, bool):
+            errors.append(f"{field}: must be true or false, got {value!r}")
+    for field in STR_FIELDS:
+        value = config.get(field)
+        if value is not None and value not in OPT_LEVELS:
+            errors.append(f"{field}: must be one of {', '.join(OPT_LEVELS)}, got {value!r}")
+    for field in LIST_FIELDS:
+        value = config.get(field)
+        if value is not None and not isinstance(value, list):
+            errors.append(f"{field}: must be a list of op names, got {type(value).__name__}: {value!r}")
+
+
+def _inplace_dunder_of(name, resolver):
+    """For a Habana-style operator name such as ``iadd`` (``Tensor.__iadd__``),
+    the base op (``add``) whose in-place form it is; otherwise None.
+
+    Only returned while the resolver binds the name's ``__iX__`` site as an
+    out-of-place op, which would write a cast copy instead of the tensor."""
+    if not name.startswith("i") or not hasattr(torch.Tensor, f"__{name[1:]}__"):
+        return None
+    dunder = f"__{name}__"
+    risky = [s for s in resolver.sites(name) if s.attr == dunder and not s.inplace]
+    return name[1:] if risky else None
+
+
+def _check_names(config, fields, resolver, errors):
+    """Validated, de-duplicated names for each of ``fields`` (None when absent)."""
+    out = {}
+    for field in fields:
+        value = config.get(field)
+        if not isinstance(value, list):
+            out[field] = None
+            continue
+        names = []
+        for i, name in enumerate(value):
+            where = f"{field}[{i}]"
+            if not isinstance(name, str):
+                errors.append(f"{where}: {name!r} is not an op name (a string)")
+            elif not (name.isascii() and name.isidentifier()):
+                errors.append(f"{where}: {name!r} is not an op name")
+            elif not resolver.exists(name):
+                close = resolver.suggest(name)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                errors.append(f"{where}: unknown op {name!r}{hint}")
+            elif name not in names:
+                names.append(name)
+        out[field] = names
+    return out
+
+
+def _resolve_inplace_names(lists, config, resolver, errors):
+    """Habana lists name operators such as ``iadd``. hmp binds ``a += b``
+    through ``add`` (in-place calls keep the dtype of the tensor written, in
+    any list), so ``iadd`` is dropped when ``add`` is listed; without ``add``
+    it is an error that says so."""
+    listed = {n for names in lists.values() if names for n in names}
+    for field, names in lists.items():
+        if not names:
+            continue
+        kept = []
+        for name in names:
+            base = _inplace_dunder_of(name, resolver)
+            if base is None:
+                kept.append(name)
+            elif base in listed:
+                log.debug("hmp: gaudi config %s: %r is the in-place operator of %r, which is listed; hmp binds it "
+                          "through %r", field, name, base, base)
+            else:
+                errors.append(
+                    f"{field}[{config[field].index(name)}]: {name!r} is the in-place operator of {base!r} "
+                    f"(Tensor.__{name}__); hmp binds it through {base!r}, whose in-place forms keep the dtype of "
+                    f"the tensor they write; list {base!r} instead"
+                )
+        lists[field] = kept
+
+
+def plan(path_or_mapping):
+    """Validate a gaudi config and return what it asks for, changing nothing.
+
+    Returns None when it asks for no mixed precision, else a dict with
+    ``opt_level``, ``bf16`` and ``fp32`` (op names, or None for hmp's
+    default list) and ``verbose``. Raises ValueError naming the field.
+    """
+    config, source = read_config(path_or_mapping)
+    errors = []
+    _check_types(config, errors)
+    for field in sorted(set(config) - set(FIELDS)):
+        log.debug("hmp: gaudi config %s: ignoring %s (not a mixed-precision field)", source, field)
+    if errors:
+        raise ValueError(f"{_where(source)}:\n  " + "\n  ".join(errors))
+
+    modes = [m for m in MODE_LISTS if config.get(m) is True]
+    if len(modes) == 2:
+        raise ValueError(f"{_where(source)}: use_habana_mixed_precision and use_torch_autocast are both true; "
+                         "set one of them")
+    if not modes:
+        return None
+    mode = modes[0]
+    bf16_field, fp32_field = MODE_LISTS[mode]
+    for field in LIST_FIELDS:
+        if field not in (bf16_field, fp32_field) and config.get(field) is not None:
+            log.debug("hmp: gaudi config %s: ignoring %s (%s is true)", source, field, mode)
+
+    resolver = Resolver()
+    lists = _check_names(config, (bf16_field, fp32_field), resolver, errors)
+    if not errors:
+        _resolve_inplace_names(lists, config, resolver, errors)
+    bf16, fp32 = lists[bf16_field], lists[fp32_field]
+    if bf16 and fp32:
+        both = sorted(set(bf16) & set(fp32))
+        if both:
+            errors.append(f"ops in both {bf16_field} and {fp32_field}: {', '.join(both)}")
+    if errors:
+        raise ValueError(f"{_where(source)}:\n  " + "\n  ".join(errors))
+
+    opt_level = "O1"
+    if mode == "use_habana_mixed_precision":
+        opt_level = config.get("hmp_opt_level") or "O1"
+    elif config.get("hmp_opt_level") is not None:
+        log.debug("hmp: gaudi config %s: ignoring hmp_opt_level (use_torch_autocast is true)", source)
+    return {
+        "opt_level": opt_level,
+        "bf16": bf16,
+        "fp32": fp32,
+        "verbose": bool(config.get("hmp_is_verbose") or False),
+        "source": source,
+        "fields": (bf16_field, fp32_field),
+    }
+
+
+def convert_with_names(opt_level="O1", bf16=None, fp32=None, promote=None, *, verbose=False,
+                       low_precision_type=torch.bfloat16, cache=True, fields=("bf16", "fp32", "promote")):
+    """:func:`hmp.convert` with op-name lists instead of files (None: hmp's default list).
+
+    The names go through temporary list files that are removed again before
+    this returns (convert() reads its files once).
+    """
+    with tempfile.TemporaryDirectory(prefix="hmp-config-") as tmp:
+        paths = []
+        for names, field in zip((bf16, fp32, promote), fields):
+            if names is None:
+                paths.append("")
+                continue
+            path = os.path.join(tmp, f"{field}.txt")
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(f"# {field}\n" + "".join(f"{n}\n" for n in names))
+            paths.append(path)
+        convert(opt_level, paths[0], paths[1], verbose, low_precision_type, promote_file_path=paths[2], cache=cache)
+
+
+def convert_from_config(path_or_mapping, *, low_precision_type=torch.bfloat16, cache=True):
+    """Apply an optimum-habana ``gaudi_config.json`` (a path or a mapping).
+
+    ``use_habana_mixed_precision`` reads ``hmp_opt_level``, ``hmp_bf16_ops``,
+    ``hmp_fp32_ops`` and ``hmp_is_verbose``; ``use_torch_autocast`` maps
+    ``autocast_bf16_ops`` / ``autocast_fp32_ops`` onto the same lists (O1).
+    A missing list means hmp's default list of that kind. Other fields
+    (``use_fused_adam``, ...) are ignored (logged at DEBUG).
+
+    Returns True when hmp was converted. When neither mode is true, hmp is
+    reverted and False is returned. A wrong type, an unknown op or both
+    modes at once raise ValueError naming the field, before anything changes.
+    """
+    wanted = plan(path_or_mapping)
+    if wanted is None:
+        revert()
+        return False
+    convert_with_names(wanted["opt_level"], wanted["bf16"], wanted["fp32"], verbose=wanted["verbose"],
+                       low_precision_type=low_precision_type, cache=cache, fields=wanted["fields"] + ("promote",))
+    return True

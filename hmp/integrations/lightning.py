@@ -1,0 +1,159 @@
+"""hmp as a Lightning precision plugin.
+
+::
+
+    import lightning.pytorch as pl
+    from hmp.integrations.lightning import HMPPrecision
+
+    trainer = pl.Trainer(accelerator="cpu", plugins=[HMPPrecision(opt_level="O1")])
+    trainer.fit(model, data)
+
+The plugin converts hmp when the Trainer sets up a run (``fit``,
+``validate``, ``test``, ``predict``), runs the optimizer step and gradient
+clipping with casts off, and reverts when the run ends, also when it ends
+with an exception. A conversion that was active before the run is restored
+afterwards, so Trainers in one process do not leak into each other.
+
+Needs ``lightning`` (``pip install hmp[lightning]``); importing ``hmp`` or
+``hmp.integrations`` does not import it.
+"""
+
+import contextlib
+import logging
+import warnings
+
+import torch
+from lightning.pytorch.plugins import Precision
+
+import hmp
+from hmp import state
+from hmp.config import convert_with_names
+from hmp.convert import effective_lists_for, runtime
+
+log = logging.getLogger("hmp")
+
+__all__ = ["HMPPrecision"]
+
+
+@contextlib.contextmanager
+def _casts_back_on():
+    """Inside the optimizer step's ``disable_casts()``, turn casting back on
+    for the closure, which runs the forward and backward pass."""
+    tls = state.tls
+    saved = tls.off
+    tls.off = max(saved - 1, 0)  # the level outside the optimizer step's disable_casts()
+    try:
+        yield
+    finally:
+        tls.off = saved
+
+
+def _snapshot():
+    """What to restore after the run: None when hmp is not converted."""
+    if not hmp.is_converted():
+        return None
+    return dict(runtime.options or {}), hmp.effective_lists()
+
+
+def _restore(snapshot):
+    options, lists = snapshot
+    opt_level = options.get("opt_level", "O1")
+    o2 = opt_level == "O2"  # O2 takes no BF16/FP32 files; its lists are fixed
+    convert_with_names(
+        opt_level,
+        None if o2 else lists["bf16"],
+        None if o2 else lists["fp32"],
+        lists["promote"],
+        verbose=options.get("verbose", False),
+        low_precision_type=options.get("low_precision_type", torch.bfloat16),
+        cache=options.get("cache", True),
+    )
+
+
+class HMPPrecision(Precision):
+    """Lightning precision plugin that trains with hmp's list-driven mixed precision.
+
+    The arguments are :func:`hmp.convert`'s: ``None`` or ``""`` for a path
+    means hmp's default list. The lists are checked here, so a bad file
+    fails when the plugin is made, not in the middle of ``fit``.
+    """
+
+    def __init__(self, opt_level="O1", bf16_file_path=None, fp32_file_path=None, verbose=False, *,
+                 low_precision_type=torch.bfloat16, promote_file_path=None, cache=True):
+        super().__init__()
+        if low_precision_type not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"hmp: low_precision_type must be torch.bfloat16 or torch.float16, "
+                             f"got {low_precision_type!r}")
+        if opt_level not in ("O1", "O2"):
+            raise ValueError(f"hmp: opt_level must be one of O1, O2, got {opt_level!r}")
+        if not isinstance(verbose, bool):
+            raise TypeError(f"hmp: verbose must be a bool, got {verbose!r}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # convert() warns about O2 and files when the run starts
+            effective_lists_for(opt_level, bf16_file_path or "", fp32_file_path or "", promote_file_path or "")
+        self.opt_level = opt_level
+        self.bf16_file_path = bf16_file_path
+        self.fp32_file_path = fp32_file_path
+        self.verbose = verbose
+        self.low_precision_type = low_precision_type
+        self.promote_file_path = promote_file_path
+        self.cache = cache
+        self.precision = "bf16-mixed" if low_precision_type is torch.bfloat16 else "16-mixed"
+        self._active = False
+        self._previous = None
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(opt_level={self.opt_level!r}, bf16_file_path={self.bf16_file_path!r}, "
+                f"fp32_file_path={self.fp32_file_path!r}, verbose={self.verbose!r}, "
+                f"low_precision_type={self.low_precision_type})")
+
+    # -- start and end of a run -------------------------------------------------
+
+    def convert(self):
+        """Convert hmp with this plugin's settings (the Trainer calls it)."""
+        if not self._active:
+            self._previous = _snapshot()
+        hmp.convert(self.opt_level, self.bf16_file_path or "", self.fp32_file_path or "", self.verbose,
+                    self.low_precision_type, promote_file_path=self.promote_file_path or "", cache=self.cache)
+        self._active = True
+
+    def revert(self):
+        """Undo :meth:`convert`, restoring a conversion that was active before it."""
+        if not self._active:
+            return
+        self._active = False
+        previous, self._previous = self._previous, None
+        hmp.revert()
+        if previous is not None:
+            _restore(previous)
+
+    def connect(self, model, optimizers, lr_schedulers):
+        # Strategy.setup() calls this once per run, after the model is on its device.
+        self.convert()
+        return super().connect(model, optimizers, lr_schedulers)
+
+    def teardown(self):
+        # Strategy.teardown() calls this at the end of every run, also after an exception.
+        try:
+            self.revert()
+        finally:
+            super().teardown()
+
+    # -- optimizer math in fp32 -------------------------------------------------
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        """``optimizer.step`` under ``hmp.disable_casts()``; the closure it
+        calls (forward and backward) runs with casts on."""
+
+        def closure_with_casts():
+            with _casts_back_on():
+                return closure()
+
+        with hmp.disable_casts():
+            return super().optimizer_step(optimizer, model, closure_with_casts, **kwargs)
+
+    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None, **kwargs):
+        with hmp.disable_casts():
+            if gradient_clip_algorithm is None:
+                return super().clip_gradients(optimizer, clip_val, **kwargs)
+            return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm, **kwargs)

@@ -1,0 +1,187 @@
+"""Run scripts written for Habana's hmp unchanged: ``python -m hmp run script.py [args]``.
+
+A script written for Gaudi imports::
+
+    from habana_frameworks.torch.hpex import hmp
+    import habana_frameworks.torch.core as htcore
+    ...
+    htcore.mark_step()
+
+``install()`` puts an import hook in front of ``sys.meta_path`` (nothing is
+written to site-packages):
+
+- ``habana_frameworks.torch.hpex.hmp`` is always this package, ``hmp``;
+- without Habana software (no ``habana_frameworks`` on the path) small
+  stand-in modules answer the rest of what such scripts touch:
+  ``habana_frameworks.torch.core.mark_step()`` (a no-op: there is no lazy
+  mode without Habana software), ``habana_frameworks.torch.hpu.is_available()``
+  (False) and ``device_count()`` (0), and the HMP-era
+  ``habana_frameworks.torch.utils.library_loader.load_habana_module()``
+  (a no-op). Any other ``habana_frameworks`` module is a ModuleNotFoundError
+  that says so;
+- with Habana software installed, everything but hmp comes from it.
+"""
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import runpy
+import sys
+
+import hmp
+
+HMP_NAME = "habana_frameworks.torch.hpex.hmp"
+ROOT = "habana_frameworks"
+
+
+def mark_step(*args, **kwargs):
+    """Habana's ``htcore.mark_step()``; a no-op: without Habana software
+    there is no lazy mode, every op has already run."""
+    return None
+
+
+def _false(*args, **kwargs):
+    return False
+
+
+def _zero(*args, **kwargs):
+    return 0
+
+
+def _nothing(*args, **kwargs):
+    return None
+
+
+# stand-in module -> its attributes (every stand-in is a package, so the
+# next level can be imported below it)
+SHIMS = {
+    "habana_frameworks": {},
+    "habana_frameworks.torch": {},
+    "habana_frameworks.torch.hpex": {},
+    "habana_frameworks.torch.core": {"mark_step": mark_step},
+    "habana_frameworks.torch.hpu": {"is_available": _false, "device_count": _zero},
+    "habana_frameworks.torch.utils": {},
+    "habana_frameworks.torch.utils.library_loader": {"load_habana_module": _nothing},
+}
+
+
+class _Alias(importlib.abc.Loader):
+    """Loads an existing module object under a second name, leaving its own
+    ``__spec__`` as it was."""
+
+    def __init__(self, module):
+        self.module = module
+        self._spec = None
+
+    def create_module(self, spec):
+        self._spec = self.module.__spec__
+        return self.module
+
+    def exec_module(self, module):
+        module.__spec__ = self._spec  # the import system set it to the alias' spec
+
+
+class HabanaFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``habana_frameworks.torch.hpex.hmp`` -> hmp; with ``shims``, the
+    stand-in modules above as well."""
+
+    def __init__(self, shims):
+        self.shims = shims
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == HMP_NAME:
+            return importlib.machinery.ModuleSpec(fullname, _Alias(hmp))
+        if not self.shims or not (fullname == ROOT or fullname.startswith(ROOT + ".")):
+            return None
+        if fullname in SHIMS:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        raise ModuleNotFoundError(
+            f"No module named {fullname!r}: Habana software is not installed, and hmp run provides only "
+            f"{', '.join(sorted(set(SHIMS) - {ROOT}) + [HMP_NAME])}",
+            name=fullname,
+        )
+
+    def create_module(self, spec):
+        return None  # the default module object
+
+    def exec_module(self, module):
+        module.__dict__.update(SHIMS[module.__name__])
+        module.__doc__ = f"hmp's stand-in for {module.__name__} (Habana software is not installed)"
+
+
+_installed = None
+
+
+def habana_installed():
+    """True when real Habana software (``habana_frameworks``) can be imported."""
+    if _installed is not None and _installed.shims:
+        return False
+    return importlib.util.find_spec(ROOT) is not None
+
+
+def install():
+    """Install the import hook (once); returns it."""
+    global _installed
+    if _installed is None:
+        finder = HabanaFinder(shims=not habana_installed())
+        sys.meta_path.insert(0, finder)
+        _installed = finder
+    return _installed
+
+
+def uninstall():
+    """Remove the import hook and forget the modules it provided."""
+    global _installed
+    finder, _installed = _installed, None
+    if finder is None:
+        return
+    if finder in sys.meta_path:
+        sys.meta_path.remove(finder)
+    for name in [HMP_NAME] + (list(SHIMS) if finder.shims else []):
+        sys.modules.pop(name, None)
+    if not finder.shims:
+        parent = sys.modules.get("habana_frameworks.torch.hpex")
+        if parent is not None and getattr(parent, "hmp", None) is hmp:
+            delattr(parent, "hmp")
+
+
+def run(script, args=()):
+    """Run ``script`` as ``python script [args]`` would, with the hook installed:
+    ``__name__ == "__main__"``, ``sys.argv == [script, *args]`` and
+    ``sys.path[0]`` the script's directory. A SystemExit from the script
+    propagates."""
+    script = os.fspath(script)
+    install()
+    sys.argv = [script, *args]
+    directory = os.path.dirname(os.path.realpath(script))
+    # what `python script.py` puts first, in place of the launcher's own entry
+    # (the working directory for `python -m hmp`, the bin folder for `hmp`)
+    if sys.path:
+        sys.path[0] = directory
+    else:
+        sys.path.insert(0, directory)
+    runpy.run_path(script, run_name="__main__")
+
+
+def add_parser(subparsers):
+    import argparse
+
+    p = subparsers.add_parser(
+        "run",
+        help="run a script written for Habana's hmp, unchanged",
+        description="Run a script written for Habana's hmp (from habana_frameworks.torch.hpex import hmp, "
+                    "htcore.mark_step()) unchanged, on any machine. Arguments after the script are the script's.",
+    )
+    p.add_argument("script", help="the script to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    p.set_defaults(run=_cli)
+    return p
+
+
+def _cli(args):
+    if not os.path.isfile(args.script) and not os.path.isdir(args.script):
+        print(f"hmp run: can't open file {args.script!r}: no such file", file=sys.stderr)
+        return 2  # what python itself returns for a missing script
+    run(args.script, args.args)
+    return 0

@@ -1,0 +1,176 @@
+"""torch.compile on a model under hmp: the dtypes of eager hmp, values within bf16 tolerance.
+
+Findings (torch 2.13, documented in docs/integrations.md):
+- hmp's wrappers trace: with ``convert(cache=False)`` a model is one graph, no break;
+- with the weight-cast cache on (the default) dynamo breaks the graph in the
+  cache lookup (hmp/cache.py compares ``tensor._version``, which dynamo treats
+  as data-dependent), once or more per cast weight; results are still right
+  for a plain MLP, but a model whose backward AOTAutograd traces through a
+  Python decomposition that calls a listed op on a parameter (LayerNorm's
+  backward multiplies by the weight: ``mul``) fails to compile: the cache
+  calls ``data_ptr()`` on a FakeTensor. The fix belongs in hmp/cache.py
+  (plain casts while ``torch.compiler.is_compiling()``); until then those
+  cases are expected failures here and ``cache=False`` is the advice;
+- ``isVerbose=True`` breaks the graph at every logged call (``logging`` is not traceable);
+- dynamo guards on the patched functions and on the thread's cast state, so
+  convert(), revert() and disable_casts() after compiling recompile instead
+  of reusing a stale graph.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hmp
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="no torch.compile")
+
+TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def inductor_works():
+    try:
+        from torch._inductor import cpp_builder  # noqa: F401
+    except Exception:
+        return False
+    import shutil
+
+    return shutil.which("g++") is not None or shutil.which("c++") is not None or shutil.which("gcc") is not None
+
+
+BACKENDS = ["aot_eager", pytest.param("inductor", marks=[
+    pytest.mark.slow, pytest.mark.skipif(not inductor_works(), reason="inductor needs a C++ compiler")])]
+
+
+class Block(torch.nn.Module):
+    """BF16-list, FP32-list and promote-list ops, and the outermost-op rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.inp(x)  # linear: BF16
+        n = self.norm(h)  # layer_norm: BF16, weight stays fp32
+        a = torch.softmax(n @ n.t(), dim=-1)  # matmul BF16, softmax FP32
+        r = torch.relu(n) + x.sum(-1, keepdim=True)  # relu BF16; add promotes bf16 + fp32 to fp32
+        q = 2 / (r.abs() + 1)  # __rtruediv__: FP32 (not cast again by the mul inside it)
+        o = self.out(r)  # linear: BF16
+        return h, n, a, r, q, o
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def make():
+    torch.manual_seed(0)
+    return Block(), torch.randn(6, 8)
+
+
+def assert_like(compiled, eager):
+    assert [t.dtype for t in compiled] == [t.dtype for t in eager]
+    for c, e in zip(compiled, eager):
+        torch.testing.assert_close(c.float(), e.float(), **TOL)
+
+
+def test_eager_dtypes_are_what_the_lists_say():
+    hmp.convert()
+    model, x = make()
+    dtypes = [t.dtype for t in model(x)]
+    bf, f32 = torch.bfloat16, torch.float32
+    assert dtypes == [bf, bf, f32, f32, f32, bf]
+
+
+CACHE_NOT_COMPILE_SAFE = pytest.mark.xfail(
+    reason="hmp/cache.py reads data_ptr() of FakeTensors while AOTAutograd traces LayerNorm's backward "
+           "decomposition; needs a plain cast while torch.compiler.is_compiling()",
+    raises=torch._dynamo.exc.BackendCompilerFailed,
+    strict=False,
+)
+
+
+@pytest.mark.parametrize("cache", [False, pytest.param(True, marks=CACHE_NOT_COMPILE_SAFE)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_forward_matches_eager_hmp(backend, cache):
+    hmp.convert(cache=cache)
+    model, x = make()
+    eager = model(x)
+    compiled = torch.compile(model, backend=backend)
+    assert_like(compiled(x), eager)
+    assert_like(compiled(x), eager)  # second call: the compiled graph, no recompile surprises
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_training_step_matches_eager_hmp(backend):
+    hmp.convert(cache=False)
+    model, x = make()
+    target = torch.randint(0, 4, (6,))
+
+    def step(m):
+        m.zero_grad()
+        h, n, a, r, q, o = m(x)
+        loss = F.cross_entropy(o, target) + a.mean() + q.mean()
+        loss.backward()
+        return loss
+
+    eager_loss = step(model)
+    eager_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    compiled = torch.compile(model, backend=backend)
+    loss = step(compiled)
+    assert loss.dtype == eager_loss.dtype == torch.float32
+    torch.testing.assert_close(loss, eager_loss, **TOL)
+    for k, p in model.named_parameters():
+        assert p.dtype == p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, eager_grads[k], **TOL, msg=lambda m: f"{k}: {m}")
+
+
+def test_no_graph_break_without_the_weight_cache():
+    hmp.convert(cache=False)
+    model, x = make()
+    explain = torch._dynamo.explain(model)(x)
+    assert explain.graph_break_count == 0, [b.reason for b in explain.break_reasons]
+
+
+def test_with_the_weight_cache_breaks_are_in_the_cache_and_results_right():
+    hmp.convert()  # cache=True, the default
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(6, 8)
+    eager = model(x)
+    explain = torch._dynamo.explain(model)(x)
+    for b in explain.break_reasons:
+        assert any(frame.filename.endswith("cache.py") for frame in b.user_stack), b.reason
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    out = compiled(x)
+    assert out.dtype == eager.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), eager.float(), **TOL)
+    out.float().sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@CACHE_NOT_COMPILE_SAFE
+def test_with_the_weight_cache_a_layer_norm_model_compiles():
+    hmp.convert()  # cache=True, the default
+    model, x = make()
+    eager = model(x)
+    assert_like(torch.compile(model, backend="aot_eager")(x), eager)
+
+
+def test_convert_revert_and_disable_casts_after_compiling_recompile():
+    model, x = make()
+    compiled = torch.compile(model, backend="aot_eager")
+    assert compiled(x)[0].dtype == torch.float32
+    hmp.convert(cache=False)
+    assert compiled(x)[0].dtype == torch.bfloat16
+    with hmp.disable_casts():
+        assert compiled(x)[0].dtype == torch.float32
+    assert compiled(x)[0].dtype == torch.bfloat16
+    hmp.revert()
+    assert compiled(x)[0].dtype == torch.float32

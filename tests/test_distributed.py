@@ -1,0 +1,116 @@
+"""DistributedDataParallel (gloo, 2 processes on CPU) with hmp in every rank."""
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hmp
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
+WORLD = 2
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")
+
+
+def load_worker():
+    spec = importlib.util.spec_from_file_location("hmp_ddp_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for(rank, port):
+    env = dict(os.environ)
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    return env
+
+
+def check(out_dir):
+    worker = load_worker()
+    ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for seen in ranks:
+        assert seen["converted"]
+        assert seen["out_dtypes"] == {"torch.bfloat16"}  # the model ran under hmp
+        assert seen["grad_dtypes"] == {"torch.float32"}
+        assert seen["bucket_dtypes"] == {"torch.float32"}  # DDP all-reduced fp32 gradients
+        assert seen["losses"][-1] < seen["losses"][0]
+    # replicas stay identical
+    first = ranks[0]["state"]
+    for seen in ranks[1:]:
+        assert first.keys() == seen["state"].keys()
+        for k in first:
+            assert torch.equal(first[k], seen["state"][k]), k
+    # and match one process on the whole global batch, within bf16 tolerance
+    hmp.convert()
+    model = worker.make_model()
+    x, y = worker.global_batch()
+    single = worker.train(model, x, y)
+    hmp.revert()
+    assert single["out_dtypes"] == {"torch.bfloat16"}
+    init = worker.make_model().state_dict()
+    moved = max((v - init[k]).abs().max().item() for k, v in model.state_dict().items())
+    assert moved > 0.2  # training moved the weights far more than the tolerance below
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(first[k], v, atol=2e-2, rtol=2e-2, msg=lambda m: f"{k}: {m}")
+    mean_loss = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(len(single["losses"]))]
+    torch.testing.assert_close(torch.tensor(mean_loss), torch.tensor(single["losses"]), atol=2e-2, rtol=2e-2)
+
+
+def run_ranks(out_dir):
+    port = free_port()
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), str(out_dir)], env=env_for(rank, port),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(WORLD)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+
+
+def test_ddp_two_processes_on_loopback(tmp_path):
+    run_ranks(tmp_path)
+    check(tmp_path)
+
+
+@pytest.mark.slow
+def test_torchrun_launch(tmp_path):
+    """The launch line docs/integrations.md shows."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    port = free_port()
+    env = env_for(0, port)
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k)
+    res = subprocess.run(
+        [*cmd, "--nnodes", "1", "--nproc_per_node", str(WORLD), "--master_addr", "127.0.0.1", "--master_port",
+         str(port), str(WORKER), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    check(tmp_path)
