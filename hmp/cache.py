@@ -25,6 +25,7 @@ import torch
 from .policy import PLAIN_CASTS
 
 _grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
 _Parameter = torch.nn.Parameter
 
 
@@ -49,6 +50,8 @@ class CastCache:
 
         def cast(t):
             if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
+                return plain(t)
+            if _is_compiling():  # traced tensors are fake: no data_ptr, and the graph caches for itself
                 return plain(t)
             key = id(t)
             entry = entries.get(key)

@@ -116,7 +116,10 @@ class Resolver:
         attrs = [(name, explicit_inplace), (inplace_name, True)]
         dunder = f"__{name}__"
         if not name.startswith("_") and self._lookup(T, dunder, in_class=True) is not None:
-            attrs += [(dunder, False), (f"__r{name}__", False), (f"__i{name}__", True)]
+            if name.startswith("i") and self._lookup(T, f"__{name[1:]}__", in_class=True) is not None:
+                attrs.append((dunder, True))  # Habana's "iadd": the in-place operator `a += b` itself
+            else:
+                attrs += [(dunder, False), (f"__r{name}__", False), (f"__i{name}__", True)]
         for attr, inplace in attrs:
             if attr is not None and self._lookup(T, attr, in_class=True) is not None:
                 found.append(Site(T, attr, "torch.Tensor", inplace))

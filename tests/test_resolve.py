@@ -80,3 +80,14 @@ def test_torchvision_ops_bound(tmp_path):
     assert keep.tolist() == [0]
     hmp.revert()
     assert not hasattr(torchvision.ops.nms, ORIGINAL)
+
+
+def test_inplace_operator_names_bind_as_inplace(tmp_path):
+    """Habana's lists name `a += b` as `iadd`: it must write `a`, never a cast copy."""
+    sites = Resolver().sites("iadd")
+    assert {s.label for s in sites} == {"torch.Tensor.__iadd__"} and all(s.inplace for s in sites)
+    hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "iadd\nlinear\n"))
+    a = torch.zeros(3)
+    alias = a
+    a += torch.ones(3).bfloat16()
+    assert a is alias and a.dtype == torch.float32 and torch.equal(alias, torch.ones(3))
