@@ -27,8 +27,7 @@ from lightning.pytorch.plugins import Precision
 
 import hmp
 from hmp import state
-from hmp.config import convert_with_names
-from hmp.convert import effective_lists_for, runtime
+from hmp.convert import current, effective_lists_for, install
 
 log = logging.getLogger("hmp")
 
@@ -46,28 +45,6 @@ def _casts_back_on():
         yield
     finally:
         tls.off = saved
-
-
-def _snapshot():
-    """What to restore after the run: None when hmp is not converted."""
-    if not hmp.is_converted():
-        return None
-    return dict(runtime.options or {}), hmp.effective_lists()
-
-
-def _restore(snapshot):
-    options, lists = snapshot
-    opt_level = options.get("opt_level", "O1")
-    o2 = opt_level == "O2"  # O2 takes no BF16/FP32 files; its lists are fixed
-    convert_with_names(
-        opt_level,
-        None if o2 else lists["bf16"],
-        None if o2 else lists["fp32"],
-        lists["promote"],
-        verbose=options.get("verbose", False),
-        low_precision_type=options.get("low_precision_type", torch.bfloat16),
-        cache=options.get("cache", True),
-    )
 
 
 class HMPPrecision(Precision):
@@ -112,7 +89,7 @@ class HMPPrecision(Precision):
     def convert(self):
         """Convert hmp with this plugin's settings (the Trainer calls it)."""
         if not self._active:
-            self._previous = _snapshot()
+            self._previous = current()  # None when hmp is not converted
         hmp.convert(self.opt_level, self.bf16_file_path or "", self.fp32_file_path or "", self.verbose,
                     self.low_precision_type, promote_file_path=self.promote_file_path or "", cache=self.cache)
         self._active = True
@@ -125,7 +102,7 @@ class HMPPrecision(Precision):
         previous, self._previous = self._previous, None
         hmp.revert()
         if previous is not None:
-            _restore(previous)
+            install(*previous)
 
     def connect(self, model, optimizers, lr_schedulers):
         # Strategy.setup() calls this once per run, after the model is on its device.
