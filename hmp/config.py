@@ -88,19 +88,6 @@ def _check_types(config, errors):
             errors.append(f"{field}: must be a list of op names, got {type(value).__name__}: {value!r}")
 
 
-def _inplace_dunder_of(name, resolver):
-    """For a Habana-style operator name such as ``iadd`` (``Tensor.__iadd__``),
-    the base op (``add``) whose in-place form it is; otherwise None.
-
-    Only returned while the resolver binds the name's ``__iX__`` site as an
-    out-of-place op, which would write a cast copy instead of the tensor."""
-    if not name.startswith("i") or not hasattr(torch.Tensor, f"__{name[1:]}__"):
-        return None
-    dunder = f"__{name}__"
-    risky = [s for s in resolver.sites(name) if s.attr == dunder and not s.inplace]
-    return name[1:] if risky else None
-
-
 def _check_names(config, fields, resolver, errors):
     """Validated, de-duplicated names for each of ``fields`` (None when absent)."""
     out = {}
@@ -124,32 +111,6 @@ def _check_names(config, fields, resolver, errors):
                 names.append(name)
         out[field] = names
     return out
-
-
-def _resolve_inplace_names(lists, config, resolver, errors):
-    """Habana lists name operators such as ``iadd``. hmp binds ``a += b``
-    through ``add`` (in-place calls keep the dtype of the tensor written, in
-    any list), so ``iadd`` is dropped when ``add`` is listed; without ``add``
-    it is an error that says so."""
-    listed = {n for names in lists.values() if names for n in names}
-    for field, names in lists.items():
-        if not names:
-            continue
-        kept = []
-        for name in names:
-            base = _inplace_dunder_of(name, resolver)
-            if base is None:
-                kept.append(name)
-            elif base in listed:
-                log.debug("hmp: gaudi config %s: %r is the in-place operator of %r, which is listed; hmp binds it "
-                          "through %r", field, name, base, base)
-            else:
-                errors.append(
-                    f"{field}[{config[field].index(name)}]: {name!r} is the in-place operator of {base!r} "
-                    f"(Tensor.__{name}__); hmp binds it through {base!r}, whose in-place forms keep the dtype of "
-                    f"the tensor they write; list {base!r} instead"
-                )
-        lists[field] = kept
 
 
 def plan(path_or_mapping):
@@ -181,8 +142,6 @@ def plan(path_or_mapping):
 
     resolver = Resolver()
     lists = _check_names(config, (bf16_field, fp32_field), resolver, errors)
-    if not errors:
-        _resolve_inplace_names(lists, config, resolver, errors)
     bf16, fp32 = lists[bf16_field], lists[fp32_field]
     if bf16 and fp32:
         both = sorted(set(bf16) & set(fp32))

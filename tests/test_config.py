@@ -14,7 +14,7 @@ from hmp.lists import list_dir
 
 BERT = list_dir() / "gaudi_config_bert.json"
 BERT_AUTOCAST = list_dir() / "gaudi_config_bert_autocast.json"
-BERT_BF16 = ["add", "addmm", "bmm", "div", "dropout", "gelu", "layer_norm", "linear", "matmul", "mm", "rsub",
+BERT_BF16 = ["add", "addmm", "bmm", "div", "dropout", "gelu", "iadd", "layer_norm", "linear", "matmul", "mm", "rsub",
              "softmax", "truediv"]
 BERT_FP32 = ["embedding", "log_softmax", "nll_loss"]
 
@@ -26,7 +26,7 @@ def hmp_config(**fields):
 def test_shipped_bert_config(pristine):
     assert hmp.convert_from_config(BERT) is True
     lists = hmp.effective_lists()
-    # iadd is Tensor.__iadd__, bound through add: it adds no name of its own
+    # iadd is Habana's name for `a += b`: it binds Tensor.__iadd__, in place
     assert lists["bf16"] == BERT_BF16
     assert lists["fp32"] == BERT_FP32
     assert not set(lists["promote"]) & set(BERT_BF16 + BERT_FP32)
@@ -186,10 +186,12 @@ def test_op_in_both_lists(pristine):
         hmp.convert_from_config(hmp_config(hmp_bf16_ops=["linear", "mm"], hmp_fp32_ops=["linear"]))
 
 
-def test_inplace_operator_name_without_its_base_op(pristine):
-    with pytest.raises(ValueError, match=r"hmp_bf16_ops\[1\]: 'iadd' is the in-place operator of 'add'.*list 'add'"):
-        hmp.convert_from_config(hmp_config(hmp_bf16_ops=["linear", "iadd"]))
-
+def test_inplace_operator_name_alone_binds_the_operator(pristine):
+    hmp.convert_from_config(hmp_config(hmp_bf16_ops=["linear", "iadd"]))
+    assert "iadd" in hmp.effective_lists()["bf16"]
+    a = torch.zeros(2)
+    a += torch.ones(2, dtype=torch.bfloat16)
+    assert a.dtype == torch.float32 and torch.equal(a, torch.ones(2))
 
 def test_bad_files(tmp_path, pristine):
     with pytest.raises(OSError, match="missing.json"):
