@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from . import lists, policy, state, wrap
+from . import errors, lists, policy, state, wrap
 from .cache import cache as weight_cache
 from .patch import PatchLog
 from .resolve import FUSED, Resolver, unwrap
@@ -93,8 +93,9 @@ def _plan(effective, low, verbose, resolver, casts):
             if key in seen:
                 continue
             seen.add(key)
+            about = errors.About(site.label, name, kind, site.inplace, site.inplace_param)  # for the error path
             if site.inplace:
-                make = _simple(_maybe_logged(into_self, site, verbose))
+                make = _simple(_maybe_logged(into_self, site, verbose), about)
             else:
                 prepare = norm if (kind == "bf16" and name in policy.NORM_OPS) else by_kind[kind]
                 make = _call(
@@ -102,6 +103,7 @@ def _plan(effective, low, verbose, resolver, casts):
                     _maybe_logged(out, site, verbose),
                     _maybe_logged(into_input, site, verbose),
                     site.inplace_param,
+                    about,
                 )
             plan.append((site, make))
     return plan
@@ -111,12 +113,12 @@ def _maybe_logged(prepare, site, verbose):
     return wrap.logged(prepare, site.label) if verbose else prepare
 
 
-def _simple(prepare):
-    return lambda op: wrap.wrap_simple(op, prepare)
+def _simple(prepare, about=None):
+    return lambda op: wrap.wrap_simple(op, prepare, about)
 
 
-def _call(prepare, prepare_out, prepare_inplace, inplace_param):
-    return lambda op: wrap.wrap_call(op, prepare, prepare_out, prepare_inplace, inplace_param)
+def _call(prepare, prepare_out, prepare_inplace, inplace_param, about=None):
+    return lambda op: wrap.wrap_call(op, prepare, prepare_out, prepare_inplace, inplace_param, about)
 
 
 def _original(site):
@@ -166,6 +168,7 @@ def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=Fals
         except BaseException:
             rt.patches.undo()
             raise
+        errors.install_hooks()
         rt.lists = {k: sorted(v) for k, v in effective.items()}
         rt.options = {"opt_level": opt_level, "low_precision_type": low_precision_type, "verbose": isVerbose,
                       "cache": cache}
@@ -186,6 +189,7 @@ def _revert_locked():
     try:
         rt.patches.undo()
     finally:
+        errors.remove_hooks()
         state.on_reenable = None
         weight_cache.clear()
         rt.lists = None
