@@ -2,9 +2,11 @@
 and identity; a bf16/fp32 dtype mismatch gains one note naming the op and
 the list it probably belongs in; convert() inside torch.autocast warns once."""
 
+import importlib
 import subprocess
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -293,3 +295,50 @@ def test_revert_restores_exception_hooks_and_a_stranded_hook_stays_inert():
     finally:
         sys.excepthook = before[0]
         errors._hooks.update(sys=None)
+
+
+# -- autocast --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_autocast_warning(monkeypatch):
+    monkeypatch.setattr(importlib.import_module("hmp.convert"), "_autocast_warned", False)
+
+
+def test_convert_inside_autocast_warns_once(fresh_autocast_warning):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hmp.convert()  # outside autocast: silent
+    with torch.autocast("cpu", dtype=BF16):
+        with pytest.warns(UserWarning, match=r"inside an active torch.autocast region \(cpu\)") as record:
+            hmp.convert()
+        msg = str(record[0].message)
+        assert "autocast's lists win" in msg and "FP32 list" in msg and "once per process" in msg
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            hmp.convert()  # second time: silent
+    assert hmp.is_converted()
+
+
+def test_autocast_warning_as_error_patches_nothing(fresh_autocast_warning, pristine):
+    with torch.autocast("cpu", dtype=BF16):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(UserWarning):
+                hmp.convert()
+    assert not hmp.is_converted()
+    assert_same(pristine, snapshot())
+
+
+def test_what_the_autocast_warning_says_is_true(tmp_path, fresh_autocast_warning):
+    # an op in hmp's FP32 list still runs in autocast's lower precision
+    hmp.convert(fp32_file_path=write(tmp_path, "f.txt", "linear\n"))
+    x, w = torch.randn(2, 4), torch.randn(3, 4)
+    assert F.linear(x.bfloat16(), w).dtype == FP32
+    with torch.autocast("cpu", dtype=BF16):
+        assert F.linear(x.bfloat16(), w).dtype == BF16
+    # and one in hmp's BF16 list can run in fp32 (autocast's fp32 list has mse_loss)
+    hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "mse_loss\n"))
+    assert F.mse_loss(x, x + 1).dtype == BF16
+    with torch.autocast("cpu", dtype=BF16):
+        assert F.mse_loss(x, x + 1).dtype == FP32
