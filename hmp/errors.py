@@ -18,14 +18,25 @@ line is added with ``add_note`` (Python 3.11+; older Pythons get no note).
   ``threading.excepthook`` when it is not caught; see ``install_hooks``.
 - **No kernel for the lower dtype.** When torch reports that the op it was
   called with has no kernel for the dtype hmp cast to (``"addmm_..." not
-  implemented for 'BFloat16'``, e.g. sparse CSR matmul on CPU), the op is run
-  again with its arguments as given, as if it were in no list, and hmp warns
-  once per op. Only when the op itself raised that error (a C function, so
-  nothing ran before the kernel was chosen) and hmp had cast something.
+  implemented for 'BFloat16'``, e.g. sparse matmul on CPU), the op is run
+  again with its arguments as given, as if it were in no list, or, when that
+  fails too and the call writes none of its arguments, with its
+  lower-precision arguments in float32 (an earlier listed op may have made
+  them bf16); hmp warns once per op. Only when the op itself raised that
+  error (a C function, so nothing ran before the kernel was chosen) and hmp
+  had cast something; otherwise the original error is raised.
+
+Limits of naming the op: the source must be readable (linecache) and
+unchanged since it was loaded; an error raised in Python code (``raise
+ValueError`` inside ``nn.LSTM``) or in C++ called by C++ (autograd's
+backward) names no op and gets a generic line; a caught exception that never
+passed through an hmp wrapper gets no note (only uncaught ones reach the
+hooks; IPython/Jupyter print tracebacks without sys.excepthook).
 """
 
 import ast
 import functools
+import itertools
 import linecache
 import re
 import sys
@@ -51,6 +62,7 @@ class About(NamedTuple):
             return True
         i = self.inplace_param
         return i is not None and len(args) > i and bool(args[i])
+
 
 _LOW = re.compile(r"BFloat16|bfloat16|\bHalf\b|\bhalf\b|float16")
 _FP32 = re.compile(r"\bFloat\b|\bfloat\b|float32|FloatTensor")
@@ -102,8 +114,6 @@ def _source(tb):
     code, filename = tb.tb_frame.f_code, tb.tb_frame.f_code.co_filename
     if hasattr(code, "co_positions") and tb.tb_lasti >= 0:
         try:
-            import itertools
-
             start, end, col, end_col = next(itertools.islice(code.co_positions(), tb.tb_lasti // 2, None))
         except (StopIteration, ValueError, TypeError):
             start = None
@@ -277,8 +287,9 @@ def failed(exc, op, site, args, kwargs, cast_args, cast_kwargs):
     hmp cast to and the op runs without that cast, else RAISE (after
     annotating ``exc``)."""
     try:
-        if (isinstance(exc, (NotImplementedError, RuntimeError)) and (cast_args is not args or cast_kwargs is not kwargs)
-                and exc.args and _NO_KERNEL.search(str(exc.args[0])) and _in_wrapper(_innermost(exc.__traceback__))):
+        cast_something = cast_args is not args or cast_kwargs is not kwargs
+        if (cast_something and isinstance(exc, (NotImplementedError, RuntimeError)) and exc.args
+                and _NO_KERNEL.search(str(exc.args[0])) and _in_wrapper(_innermost(exc.__traceback__))):
             result, how = _without_the_cast(op, site, args, kwargs)
             if how is not None:
                 label = site.label if site else getattr(op, "__name__", repr(op))

@@ -180,7 +180,8 @@ def test_convert_and_revert_while_eight_threads_run(fast_switching, pristine):
             failures.append(f"switcher {seed}: {type(e).__name__}: {e}")
 
     threads = start([lambda s=s: worker(s) for s in range(THREADS)])
-    switchers = start([lambda: switcher(100, SWITCHES), lambda: switcher(101, SWITCHES)])  # two switchers contend for the lock
+    # two switchers contend for the lock
+    switchers = start([lambda: switcher(100, SWITCHES), lambda: switcher(101, SWITCHES)])
     join(switchers)
     stop.set()
     join(threads)

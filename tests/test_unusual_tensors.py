@@ -40,6 +40,12 @@ def _base(shape=(4, 4)):
     return torch.randn(shape, generator=g)
 
 
+def _nested():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "prototype stage"
+        return torch.nested.nested_tensor([_base((2, 4)), _base((3, 4))])
+
+
 KINDS = {
     "fp32": lambda: _base(),
     "bf16": lambda: _base().bfloat16(),
@@ -62,6 +68,7 @@ KINDS = {
     "expanded (overlapping) view": lambda: _base((4, 1)).expand(4, 4),
     "as_strided (overlapping) view": lambda: _base((8,)).as_strided((4, 4), (1, 1)),
     "channels_last": lambda: _base((2, 3, 4, 4)).to(memory_format=torch.channels_last)[0, 0],
+    "nested": lambda: _nested(),
 }
 
 
@@ -102,6 +109,8 @@ def run(op, x):
 def same_values(a, b):
     if a.is_meta or b.is_meta:
         return True
+    if a.is_nested:
+        return all(same_values(x, y) for x, y in zip(a.unbind(), b.unbind()))
     with hmp.disable_casts():
         a = a.to_dense() if a.layout != torch.strided else a
         b = b.to_dense() if b.layout != torch.strided else b
@@ -128,9 +137,10 @@ def test_no_lost_type_and_no_new_errors(kind):
             continue
         if type(got) is not type(plain):
             problems.append(f"{name}: {type(got).__name__}, torch gives {type(plain).__name__}")
-        if got.layout != plain.layout or got.device != plain.device or got.shape != plain.shape:
-            problems.append(f"{name}: {got.layout}/{got.device}/{tuple(got.shape)} vs "
-                            f"{plain.layout}/{plain.device}/{tuple(plain.shape)}")
+        shapes = (None, None) if got.is_nested else (tuple(got.shape), tuple(plain.shape))
+        if got.layout != plain.layout or got.device != plain.device or shapes[0] != shapes[1]:
+            problems.append(f"{name}: {got.layout}/{got.device}/{shapes[0]} vs "
+                            f"{plain.layout}/{plain.device}/{shapes[1]}")
         if name in INPLACE:
             if got is not x or got.dtype != dtype:
                 problems.append(f"{name}: in-place result is not the written tensor with its dtype")
@@ -292,3 +302,13 @@ def test_complex_bool_and_integer_tensors_are_never_cast():
     b, i = torch.rand(3, 3) > 0.5, torch.randint(0, 5, (3, 3))
     assert torch.mul(b, b).dtype == torch.bool and torch.mm(i, i).dtype == torch.int64
     assert torch.mul(i, torch.randn(3, 3)).dtype == BF16  # the float argument is cast, the integer one is not
+
+
+def test_fake_tensors_stay_fake():
+    fake_tensor = pytest.importorskip("torch._subclasses.fake_tensor")
+    hmp.convert()
+    with fake_tensor.FakeTensorMode():
+        x = torch.randn(4, 4)
+        for out, dtype in ((torch.mm(x, x), BF16), (F.linear(x, x), BF16), (torch.softmax(x.bfloat16(), -1), FP32),
+                           (torch.add(x, x.bfloat16()), FP32), (x.mul_(x.bfloat16()), FP32)):
+            assert isinstance(out, fake_tensor.FakeTensor) and out.dtype == dtype
