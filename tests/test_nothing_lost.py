@@ -16,6 +16,16 @@ import hmp
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
+@pytest.fixture(autouse=True)
+def one_intra_op_thread():
+    """Tiny models: intra-op threads only spin against each other (and
+    against other processes on a 2-core machine); restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def make_model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(
@@ -104,6 +114,7 @@ def test_batchnorm_statistics_match_fp32_on_rounded_inputs():
 
 CHECK = r"""
 import sys, torch
+torch.set_num_threads(1)  # as the test process: the same reduction order, so the forward is bitwise equal
 model_sd, ref_sd = torch.load(sys.argv[1]), torch.load(sys.argv[2])
 opt_sd, opt_ref = torch.load(sys.argv[3]), torch.load(sys.argv[4])
 

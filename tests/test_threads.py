@@ -30,6 +30,16 @@ JOIN_S = 120
 SWITCHES = 60
 
 
+@pytest.fixture(autouse=True)
+def one_intra_op_thread():
+    """Tiny models: intra-op threads only spin against each other (and
+    against other processes on a 2-core machine); restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -222,7 +232,7 @@ def test_leaving_disable_casts_while_another_thread_reverts(fast_switching):
             failures.append(f"{type(e).__name__}: {e}")
 
     threads = start([leaver for _ in range(4)])
-    for _ in range(80):
+    for _ in range(40):
         hmp.convert()
         hmp.revert()
     stop.set()
