@@ -35,6 +35,9 @@ def _check_path(path, what):
     return Path(os.fspath(path))
 
 
+MAX_BYTES = 64 << 20  # a list of every op torch has is under 100 KiB
+
+
 def read_names(path, what="list file"):
     """Return ``[(line_number, name), ...]`` from a list file.
 
@@ -44,11 +47,15 @@ def read_names(path, what="list file"):
     """
     path = _check_path(path, what)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)  # bounded: /dev/zero or a runaway pipe must not eat all memory
     except OSError as e:
         raise type(e)(e.errno, f"hmp: cannot read {what} {str(path)!r}: {e.strerror}", str(path)) from None
     except ValueError as e:  # a path the OS cannot take (an embedded NUL byte)
         raise ValueError(f"hmp: cannot read {what} {str(path)!r}: {e}") from None
+    if len(data) > MAX_BYTES:
+        raise ValueError(f"hmp: bad {what} {str(path)!r}: larger than {MAX_BYTES >> 20} MiB; a list file holds "
+                         f"one op name per line")
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     entries = []

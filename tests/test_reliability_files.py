@@ -200,6 +200,28 @@ def test_dangling_symlink_and_symlink_loop(tmp_path):
     assert isinstance(outcome(loop), OSError)
 
 
+def test_endless_file_is_a_bounded_read_and_a_valueerror():
+    """/dev/zero would be read until memory runs out (MemoryError)."""
+    if not Path("/dev/zero").exists():
+        pytest.skip("no /dev/zero")
+    start = time.perf_counter()
+    e = outcome(Path("/dev/zero"))
+    assert isinstance(e, ValueError) and "larger than 64 MiB" in str(e)
+    assert time.perf_counter() - start < 10
+
+
+def test_a_pipe_is_read(tmp_path):
+    """Process substitution (``<(echo linear)``) hands hmp a pipe: it works."""
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"linear\nmm\n")
+    os.close(write_end)
+    try:
+        assert outcome(f"/dev/fd/{read_end}") is None
+        assert hmp.effective_lists()["bf16"] == ["linear", "mm"]
+    finally:
+        os.close(read_end)
+
+
 def test_name_too_long(tmp_path):
     assert isinstance(outcome(tmp_path / ("x" * 5000)), OSError)
 
