@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from . import errors, lists, policy, state, wrap
+from . import errors, interop, lists, policy, state, wrap
 from .cache import cache as weight_cache
 from .patch import PatchLog
 from .resolve import FUSED, Resolver, unwrap
@@ -55,48 +55,6 @@ def _options(opt_level, isVerbose, low_precision_type):
         raise ValueError(f"hmp: low_precision_type must be torch.bfloat16 or torch.float16, got {low_precision_type!r}")
     if not isinstance(isVerbose, bool):
         raise TypeError(f"hmp: isVerbose must be a bool, got {isVerbose!r}")
-
-
-_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps", "xla", "ipu", "mtia", "maia", "privateuseone")
-_autocast_warned = False
-
-
-def autocast_regions():
-    """The device types for which torch.autocast is enabled in this thread."""
-    found, per_device = [], True
-    for device in _AUTOCAST_DEVICES:
-        try:
-            if torch.is_autocast_enabled(device):
-                found.append(device)
-        except TypeError:  # torch < 2.4 takes no argument
-            per_device = False
-            break
-        except (RuntimeError, ValueError):  # a device type this torch does not know
-            pass
-    if not per_device:  # torch < 2.4: one function per device type
-        for device, fn in (("cuda", "is_autocast_enabled"), ("cpu", "is_autocast_cpu_enabled"),
-                           ("xpu", "is_autocast_xpu_enabled"), ("hpu", "is_autocast_hpu_enabled")):
-            try:
-                if getattr(torch, fn, lambda: False)():
-                    found.append(device)
-            except (TypeError, RuntimeError):
-                pass
-    return found
-
-
-def _warn_inside_autocast():
-    global _autocast_warned
-    if _autocast_warned:
-        return
-    devices = autocast_regions()
-    if devices:
-        warnings.warn(
-            f"hmp: convert() called inside an active torch.autocast region ({', '.join(devices)}). autocast casts "
-            f"inside the dispatcher, after hmp's Python-level casts, so for ops both know autocast's lists win: "
-            f"an op in hmp's FP32 list can still run in autocast's lower precision, and one in hmp's BF16 list in "
-            f"fp32. Leaving the autocast region does not revert hmp. Use one of the two for a region of code. "
-            f"(hmp warns about this once per process.)", UserWarning, stacklevel=3)
-        _autocast_warned = True
 
 
 def effective_lists_for(opt_level="O1", bf16_file_path="", fp32_file_path="", promote_file_path="", resolver=None):
@@ -203,7 +161,7 @@ def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=Fals
         effective = effective_lists_for(opt_level, bf16_file_path, fp32_file_path, promote_file_path, resolver)
         casts = weight_cache.casters() if cache else dict(policy.PLAIN_CASTS)
         plan = _plan(effective, low_precision_type, isVerbose, resolver, casts)
-        _warn_inside_autocast()  # before patching: a warnings filter set to "error" patches nothing
+        interop.warn_inside_autocast()  # before patching: a warnings filter set to "error" patches nothing
         _revert_locked()
         try:
             for site, make in plan:

@@ -302,7 +302,7 @@ def test_revert_restores_exception_hooks_and_a_stranded_hook_stays_inert():
 
 @pytest.fixture
 def fresh_autocast_warning(monkeypatch):
-    monkeypatch.setattr(importlib.import_module("hmp.convert"), "_autocast_warned", False)
+    monkeypatch.setattr(importlib.import_module("hmp.interop"), "_autocast_warned", False)
 
 
 def test_convert_inside_autocast_warns_once(fresh_autocast_warning):
@@ -312,6 +312,7 @@ def test_convert_inside_autocast_warns_once(fresh_autocast_warning):
     with torch.autocast("cpu", dtype=BF16):
         with pytest.warns(UserWarning, match=r"inside an active torch.autocast region \(cpu\)") as record:
             hmp.convert()
+        assert record[0].filename == __file__  # points at the convert() call
         msg = str(record[0].message)
         assert "autocast's lists win" in msg and "FP32 list" in msg and "once per process" in msg
         with warnings.catch_warnings():
