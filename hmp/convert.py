@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from . import lists, policy, record, state, user, wrap
+from . import errors, interop, lists, policy, record, state, user, wrap
 from .cache import cache as weight_cache
 from .patch import PatchLog
 from .resolve import FUSED, Resolver, Site, unwrap
@@ -137,17 +137,18 @@ class _Policies:
         """``make(original) -> wrapper`` for one site of op ``name`` in list ``kind``."""
         label, rec = site.label, self.recorder
         timed = (lambda op: op) if rec is None else rec.op
+        about = errors.About(label, name, kind, site.inplace, site.inplace_param)  # for the error path
         if site.inplace:
             prepare = self._wrap_prepare(self.into_self, label, name)
-            return lambda op: wrap.wrap_simple(timed(op), prepare)
+            return lambda op: wrap.wrap_simple(timed(op), prepare, about)
         norm = kind == "bf16" and name in policy.NORM_OPS
         main = self.norm if norm else self.kind[kind]
         main, out, into = (self._wrap_prepare(p, label, name) for p in (main, self.out, self.into_input))
         if norm and name in policy.AFFINE_ONLY_NORMS:
             lower_all = self.kind["bf16"]
             return lambda op: wrap.wrap_call(timed(wrap.mixed_or_lower(op, lower_all)), main, out, into,
-                                             site.inplace_param)
-        return lambda op: wrap.wrap_call(timed(op), main, out, into, site.inplace_param)
+                                             site.inplace_param, about)
+        return lambda op: wrap.wrap_call(timed(op), main, out, into, site.inplace_param, about)
 
     def user_prepares(self):
         return {kind: self._wrap_prepare(p, f"user {kind} function", f"user_{kind}_function")
@@ -225,6 +226,7 @@ def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=Fals
         effective = effective_lists_for(opt_level, bf16_file_path, fp32_file_path, promote_file_path, resolver)
         options = {"opt_level": opt_level, "low_precision_type": low_precision_type, "verbose": isVerbose,
                    "cache": cache}
+        interop.warn_inside_autocast()  # before patching: a warnings filter set to "error" patches nothing
         install(effective, options, resolver=resolver)
 
 
@@ -256,6 +258,7 @@ def install(effective, options, resolver=None, recorder=None, passthrough=False)
             rt.policies = None
             raise
         user.active = policies.user_prepares()
+        errors.install_hooks()
         rt.lists = {k: sorted(v) for k, v in effective.items()}
         rt.options = dict(options)
         if cache:
@@ -275,6 +278,7 @@ def _revert_locked():
         rt.patches.undo()
     finally:
         user.active = None
+        errors.remove_hooks()
         state.on_reenable = None
         weight_cache.clear()
         rt.lists = None

@@ -35,6 +35,9 @@ def _check_path(path, what):
     return Path(os.fspath(path))
 
 
+MAX_BYTES = 64 << 20  # a list of every op torch has is under 100 KiB
+
+
 def read_names(path, what="list file"):
     """Return ``[(line_number, name), ...]`` from a list file.
 
@@ -44,9 +47,15 @@ def read_names(path, what="list file"):
     """
     path = _check_path(path, what)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)  # bounded: /dev/zero or a runaway pipe must not eat all memory
     except OSError as e:
         raise type(e)(e.errno, f"hmp: cannot read {what} {str(path)!r}: {e.strerror}", str(path)) from None
+    except ValueError as e:  # a path the OS cannot take (an embedded NUL byte)
+        raise ValueError(f"hmp: cannot read {what} {str(path)!r}: {e}") from None
+    if len(data) > MAX_BYTES:
+        raise ValueError(f"hmp: bad {what} {str(path)!r}: larger than {MAX_BYTES >> 20} MiB; a list file holds "
+                         f"one op name per line")
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     entries = []
@@ -70,11 +79,17 @@ def read_names(path, what="list file"):
     return entries
 
 
-def _short(text, limit=80):
+_SANE = 80  # longer than any op name torch has
+
+
+def _short(text, limit=_SANE):
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _error_text(path, what, errors, limit=10):
+SHOWN = 10  # errors listed in a message; the rest are counted
+
+
+def _error_text(path, what, errors, limit=SHOWN):
     more = f"\n  ... and {len(errors) - limit} more" if len(errors) > limit else ""
     return f"hmp: bad {what} {str(path)!r}:\n  " + "\n  ".join(errors[:limit]) + more
 
@@ -92,9 +107,11 @@ def load(path, known, what):
         if name in names:
             continue
         if not known.exists(name):
-            close = known.suggest(name)
+            # suggestions cost milliseconds each (seconds for a huge name):
+            # only for the errors shown, and only for names of a sane length
+            close = known.suggest(name) if len(errors) < SHOWN and len(name) <= 2 * _SANE else ()
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            errors.append(f"line {number}: unknown op {name!r}{hint}")
+            errors.append(f"line {number}: unknown op {_short(name)!r}{hint}")
             continue
         names[name] = number
     if errors:

@@ -23,17 +23,24 @@ class PatchLog:
     def undo(self):
         """Undo every change, newest first. Keeps going past a failing entry
         and raises the first error at the end, so one bad entry cannot leave
-        the rest patched."""
-        first_error = None
+        the rest patched. Entries that could not be undone (and, after a
+        KeyboardInterrupt, those not reached) stay in the log, so the next
+        undo() retries them: torch is never left patched with no way back."""
+        first_error, failed = None, []
         while self._entries:
-            namespace, attr, previous = self._entries.pop()
+            entry = self._entries.pop()
+            namespace, attr, previous = entry
             try:
                 if previous is _MISSING:
                     delattr(namespace, attr)
                 else:
                     setattr(namespace, attr, previous)
-            except Exception as e:  # pragma: no cover - only a hostile namespace gets here
+            except BaseException as e:  # only a hostile namespace or an interrupt gets here
+                failed.append(entry)
                 first_error = first_error or e
+                if not isinstance(e, Exception):
+                    break
+        self._entries.extend(reversed(failed))
         if first_error is not None:
             raise first_error
 

@@ -85,6 +85,21 @@ class Resolver:
             self.modules.append(("torchvision.ops", tv))
         self._cache = {}
         self._universe = None
+        self._attrs = None  # every attribute name a lookup could find
+
+    def _may_exist(self, name):
+        """False when no attribute ``sites`` would look up exists at all: a
+        set lookup instead of a dozen ``getattr_static`` calls, so a list of
+        100k unknown names is checked in well under a second."""
+        if self._attrs is None:
+            attrs = set()
+            for _, module in self.modules:
+                attrs.update(module.__dict__)
+            for klass in torch.Tensor.__mro__:
+                attrs.update(vars(klass))
+            self._attrs = attrs
+        attrs = self._attrs
+        return name in attrs or name + "_" in attrs or f"__{name}__" in attrs
 
     def _lookup(self, namespace, attr, in_class):
         if in_class:
@@ -102,6 +117,9 @@ class Resolver:
         if name in self._cache:
             return self._cache[name]
         found = []
+        if not self._may_exist(name):
+            self._cache[name] = found
+            return found
         inplace_name = None if name.endswith("_") else name + "_"
         explicit_inplace = name.endswith("_") and not name.endswith("__")
         for owner, module in self.modules:

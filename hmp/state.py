@@ -39,6 +39,7 @@ class disable_casts(contextlib.ContextDecorator):
 
     def __exit__(self, *exc):
         tls.off -= 1
-        if tls.off == 0 and on_reenable is not None:
-            on_reenable()
+        hook = on_reenable  # read once: revert() in another thread may clear it
+        if tls.off == 0 and hook is not None:
+            hook()
         return False

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from . import policy
+from . import errors, policy
 from .resolve import ORIGINAL, unwrap
 from .state import tls
 
@@ -29,24 +29,32 @@ def _finish(wrapper, op):
     return wrapper
 
 
-def wrap_simple(op, prepare):
-    """Every call goes through ``prepare`` (in-place sites, ``op_wrap``)."""
+def wrap_simple(op, prepare, site=None):
+    """Every call goes through ``prepare`` (in-place sites, ``op_wrap``).
+
+    ``site`` (an errors.About) describes the entry point for the error
+    path; the ``except`` clauses cost nothing unless the op raises."""
 
     def wrapper(*args, **kwargs):
         st = tls
         if st.off:
             return op(*args, **kwargs)
-        args, kwargs = prepare(args, kwargs)
+        a, k = prepare(args, kwargs)
         st.off = 1
         try:
-            return op(*args, **kwargs)
+            return op(*a, **k)
+        except Exception as e:
+            result = errors.failed(e, op, site, args, kwargs, a, k)
+            if result is errors.RAISE:
+                raise
+            return result
         finally:
             st.off = 0
 
     return _finish(wrapper, op)
 
 
-def wrap_call(op, prepare, prepare_out, prepare_inplace=None, inplace_param=None):
+def wrap_call(op, prepare, prepare_out, prepare_inplace=None, inplace_param=None, site=None):
     """Out-of-place entry point. A call with ``out=`` (or ``inplace=True``
     for functions that take it) follows the in-place rule instead."""
     if inplace_param is None:
@@ -56,12 +64,17 @@ def wrap_call(op, prepare, prepare_out, prepare_inplace=None, inplace_param=None
             if st.off:
                 return op(*args, **kwargs)
             if kwargs and kwargs.get("out") is not None:
-                args, kwargs = prepare_out(args, kwargs)
+                a, k = prepare_out(args, kwargs)
             else:
-                args, kwargs = prepare(args, kwargs)
+                a, k = prepare(args, kwargs)
             st.off = 1
             try:
-                return op(*args, **kwargs)
+                return op(*a, **k)
+            except Exception as e:
+                result = errors.failed(e, op, site, args, kwargs, a, k)
+                if result is errors.RAISE:
+                    raise
+                return result
             finally:
                 st.off = 0
 
@@ -76,14 +89,19 @@ def wrap_call(op, prepare, prepare_out, prepare_inplace=None, inplace_param=None
             else:
                 inplace = kwargs.get("inplace", False) if kwargs else False
             if inplace:
-                args, kwargs = prepare_inplace(args, kwargs)
+                a, k = prepare_inplace(args, kwargs)
             elif kwargs and kwargs.get("out") is not None:
-                args, kwargs = prepare_out(args, kwargs)
+                a, k = prepare_out(args, kwargs)
             else:
-                args, kwargs = prepare(args, kwargs)
+                a, k = prepare(args, kwargs)
             st.off = 1
             try:
-                return op(*args, **kwargs)
+                return op(*a, **k)
+            except Exception as e:
+                result = errors.failed(e, op, site, args, kwargs, a, k)
+                if result is errors.RAISE:
+                    raise
+                return result
             finally:
                 st.off = 0
 
@@ -167,7 +185,7 @@ def op_wrap(op, cast_fn):
     def prepare(args, kwargs):
         return tuple(cast_value(a) for a in args), {k: cast_value(v) for k, v in kwargs.items()}
 
-    return wrap_simple(op, prepare)
+    return wrap_simple(op, prepare, errors.About(getattr(op, "__qualname__", None) or repr(op)))
 
 
 def to_bf16(t):

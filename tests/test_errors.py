@@ -1,0 +1,354 @@
+"""Errors that help: an exception from a wrapped op keeps its type, message
+and identity; a bf16/fp32 dtype mismatch gains one note naming the op and
+the list it probably belongs in; convert() inside torch.autocast warns once."""
+
+import importlib
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hmp
+from conftest import assert_same, snapshot, write
+from hmp import errors
+
+BF16, FP32 = torch.bfloat16, torch.float32
+needs_notes = pytest.mark.skipif(sys.version_info < (3, 11), reason="add_note is Python 3.11+")
+
+
+def notes(e):
+    return [n for n in getattr(e, "__notes__", ()) if n.startswith("hmp:")]
+
+
+def plain_error(fn):
+    """The exception torch raises for the same call without hmp."""
+    with hmp.disable_casts():
+        with pytest.raises(Exception) as info:
+            fn()
+    return info.value
+
+
+# -- type, message and identity are kept -------------------------------------------------
+
+
+class Boom(Exception):
+    pass
+
+
+class Raises(torch.Tensor):
+    """A subclass whose ops raise a user exception from inside the wrapped call."""
+
+    raised = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("mm", "softmax", "add", "mul_"):
+            e = Boom(f"boom in {func.__name__}")
+            cls.raised.append(e)
+            raise e
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("call", ["mm", "softmax", "add", "mul_"])
+def test_exception_inside_wrapped_op_is_the_same_object(call):
+    hmp.convert()
+    x = torch.randn(3, 3).as_subclass(Raises)
+    fn = {"mm": lambda: torch.mm(x, x), "softmax": lambda: torch.softmax(x, -1),
+          "add": lambda: torch.add(x, x), "mul_": lambda: x.mul_(2)}[call]
+    with pytest.raises(Boom) as info:
+        fn()
+    assert info.value is Raises.raised[-1] and str(info.value) == f"boom in {call}"
+    assert not notes(info.value) and hmp.casts_enabled()
+
+
+@pytest.mark.parametrize("case", ["shape", "index", "dim", "int softmax", "overlap"])
+def test_torch_errors_keep_type_and_message(case):
+    hmp.convert()
+    x = torch.randn(3, 4)
+    fn = {
+        "shape": lambda: torch.mm(x, x),
+        "index": lambda: F.embedding(torch.tensor([9]), torch.randn(3, 2)),
+        "dim": lambda: F.softmax(x.bfloat16(), dim=5),
+        "int softmax": lambda: torch.softmax(torch.ones(3, dtype=torch.long), 0),
+        "overlap": lambda: torch.randn(3, 1).expand(3, 4).mul_(x),
+    }[case]
+    expected = plain_error(fn)
+    with pytest.raises(type(expected)) as info:
+        fn()
+    assert type(info.value) is type(expected)
+    # the message may differ only in the dtype hmp cast to
+    norm = lambda s: s.replace("BFloat16", "Float").replace("bfloat16", "float32")  # noqa: E731
+    assert norm(str(info.value)) == norm(str(expected))
+    assert not notes(info.value)  # not a dtype mismatch: no note
+    assert hmp.casts_enabled()
+
+
+def test_keyboard_interrupt_inside_wrapped_op_passes_untouched():
+    class Interrupt(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "mm":
+                raise KeyboardInterrupt
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    hmp.convert()
+    x = torch.randn(2, 2).as_subclass(Interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        torch.mm(x, x)
+    assert hmp.casts_enabled() and torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == BF16
+
+
+# -- dtype mismatches name the op ----------------------------------------------------------
+
+
+@needs_notes
+def test_mismatch_in_a_wrapped_norm_names_it_and_a_list():
+    hmp.convert()
+    x = torch.randn(4, 8)
+    mean, var = torch.zeros(8).bfloat16(), torch.ones(8)  # a half-converted BatchNorm
+    w, b = torch.ones(8), torch.zeros(8)
+    expected = plain_error(lambda: F.batch_norm(x.bfloat16(), mean, var, w, b, training=True))
+    with pytest.raises(RuntimeError) as info:
+        F.batch_norm(x, mean, var, w, b, training=True)
+    e = info.value
+    assert str(e) == str(expected)  # message unchanged
+    (note,) = notes(e)
+    assert "torch.nn.functional.batch_norm" in note and "FP32 list" in note and "'batch_norm'" in note
+
+
+def test_half_converted_layer_norm_runs_through_the_norm_fallback():
+    """layer_norm has no running statistics: where its kernel rejects mixed
+    weight and bias, hmp casts them too (see wrap.mixed_or_lower)."""
+    hmp.convert()
+    out = F.layer_norm(torch.randn(4, 8), (8,), torch.ones(8).bfloat16(), torch.zeros(8))
+    assert out.dtype == torch.bfloat16
+
+
+@needs_notes
+def test_mismatch_inside_op_wrap_names_the_inner_op():
+    hmp.convert()
+    w = torch.randn(4, 4)
+
+    def project(x):
+        return torch.mm(x,
+                        w)  # w is not an argument: never cast; a multi-line call
+
+    wrapped = hmp.op_wrap(project, hmp.to_bf16)
+    with pytest.raises(RuntimeError) as info:
+        wrapped(torch.randn(2, 4))
+    (note,) = notes(info.value)
+    assert note.startswith("hmp: mm got") and "project" in note and "cast their inputs inside it" in note
+
+
+@needs_notes
+def test_mismatch_in_an_op_called_inside_a_wrapped_python_op():
+    """Ops called inside a wrapped op are not cast again: a tensor made
+    inside it stays fp32 and meets the cast bf16 argument."""
+    hmp.convert()
+
+    def inner(x):
+        bias = torch.zeros(x.shape[-1])  # made inside: fp32
+        return torch.baddbmm(bias, x[None], x[None].transpose(1, 2))
+
+    wrapped = hmp.op_wrap(inner, hmp.to_bf16)
+    with pytest.raises(RuntimeError) as info:
+        wrapped(torch.randn(3, 3))
+    (note,) = notes(info.value)
+    assert "baddbmm" in note and "inner" in note
+
+
+@needs_notes
+def test_mismatch_inside_a_listed_python_op_says_to_list_what_it_calls():
+    """A listed op implemented in Python (the site label is what convert()
+    gives the wrapper) whose inner call mixes dtypes."""
+    from hmp import policy, wrap
+
+    hmp.convert()
+
+    def attention(q, k):
+        scale = torch.ones(q.shape[0], q.shape[0])  # made inside: fp32
+        return torch.baddbmm(scale[None], q[None], k[None].transpose(1, 2))
+
+    casts = dict(policy.PLAIN_CASTS)
+    about = errors.About("torch.nn.functional.attention", "attention", "bf16")
+    wrapped = wrap.wrap_simple(attention, policy.lower(BF16, casts), about)
+    with pytest.raises(RuntimeError) as info:
+        wrapped(torch.randn(3, 2), torch.randn(3, 2))
+    (note,) = notes(info.value)
+    assert note.startswith("hmp: baddbmm got") and "inside torch.nn.functional.attention (BF16 list)" in note
+    assert "take 'attention' out of the lists" in note and "'baddbmm' probably belongs in the BF16 list" in note
+
+
+def _unwrapped_note(fn):
+    """The note an uncaught exception gets from sys.excepthook."""
+    with pytest.raises(Exception) as info:
+        fn()
+    e = info.value
+    assert not notes(e)  # caught before any hook: no note yet
+    old_stderr = sys.stderr
+    try:
+        import io
+
+        sys.stderr = io.StringIO()
+        sys.excepthook(type(e), e, e.__traceback__)
+        printed = sys.stderr.getvalue()
+    finally:
+        sys.stderr = old_stderr
+    (note,) = notes(e)
+    assert note in printed  # Python prints notes after the message
+    return note
+
+
+@needs_notes
+def test_unlisted_op_called_directly_is_named_by_the_excepthook():
+    hmp.convert()
+    bias, a, b = torch.randn(1, 3, 3), torch.randn(1, 3, 3).bfloat16(), torch.randn(1, 3, 3).bfloat16()
+    note = _unwrapped_note(lambda: torch.baddbmm(bias, a, b))
+    assert "baddbmm" in note and "no hmp list" in note and "BF16 list" in note and "bf16_file_path" in note
+
+
+@needs_notes
+def test_op_removed_from_the_lists_is_named_with_its_list(tmp_path):
+    hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "linear\nmm\n"),  # no addmm
+                promote_file_path=write(tmp_path, "p.txt", "add\n"))  # no index_put
+    x, w, bias = torch.randn(2, 3).bfloat16(), torch.randn(3, 4).bfloat16(), torch.randn(4)
+    note = _unwrapped_note(lambda: torch.addmm(bias, x, w))
+    assert "addmm" in note and "no hmp list" in note and "BF16 list" in note
+    # an operator and a method call are named too
+    note = _unwrapped_note(lambda: x.float() @ w)
+    assert "matmul" not in hmp.effective_lists()["bf16"] and "hmp: matmul got" in note
+    note = _unwrapped_note(lambda: bias.index_put_((torch.tensor([0]),), torch.ones(1).bfloat16()))
+    assert "index_put" in note and "promote list" in note
+
+
+@needs_notes
+def test_listed_op_not_cast_says_why():
+    hmp.convert()
+    a, b = torch.randn(2, 2), torch.randn(2, 2).bfloat16()
+    with hmp.disable_casts():
+        note = _unwrapped_note(lambda: torch.mm(a, b))
+    assert "'mm' is in the BF16 list but this call was not cast" in note and "disable_casts" in note
+
+
+@needs_notes
+def test_mismatch_that_names_no_op_gets_a_generic_line():
+    hmp.convert()
+    lstm = torch.nn.LSTM(4, 4)
+    note = _unwrapped_note(lambda: lstm(torch.randn(1, 2, 4).bfloat16()))
+    assert "missing from hmp's lists" in note
+
+
+def test_non_mismatch_errors_get_no_note_from_the_hook():
+    hmp.convert()
+    with pytest.raises(RuntimeError) as info:
+        torch.sin(torch.randn(2, 3)).view(5)
+    errors.annotate(info.value)
+    assert not notes(info.value)
+
+
+@needs_notes
+def test_uncaught_mismatch_in_a_script_and_a_thread_prints_the_note(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, threading, torch, hmp\n"
+        "hmp.convert()\n"
+        "bias, a = torch.randn(1, 2, 2), torch.randn(1, 2, 2).bfloat16()\n"
+        "def step():\n"
+        "    torch.baddbmm(bias, a, a)\n"
+        "t = threading.Thread(target=step); t.start(); t.join()\n"
+        "print('thread done', flush=True)\n"
+        "step()\n"
+    )
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "thread done" in res.stdout
+    assert res.stderr.count("hmp: baddbmm got lower-precision and float32 tensors and is in no hmp list") == 2
+    assert "Input dtypes must be the same" in res.stderr  # torch's message is still there
+
+
+def test_revert_restores_exception_hooks_and_a_stranded_hook_stays_inert():
+    before = (sys.excepthook, threading.excepthook)
+    hmp.convert()
+    assert sys.excepthook is not before[0]
+    hmp.revert()
+    assert (sys.excepthook, threading.excepthook) == before
+    # someone chains their hook after convert(): revert cannot take ours out
+    hmp.convert()
+    ours = sys.excepthook
+    calls = []
+
+    def theirs(*a):
+        calls.append(a)
+        return ours(*a)
+
+    sys.excepthook = theirs
+    try:
+        hmp.revert()
+        assert sys.excepthook is theirs
+        hmp.convert()  # re-activates the stranded hook instead of chaining a loop
+        hmp.revert()
+        try:
+            raise ValueError("x")
+        except ValueError as e:
+            import io
+
+            old, sys.stderr = sys.stderr, io.StringIO()
+            try:
+                sys.excepthook(type(e), e, e.__traceback__)  # no recursion
+            finally:
+                sys.stderr = old
+        assert len(calls) == 1
+    finally:
+        sys.excepthook = before[0]
+        errors._hooks.update(sys=None)
+
+
+# -- autocast --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_autocast_warning(monkeypatch):
+    monkeypatch.setattr(importlib.import_module("hmp.interop"), "_autocast_warned", False)
+
+
+def test_convert_inside_autocast_warns_once(fresh_autocast_warning):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hmp.convert()  # outside autocast: silent
+    with torch.autocast("cpu", dtype=BF16):
+        with pytest.warns(UserWarning, match=r"inside an active torch.autocast region \(cpu\)") as record:
+            hmp.convert()
+        assert record[0].filename == __file__  # points at the convert() call
+        msg = str(record[0].message)
+        assert "autocast's lists win" in msg and "FP32 list" in msg and "once per process" in msg
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            hmp.convert()  # second time: silent
+    assert hmp.is_converted()
+
+
+def test_autocast_warning_as_error_patches_nothing(fresh_autocast_warning, pristine):
+    with torch.autocast("cpu", dtype=BF16):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(UserWarning):
+                hmp.convert()
+    assert not hmp.is_converted()
+    assert_same(pristine, snapshot())
+
+
+def test_what_the_autocast_warning_says_is_true(tmp_path, fresh_autocast_warning):
+    # an op in hmp's FP32 list still runs in autocast's lower precision
+    hmp.convert(fp32_file_path=write(tmp_path, "f.txt", "linear\n"))
+    x, w = torch.randn(2, 4), torch.randn(3, 4)
+    assert F.linear(x.bfloat16(), w).dtype == FP32
+    with torch.autocast("cpu", dtype=BF16):
+        assert F.linear(x.bfloat16(), w).dtype == BF16
+    # and one in hmp's BF16 list can run in fp32 (autocast's fp32 list has mse_loss)
+    hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "mse_loss\n"))
+    assert F.mse_loss(x, x + 1).dtype == BF16
+    with torch.autocast("cpu", dtype=BF16):
+        assert F.mse_loss(x, x + 1).dtype == FP32
