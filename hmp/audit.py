@@ -13,7 +13,7 @@ import sys
 import torch
 
 from . import lists as list_kinds
-from .convert import current, effective_lists_for, install, revert
+from .convert import current, effective_lists_for, install, restore, revert
 from .record import Recorder, snapshot
 
 TINY = 1e-30
@@ -186,10 +186,7 @@ def audit(fn, *args, state=(), threshold=0.05, loss_threshold=2e-3, **kwargs):
             rows.append(row)
     finally:
         guard.restore()
-        if saved is not None:
-            install(*saved)
-        else:
-            revert()
+        restore(saved)
     return AuditReport(rows, output_error, threshold, loss_threshold)
 
 

@@ -299,6 +299,14 @@ def is_converted():
     return runtime.lists is not None
 
 
+def restore(saved):
+    """Put back what current() returned: that conversion, or none."""
+    if saved is None:
+        revert()
+    else:
+        install(*saved)
+
+
 def current():
     """``(effective lists, options)`` of the current conversion, or None; what
     install() takes to restore it."""

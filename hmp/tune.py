@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import lists as list_kinds
 from .audit import StateGuard, _by_op, _lists_and_options, _worst, audit, compare, run_step
-from .convert import current, install, revert
+from .convert import current, install, restore, revert
 from .resolve import Resolver
 
 
@@ -219,10 +219,7 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         timings = _interleaved_times(step_fn, args, kwargs, guard, configs, options, rounds)
     finally:
         guard.restore()
-        if saved is not None:
-            install(*saved)
-        else:
-            revert()
+        restore(saved)
     final = {k: sorted(v) for k, v in candidate.items()}
     final["promote"] = sorted(candidate["promote"] - candidate["bf16"] - candidate["fp32"])
     return TuneResult(final, {k: sorted(v) for k, v in start_lists.items()}, report, trials, validation, timings)

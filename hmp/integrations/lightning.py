@@ -27,7 +27,7 @@ from lightning.pytorch.plugins import Precision
 
 import hmp
 from hmp import state
-from hmp.convert import current, effective_lists_for, install
+from hmp.convert import current, effective_lists_for, restore
 
 log = logging.getLogger("hmp")
 
@@ -100,9 +100,7 @@ class HMPPrecision(Precision):
             return
         self._active = False
         previous, self._previous = self._previous, None
-        hmp.revert()
-        if previous is not None:
-            install(*previous)
+        restore(previous)
 
     def connect(self, model, optimizers, lr_schedulers):
         # Strategy.setup() calls this once per run, after the model is on its device.
