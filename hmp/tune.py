@@ -208,10 +208,12 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         validation = {name: _train(step_fn, args, kwargs, guard, steps, lists_, options)[0]
                       for name, lists_ in configs.items()}
 
-        def close(name):
-            return abs(validation[name] - validation["fp32"]) <= tolerance * abs(validation["fp32"])
+        def acceptable(name):
+            """Within ``tolerance`` of fp32, or no further from it than the starting lists."""
+            gap = abs(validation[name] - validation["fp32"])
+            return gap <= tolerance * abs(validation["fp32"]) or gap <= abs(validation["starting lists"] - validation["fp32"])
 
-        if not close("tuned lists") and candidate != lists:
+        if not acceptable("tuned lists") and candidate != lists:
             for t in trials.values():
                 t["accepted"] = False
             candidate = configs["tuned lists"] = lists

@@ -1,0 +1,124 @@
+"""Run hmp.tune on a small CNN (and, with --model lm, the demo's language
+model) and compare the tuned lists with the default lists: step time
+(interleaved medians) and final loss against fp32 after the same steps.
+
+    python benchmarks/tune_models.py --model cnn --steps 60
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hmp
+
+
+def cnn_problem(seed=0, n=256, size=16, classes=4):
+    """Gratings of four orientations in noise: a task a small CNN learns in a few dozen steps."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, classes, (n,), generator=g)
+    ii, jj = torch.meshgrid(torch.arange(size), torch.arange(size), indexing="ij")
+    angles = y.float() * (3.14159 / classes)
+    phase = torch.rand(n, generator=g) * 6.28
+    x = torch.sin((ii[None] * torch.cos(angles)[:, None, None] + jj[None] * torch.sin(angles)[:, None, None]) * 1.2
+                  + phase[:, None, None])
+    x = (x + 2.5 * torch.randn(n, size, size, generator=g)).unsqueeze(1)
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * (size // 4) ** 2, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, classes),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        with hmp.disable_casts():
+            opt.step()
+        return loss
+
+    return model, opt, step, (x, y)
+
+
+def lm_problem(seed=0):
+    from hmp.demo import data as demo_data
+    from hmp.demo.training import Config, build, train_step
+
+    cfg = Config(seed=seed)
+    corpus = demo_data.load()
+    torch.manual_seed(seed)
+    model, opt, sched = build(cfg)
+    g = torch.Generator().manual_seed(seed)
+    x, y = next(demo_data.batches(corpus.train, cfg.batch_size, cfg.seq_len, g))
+
+    def step(x, y):
+        return train_step(model, opt, sched, x, y, cfg)
+
+    return model, opt, step, (x, y)
+
+
+PROBLEMS = {"cnn": cnn_problem, "lm": lm_problem}
+
+
+def final_loss(problem, lists, steps):
+    """Train ``steps`` steps from the problem's fresh state with the given list files (None: fp32)."""
+    hmp.revert()
+    model, opt, step, batch = problem()
+    if lists is not None:
+        hmp.convert(**lists)
+    try:
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            loss = step(*batch)
+            times.append(time.perf_counter() - start)
+    finally:
+        hmp.revert()
+    return float(loss.detach()), times
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(PROBLEMS), default="cnn")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    ap.add_argument("--out", default="/tmp/hmp-tuned", help="prefix for the written list files")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    problem = PROBLEMS[args.model]
+
+    hmp.revert()
+    model, opt, step, batch = problem()
+    hmp.convert()
+    result = hmp.tune(step, *batch, state=(model, opt), steps=min(args.steps, 30))
+    hmp.revert()
+    print(result.table())
+    bf16, fp32 = f"{args.out}-{args.model}-bf16.txt", f"{args.out}-{args.model}-fp32.txt"
+    result.write(bf16, fp32)
+
+    configs = {"fp32": None, "default lists": {}, "tuned lists": {"bf16_file_path": bf16, "fp32_file_path": fp32}}
+    losses = {name: final_loss(problem, lists, args.steps)[0] for name, lists in configs.items()}
+    samples = {name: [] for name in configs}
+    for _ in range(args.rounds):
+        for name, lists in configs.items():
+            samples[name] += final_loss(problem, lists, 4)[1][1:]
+    ms = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
+    print(f"\n## {args.model}: {args.steps} steps from the same state; step time median of interleaved runs\n")
+    print("| lists | final loss | vs fp32 | step ms | speed vs default lists |")
+    print("|---|---:|---:|---:|---:|")
+    for name in configs:
+        rel = (losses[name] - losses["fp32"]) / losses["fp32"] * 100
+        print(f"| {name} | {losses[name]:.4f} | {rel:+.2f}% | {ms[name]:.2f} | {ms['default lists'] / ms[name]:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"losses": losses, "step_ms": ms, "lists": result.lists}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
