@@ -211,7 +211,8 @@ def measure_memory(workloads, configs, device, quick, steps):
     for c in configs:
         for group in groups:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child-memory", f"{','.join(group)}:{c.name}",
-                   "--device", device, "--memory-steps", str(steps)] + (["--quick"] if quick else [])
+                   "--device", device, "--memory-steps", str(steps), "--threads", str(torch.get_num_threads())]
+            cmd += ["--quick"] if quick else []
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode != 0:
                 raise RuntimeError(f"memory child {group}:{c.name} failed:\n{p.stderr}")
@@ -377,6 +378,7 @@ def parse_args(argv):
     ap.add_argument("--reps", type=int, help="samples per configuration (default: per workload)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--md", metavar="PATH", help="also write the markdown report to PATH")
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: leave torch's default)")
     ap.add_argument("--quick", action="store_true", help="small sizes and few repetitions (smoke test, < 60 s)")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-configuration peak memory subprocesses")
     ap.add_argument("--memory-steps", type=int, default=None, help="steps per memory subprocess (default 2, quick 1)")
@@ -390,6 +392,8 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device available")
     mem_steps = args.memory_steps or (1 if args.quick else 2)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.child_memory:
         workloads, config = args.child_memory.split(":")
         print(json.dumps(memory_child(workloads.split(","), config, args.device, args.quick, mem_steps)))
