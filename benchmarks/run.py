@@ -104,9 +104,19 @@ def measure_workload(w, configs, device, quick, reps):
         "iters_per_sample": iters,
         "reps": reps,
         "median_ms": {n: statistics.median(s) for n, s in samples.items()},
+        "min_ms": {n: min(s) for n, s in samples.items()},
+        "iqr_rel": {n: _iqr_rel(s) for n, s in samples.items()},
         "samples_ms": samples,
         "out_dtype": out_dtype,
     }
+
+
+def _iqr_rel(s):
+    """Interquartile range over median: how noisy the samples were."""
+    if len(s) < 4:
+        return float("nan")
+    q = statistics.quantiles(s, n=4)
+    return (q[2] - q[0]) / statistics.median(s)
 
 
 def convert_cost(configs, n=7):
@@ -144,6 +154,20 @@ def _maxrss_mb():
     return r / 2**20 if sys.platform == "darwin" else r / 1024
 
 
+def _hwm_mb():
+    """This process's own RSS high-water mark (VmHWM). Unlike ru_maxrss it is
+    not inherited from the parent through fork and exec (a child of a big
+    parent would otherwise report the parent's peak), and clear_refs resets it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def _reset_peak_rss():
     """Reset the kernel's RSS high-water mark (Linux >= 4.0); False if not possible."""
     try:
@@ -178,9 +202,9 @@ def memory_child(workloads, config, device, quick, steps):
             base = torch.cuda.memory_allocated() / 2**20
             method = "torch.cuda.max_memory_allocated - memory_allocated at baseline"
         else:
-            reset = _reset_peak_rss()
+            reset = _hwm_mb() is not None and _reset_peak_rss()
             base = _rss_mb() if reset else _maxrss_mb()
-            method = ("ru_maxrss (high-water mark reset at baseline) - RSS at baseline" if reset
+            method = ("peak RSS (VmHWM, reset at baseline) - RSS at baseline" if reset
                       else "ru_maxrss - ru_maxrss at baseline")
         with c.active():
             for _ in range(steps):
@@ -189,7 +213,7 @@ def memory_child(workloads, config, device, quick, steps):
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() / 2**20
         else:
-            peak = _maxrss_mb()
+            peak = _hwm_mb() if reset else _maxrss_mb()
         del st
         gc.collect()
         out.append({"workload": name, "config": config, "baseline_mb": base, "peak_mb": peak,
@@ -290,6 +314,16 @@ def markdown(res):
         for name, w in res["workloads"].items():
             cells = [f"{w['median_ms'][c['name']]:.3f}" if c["name"] in w["median_ms"] else "" for c in cfgs]
             L.append(f"| {name} | " + " | ".join(cells) + f" | {w['reps']} x {w['iters_per_sample']} |")
+        L += ["", "Noise: interquartile range / median of the samples (0.05 = 5 %):", "",
+              "| workload | " + " | ".join(c["name"] for c in cfgs) + " |", "|---|" + "---:|" * len(cfgs)]
+        for name, w in res["workloads"].items():
+            L.append(f"| {name} | " + " | ".join(f"{w['iqr_rel'][c['name']]:.2f}" if c["name"] in w["iqr_rel"] else ""
+                                                 for c in cfgs) + " |")
+        L += ["", "Fastest sample (ms; a cross-check of the medians that is less sensitive to other load):", "",
+              "| workload | " + " | ".join(c["name"] for c in cfgs) + " |", "|---|" + "---:|" * len(cfgs)]
+        for name, w in res["workloads"].items():
+            L.append(f"| {name} | " + " | ".join(f"{w['min_ms'][c['name']]:.3f}" if c["name"] in w["min_ms"] else ""
+                                                 for c in cfgs) + " |")
         L += ["", "Output dtype of the model in each configuration:", "",
               "| workload | " + " | ".join(c["name"] for c in cfgs) + " |", "|---|" + "---|" * len(cfgs)]
         for name, w in res["workloads"].items():
@@ -335,7 +369,7 @@ def markdown(res):
             L.append(f"| {name} | " + " | ".join(f"{per[c['name']]['delta_mb']:.1f}" if c["name"] in per else ""
                                                  for c in cfgs) + " |")
         any_row = next(iter(next(iter(res["memory"].values())).values()))
-        L += ["", f"Method: {any_row['method']}, over {any_row['steps']} steps; baseline after imports, model and "
+        L += ["", f"Method: {any_row['method']}, over {any_row['steps']} step(s); baseline after imports, model and "
               "data construction and one step of a throwaway copy (one-time runtime costs); large allocations "
               f"mmapped (MALLOC_MMAP_THRESHOLD_=65536) so RSS follows live memory. Ratios only where autocast's peak "
               f"is >= {MEMORY_MIN_MB:g} MB.", ""]
@@ -381,7 +415,7 @@ def parse_args(argv):
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: leave torch's default)")
     ap.add_argument("--quick", action="store_true", help="small sizes and few repetitions (smoke test, < 60 s)")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-configuration peak memory subprocesses")
-    ap.add_argument("--memory-steps", type=int, default=None, help="steps per memory subprocess (default 2, quick 1)")
+    ap.add_argument("--memory-steps", type=int, default=None, help="measured steps per memory subprocess (default 1, after one warm-up step)")
     ap.add_argument("--percall-calls", type=int, default=None, help="calls per per-call sample (default 2000)")
     ap.add_argument("--child-memory", metavar="WORKLOAD:CONFIG", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -391,7 +425,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device available")
-    mem_steps = args.memory_steps or (1 if args.quick else 2)
+    mem_steps = args.memory_steps or 1
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.child_memory:
@@ -428,17 +462,18 @@ def main(argv=None):
 
     for w in workloads:
         reps = args.reps or (3 if args.quick else w.reps)
-        log(f"[{w.name}] {w.description}")
+        log(f"[{w.name}] {w.description} ({time.perf_counter() - t_start:.0f} s)")
         res["workloads"][w.name] = measure_workload(w, configs, args.device, args.quick, reps)
 
     if "percall" in names:
         reps = args.reps or (3 if args.quick else 21)
         calls = args.percall_calls or (200 if args.quick else 2000)
-        log(f"[percall] {calls} calls per sample, {reps} samples")
+        log(f"[percall] {calls} calls per sample, {reps} samples ({time.perf_counter() - t_start:.0f} s)")
         res["percall"] = micro.run(args.device, reps, calls, sync_fn(args.device), progress=log)
 
     if not args.no_memory and workloads:
-        log(f"[memory] {len(workloads) * len(configs)} subprocesses, {mem_steps} steps each")
+        log(f"[memory] {len(workloads) * len(configs)} measurements, {mem_steps} step(s) each "
+            f"({time.perf_counter() - t_start:.0f} s)")
         res["memory"] = measure_memory(workloads, configs, args.device, args.quick, mem_steps)
 
     res["targets"] = evaluate_targets(res, [c.name for c in configs if c.is_hmp])

@@ -118,7 +118,7 @@ class TransformerInfer(Workload):
         self.description = (f"TransformerEncoder inference, eval()+no_grad(), batch {batch}x128 "
                             "(same encoder; nn.TransformerEncoder may take its fused fast path)")
         self.iters = 5 if batch == 1 else 1
-        self.reps = 9 if batch == 1 else 7
+        self.reps = 15 if batch == 1 else 7
         self.warmup = 3 if batch == 1 else 2
 
     def make_model(self, quick):
@@ -135,7 +135,7 @@ class MLPTrain(Workload):
     description = "MLP training step: 3 Linear layers 64 wide, ReLU, batch 32, cross-entropy, SGD (overhead-bound)"
     iters = 50
     quick_iters = 5
-    reps = 15
+    reps = 21
     warmup = 20
 
     def make_model(self, quick):
