@@ -231,18 +231,31 @@ def measure_memory(workloads, configs, device, quick, steps):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     names = [w.name for w in workloads]
     groups = [names] if quick and sys.platform.startswith("linux") else [[n] for n in names]
-    out = {n: {} for n in names}
+    jobs = []
     for c in configs:
         for group in groups:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child-memory", f"{','.join(group)}:{c.name}",
                    "--device", device, "--memory-steps", str(steps), "--threads", str(torch.get_num_threads())]
             cmd += ["--quick"] if quick else []
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if p.returncode != 0:
-                raise RuntimeError(f"memory child {group}:{c.name} failed:\n{p.stderr}")
-            for row in json.loads(p.stdout.strip().splitlines()[-1]):
-                out[row["workload"]][c.name] = row
-                log(f"  memory {row['workload']:12s} {c.name:10s} +{row['delta_mb']:.1f} MB")
+            jobs.append((f"{','.join(group)}:{c.name}", cmd))
+    # timing is over, so the children may run side by side: each one measures only its own RSS
+    width = 1 if device == "cuda" else max(1, os.cpu_count() or 1)
+    out = {n: {} for n in names}
+    running = []
+    while jobs or running:
+        while jobs and len(running) < width:
+            label, cmd = jobs.pop(0)
+            running.append((label, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                    text=True)))
+        label, p = running.pop(0)
+        stdout, stderr = p.communicate()
+        if p.returncode != 0:
+            for _, q in running:
+                q.kill()
+            raise RuntimeError(f"memory child {label} failed:\n{stderr}")
+        for row in json.loads(stdout.strip().splitlines()[-1]):
+            out[row["workload"]][row["config"]] = row
+            log(f"  memory {row['workload']:12s} {row['config']:10s} +{row['delta_mb']:.1f} MB")
     return out
 
 
@@ -413,7 +426,7 @@ def parse_args(argv):
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--md", metavar="PATH", help="also write the markdown report to PATH")
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: leave torch's default)")
-    ap.add_argument("--quick", action="store_true", help="small sizes and few repetitions (smoke test, < 60 s)")
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions, 1 thread unless --threads (smoke test, < 60 s)")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-configuration peak memory subprocesses")
     ap.add_argument("--memory-steps", type=int, default=None, help="measured steps per memory subprocess (default 1, after one warm-up step)")
     ap.add_argument("--percall-calls", type=int, default=None, help="calls per per-call sample (default 2000)")
@@ -428,6 +441,8 @@ def main(argv=None):
     mem_steps = args.memory_steps or 1
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif args.quick:  # a smoke test, not a measurement: 1 thread keeps it fast on a busy machine
+        torch.set_num_threads(1)
     if args.child_memory:
         workloads, config = args.child_memory.split(":")
         print(json.dumps(memory_child(workloads.split(","), config, args.device, args.quick, mem_steps)))
