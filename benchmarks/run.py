@@ -14,7 +14,6 @@ percall (per-call overhead micro-benchmark). Peak memory of every
 """
 
 import argparse
-import contextlib
 import gc
 import json
 import os
