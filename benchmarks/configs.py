@@ -1,0 +1,78 @@
+"""The precision configurations the harness compares.
+
+Each configuration says how a model is prepared (dtype), what is active
+while it runs (hmp converted or not), what wraps forward+loss (autocast)
+and what wraps the optimizer step (hmp.disable_casts). Activation
+(hmp.convert / hmp.revert) is done by the caller outside the timed region.
+"""
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+import hmp
+from autocast_lists import list_paths
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    label: str
+    kind: str  # "fp32" | "autocast" | "hmp" | "bf16"
+    hmp_args: dict = field(default_factory=dict)
+
+    @property
+    def is_hmp(self):
+        return self.kind == "hmp"
+
+    @property
+    def model_dtype(self):
+        return torch.bfloat16 if self.kind == "bf16" else torch.float32
+
+    @contextlib.contextmanager
+    def active(self):
+        """hmp converted for the block (a no-op for the other kinds)."""
+        if not self.is_hmp:
+            yield
+            return
+        hmp.convert(**self.hmp_args)
+        try:
+            yield
+        finally:
+            hmp.revert()
+
+    def forward_ctx(self, device):
+        if self.kind == "autocast":
+            return torch.autocast(device, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def optimizer_ctx(self):
+        return hmp.disable_casts() if self.is_hmp else contextlib.nullcontext()
+
+
+def autocast_list_args(device):
+    paths = list_paths("cuda" if device == "cuda" else "cpu")
+    return {"bf16_file_path": str(paths["bf16"]), "fp32_file_path": str(paths["fp32"]),
+            "promote_file_path": str(paths["promote"])}
+
+
+def all_configs(device):
+    return [
+        Config("fp32", "fp32", "fp32"),
+        Config("autocast", "torch.autocast bf16", "autocast"),
+        Config("hmp-O1", "hmp O1 (default lists)", "hmp", {"opt_level": "O1"}),
+        Config("hmp-O1-ac", "hmp O1 (autocast's lists)", "hmp", dict(opt_level="O1", **autocast_list_args(device))),
+        Config("hmp-O2", "hmp O2", "hmp", {"opt_level": "O2"}),
+        Config("bf16", "pure bf16 (model.bfloat16())", "bf16"),
+    ]
+
+
+def select(configs, names):
+    if not names:
+        return configs
+    by_name = {c.name: c for c in configs}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SystemExit(f"unknown config(s) {unknown}; choose from {list(by_name)}")
+    return [by_name[n] for n in names]

@@ -1,0 +1,168 @@
+"""Model workloads: how to build one (same seed, same weights for every
+configuration) and what one timed step is."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SEED = 1234
+
+
+@dataclass
+class State:
+    model: nn.Module
+    x: torch.Tensor
+    y: object  # targets, or None for inference
+    opt: object  # optimizer, or None for inference
+
+
+def _seeded(seed):
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed + 1)
+
+
+class Workload:
+    name = ""
+    description = ""
+    train = True
+    iters = 1  # steps per timed sample
+    quick_iters = 1
+    reps = 7  # default samples per configuration
+    warmup = 2
+
+    def make_model(self, quick):
+        raise NotImplementedError
+
+    def make_data(self, quick, gen):
+        raise NotImplementedError
+
+    def build(self, cfg, device, quick):
+        gen = _seeded(SEED)
+        model = self.make_model(quick)
+        x, y = self.make_data(quick, gen)
+        model = model.to(device=device, dtype=cfg.model_dtype)
+        x = x.to(device=device, dtype=cfg.model_dtype if x.is_floating_point() else x.dtype)
+        y = None if y is None else y.to(device)
+        if self.train:
+            model.train()
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        else:
+            model.eval()
+            opt = None
+        return State(model, x, y, opt)
+
+    def loss(self, out, y):
+        return F.cross_entropy(out, y)
+
+    def step(self, st, cfg, device):
+        """One step; returns the model output (for dtype reporting)."""
+        if self.train:
+            st.opt.zero_grad(set_to_none=True)
+            with cfg.forward_ctx(device):
+                out = st.model(st.x)
+                loss = self.loss(out, st.y)
+            loss.backward()
+            with cfg.optimizer_ctx():
+                st.opt.step()
+            return out
+        with torch.no_grad(), cfg.forward_ctx(device):
+            return st.model(st.x)
+
+
+def _encoder(d, heads, ffn, layers, dropout):
+    layer = nn.TransformerEncoderLayer(d, heads, ffn, dropout=dropout, batch_first=True)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+
+def _tf_sizes(quick):
+    # d_model, heads, ffn, layers, seq, vocab
+    return (64, 4, 128, 2, 16, 100) if quick else (512, 8, 2048, 4, 128, 1000)
+
+
+class _Head(nn.Module):
+    def __init__(self, enc, d, vocab):
+        super().__init__()
+        self.enc = enc
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        return self.head(self.enc(x)).flatten(0, 1)
+
+
+class TransformerTrain(Workload):
+    name = "transformer"
+    description = "TransformerEncoder training: d_model 512, 8 heads, FFN 2048, 4 layers, batch 16x128, dropout 0.1, SGD"
+    reps = 5
+    warmup = 1
+
+    def make_model(self, quick):
+        d, h, f, n, _, v = _tf_sizes(quick)
+        return _Head(_encoder(d, h, f, n, 0.1), d, v)
+
+    def make_data(self, quick, gen):
+        d, _, _, _, s, v = _tf_sizes(quick)
+        b = 4 if quick else 16
+        return torch.randn(b, s, d, generator=gen), torch.randint(0, v, (b * s,), generator=gen)
+
+
+class TransformerInfer(Workload):
+    train = False
+    reps = 9
+    warmup = 3
+
+    def __init__(self, batch):
+        self.batch = batch
+        self.name = f"infer_b{batch}"
+        self.description = (f"TransformerEncoder inference, eval()+no_grad(), batch {batch}x128 "
+                            "(same encoder; nn.TransformerEncoder may take its fused fast path)")
+        self.iters = 5 if batch == 1 else 1
+        self.reps = 15 if batch == 1 else 7
+        self.warmup = 3 if batch == 1 else 2
+
+    def make_model(self, quick):
+        d, h, f, n, _, _ = _tf_sizes(quick)
+        return _encoder(d, h, f, n, 0.1)
+
+    def make_data(self, quick, gen):
+        d, _, _, _, s, _ = _tf_sizes(quick)
+        return torch.randn(self.batch, s, d, generator=gen), None
+
+
+class MLPTrain(Workload):
+    name = "mlp"
+    description = "MLP training step: 3 Linear layers 64 wide, ReLU, batch 32, cross-entropy, SGD (overhead-bound)"
+    iters = 50
+    quick_iters = 5
+    reps = 21
+    warmup = 20
+
+    def make_model(self, quick):
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def make_data(self, quick, gen):
+        return torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+
+
+class CNNTrain(Workload):
+    name = "cnn"
+    description = "small CNN training step: 3x conv3x3+BatchNorm+ReLU (32/64/128 ch), maxpool, avgpool, linear; batch 32x3x32x32, SGD"
+    iters = 2
+    reps = 7
+    warmup = 2
+
+    def make_model(self, quick):
+        def block(i, o):
+            return [nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU()]
+
+        return nn.Sequential(*block(3, 32), *block(32, 64), nn.MaxPool2d(2), *block(64, 128),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
+
+    def make_data(self, quick, gen):
+        b, s = (4, 16) if quick else (32, 32)
+        return torch.randn(b, 3, s, s, generator=gen), torch.randint(0, 10, (b,), generator=gen)
+
+
+def all_workloads():
+    return [TransformerTrain(), MLPTrain(), TransformerInfer(1), TransformerInfer(16), CNNTrain()]
