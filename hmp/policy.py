@@ -114,22 +114,29 @@ def lower_input_only(low, casts):
     return prepare
 
 
-def _widest(seq, dt):
+def _floating_dtypes(seq, seen):
     for a in seq:
         if isinstance(a, Tensor):
             d = a.dtype
-            if d in FLOATS and d is not dt:
-                dt = d if dt is None else _promote_types(dt, d)
+            if d in FLOATS:
+                seen.add(d)
         elif type(a) is list or type(a) is tuple:
-            dt = _widest(a, dt)
-    return dt
+            _floating_dtypes(a, seen)
+    return seen
 
 
 def widest(args, kwargs):
-    """The widest floating dtype among the tensor arguments, or None."""
-    dt = _widest(args, None)
+    """The widest floating dtype among the tensor arguments, or None when
+    they share one dtype (or have none), so nothing needs a cast."""
+    seen = _floating_dtypes(args, set())
     if kwargs:
-        dt = _widest(kwargs.values(), dt)
+        _floating_dtypes(kwargs.values(), seen)
+    if len(seen) < 2:
+        return None
+    seen = iter(seen)
+    dt = next(seen)
+    for d in seen:
+        dt = _promote_types(dt, d)
     return dt
 
 
@@ -138,7 +145,7 @@ def promote(casts):
 
     def prepare(args, kwargs):
         dt = widest(args, kwargs)
-        if dt is None:
+        if dt is None:  # one floating dtype or none: the common case, one pass
             return args, kwargs
         src, cast = OTHER_FLOATS[dt], casts[dt]
         args = cast_seq(args, src, cast)
