@@ -10,6 +10,7 @@ import sys
 SUBCOMMANDS = {
     "demo": "hmp.demo",
     "run": "hmp.legacy",
+    "tune": "hmp.tune_cli",
 }
 
 

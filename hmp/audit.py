@@ -20,11 +20,13 @@ TINY = 1e-30
 
 
 class StateGuard:
-    """Saves and restores parameters, buffers, gradients, optimizer state and RNG."""
+    """Saves and restores parameters, buffers, gradients, optimizer and
+    learning-rate scheduler state, and RNG."""
 
     def __init__(self, objects):
         self.modules = [o for o in objects if isinstance(o, torch.nn.Module)]
-        self.optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        schedulers = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
+        self.optimizers = [o for o in objects if isinstance(o, schedulers)]
         self.saved = self._save()
 
     def _save(self):

@@ -1,0 +1,92 @@
+"""``python -m hmp tune``: run hmp.tune on the demo's language model and
+print the report; write the tuned list files and, with ``--plot``, draw each
+op's bf16 error against the time it takes."""
+
+import argparse
+import sys
+
+PROG = "python -m hmp tune"
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser(
+        "tune", help="fit the op lists to the demo model by measurement",
+        description="Audit the current lists on the demo language model, move ops that hurt to FP32, "
+                    "try expensive ops in bf16, validate against fp32 and write the tuned list files.")
+    p.add_argument("--steps", type=int, default=20, help="validation steps per configuration (default 20)")
+    p.add_argument("--batch-size", type=int, default=8, help="batch size of the tuning step (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16-out", default="tuned_bf16.txt", help="where to write the BF16 list")
+    p.add_argument("--fp32-out", default="tuned_fp32.txt", help="where to write the FP32 list")
+    p.add_argument("--plot", metavar="PATH", help="draw op error against fp32 time (needs matplotlib)")
+    p.add_argument("--json", metavar="PATH", help="write the measurements as JSON")
+    p.set_defaults(run=run)
+
+
+def _fail(message):
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in result.audit.rows:
+        ax.scatter(row["own_max_rel"] or 1e-6, 1e-3, marker="o", color="tab:blue")
+        ax.annotate(row["op"], (row["own_max_rel"] or 1e-6, 1e-3), fontsize=8)
+    for op, t in result.trials.items():
+        color = "tab:green" if t["accepted"] else "tab:red"
+        ax.scatter(t["own_max_rel"] or 1e-6, t["seconds"] * 1e3, marker="s", color=color)
+        ax.annotate(op, (t["own_max_rel"] or 1e-6, t["seconds"] * 1e3), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("own max relative error in bf16")
+    ax.set_ylabel("fp32 time in the step (ms); audited ops at 1e-3")
+    ax.set_yscale("log")
+    ax.set_title("hmp tune: ops tried in bf16 (green kept, red not)")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def run(args):
+    import json
+
+    import hmp
+    from hmp.demo import data as demo_data
+    from hmp.demo.training import Config, build, train_step
+
+    if args.steps <= 0 or args.batch_size <= 0:
+        return _fail("--steps and --batch-size must be positive")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return _fail('--plot needs matplotlib: pip install "hmp[plot]"')
+    cfg = Config(batch_size=args.batch_size, seed=args.seed)
+    corpus = demo_data.load()
+    model, opt, sched = build(cfg)
+    import torch
+
+    x, y = next(demo_data.batches(corpus.train, cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(args.seed)))
+
+    def step(x, y):
+        return train_step(model, opt, sched, x, y, cfg)
+
+    if not hmp.is_converted():
+        hmp.convert()
+    result = hmp.tune(step, x, y, state=(model, opt, sched), steps=args.steps)
+    print(result.table())
+    result.write(args.bf16_out, args.fp32_out)
+    print(f"\nwrote {args.bf16_out} and {args.fp32_out}; use them with "
+          f"hmp.convert(bf16_file_path={args.bf16_out!r}, fp32_file_path={args.fp32_out!r})")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"lists": result.lists, "validation": result.validation, "timings": result.timings,
+                       "trials": result.trials, "audit": result.audit.rows}, f, indent=2, default=str)
+    return 0
