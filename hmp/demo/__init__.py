@@ -1,0 +1,266 @@
+"""``python -m hmp demo``: train a small character-level transformer on the
+Python standard library's own source, in fp32 and then under hmp, and print
+how fast each trained and how well each learned.
+
+The pieces are importable: ``data`` (stdlib text to character ids),
+``model`` (the transformer), ``train`` (one training run, measured) and
+``casts`` (counting hmp's casts per op). This module is only the command
+line: arguments, progress bars, the table and the JSON file.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+import hmp
+
+from . import data as data_mod
+from .train import (CAST_STEPS, Config, DeviceError, MEMORY_STEPS, count_casts, model_summary, peak_rss_growth,
+                    resolve_device, train)
+
+PROG = "python -m hmp demo"
+DEFAULTS = Config()
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _seed(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**63-1, got {value}")
+    return value
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser(
+        "demo",
+        help="train a small transformer on the stdlib's source, fp32 vs hmp",
+        description="Train the same character-level transformer language model twice from the same seed, "
+                    "on the Python standard library's source files: in fp32, then under hmp.convert(). "
+                    "Prints speed, memory, losses and hmp's casts per op.",
+    )
+    p.add_argument("--steps", type=_positive_int, default=DEFAULTS.steps,
+                   help=f"training steps per configuration (default {DEFAULTS.steps})")
+    p.add_argument("--batch-size", type=_positive_int, default=DEFAULTS.batch_size,
+                   help=f"sequences of {DEFAULTS.seq_len} characters per step (default {DEFAULTS.batch_size})")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda", "hpu"), default="auto",
+                   help="auto: cuda if available, then hpu when habana_frameworks is installed, else cpu")
+    p.add_argument("--opt-level", choices=("O1", "O2"), default="O1", help="hmp opt_level (default O1)")
+    p.add_argument("--bf16-file", default="", metavar="PATH", help="hmp BF16 list file (default: hmp's own)")
+    p.add_argument("--fp32-file", default="", metavar="PATH", help="hmp FP32 list file (default: hmp's own)")
+    p.add_argument("--seed", type=_seed, default=DEFAULTS.seed, help=f"random seed (default {DEFAULTS.seed})")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.set_defaults(run=run)
+    return p
+
+
+class _Progress:
+    """A tqdm bar on a terminal; one line at the start and end otherwise."""
+
+    def __init__(self, label, steps):
+        from tqdm import tqdm
+
+        self.label = label
+        self.bar = tqdm(total=steps, desc=f"{label:<18}", unit="step", disable=None, leave=True,
+                        file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+        if self.bar.disable:
+            _note(f"training {label}: {steps} steps")
+
+    def __call__(self, step, loss):
+        self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        self.bar.update(1)
+
+    def close(self, result=None):
+        self.bar.close()
+        if self.bar.disable and result is not None:
+            _note(f"trained {self.label} in {result['wall_s']:.1f} s, val loss {result['val_loss']:.4f}")
+
+
+def _note(msg):
+    print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
+
+
+def _error(msg, code=2):
+    print(f"{PROG}: error: {msg}", file=sys.stderr, flush=True)
+    return code
+
+
+def _hmp_options(args):
+    options = {"opt_level": args.opt_level}
+    if args.opt_level == "O1":  # O2 has its own lists and ignores these
+        options.update(bf16_file_path=args.bf16_file, fp32_file_path=args.fp32_file)
+    elif args.bf16_file or args.fp32_file:
+        _note("warning: --opt-level O2 uses hmp's O2 lists; ignoring --bf16-file/--fp32-file")
+    return options
+
+
+def _check_hmp_options(options):
+    """Convert once and revert, so a bad list file fails before any training."""
+    try:
+        hmp.convert(**options)
+    except OSError as e:
+        return e.strerror or str(e)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    finally:
+        hmp.revert()
+    return None
+
+
+def _fmt_int(x):
+    return f"{x:,.0f}"
+
+
+def _casts_line(per_op, top=6):
+    parts = []
+    for op, by_dtype in list(per_op.items())[:top]:
+        dtypes = ", ".join(f"->{'bf16' if d == 'bfloat16' else 'fp16' if d == 'float16' else 'fp32'}"
+                           for d in by_dtype)
+        parts.append(f"{op} {sum(by_dtype.values()):g} ({dtypes})")
+    more = len(per_op) - top
+    return ", ".join(parts) + (f", and {more} more ops" if more > 0 else "") if parts else "none"
+
+
+def format_report(res):
+    """The text report for a results dict (what --json writes)."""
+    m, rows = res["meta"], res["results"]
+    mem_title = "peak RSS growth" if m["memory_kind"] == "rss" else "peak memory"
+    head = ("configuration", "tokens/s", "speedup", mem_title, "train loss", "val loss", "train time")
+    body = []
+    for r in rows:
+        mem = "n/a" if r["peak_memory_mib"] is None else f"{r['peak_memory_mib']:,.0f} MiB"
+        body.append((r["configuration"], _fmt_int(r["tokens_per_s"]), f"{r['speedup']:.2f}x", mem,
+                     f"{r['train_loss']:.4f}", f"{r['val_loss']:.4f}", f"{r['wall_s']:.1f} s"))
+    widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
+    line = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                                 for i, (c, w) in enumerate(zip(row, widths)))
+    c = res["casts"]
+    out = [
+        f"hmp demo: character-level transformer LM, fp32 vs hmp ({m['device']}, torch {m['torch']}, "
+        f"{m['threads']} threads)",
+        f"  data:  Python {m['python']} standard library source, {m['train_files']} files / "
+        f"{_fmt_int(m['train_chars'])} chars train, {m['val_files']} files / {_fmt_int(m['val_chars'])} chars "
+        f"validation",
+        f"  model: {m['n_layers']} pre-norm blocks, d_model {m['d_model']}, {m['n_heads']} heads, context "
+        f"{m['seq_len']}, {m['params'] / 1e6:.2f}M parameters; {m['steps']} steps of {m['batch_size']} "
+        f"sequences, AdamW, seed {m['seed']}",
+        "",
+        line(head),
+        line(tuple("-" * w for w in widths)),
+        *(line(row) for row in body),
+        "",
+        f"val loss: hmp {res['val_loss_change_pct']:+.2f}% vs fp32; unigram baseline {m['unigram_baseline']:.4f} "
+        f"(losses are cross-entropy in nats/char)",
+        f"casts hmp made per training step (forward; {c['total_per_step']:g} casts in {c['op_calls_per_step']:g} "
+        f"op calls): {_casts_line(c['per_op'])}",
+        f"tokens/s: median step after {m['timing_warmup']} warm-up steps; train loss: mean of the last "
+        f"{m['loss_window']} steps; train time: the whole training loop",
+    ]
+    if m["memory_kind"] == "rss":
+        out.append(f"{mem_title}: resident memory added by {MEMORY_STEPS} training steps, each configuration "
+                   "in a fresh process")
+    else:
+        out.append(f"{mem_title}: peak allocated by torch on {m['device']} during training")
+    return "\n".join(out)
+
+
+def run(args):
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        hmp.revert()
+        print(file=sys.stderr)
+        return _error("interrupted", 130)
+
+
+def _run(args):
+    if args.json:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(parent):
+            return _error(f"--json {args.json}: directory {parent!r} does not exist")
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as e:
+        return _error(str(e))
+    options = _hmp_options(args)
+    problem = _check_hmp_options(options)
+    if problem:
+        return _error(problem)
+    try:
+        corpus = data_mod.load()
+    except data_mod.DataError as e:
+        return _error(str(e), 1)
+
+    cfg = Config(steps=args.steps, batch_size=args.batch_size, seed=args.seed, device=device)
+    low = "bfloat16"
+    hmp_label = f"hmp {args.opt_level} ({low})"
+    results = []
+    try:
+        for label, opts in (("fp32", None), (hmp_label, options)):
+            progress = _Progress(label, cfg.steps)
+            result = None
+            try:
+                result = train(cfg, corpus, opts, on_step=progress)
+            finally:
+                progress.close(result)
+            result["configuration"] = label
+            result["hmp"] = opts
+            results.append(result)
+        per_op, total, calls = count_casts(cfg, corpus, options)
+    except FloatingPointError as e:
+        return _error(str(e), 1)
+
+    memory_kind = "rss" if device == "cpu" else "allocated"
+    if device == "cpu":
+        if sys.stderr.isatty():
+            _note(f"measuring memory: {MEMORY_STEPS} steps per configuration in a fresh process")
+        for r in results:
+            r["peak_memory_mib"], r["peak_memory_error"] = peak_rss_growth(cfg, r["hmp"])
+            if r["peak_memory_error"]:
+                _note(f"warning: memory of {r['configuration']} not measured: {r['peak_memory_error']}")
+    base = results[0]
+    for r in results:
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+    res = {
+        "meta": {
+            "device": device, "torch": torch.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "machine": platform.machine(),
+            "stdlib": str(corpus.root), "train_files": len(corpus.train_files), "val_files": len(corpus.val_files),
+            "train_chars": corpus.train.numel(), "val_chars": corpus.val.numel(),
+            "unigram_baseline": corpus.unigram_baseline(), "params": model_summary(cfg),
+            "memory_kind": memory_kind, "hmp_version": hmp.__version__,
+            **{k: getattr(cfg, k) for k in ("steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads",
+                                            "dropout", "lr", "seed", "timing_warmup", "loss_window")},
+            "opt_level": args.opt_level, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+        "results": [{k: r.get(k) for k in ("configuration", "tokens_per_s", "speedup", "peak_memory_mib",
+                                           "train_loss", "val_loss", "wall_s", "hmp", "losses")}
+                    for r in results],
+        "val_loss_change_pct": 100.0 * (results[1]["val_loss"] / base["val_loss"] - 1.0),
+        "casts": {"per_op": per_op, "total_per_step": total, "op_calls_per_step": calls, "steps_counted": CAST_STEPS},
+    }
+    print(format_report(res), flush=True)
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+                f.write("\n")
+        except OSError as e:
+            return _error(f"--json {args.json}: {e.strerror or e}", 1)
+    return 0

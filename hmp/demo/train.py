@@ -1,0 +1,294 @@
+"""Training the demo model once, in fp32 or under hmp, and measuring it."""
+
+import importlib
+import importlib.util
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import hmp
+
+from . import data as data_mod
+from .casts import CastCounter
+from .model import CharTransformer, n_params
+
+
+@dataclass
+class Config:
+    steps: int = 200
+    batch_size: int = 16
+    seq_len: int = 128
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    dropout: float = 0.1
+    activation: str = "gelu"
+    lr: float = 2e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = "cpu"
+    eval_windows: int = 64  # validation: this many fixed windows of seq_len characters
+    timing_warmup: int = 2  # steps left out of the tokens/s figure
+    loss_window: int = 10  # the training loss reported is the mean of this many last steps
+
+
+class DeviceError(RuntimeError):
+    """The requested device cannot be used."""
+
+
+def resolve_device(name):
+    """``auto``: cuda if available, then hpu when habana_frameworks is
+    importable, else cpu. An explicit device that is not there raises."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if importlib.util.find_spec("habana_frameworks") is not None:
+            try:
+                return resolve_device("hpu")
+            except DeviceError:
+                pass
+        return "cpu"
+    if name == "cpu":
+        return "cpu"
+    if name == "cuda":
+        if torch.cuda.is_available():
+            return "cuda"
+        why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA device was found"
+        raise DeviceError(f"--device cuda: CUDA is not available ({why}, torch {torch.__version__})")
+    if name == "hpu":
+        if importlib.util.find_spec("habana_frameworks") is None:
+            raise DeviceError("--device hpu: habana_frameworks is not installed")
+        try:
+            importlib.import_module("habana_frameworks.torch")
+        except Exception as e:
+            raise DeviceError(f"--device hpu: habana_frameworks.torch failed to import ({e})") from None
+        hpu = getattr(torch, "hpu", None)
+        if hpu is None or not hpu.is_available():
+            raise DeviceError("--device hpu: no HPU is available")
+        return "hpu"
+    raise DeviceError(f"--device {name}: unknown device")
+
+
+def _accelerator(device):
+    """torch.cuda / torch.hpu for an accelerator, None for cpu."""
+    return None if device == "cpu" else getattr(torch, device, None)
+
+
+def _sync(device):
+    acc = _accelerator(device)
+    if acc is not None and hasattr(acc, "synchronize"):
+        acc.synchronize()
+
+
+def _mark_step(device):
+    # HPU lazy mode runs the graph built so far at each mark_step
+    if device == "hpu":
+        importlib.import_module("habana_frameworks.torch.core").mark_step()
+
+
+def build(cfg):
+    """The model and its optimizer, initialised from ``cfg.seed``."""
+    torch.manual_seed(cfg.seed)
+    model = CharTransformer(data_mod.VOCAB, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads,
+                            cfg.dropout, cfg.activation).to(cfg.device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+    def schedule(step):  # linear warm-up, then cosine down to a tenth
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+
+
+def train_step(model, opt, sched, x, y, cfg):
+    loss = model.loss(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    _mark_step(cfg.device)
+    with hmp.disable_casts():  # the optimizer keeps its fp32 arithmetic
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+    _mark_step(cfg.device)
+    return loss
+
+
+@torch.no_grad()
+def evaluate(model, val, cfg, chunk=32):
+    """Mean cross-entropy (nats/char) over fixed validation windows."""
+    model.eval()
+    xs, ys = data_mod.eval_windows(val, cfg.eval_windows, cfg.seq_len)
+    total, count = 0.0, 0
+    for i in range(0, xs.shape[0], chunk):
+        x, y = xs[i:i + chunk].to(cfg.device), ys[i:i + chunk].to(cfg.device)
+        total += float(model.loss(x, y)) * y.numel()
+        count += y.numel()
+    model.train()
+    return total / count
+
+
+def train(cfg, corpus, hmp_options=None, on_step=None):
+    """Train one model from ``cfg.seed`` and evaluate it.
+
+    ``hmp_options``: None for plain fp32, or keyword arguments for
+    ``hmp.convert()``; hmp is reverted before this returns, also on error.
+    ``on_step(step, loss)`` is called after every step. Returns a dict with
+    tokens_per_s (median step, after ``cfg.timing_warmup`` steps), train_loss
+    (mean of the last ``cfg.loss_window`` steps), val_loss, wall_s, losses
+    and, on an accelerator, peak_memory_mib (peak allocated by torch).
+    """
+    model, opt, sched = build(cfg)
+    batches = data_mod.batches(corpus.train, cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1))
+    acc = _accelerator(cfg.device)
+    if acc is not None and hasattr(acc, "reset_peak_memory_stats"):
+        acc.reset_peak_memory_stats()
+    if hmp_options is not None:
+        hmp.convert(**hmp_options)
+    try:
+        times, losses = [], []
+        start = time.perf_counter()
+        for step in range(cfg.steps):
+            x, y = next(batches)
+            x, y = x.to(cfg.device), y.to(cfg.device)
+            _sync(cfg.device)
+            t0 = time.perf_counter()
+            loss = train_step(model, opt, sched, x, y, cfg)
+            loss = loss.item()  # waits for the step, as the sync below does
+            _sync(cfg.device)
+            times.append(time.perf_counter() - t0)
+            losses.append(loss)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"training loss became {loss} at step {step + 1}")
+            if on_step is not None:
+                on_step(step, loss)
+        wall = time.perf_counter() - start
+        val_loss = evaluate(model, corpus.val, cfg)
+    finally:
+        if hmp_options is not None:
+            hmp.revert()
+    timed = times[cfg.timing_warmup:] or times
+    result = {
+        "tokens_per_s": cfg.batch_size * cfg.seq_len / statistics.median(timed),
+        "train_loss": statistics.fmean(losses[-cfg.loss_window:]),
+        "val_loss": val_loss,
+        "wall_s": wall,
+        "losses": losses,
+        "peak_memory_mib": None,
+    }
+    if acc is not None and hasattr(acc, "max_memory_allocated"):
+        result["peak_memory_mib"] = acc.max_memory_allocated() / 2**20
+    return result
+
+
+CAST_STEPS = 2
+
+
+def count_casts(cfg, corpus, hmp_options, steps=CAST_STEPS):
+    """A separate short pass under hmp: the casts hmp makes per training step,
+    per op (see casts.py). Returns ``(per_op, total, calls)`` per step."""
+    model, opt, sched = build(cfg)
+    batches = data_mod.batches(corpus.train, cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1))
+    hmp.convert(**hmp_options)
+    try:
+        with CastCounter() as counter:
+            for _ in range(steps):
+                x, y = next(batches)
+                train_step(model, opt, sched, x.to(cfg.device), y.to(cfg.device), cfg)
+    finally:
+        hmp.revert()
+    per_op = counter.per_op(1.0 / steps)
+    return per_op, counter.total() / steps, sum(counter.calls.values()) / steps
+
+
+# ---- peak memory on CPU: a fresh subprocess per configuration --------------
+
+MEMORY_STEPS = 3
+
+
+def _rss_kib(field):
+    """VmRSS / VmHWM of this process in KiB from /proc (Linux), else None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss():
+    """Make VmHWM (peak RSS) restart from the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _memory_child(spec_json):
+    """Subprocess entry point: a few training steps, then print the peak RSS
+    growth over the RSS just before them, in MiB, as JSON."""
+    spec = json.loads(spec_json)
+    cfg = Config(**spec["config"])
+    model, opt, sched = build(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x = torch.randint(0, data_mod.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen)
+    y = torch.randint(0, data_mod.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen)
+    if spec["hmp_options"] is not None:
+        hmp.convert(**spec["hmp_options"])
+    if _reset_peak_rss() and _rss_kib("VmHWM") is not None:
+        base, read_peak = _rss_kib("VmRSS"), lambda: _rss_kib("VmHWM")
+    else:
+        import resource  # Unix; ru_maxrss is KiB on Linux, bytes on macOS
+
+        scale = 1024 if sys.platform == "darwin" else 1
+        read_peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // scale  # noqa: E731
+        base = read_peak()
+    for _ in range(MEMORY_STEPS):
+        train_step(model, opt, sched, x, y, cfg)
+    print(json.dumps({"peak_rss_growth_mib": (read_peak() - base) / 1024}))
+
+
+def peak_rss_growth(cfg, hmp_options=None, timeout=600):
+    """Peak RSS growth (MiB) of MEMORY_STEPS training steps in a fresh
+    Python process, so configurations do not share an allocator's history.
+    Returns ``(mib or None, error or None)``."""
+    if sys.platform == "win32":
+        return None, "not measured on Windows"
+    spec = {"config": asdict(cfg), "hmp_options": hmp_options}
+    package_root = str(Path(hmp.__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    code = "import sys; from hmp.demo.train import _memory_child; _memory_child(sys.argv[1])"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, str(e)
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        return None, tail[0]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss_growth_mib"], None
+
+
+def model_summary(cfg):
+    model = CharTransformer(data_mod.VOCAB, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.dropout,
+                            cfg.activation)
+    return n_params(model)
