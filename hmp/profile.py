@@ -34,6 +34,7 @@ class ProfileReport:
                 "op_ms": s.op_seconds * 1e3,
                 "cast_ms": s.cast_seconds * 1e3,
                 "casts": s.casts,
+                "cast_to": dict(s.cast_to),
                 "bytes_cast": s.bytes_cast,
             })
         rows.sort(key=lambda r: r["op_ms"] + r["cast_ms"], reverse=True)

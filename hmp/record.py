@@ -53,6 +53,7 @@ class OpStats:
     op_seconds: float = 0.0
     cast_seconds: float = 0.0
     casts: int = 0
+    cast_to: Counter = field(default_factory=Counter)  # dtype name -> tensors cast to it
     bytes_cast: int = 0
 
 
@@ -87,6 +88,7 @@ class Recorder:
             for old, new in zip(before, after):
                 if new is not old:
                     stats.casts += 1
+                    stats.cast_to[str(new.dtype).replace("torch.", "")] += 1
                     stats.bytes_cast += new.numel() * new.element_size()
             first = next((t.dtype for t in before if t.is_floating_point()), None)
             self._tls.pending = (name, stats, after, first)

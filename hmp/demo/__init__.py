@@ -3,8 +3,8 @@ Python standard library's own source, in fp32 and then under hmp, and print
 how fast each trained and how well each learned.
 
 The pieces are importable: ``data`` (stdlib text to character ids),
-``model`` (the transformer), ``train`` (one training run, measured) and
-``casts`` (counting hmp's casts per op). This module is only the command
+``model`` (the transformer) and ``training`` (one training run, measured;
+its cast count per op comes from ``hmp.profile``). This module is only the command
 line: arguments, progress bars, the table and the JSON file.
 """
 
@@ -20,7 +20,7 @@ import torch
 import hmp
 
 from . import data as data_mod
-from .train import (CAST_STEPS, Config, DeviceError, MEMORY_STEPS, count_casts, model_summary, peak_rss_growth,
+from .training import (CAST_STEPS, Config, DeviceError, MEMORY_STEPS, count_casts, model_summary, peak_rss_growth,
                     resolve_device, train)
 
 PROG = "python -m hmp demo"
@@ -79,7 +79,8 @@ class _Progress:
         self.label = label
         self.bar = tqdm(total=steps, desc=f"{label:<18}", unit="step", disable=None, leave=True,
                         file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
-        if self.bar.disable:
+        self.quiet = self.bar.disable  # no terminal; tqdm.close() sets .disable, so remember it
+        if self.quiet:
             _note(f"training {label}: {steps} steps")
 
     def __call__(self, step, loss):
@@ -88,7 +89,7 @@ class _Progress:
 
     def close(self, result=None):
         self.bar.close()
-        if self.bar.disable and result is not None:
+        if self.quiet and result is not None:
             _note(f"trained {self.label} in {result['wall_s']:.1f} s, val loss {result['val_loss']:.4f}")
 
 

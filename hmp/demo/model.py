@@ -7,19 +7,22 @@ import torch.nn.functional as F
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, d_model, n_heads, dropout):
+    """Causal multi-head self-attention. No dropout on the attention
+    weights (the block drops its output instead), which keeps
+    scaled_dot_product_attention on its fused kernel."""
+
+    def __init__(self, d_model, n_heads):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model {d_model} is not a multiple of n_heads {n_heads}")
         self.n_heads = n_heads
-        self.dropout = dropout
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -29,7 +32,7 @@ class Block(nn.Module):
     def __init__(self, d_model, n_heads, dropout, activation="gelu"):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = SelfAttention(d_model, n_heads, dropout)
+        self.attn = SelfAttention(d_model, n_heads)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(
             nn.Linear(d_model, 4 * d_model),

@@ -17,19 +17,18 @@ import torch
 import hmp
 
 from . import data as data_mod
-from .casts import CastCounter
 from .model import CharTransformer, n_params
 
 
 @dataclass
 class Config:
-    steps: int = 200
-    batch_size: int = 16
+    steps: int = 300
+    batch_size: int = 8
     seq_len: int = 128
     d_model: int = 256
     n_layers: int = 4
     n_heads: int = 4
-    dropout: float = 0.1
+    dropout: float = 0.05
     activation: str = "gelu"
     lr: float = 2e-3
     warmup_steps: int = 20
@@ -199,20 +198,28 @@ CAST_STEPS = 2
 
 
 def count_casts(cfg, corpus, hmp_options, steps=CAST_STEPS):
-    """A separate short pass under hmp: the casts hmp makes per training step,
-    per op (see casts.py). Returns ``(per_op, total, calls)`` per step."""
+    """A separate short pass under hmp.profile: the casts hmp makes per
+    training step, per op. Returns ``(per_op, total, calls)`` per step, with
+    ``per_op`` as ``{op: {dtype name: casts}}``, most casts first."""
     model, opt, sched = build(cfg)
     batches = data_mod.batches(corpus.train, cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1))
+
+    def steps_fn():
+        for _ in range(steps):
+            x, y = next(batches)
+            train_step(model, opt, sched, x.to(cfg.device), y.to(cfg.device), cfg)
+
     hmp.convert(**hmp_options)
     try:
-        with CastCounter() as counter:
-            for _ in range(steps):
-                x, y = next(batches)
-                train_step(model, opt, sched, x.to(cfg.device), y.to(cfg.device), cfg)
+        report = hmp.profile(steps_fn)
     finally:
         hmp.revert()
-    per_op = counter.per_op(1.0 / steps)
-    return per_op, counter.total() / steps, sum(counter.calls.values()) / steps
+    rows = report.rows()
+    per_op = {r["op"]: {d: n / steps for d, n in r["cast_to"].items()} for r in rows if r["casts"]}
+    per_op = dict(sorted(per_op.items(), key=lambda kv: (-sum(kv[1].values()), kv[0])))
+    total = sum(r["casts"] for r in rows) / steps
+    calls = sum(r["calls"] for r in rows) / steps
+    return per_op, total, calls
 
 
 # ---- peak memory on CPU: a fresh subprocess per configuration --------------
@@ -276,7 +283,7 @@ def peak_rss_growth(cfg, hmp_options=None, timeout=600):
     package_root = str(Path(hmp.__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    code = "import sys; from hmp.demo.train import _memory_child; _memory_child(sys.argv[1])"
+    code = "import sys; from hmp.demo.training import _memory_child; _memory_child(sys.argv[1])"
     try:
         proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True,
                               timeout=timeout, env=env)
