@@ -34,9 +34,17 @@ def _floating(value):
     return isinstance(value, (list, tuple)) and any(_floating(v) for v in value)
 
 
+def _has_fp32(value):
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.float32
+    return isinstance(value, (list, tuple)) and any(_has_fp32(v) for v in value)
+
+
 class _OpTimes(TorchFunctionMode):
-    """Time per top-level torch call that maps floating tensors to floating
-    tensors, by op name (an fp32 run, hmp off)."""
+    """Time per top-level torch call that takes float32 tensors and returns
+    floating ones, by op name: under the current lists, the ops that still
+    compute in fp32 (hmp's own wrappers are outermost, so ops they call are
+    not seen)."""
 
     def __init__(self):
         super().__init__()
@@ -50,7 +58,7 @@ class _OpTimes(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in NOT_CANDIDATES or name.endswith("_") and not name.endswith("__"):
             return out
-        if not (_floating(out) and (_floating(list(args)) or _floating(list(kwargs.values())))):
+        if not (_floating(out) and (_has_fp32(list(args)) or _has_fp32(list(kwargs.values())))):
             return out
         if name.startswith("__") and name.endswith("__"):
             name = name[2:-2]
@@ -169,12 +177,15 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
                 lists[k].discard(op)
             lists["fp32"].add(op)
 
-        # what the step spends its time on, in fp32
+        # what still computes in fp32 under the lists so far, and its share of the step's op time
         guard.restore()
-        revert()
+        install(lists, options)
         times = _OpTimes()
-        with times:
-            step_fn(*args, **kwargs)
+        try:
+            with times:
+                step_fn(*args, **kwargs)
+        finally:
+            revert()
         total = sum(times.seconds.values()) or 1.0
         resolver = Resolver()
         candidates = [op for op, s in times.seconds.items()
