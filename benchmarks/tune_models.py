@@ -43,7 +43,7 @@ def cnn_problem(seed=0, n=256, size=16, classes=4):
             opt.step()
         return loss
 
-    return model, opt, step, (x, y)
+    return (model, opt), step, (x, y)
 
 
 def lm_problem(seed=0):
@@ -60,7 +60,7 @@ def lm_problem(seed=0):
     def step(x, y):
         return train_step(model, opt, sched, x, y, cfg)
 
-    return model, opt, step, (x, y)
+    return (model, opt, sched), step, (x, y)
 
 
 PROBLEMS = {"cnn": cnn_problem, "lm": lm_problem}
@@ -69,7 +69,7 @@ PROBLEMS = {"cnn": cnn_problem, "lm": lm_problem}
 def final_loss(problem, lists, steps):
     """Train ``steps`` steps from the problem's fresh state with the given list files (None: fp32)."""
     hmp.revert()
-    model, opt, step, batch = problem()
+    state, step, batch = problem()
     if lists is not None:
         hmp.convert(**lists)
     try:
@@ -94,9 +94,9 @@ def main(argv=None):
     problem = PROBLEMS[args.model]
 
     hmp.revert()
-    model, opt, step, batch = problem()
+    state, step, batch = problem()
     hmp.convert()
-    result = hmp.tune(step, *batch, state=(model, opt), steps=min(args.steps, 30))
+    result = hmp.tune(step, *batch, state=state, steps=min(args.steps, 30))
     hmp.revert()
     print(result.table())
     bf16, fp32 = f"{args.out}-{args.model}-bf16.txt", f"{args.out}-{args.model}-fp32.txt"
