@@ -21,6 +21,7 @@ from . import lists as list_kinds
 from .audit import StateGuard, _by_op, _lists_and_options, _worst, audit, compare, run_step
 from .convert import current, install, restore, revert
 from .resolve import Resolver
+from .state import casts_enabled
 
 
 # calls a step makes that are not math to run in another dtype
@@ -56,6 +57,8 @@ class _OpTimes(TorchFunctionMode):
         out = func(*args, **kwargs)
         elapsed = time.perf_counter() - start
         name = getattr(func, "__name__", "")
+        if not casts_enabled():  # the optimizer step under disable_casts(), not the model
+            return out
         if name in NOT_CANDIDATES or name.endswith("_") and not name.endswith("__"):
             return out
         if not (_floating(out) and (_has_fp32(list(args)) or _has_fp32(list(kwargs.values())))):
