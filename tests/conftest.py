@@ -37,6 +37,16 @@ def _always_revert(monkeypatch):
 
 
 @pytest.fixture
+def one_intra_op_thread():
+    """Tiny models: intra-op threads only spin against each other (and
+    against other processes on a 2-core machine); restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def pristine():
     hmp.revert()
     before = snapshot()

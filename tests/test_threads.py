@@ -30,14 +30,7 @@ JOIN_S = 120
 SWITCHES = 60
 
 
-@pytest.fixture(autouse=True)
-def one_intra_op_thread():
-    """Tiny models: intra-op threads only spin against each other (and
-    against other processes on a 2-core machine); restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 class Net(torch.nn.Module):
