@@ -27,8 +27,9 @@ from collections.abc import Mapping
 
 import torch
 
+from . import lists as list_files
 from .convert import OPT_LEVELS, convert, revert
-from .resolve import Resolver
+from .resolve import NO_PYTHON, UNKNOWN, Resolver
 
 log = logging.getLogger("hmp")
 
@@ -43,6 +44,18 @@ MODE_LISTS = {
     "use_habana_mixed_precision": ("hmp_bf16_ops", "hmp_fp32_ops"),
     "use_torch_autocast": ("autocast_bf16_ops", "autocast_fp32_ops"),
 }
+
+
+# optimum-habana's GaudiConfig fills a missing hmp_bf16_ops / hmp_fp32_ops
+# with the lists of its BERT config; hmp ships that config and reads them
+# from it, so the defaults and the example cannot drift apart.
+HMP_DEFAULTS_FILE = "gaudi_config_bert.json"
+
+
+def hmp_defaults():
+    """``{"hmp_bf16_ops": [...], "hmp_fp32_ops": [...]}``: optimum-habana's defaults."""
+    config, _ = read_config(list_files.default_path(HMP_DEFAULTS_FILE))
+    return {field: list(config[field]) for field in MODE_LISTS["use_habana_mixed_precision"]}
 
 
 def _where(source):
@@ -89,8 +102,10 @@ def _check_types(config, errors):
 
 
 def _check_names(config, fields, resolver, errors):
-    """Validated, de-duplicated names for each of ``fields`` (None when absent)."""
-    out = {}
+    """Validated, de-duplicated op names for each of ``fields`` (None when
+    absent). ``op.overload`` becomes its op; real aten operators that no
+    Python name reaches are left out with one warning."""
+    out, unreachable = {}, []
     for field in fields:
         value = config.get(field)
         if not isinstance(value, list):
@@ -101,16 +116,18 @@ def _check_names(config, fields, resolver, errors):
             where = f"{field}[{i}]"
             if not isinstance(name, str):
                 errors.append(f"{where}: {name!r} is not an op name (a string)")
-            elif not (name.isascii() and name.isidentifier()):
+            elif not list_files.is_name(name):
                 errors.append(f"{where}: {name!r} is not an op name")
-            elif not resolver.exists(name):
-                close = resolver.suggest(name)
-                hint = f"; did you mean {', '.join(close)}?" if close else ""
-                errors.append(f"{where}: unknown op {name!r}{hint}")
-            elif name not in names:
-                names.append(name)
+            else:
+                op, status, message = resolver.check(name)
+                if status == UNKNOWN:
+                    errors.append(f"{where}: {message}")
+                elif status == NO_PYTHON:
+                    unreachable.append(f"{where}: aten::{op}")
+                elif op not in names:
+                    names.append(op)
         out[field] = names
-    return out
+    return out, unreachable
 
 
 def plan(path_or_mapping):
@@ -119,6 +136,7 @@ def plan(path_or_mapping):
     Returns None when it asks for no mixed precision, else a dict with
     ``opt_level``, ``bf16`` and ``fp32`` (op names, or None for hmp's
     default list) and ``verbose``. Raises ValueError naming the field.
+    ``path_or_mapping`` itself is not changed.
     """
     config, source = read_config(path_or_mapping)
     errors = []
@@ -140,21 +158,33 @@ def plan(path_or_mapping):
         if field not in (bf16_field, fp32_field) and config.get(field) is not None:
             log.debug("hmp: gaudi config %s: ignoring %s (%s is true)", source, field, mode)
 
+    opt_level, filled = "O1", []
+    if mode == "use_habana_mixed_precision":
+        opt_level = config.get("hmp_opt_level") or "O1"
+        if opt_level == "O1":  # at O2 hmp uses its own lists, as Habana's HMP did
+            for field, names in hmp_defaults().items():
+                if config.get(field) is None:
+                    config[field] = names
+                    filled.append(field)
+                    log.info("hmp: gaudi config %s: no %s; using optimum-habana's default (its BERT list): %s",
+                             source, field, ", ".join(names))
+    elif config.get("hmp_opt_level") is not None:
+        log.debug("hmp: gaudi config %s: ignoring hmp_opt_level (use_torch_autocast is true)", source)
+
     resolver = Resolver()
-    lists = _check_names(config, (bf16_field, fp32_field), resolver, errors)
+    lists, unreachable = _check_names(config, (bf16_field, fp32_field), resolver, errors)
     bf16, fp32 = lists[bf16_field], lists[fp32_field]
+    if len(filled) == 1 and bf16 and fp32:  # the list given wins over the default one, as with list files
+        given, other = (bf16, fp32) if filled == [fp32_field] else (fp32, bf16)
+        other[:] = [n for n in other if n not in given]
     if bf16 and fp32:
         both = sorted(set(bf16) & set(fp32))
         if both:
             errors.append(f"ops in both {bf16_field} and {fp32_field}: {', '.join(both)}")
     if errors:
         raise ValueError(f"{_where(source)}:\n  " + "\n  ".join(errors))
-
-    opt_level = "O1"
-    if mode == "use_habana_mixed_precision":
-        opt_level = config.get("hmp_opt_level") or "O1"
-    elif config.get("hmp_opt_level") is not None:
-        log.debug("hmp: gaudi config %s: ignoring hmp_opt_level (use_torch_autocast is true)", source)
+    if unreachable:
+        list_files.warn_unreachable(f"gaudi config {source}: {', '.join(unreachable)}")
     return {
         "opt_level": opt_level,
         "bf16": bf16,
@@ -189,9 +219,11 @@ def convert_from_config(path_or_mapping, *, low_precision_type=torch.bfloat16, c
     """Apply an optimum-habana ``gaudi_config.json`` (a path or a mapping).
 
     ``use_habana_mixed_precision`` reads ``hmp_opt_level``, ``hmp_bf16_ops``,
-    ``hmp_fp32_ops`` and ``hmp_is_verbose``; ``use_torch_autocast`` maps
-    ``autocast_bf16_ops`` / ``autocast_fp32_ops`` onto the same lists (O1).
-    A missing list means hmp's default list of that kind. Other fields
+    ``hmp_fp32_ops`` and ``hmp_is_verbose``; a missing ``hmp_*_ops`` list is
+    optimum-habana's default for it (the BERT lists of
+    op_lists/gaudi_config_bert.json). ``use_torch_autocast`` maps
+    ``autocast_bf16_ops`` / ``autocast_fp32_ops`` onto the same lists (O1); a
+    missing one there means hmp's default list of that kind. Other fields
     (``use_fused_adam``, ...) are ignored (logged at DEBUG).
 
     Returns True when hmp was converted. When neither mode is true, hmp is

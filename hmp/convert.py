@@ -28,6 +28,7 @@ DEFAULT_FILES = {
     "O2": {"bf16": "o2_bf16.txt", "fp32": "o2_fp32.txt", "promote": "promote.txt"},
 }
 TITLES = {"bf16": "BF16 list file", "fp32": "FP32 list file", "promote": "promote list file"}
+FP16_TITLE = "FP16 list file"
 # Environment variables naming list files when convert() gets no path, in
 # order of precedence: the names Lightning's HPU docs use, then the names
 # Habana's autocast reads.
@@ -61,6 +62,9 @@ def _options(opt_level, isVerbose, low_precision_type, cache):
         raise ValueError(f"hmp: opt_level must be one of {', '.join(OPT_LEVELS)}, got {opt_level!r}")
     if low_precision_type not in LOW_DTYPES:
         raise ValueError(f"hmp: low_precision_type must be torch.bfloat16 or torch.float16, got {low_precision_type!r}")
+    if isinstance(isVerbose, (str, os.PathLike)):
+        raise TypeError(f"hmp: isVerbose must be a bool, got the path {isVerbose!r}: hmp's 4th positional parameter "
+                        f"is isVerbose (Habana's later HMP put fp16_file_path there); pass fp16_file_path= by keyword")
     if not isinstance(isVerbose, bool):
         raise TypeError(f"hmp: isVerbose must be a bool, got {isVerbose!r}")
     if not isinstance(cache, bool):
@@ -75,17 +79,37 @@ def _env_path(kind, environ):
     return "", None
 
 
+def _low_list(bf16_file_path, fp16_file_path, low_precision_type):
+    """``(path, title)`` of the lower-precision list, as Habana's HMP chose it:
+    ``fp16_file_path`` is that list when the lower dtype is float16 and is
+    ignored (with a warning) under bfloat16. hmp also lets bf16_file_path
+    name it under float16 when no fp16_file_path is given."""
+    if not _given(fp16_file_path):
+        return bf16_file_path, TITLES["bf16"]
+    if low_precision_type != torch.float16:
+        warnings.warn(f"hmp: fp16_file_path {fp16_file_path!r} is ignored: it names the list for "
+                      f"low_precision_type=torch.float16, and the lower dtype is {low_precision_type}",
+                      stacklevel=lists.caller_level())
+        return bf16_file_path, TITLES["bf16"]
+    if _given(bf16_file_path):
+        warnings.warn(f"hmp: bf16_file_path {bf16_file_path!r} is ignored: with low_precision_type=torch.float16 "
+                      f"the lower-precision list is fp16_file_path {fp16_file_path!r}", stacklevel=lists.caller_level())
+    return fp16_file_path, FP16_TITLE
+
+
 def effective_lists_for(opt_level="O1", bf16_file_path="", fp32_file_path="", promote_file_path="",
-                        resolver=None, environ=None):
+                        resolver=None, environ=None, *, fp16_file_path="", low_precision_type=torch.bfloat16):
     """Read, validate and combine the lists; raises before anything changes.
 
     Precedence for each list: the explicit argument, then the environment
-    variables in ENV_LISTS, then the shipped default.
+    variables in ENV_LISTS, then the shipped default. ``fp16_file_path``
+    is the lower-precision list under ``low_precision_type=torch.float16``.
     """
     resolver = resolver or Resolver()
     environ = os.environ if environ is None else environ
-    paths = {"bf16": bf16_file_path, "fp32": fp32_file_path, "promote": promote_file_path}
     titles = dict(TITLES)
+    bf16_file_path, titles["bf16"] = _low_list(bf16_file_path, fp16_file_path, low_precision_type)
+    paths = {"bf16": bf16_file_path, "fp32": fp32_file_path, "promote": promote_file_path}
     for kind in ("bf16", "fp32"):
         if not _given(paths[kind]):
             paths[kind], var = _env_path(kind, environ)
@@ -211,19 +235,22 @@ def _start_verbose_logging():
 
 
 def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=False,
-            low_precision_type=torch.bfloat16, *, promote_file_path="", cache=True):
+            low_precision_type=torch.bfloat16, *, promote_file_path="", cache=True, fp16_file_path=""):
     """Patch torch so listed ops run in the dtypes their lists say.
 
     ``""`` or ``None`` for a path means the list named by the environment
     (``LOWER_LIST``/``FP32_LIST``, then ``PT_HPU_AUTOCAST_*``), else the
     default. Calling it again re-configures; it never wraps a wrapper. Raises
     before patching anything. ``cache=False`` turns off the weight-cast cache
-    (see hmp/cache.py).
+    (see hmp/cache.py). ``fp16_file_path`` has the meaning of Habana's HMP:
+    the lower-precision list when ``low_precision_type=torch.float16``
+    (ignored, with a warning, under bfloat16).
     """
     with runtime.lock:
         _options(opt_level, isVerbose, low_precision_type, cache)
         resolver = Resolver()
-        effective = effective_lists_for(opt_level, bf16_file_path, fp32_file_path, promote_file_path, resolver)
+        effective = effective_lists_for(opt_level, bf16_file_path, fp32_file_path, promote_file_path, resolver,
+                                        fp16_file_path=fp16_file_path, low_precision_type=low_precision_type)
         options = {"opt_level": opt_level, "low_precision_type": low_precision_type, "verbose": isVerbose,
                    "cache": cache}
         interop.warn_inside_autocast()  # before patching: a warnings filter set to "error" patches nothing

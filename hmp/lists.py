@@ -7,6 +7,8 @@ torch untouched.
 import difflib
 import logging
 import os
+import sys
+import warnings
 from pathlib import Path
 
 log = logging.getLogger("hmp")
@@ -70,13 +72,20 @@ def read_names(path, what="list file"):
         name = text.split("#", 1)[0].strip()
         if not name:
             continue
-        if not (name.isascii() and name.isidentifier()):
+        if not is_name(name):
             errors.append(f"line {number}: {_short(name)!r} is not an op name")
             continue
         entries.append((number, name))
     if errors:
         raise ValueError(_error_text(path, what, errors))
     return entries
+
+
+def is_name(text):
+    """An op name: an identifier, or an aten operator and its overload
+    (``pow.Tensor_Scalar``, as Habana's autocast lists write them)."""
+    parts = text.split(".")
+    return len(parts) <= 2 and all(p.isascii() and p.isidentifier() for p in parts)
 
 
 _SANE = 80  # longer than any op name torch has
@@ -95,28 +104,67 @@ def _error_text(path, what, errors, limit=SHOWN):
 
 
 def load(path, known, what):
-    """Read a list file and check every name with ``known(name) -> bool``.
+    """Read a list file and check every name with ``known.check(name)``
+    (hmp.resolve.Resolver.check).
 
-    ``known`` is the resolver's test; ``suggest(name)`` gives close matches.
-    Returns the names in file order, duplicates dropped.
+    Returns the op names in file order, duplicates dropped, an overload
+    qualified name as its op (``pow.Tensor_Scalar`` -> ``pow``). A real aten
+    operator that no Python name reaches is left out with one warning for
+    the file; unknown names raise ValueError naming the file and lines.
     """
+    from .resolve import NO_PYTHON, UNKNOWN
+
     entries = read_names(path, what)
-    errors = []
+    errors, unreachable = [], []
     names = {}
     for number, name in entries:
         if name in names:
             continue
-        if not known.exists(name):
-            # suggestions cost milliseconds each (seconds for a huge name):
-            # only for the errors shown, and only for names of a sane length
-            close = known.suggest(name) if len(errors) < SHOWN and len(name) <= 2 * _SANE else ()
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            errors.append(f"line {number}: unknown op {_short(name)!r}{hint}")
+        # suggestions cost milliseconds each (seconds for a huge name):
+        # only for the errors shown, and only for names of a sane length
+        sane = len(name) <= _SANE
+        op, status, message = known.check(name, hint=sane and len(errors) < SHOWN)
+        if status == UNKNOWN:
+            errors.append(f"line {number}: {message if sane else f'unknown op {_short(name)!r}'}")
             continue
-        names[name] = number
+        if op != name:
+            log.info("hmp: %s %s line %d: %s stands for aten::%s as a whole (hmp binds Python functions, "
+                     "which reach every overload)", what, str(path), number, name, op)
+        if status == NO_PYTHON:
+            if op not in (o for _, o in unreachable):
+                unreachable.append((number, op))
+            continue
+        names.setdefault(op, number)
     if errors:
         raise ValueError(_error_text(_check_path(path, what), what, errors))
+    if unreachable:
+        where = ", ".join(f"line {n}: aten::{op}" for n, op in unreachable)
+        warn_unreachable(f"{what} {str(path)!r}: {where}")
     return list(names)
+
+
+def warn_unreachable(where):
+    """The one warning for real aten operators that hmp cannot bind."""
+    warnings.warn(f"hmp: {where}: nothing to bind in Python; calls reach it from C++, so hmp skips it "
+                  f"(list the Python-level op that calls it instead, such as conv2d for convolutions)",
+                  UserWarning, stacklevel=caller_level())
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _inside_hmp(filename):
+    folder = os.path.dirname(os.path.abspath(filename))
+    return folder == _HERE or folder.startswith(_HERE + os.sep)
+
+
+def caller_level():
+    """stacklevel pointing at the first frame outside hmp (the user's
+    convert() call), so the warning shows the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and _inside_hmp(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def combine(bf16, fp32, promote, bf16_from_user, fp32_from_user, sources):

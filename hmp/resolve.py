@@ -3,8 +3,11 @@
 A list name ``X`` binds every entry point of the op: ``torch.X``,
 ``torch.nn.functional.X``, ``torch.Tensor.X``, the dunders ``__X__``,
 ``__rX__`` and ``__iX__``, the in-place forms ``X_``, and
-``torchvision.ops.X`` when torchvision is installed. Nothing is hand-kept,
-so a name torch does not have is an error rather than a silent skip.
+``torchvision.ops.X`` when torchvision is installed. A name may also be an
+aten operator, alone or as ``op.overload`` (``pow.Tensor_Scalar``): it binds
+every builtin Python function generated from that operator (see
+``aten_entry_points``). Nothing is hand-kept, so a name torch does not have
+is an error rather than a silent skip.
 """
 
 import importlib
@@ -117,7 +120,7 @@ class Resolver:
         if name in self._cache:
             return self._cache[name]
         found = []
-        if not self._may_exist(name):
+        if not self._may_exist(name) and aten_op(name) is None:
             self._cache[name] = found
             return found
         inplace_name = None if name.endswith("_") else name + "_"
@@ -141,11 +144,56 @@ class Resolver:
         for attr, inplace in attrs:
             if attr is not None and self._lookup(T, attr, in_class=True) is not None:
                 found.append(Site(T, attr, "torch.Tensor", inplace))
+        found += self._aten_sites(name, found)
         self._cache[name] = found
         return found
 
     def exists(self, name):
         return bool(self.sites(name))
+
+    def _aten_sites(self, name, found):
+        """Sites of the builtins generated from ``aten::name`` (and its
+        in-place ``name_``) that the Python-name lookup above did not find."""
+        seen = {(id(s.namespace), s.attr) for s in found}
+        extra = []
+        for op in (name,) if name.endswith("_") else (name, name + "_"):
+            for owner, module, attr in aten_entry_points().get(op, ()):
+                if (id(module), attr) not in seen:
+                    seen.add((id(module), attr))
+                    extra.append(Site(module, attr, owner, op.endswith("_")))
+        return extra
+
+    def check(self, name, hint=True):
+        """``(op name, status, message)`` for a list entry.
+
+        ``op.overload`` must name a real overload of an aten operator and
+        stands for the operator as a whole (hmp binds Python functions, which
+        reach every overload), so the op name returned drops the overload.
+        Status: BOUND (something to wrap), NO_PYTHON (a real aten operator
+        that no Python name reaches) or UNKNOWN (``message`` says why, with
+        close matches when ``hint``).
+        """
+        base, dot, overload = name.partition(".")
+        if dot:
+            packet = aten_op(base)
+            if packet is None:
+                message = f"unknown op {name!r} (a dotted name is an aten operator and its overload)"
+                close = [overload] if hint and self.sites(overload) else self.suggest(base) if hint else []
+                return name, UNKNOWN, message + (f"; did you mean {', '.join(close)}?" if close else "")
+            overloads = packet.overloads()
+            if overload not in overloads:
+                close = suggest(overload, overloads) if hint else []
+                shown = close or overloads[:6]
+                more = ", ..." if not close and len(overloads) > len(shown) else ""
+                return name, UNKNOWN, (f"unknown overload {name!r}: aten::{base} has "
+                                       f"{', '.join(f'{base}.{o}' for o in shown)}{more}")
+            name = base
+        if self.sites(name):
+            return name, BOUND, ""
+        if aten_op(name) is not None:
+            return name, NO_PYTHON, ""
+        close = self.suggest(name) if hint else []
+        return name, UNKNOWN, f"unknown op {name!r}" + (f"; did you mean {', '.join(close)}?" if close else "")
 
     def suggest(self, name):
         if self._universe is None:
@@ -154,5 +202,64 @@ class Resolver:
                 names.update(a for a in dir(module) if not a.startswith("__"))
             for a in dir(torch.Tensor):
                 names.add(a[2:-2] if a.startswith("__") and a.endswith("__") else a)
+            names.update(_aten_names())
             self._universe = sorted(names)
         return suggest(name, self._universe)
+
+
+# -- aten operator names ----------------------------------------------------------------------
+
+BOUND, NO_PYTHON, UNKNOWN = "bound", "no-python", "unknown"
+
+# Where builtin functions generated from aten operators live. Each such
+# builtin carries its operator's name (torch.linalg.multi_dot.__name__ ==
+# "linalg_multi_dot", F.logsigmoid.__name__ == "log_sigmoid"), so scanning
+# these namespaces maps an operator to every Python name that calls it,
+# private ones included (F.cross_entropy looks up
+# torch._C._nn.cross_entropy_loss at call time). torch._C._VariableFunctions
+# is left out: torch.X is the public name of each of its builtins.
+ATEN_HOMES = ("torch", "torch.nn.functional", "torch._C._nn", "torch._C._linalg", "torch._C._special",
+              "torch._C._fft", "torch.linalg", "torch.special", "torch.fft")
+
+_entry_points = None
+
+
+def aten_op(name):
+    """``torch.ops.aten.<name>`` (an OpOverloadPacket) when torch's operator
+    registry has that operator, else None."""
+    if not name.isidentifier() or name.startswith("__"):
+        return None
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+    return packet if isinstance(packet, torch._ops.OpOverloadPacket) else None
+
+
+def aten_entry_points():
+    """``{aten op name: [(owner, module, attr), ...]}`` for every builtin in
+    ATEN_HOMES whose name is an aten operator; built once (a namespace entry
+    hmp has wrapped is looked at through its original)."""
+    global _entry_points
+    if _entry_points is None:
+        table = {}
+        for owner in ATEN_HOMES:
+            module = importlib.import_module(owner)
+            for attr, value in list(vars(module).items()):
+                fn = unwrap(value)
+                if attr.startswith("__") or not isinstance(fn, types.BuiltinFunctionType):
+                    continue
+                op = getattr(fn, "__name__", None)
+                if isinstance(op, str) and aten_op(op) is not None:
+                    table.setdefault(op, []).append((owner, module, attr))
+        _entry_points = table
+    return _entry_points
+
+
+def _aten_names():
+    """Every aten operator name the registry reports, for suggestions only."""
+    try:
+        schemas = torch._C._jit_get_all_schemas()
+    except Exception:  # a private API: suggestions are a nicety, not worth failing over
+        return set()
+    return {s.name[6:] for s in schemas if s.name.startswith("aten::")}

@@ -84,8 +84,18 @@ def test_mapping_and_pathlike_and_str(tmp_path, pristine):
         assert hmp.effective_lists()["fp32"] == ["softmax"]
 
 
-def test_missing_lists_mean_the_default_lists(pristine):
+def test_missing_hmp_lists_are_optimum_habanas_bert_lists(pristine):
+    """optimum-habana's GaudiConfig fills missing hmp_*_ops with its BERT lists."""
     hmp.convert_from_config({"use_habana_mixed_precision": True})
+    lists = hmp.effective_lists()
+    assert lists["bf16"] == BERT_BF16 and lists["fp32"] == BERT_FP32
+    x = torch.randn(2, 3)
+    assert (x / 2).dtype == torch.bfloat16 and torch.div(x, 2).dtype == torch.bfloat16  # truediv, div: BF16
+    assert F.softmax(x, dim=-1).dtype == torch.bfloat16  # FP32 in hmp's own default lists
+
+
+def test_missing_autocast_lists_are_hmps_defaults(pristine):
+    hmp.convert_from_config({"use_torch_autocast": True})
     defaults = hmp.effective_lists()
     hmp.revert()
     hmp.convert()
@@ -93,10 +103,14 @@ def test_missing_lists_mean_the_default_lists(pristine):
 
 
 def test_one_list_given_wins_over_the_other_default(pristine):
-    hmp.convert_from_config(hmp_config(hmp_bf16_ops=["softmax", "linear"]))
+    hmp.convert_from_config(hmp_config(hmp_bf16_ops=["log_softmax", "linear"]))
     lists = hmp.effective_lists()
-    assert lists["bf16"] == ["linear", "softmax"]
-    assert "softmax" not in lists["fp32"] and "log_softmax" in lists["fp32"]
+    assert lists["bf16"] == ["linear", "log_softmax"]
+    assert lists["fp32"] == ["embedding", "nll_loss"]  # BERT's FP32 list less what the BF16 list takes
+    hmp.revert()
+    hmp.convert_from_config(hmp_config(hmp_fp32_ops=["softmax"]))
+    assert hmp.effective_lists()["fp32"] == ["softmax"]
+    assert hmp.effective_lists()["bf16"] == [n for n in BERT_BF16 if n != "softmax"]
 
 
 def test_opt_level_o2(pristine):

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -271,6 +272,24 @@ def test_unreadable_file_as_an_unprivileged_user(tmp_path):
 
 _DIR = Path(tempfile.mkdtemp(prefix="hmp-fuzz-"))
 _RESOLVER = Resolver()
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")  # op, or aten op.overload
+
+
+def _aten(name):
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except Exception:
+        return None
+    return packet if isinstance(packet, torch._ops.OpOverloadPacket) else None
+
+
+def _known(name):
+    """A Python-level op name, an aten operator, or an aten operator and
+    one of its overloads (straight from torch.ops.aten)."""
+    base, dot, overload = name.partition(".")
+    if dot:
+        return _aten(base) is not None and overload in _aten(base).overloads()
+    return _RESOLVER.exists(name) or (not name.startswith("__") and _aten(name) is not None)
 
 
 def _expected_bad_lines(data):
@@ -289,9 +308,9 @@ def _expected_bad_lines(data):
         name = text.split("#", 1)[0].strip()
         if not name:
             continue
-        if not (name.isascii() and name.isidentifier()):
+        if not _NAME.fullmatch(name):
             malformed.append(number)
-        elif not _RESOLVER.exists(name):
+        elif not _known(name):
             unknown.append(number)
     return malformed or unknown
 
@@ -322,7 +341,9 @@ def test_random_bytes(data, kind):
 
 
 NAMES = ["linear", "mm", "relu", "softmax", "add", "mul", "conv2d", "layer_norm", "cat", "where",
-         "_native_multi_head_attention", "relu_", "t", "linaer", "not_an_op", "Linear", "MM", "linear2"]
+         "_native_multi_head_attention", "relu_", "t", "linaer", "not_an_op", "Linear", "MM", "linear2",
+         "cross_entropy_loss", "linalg_multi_dot", "pow.Tensor_Scalar", "_convolution.deprecated", "pow.Foo",
+         "torch.linear", "slice", "embedding_bag_sum_fwd"]
 _piece = st.one_of(
     st.sampled_from(NAMES),
     st.sampled_from(LOOK_ALIKES),
