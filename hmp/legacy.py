@@ -17,8 +17,9 @@ written to site-packages):
   mode without Habana software), ``habana_frameworks.torch.hpu.is_available()``
   (False) and ``device_count()`` (0), and the HMP-era
   ``habana_frameworks.torch.utils.library_loader.load_habana_module()``
-  (a no-op). Any other ``habana_frameworks`` module is a ModuleNotFoundError
-  that says so;
+  (a no-op), and modules scripts import only to debug or profile
+  (``habana_frameworks.torch.utils.debug``: every function a no-op). Any
+  other ``habana_frameworks`` module is a ModuleNotFoundError that says so;
 - with Habana software installed, everything but hmp comes from it.
 """
 
@@ -53,6 +54,25 @@ def _nothing(*args, **kwargs):
     return None
 
 
+def _debug_attr(module_name):
+    """Module ``__getattr__`` of a debug-only stand-in: any function asked
+    for is a no-op (there is nothing to dump or inspect without Habana
+    software); dunder lookups fail as usual so imports and pickling behave."""
+
+    def __getattr__(name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+        def no_op(*args, **kwargs):
+            return None
+
+        no_op.__name__ = no_op.__qualname__ = name
+        no_op.__doc__ = f"hmp's no-op stand-in for {module_name}.{name} (Habana software is not installed)"
+        return no_op
+
+    return __getattr__
+
+
 # stand-in module -> its attributes (every stand-in is a package, so the
 # next level can be imported below it)
 SHIMS = {
@@ -63,7 +83,14 @@ SHIMS = {
     "habana_frameworks.torch.hpu": {"is_available": _false, "device_count": _zero},
     "habana_frameworks.torch.utils": {},
     "habana_frameworks.torch.utils.library_loader": {"load_habana_module": _nothing},
+    "habana_frameworks.torch.utils.debug": {},
 }
+# Stand-ins for modules that real scripts import only to debug or profile
+# (Model-References' hello_world/mnist.py imports
+# habana_frameworks.torch.utils.debug as htdebug and never calls it; others
+# call htdebug._dump_memory_reporter() and the like): every function is a
+# no-op. Modules that do real HPU work (optimizers, hccl, media) stay errors.
+DEBUG_ONLY = frozenset({"habana_frameworks.torch.utils.debug"})
 
 
 class _Alias(importlib.abc.Loader):
@@ -107,6 +134,8 @@ class HabanaFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         module.__dict__.update(SHIMS[module.__name__])
+        if module.__name__ in DEBUG_ONLY:
+            module.__getattr__ = _debug_attr(module.__name__)
         module.__doc__ = f"hmp's stand-in for {module.__name__} (Habana software is not installed)"
 
 
