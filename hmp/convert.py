@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from . import errors, interop, lists, policy, record, state, user, wrap
+from . import checkpoint, errors, interop, lists, policy, record, rnn, state, user, wrap
 from .cache import cache as weight_cache
 from .patch import PatchLog
 from .resolve import FUSED, Resolver, Site, unwrap
@@ -197,7 +197,9 @@ def _plan(effective, policies, resolver):
 def _original(site):
     if isinstance(site.namespace, type):
         return unwrap(inspect.getattr_static(site.namespace, site.attr))
-    return unwrap(site.namespace.__dict__[site.attr])
+    own = site.namespace.__dict__
+    # torch._VF serves its functions through __getattr__: none is its own attribute
+    return unwrap(own[site.attr] if site.attr in own else getattr(site.namespace, site.attr))
 
 
 def _registration_site(owner, name):
@@ -270,6 +272,9 @@ def install(effective, options, resolver=None, recorder=None, passthrough=False)
         casts = weight_cache.casters() if cache else dict(policy.PLAIN_CASTS)
         policies = _Policies(low, casts, verbose, recorder, passthrough)
         plan = _plan(effective, policies, resolver)
+        extra = checkpoint.patches()  # recomputes run under their forward's hmp state
+        if not passthrough:  # passthrough casts nothing, so the module's own dtype check must stay
+            extra += [p for p in [rnn.check_input_patch(effective)] if p is not None]
         for owner, name, _ in user.registered:
             if not callable(getattr(owner, name, None)):
                 raise ValueError(f"hmp: registered {user.owner_label(owner)}.{name} is gone")
@@ -277,6 +282,8 @@ def install(effective, options, resolver=None, recorder=None, passthrough=False)
         try:
             for site, make in plan:
                 rt.patches.setattr(site.namespace, site.attr, make(_original(site)))
+            for namespace, attr, value in extra:
+                rt.patches.setattr(namespace, attr, value)
             rt.policies = policies
             for entry in list(user.registered):
                 apply_registration(entry)

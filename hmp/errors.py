@@ -35,6 +35,7 @@ hooks; IPython/Jupyter print tracebacks without sys.excepthook).
 """
 
 import ast
+import dis
 import functools
 import itertools
 import linecache
@@ -228,6 +229,40 @@ def _kind_of(name):
     return None
 
 
+def _raised_by_python(exc):
+    """The frame whose own ``raise`` statement raised ``exc`` (a module's dtype
+    check, such as nn.RNNBase.check_input), or None when an op raised it."""
+    tb = _innermost(exc.__traceback__)
+    if tb is None or _in_wrapper(tb):
+        return None
+    code = tb.tb_frame.f_code
+    if not 0 <= tb.tb_lasti < len(code.co_code) or dis.opname[code.co_code[tb.tb_lasti]] != "RAISE_VARARGS":
+        return None
+    return tb.tb_frame
+
+
+def _explain_python_check(frame):
+    """One line for a mismatch that Python code raised itself, before any op ran."""
+    code = frame.f_code
+    where = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{frame.f_lineno})"
+    module = frame.f_locals.get("self")
+    from .rnn import MODES
+
+    kernel = MODES.get(getattr(module, "mode", None)) if code.co_name == "check_input" else None
+    if kernel is None:
+        return (f"hmp: {where} checked dtypes itself and raised before any op ran; hmp casts only at op calls, so "
+                f"no list entry changes this check: give the call the dtype it expects.")
+    name = type(module).__name__
+    listed = _kind_of(kernel)
+    if listed is None:
+        return (f"hmp: {name} checks in Python that its input and weights share a dtype ({where}); its kernel "
+                f"'{kernel}' is in no hmp list. List '{kernel}' (BF16 or FP32 list) and hmp runs the whole {name} "
+                f"in that dtype, input, hidden state and weights.")
+    return (f"hmp: {name} checks in Python that its input and weights share a dtype ({where}); '{kernel}' is in "
+            f"the {_TITLE[listed]} list, but this call ran with hmp's casts off (hmp.disable_casts()), so nothing "
+            f"gave them one dtype.")
+
+
 def _explain(exc, site):
     """One line for a dtype mismatch. ``site`` is the About of the hmp
     wrapper the exception passed through, or None."""
@@ -264,6 +299,9 @@ def _explain(exc, site):
                 f"would give all its floating inputs one dtype.")
     if label is not None:  # op_wrap
         return f"hmp: {label} (hmp.op_wrap) got lower-precision and float32 tensors after its cast_fn."
+    frame = _raised_by_python(exc) if callee is None else None
+    if frame is not None:
+        return _explain_python_check(frame)
     return ("hmp: an op got lower-precision and float32 tensors; an op missing from hmp's lists is the usual "
             "cause (see hmp.effective_lists()).")
 

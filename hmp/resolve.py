@@ -15,6 +15,7 @@ import importlib.util
 import inspect
 import logging
 import types
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,12 @@ FUSED = {
     "linear": ("_transformer_encoder_layer_fwd", "_native_multi_head_attention"),
     "matmul": ("scaled_dot_product_attention",),
 }
+
+# The kernels nn.RNN, nn.LSTM, nn.GRU and their cells call. They call them as
+# torch._VF.X, and torch._VF serves torch._C._VariableFunctions through a
+# module __getattr__, so binding torch.X alone would never reach them.
+RNN_KERNELS = frozenset(("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell",
+                         "rnn_relu_cell"))
 
 ORIGINAL = "__hmp_original__"  # set on every hmp wrapper, points at what it wraps
 
@@ -71,13 +78,37 @@ def _inplace_param(fn):
 
 
 def _torchvision_ops():
-    if importlib.util.find_spec("torchvision") is None:
-        return None
     try:
+        if importlib.util.find_spec("torchvision") is None:
+            return None
         return importlib.import_module("torchvision.ops")
-    except Exception as e:  # a broken torchvision must not break hmp
-        log.warning("hmp: torchvision is installed but torchvision.ops failed to import (%s); not binding it", e)
+    except Exception as e:  # a stub without __spec__ (find_spec raises), a broken install: never fatal
+        _warn_optional("torchvision.ops", e)
         return None
+
+
+_optional_warned = set()
+
+
+def _warn_optional(module, error):
+    """Warn once per process that an optional module is unusable."""
+    if module in _optional_warned:
+        return
+    _optional_warned.add(module)
+    try:
+        warnings.warn(f"hmp: {module} is present but cannot be imported ({type(error).__name__}: {error}); hmp binds "
+                      f"no ops there. (hmp warns about this once per process.)", RuntimeWarning, stacklevel=4)
+    except Warning:  # warnings turned into errors: still not a reason for convert() to fail
+        pass
+
+
+def _vf_sites(name):
+    """torch._VF.X for an RNN kernel: set as an attribute of torch._VF (which
+    revert deletes again), it shadows __getattr__ for nn.RNNBase's calls."""
+    vf = torch._VF
+    if name not in RNN_KERNELS or not _is_op(getattr(vf, name, None)):
+        return []
+    return [Site(vf, name, "torch._VF", False)]
 
 
 class Resolver:
@@ -144,6 +175,7 @@ class Resolver:
         for attr, inplace in attrs:
             if attr is not None and self._lookup(T, attr, in_class=True) is not None:
                 found.append(Site(T, attr, "torch.Tensor", inplace))
+        found += _vf_sites(name)
         found += self._aten_sites(name, found)
         self._cache[name] = found
         return found

@@ -13,7 +13,8 @@ from conftest import assert_same, snapshot, write
 DEFAULT_BF16 = sorted(
     "addmm batch_norm bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d dot "
     "dropout dropout1d dropout2d dropout3d group_norm instance_norm layer_norm leaky_relu linear matmul "
-    "mm mul mv relu t".split()
+    "mm mul mv relu t "
+    "lstm gru rnn_tanh rnn_relu lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell".split()  # benchmarks/rnn_precision.py
 )
 DEFAULT_FP32 = sorted(
     "binary_cross_entropy binary_cross_entropy_with_logits cross_entropy div divide embedding "

@@ -1,0 +1,68 @@
+"""Gradient checkpointing recomputes under the hmp state of its forward.
+
+torch.utils.checkpoint reruns a function's forward during backward. torch
+saves autocast's state at the forward and re-enters it around the rerun;
+hmp's ``tls.off`` must travel the same way, or the rerun computes in other
+dtypes than the forward did (CheckpointError, or wrong gradients). Both
+modes are covered by wrapping the user's function where torch's checkpoint
+takes it at call time, not the public ``checkpoint`` name (Hugging Face
+holds a reference to that one):
+
+- ``use_reentrant=True``: ``CheckpointFunction.forward`` stores the function
+  that backward reruns;
+- ``use_reentrant=False``: ``_checkpoint_without_reentrant_generator`` builds
+  the rerun from it.
+
+The wrapper sets the captured state innermost, inside the autocast regions
+torch enters for the rerun: the forward's state wins over anything that
+turned casts off around the backward.
+"""
+
+import torch.utils.checkpoint as torch_checkpoint
+
+from .resolve import ORIGINAL, unwrap
+from .state import tls
+
+
+def under_state(fn, off):
+    """``fn`` run with ``tls.off`` set to ``off``; the caller's value is back after."""
+
+    def run(*args, **kwargs):
+        st = tls
+        saved = st.off
+        st.off = off
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            st.off = saved
+
+    return run
+
+
+def _mark(wrapper, original):
+    wrapper.__doc__, wrapper.__qualname__ = original.__doc__, original.__qualname__
+    setattr(wrapper, ORIGINAL, original)
+    return wrapper
+
+
+def patches():
+    """``[(namespace, attr, replacement)]`` for the checkpoint entry points this
+    torch has; built without changing anything."""
+    out = []
+    generator = unwrap(torch_checkpoint.__dict__.get("_checkpoint_without_reentrant_generator"))
+    if callable(generator):
+
+        def without_reentrant(fn, *args, **kwargs):
+            return generator(under_state(fn, tls.off), *args, **kwargs)
+
+        out.append((torch_checkpoint, "_checkpoint_without_reentrant_generator", _mark(without_reentrant, generator)))
+    function = getattr(torch_checkpoint, "CheckpointFunction", None)
+    forward = function.__dict__.get("forward") if isinstance(function, type) else None
+    if isinstance(forward, staticmethod):
+        original = unwrap(forward.__func__)
+
+        def reentrant_forward(ctx, run_function, preserve_rng_state, *args):
+            return original(ctx, under_state(run_function, tls.off), preserve_rng_state, *args)
+
+        out.append((function, "forward", staticmethod(_mark(reentrant_forward, original))))
+    return out

@@ -1,0 +1,45 @@
+"""RNN modules under hmp.
+
+Listing ``lstm``, ``gru``, ``rnn_tanh`` or ``rnn_relu`` binds ``torch._VF.X``,
+the kernel nn.LSTM/nn.GRU/nn.RNN call (resolve.RNN_KERNELS), and its wrapper
+casts input, hidden state and weights to one dtype. But nn.RNNBase checks in
+Python that input and weights share a dtype before it reaches the kernel, so
+a bf16 input to an fp32 module would still raise there. For modules whose
+kernel is listed, this patch lets that check see the dtype the kernel will
+get, while casts are on; its shape checks still run.
+"""
+
+import torch
+
+from .policy import FLOATS
+from .resolve import ORIGINAL, unwrap
+from .state import tls
+
+# nn.RNNBase.mode -> the kernel that module calls
+MODES = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
+
+
+def check_input_patch(effective):
+    """``(nn.RNNBase, "check_input", replacement)`` when a module kernel is in
+    ``effective`` (list kind -> names), else None."""
+    listed = frozenset(mode for mode, kernel in MODES.items() if any(kernel in names for names in effective.values()))
+    base = torch.nn.RNNBase
+    original = unwrap(base.__dict__.get("check_input"))
+    if not listed or not callable(original):
+        return None
+    empty, meta = torch.empty, torch.device("meta")
+
+    def check_input(self, input, batch_sizes):
+        if not tls.off and self.mode in listed:
+            weights = self._flat_weights
+            w = weights[0] if weights else None
+            if w is not None and input.dtype is not w.dtype and input.dtype in FLOATS and w.dtype in FLOATS:
+                # the listed kernel's wrapper gives input and weights one dtype;
+                # a storage-less stand-in keeps the shape checks
+                input = empty(input.shape, dtype=w.dtype, device=meta)
+        return original(self, input, batch_sizes)
+
+    check_input.__doc__ = original.__doc__
+    check_input.__qualname__ = original.__qualname__
+    setattr(check_input, ORIGINAL, original)
+    return base, "check_input", check_input

@@ -1,0 +1,113 @@
+"""torch.utils.checkpoint recomputes under the hmp state its forward ran
+under: gradients equal those of the same model without checkpointing, bit
+for bit, whichever of forward and backward ran inside disable_casts()."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
+
+import hmp
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+class Block(nn.Module):
+    """Ops of all three default lists: linear, relu, layer_norm (BF16), softmax (FP32), add (promote)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.norm = nn.Linear(16, 32), nn.Linear(32, 16), nn.LayerNorm(16)
+
+    def forward(self, x):
+        h = self.fc2(F.relu(self.fc1(x)))
+        return self.norm(x + h * F.softmax(h, dim=-1))
+
+
+class Net(nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode  # None, or use_reentrant
+        self.embed, self.blocks, self.head = nn.Linear(8, 16), nn.ModuleList([Block(), Block()]), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h) if self.mode is None else torch_checkpoint.checkpoint(block, h, use_reentrant=self.mode)
+        return self.head(h)
+
+
+SCENARIOS = {  # (forward with casts, backward with casts)
+    "on-on": (True, True),
+    "off-on": (False, True),  # forward inside disable_casts(), backward outside
+    "on-off": (True, False),  # the reverse
+}
+
+
+def gradients(mode, scenario):
+    forward_on, backward_on = SCENARIOS[scenario]
+    torch.manual_seed(0)
+    net = Net(mode)
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    with contextlib.nullcontext() if forward_on else hmp.disable_casts():
+        loss = F.cross_entropy(net(x), y)
+    with contextlib.nullcontext() if backward_on else hmp.disable_casts():
+        loss.backward()
+    return loss, {n: p.grad for n, p in net.named_parameters()}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpointed_gradients_equal_plain_ones(use_reentrant, scenario):
+    hmp.convert("O1")
+    loss, plain = gradients(None, scenario)
+    loss_ckpt, ckpt = gradients(use_reentrant, scenario)
+    assert torch.equal(loss, loss_ckpt)
+    for name, grad in plain.items():
+        assert grad is not None and torch.equal(ckpt[name], grad), name
+
+
+def test_the_scenarios_differ():
+    """The forward's state matters: casts off gives other gradients than casts on
+    (otherwise the tests above could pass with the state ignored)."""
+    hmp.convert("O1")
+    _, on = gradients(None, "on-on")
+    _, off = gradients(None, "off-on")
+    assert not torch.equal(on["blocks.0.fc1.weight"], off["blocks.0.fc1.weight"])
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_recompute_restores_the_callers_state(use_reentrant):
+    hmp.convert("O1")
+    seen = []
+
+    def fn(x):
+        seen.append(hmp.casts_enabled())
+        return F.linear(x, torch.ones(3, 3))
+
+    x = torch.randn(2, 3, requires_grad=True)
+    with hmp.disable_casts():
+        out = torch_checkpoint.checkpoint(fn, x, use_reentrant=use_reentrant)
+    out.float().sum().backward()  # recompute runs with casts off, then casts are on again
+    assert seen == [False, False] and hmp.casts_enabled()
+    seen.clear()
+    out = torch_checkpoint.checkpoint(fn, x, use_reentrant=use_reentrant)
+    with hmp.disable_casts():
+        out.float().sum().backward()
+        assert not hmp.casts_enabled()  # the backward's own disabled state is back
+    assert seen == [True, True]
+
+
+def test_revert_restores_torch_checkpoint_exactly(pristine):
+    generator = torch_checkpoint.__dict__["_checkpoint_without_reentrant_generator"]
+    forward = torch_checkpoint.CheckpointFunction.__dict__["forward"]
+    hmp.convert("O1")
+    assert torch_checkpoint.__dict__["_checkpoint_without_reentrant_generator"] is not generator
+    assert torch_checkpoint.CheckpointFunction.__dict__["forward"] is not forward
+    hmp.convert("O2")  # re-configuring wraps the originals, never a wrapper
+    hmp.revert()
+    assert torch_checkpoint.__dict__["_checkpoint_without_reentrant_generator"] is generator
+    assert torch_checkpoint.CheckpointFunction.__dict__["forward"] is forward
