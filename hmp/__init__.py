@@ -5,14 +5,13 @@ A drop-in for Habana's ``habana_frameworks.torch.hpex.hmp``::
     import hmp
     hmp.convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=False)
     ...
-    with hmp.disable_casts():
-        optimizer.step()
+    optimizer.step()  # runs with casts off by itself while converted
 
 Importing hmp patches nothing; only convert() does.
 """
 
 from .audit import audit
-from .cache import clear_cache
+from .cache import clear_cache, frozen_weights
 from .config import convert_from_config
 from .convert import convert, effective_lists, is_converted, revert
 from .state import casts_enabled, disable_casts
@@ -34,6 +33,7 @@ __all__ = [
     "casts_enabled",
     "effective_lists",
     "clear_cache",
+    "frozen_weights",
     "bf16_function",
     "fp32_function",
     "promote_function",

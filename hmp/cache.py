@@ -1,23 +1,32 @@
-"""A version-aware cache of lower-precision copies of leaf tensors (weights).
+"""The weight-cast cache: lower-precision copies of weights that cannot go stale.
 
-A weight used several times in a step is cast once, and in inference the
-copy survives across calls until the weight changes. An entry is used only
-while everything that could make it stale is unchanged:
+Correct by construction: no copy outlives the reason it was made.
 
-- the tensor's version counter (every in-place update bumps it, including
-  ``optimizer.step()`` and ``with torch.no_grad(): p.copy_(...)``);
-- its data pointer (``p.data = other`` and ``module.to()`` swap storage);
-- the grad mode (a copy made under ``no_grad`` has no graph);
-- the target dtype.
+- Grad mode: a copy is held only through a weak reference. torch keeps a
+  tensor's Python object alive while the autograd graph saves it (once the
+  object carries an attribute), so the copy lives exactly as long as the
+  graph that uses it: backward, or dropping the output, frees it. A weight
+  used several times in one forward (tied embeddings, an RNN cell) is cast
+  once; the next step casts again.
+- No grad: copies are not kept across calls, except inside
+  ``hmp.frozen_weights()``, where the caller states the weights do not
+  change; there they persist (per thread) until the outermost block exits.
+- Every optimizer step (torch's global step post hook, see hmp/steps.py)
+  and ``clear_cache()`` drop every copy.
 
-Entries are keyed by ``id()`` and dropped by a weakref callback when the
-tensor dies, so the cache never keeps a weight alive through its key; it
-holds at most one copy per tensor. In-place updates through ``p.data``
-bypass the version counter, so the cache is also emptied whenever the
-outermost ``disable_casts()`` block (where optimizer steps run) exits.
+Within those lifetimes an entry is also checked against what can change
+cheaply (version counter, data pointer, requires_grad), and it holds the
+source storage so its address cannot be reused. A write through the
+``p.data`` alias bumps no counter: it is invisible only while a graph that
+saved the old copy is still alive (``retain_graph=True``) or inside
+``frozen_weights()``. The cache steps aside for inference tensors (no
+version counter), under functorch transforms (their tensors have no
+storage), while ``torch.jit.trace`` runs (a cached copy would be recorded
+as a constant) and while torch.compile traces (fake tensors).
 """
 
-import functools
+import contextlib
+import threading
 import weakref
 
 import torch
@@ -26,48 +35,124 @@ from .policy import PLAIN_CASTS
 
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state
+_transforms_active = torch._C._are_functorch_transforms_active
 _Parameter = torch.nn.Parameter
+_DTYPES = tuple(PLAIN_CASTS)
+
+
+class _Scope(threading.local):
+    depth = 0
+    frozen = None
+    stores = None  # {dtype: {id(tensor): entry}} inside frozen_weights(), else None
+
+
+class _Store(dict):
+    __slots__ = ("__weakref__",)
+
+
+class _Frozen:
+    """One thread's frozen_weights() stores, registered so clear() reaches them."""
+    __slots__ = ("stores", "__weakref__")
+
+    def __init__(self):
+        self.stores = {d: _Store() for d in _DTYPES}
+
+
+def _forget(store, key):
+    return lambda _ref: store.pop(key, None)
 
 
 class CastCache:
     def __init__(self):
-        self._entries = {}  # id(tensor) -> (version, data_ptr, grad_mode, dtype, copy, weakref)
+        self._live = {d: _Store() for d in _DTYPES}  # grad mode: id -> (copy ref, version, ptr, requires_grad, storage, tensor ref)
+        self._frozen = weakref.WeakSet()  # every thread's frozen_weights() stores
+        self._scope = _Scope()
 
     def __len__(self):
-        return len(self._entries)
+        """Usable entries: live grad-mode copies and this thread's frozen ones."""
+        n = sum(1 for s in self._live.values() for e in list(s.values()) if e[0]() is not None)
+        stores = self._scope.stores
+        return n + (sum(len(s) for s in stores.values()) if stores else 0)
 
     def clear(self):
-        self._entries.clear()
-
-    def _forget(self, key, _ref):
-        self._entries.pop(key, None)
+        for store in self._live.values():
+            store.clear()
+        for frozen in list(self._frozen):
+            for store in frozen.stores.values():
+                store.clear()
 
     def caster(self, dtype):
         """A one-argument cast to ``dtype`` that goes through the cache for
         parameters and other leaf tensors that require grad."""
         plain = PLAIN_CASTS[dtype]
-        entries, forget = self._entries, self._forget
+        live, scope = self._live[dtype], self._scope
+        miss_live, miss_frozen = self._miss_live, self._miss_frozen
 
         def cast(t):
             if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
                 return plain(t)
-            if _is_compiling():  # traced tensors are fake: no data_ptr, and the graph caches for itself
+            if _is_compiling() or _tracing_state() is not None:
+                return plain(t)  # compile: fake tensors; jit.trace: a cached copy would become a constant
+            if _grad_enabled():
+                entry = live.get(id(t))
+                if entry is not None:
+                    copy = entry[0]()
+                    if copy is not None and entry[1] == t._version and entry[2] == t.data_ptr() \
+                            and entry[3] is t.requires_grad:
+                        return copy
+                return miss_live(t, plain, live, entry)
+            stores = scope.stores
+            if stores is None:
                 return plain(t)
-            key = id(t)
-            entry = entries.get(key)
-            version, grad = t._version, _grad_enabled()
-            if entry is not None and entry[0] == version and entry[2] is grad and entry[3] is dtype \
-                    and entry[1] == t.data_ptr():
-                return entry[4]
-            copy = plain(t)
-            ref = entry[5] if entry is not None else weakref.ref(t, functools.partial(forget, key))
-            entries[key] = (version, t.data_ptr(), grad, dtype, copy, ref)
-            return copy
+            store = stores[dtype]
+            entry = store.get(id(t))
+            if entry is not None and entry[1] == t._version and entry[2] == t.data_ptr():
+                return entry[0]
+            return miss_frozen(t, plain, store, entry)
 
         return cast
 
+    @staticmethod
+    def _cacheable(t):
+        # inference tensors have no version counter; tensors made under a
+        # functorch transform are wrapped at its level and must not escape it
+        return not t.is_inference() and not _transforms_active()
+
+    def _miss_live(self, t, plain, store, entry):
+        copy = plain(t)
+        if self._cacheable(t):
+            copy._hmp_cast = True  # a Python attribute: torch keeps the object alive while the graph saves it
+            ref = entry[5] if entry is not None else weakref.ref(t, _forget(store, id(t)))
+            store[id(t)] = (weakref.ref(copy), t._version, t.data_ptr(), t.requires_grad, t.untyped_storage(), ref)
+        return copy
+
+    def _miss_frozen(self, t, plain, store, entry):
+        copy = plain(t)
+        if self._cacheable(t):
+            ref = entry[4] if entry is not None else weakref.ref(t, _forget(store, id(t)))
+            store[id(t)] = (copy, t._version, t.data_ptr(), t.untyped_storage(), ref)
+        return copy
+
     def casters(self):
         return {dtype: self.caster(dtype) for dtype in PLAIN_CASTS}
+
+    @contextlib.contextmanager
+    def frozen(self):
+        scope = self._scope
+        if scope.depth == 0:
+            frozen = _Frozen()
+            self._frozen.add(frozen)
+            scope.frozen, scope.stores = frozen, frozen.stores
+        scope.depth += 1
+        try:
+            yield
+        finally:
+            scope.depth -= 1
+            if scope.depth == 0:
+                for store in scope.stores.values():
+                    store.clear()
+                scope.frozen = scope.stores = None
 
 
 cache = CastCache()
@@ -76,3 +161,15 @@ cache = CastCache()
 def clear_cache():
     """Drop every cached lower-precision copy."""
     cache.clear()
+
+
+def frozen_weights():
+    """A block in which the weights do not change, so no-grad casts of them
+    are kept across calls (fast repeated inference); dropped on exit.
+
+    Thread-local and nestable, like ``torch.autocast``. hmp still sees
+    in-place ops, ``p.data = ...``, ``load_state_dict`` and optimizer steps
+    inside the block; what it cannot see is an in-place write through the
+    ``p.data`` alias, which is what you promise not to do here. Outside the
+    block no-grad casts are never reused, so the default is always exact."""
+    return cache.frozen()

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from . import checkpoint, errors, interop, lists, policy, record, rnn, state, user, wrap
+from . import checkpoint, errors, interop, lists, policy, record, rnn, state, steps, user, wrap
 from .cache import cache as weight_cache
 from .patch import PatchLog
 from .resolve import FUSED, Resolver, Site, unwrap
@@ -47,6 +47,7 @@ class _Runtime:
         self.lists = None  # {"bf16": [...], "fp32": [...], "promote": [...]} while converted
         self.options = None
         self.policies = None  # the _Policies of the current conversion
+        self.steps = None  # the optimizer step hooks (hmp/steps.py) while converted
         self._log_restore = None
 
 
@@ -287,6 +288,7 @@ def install(effective, options, resolver=None, recorder=None, passthrough=False)
             rt.policies = policies
             for entry in list(user.registered):
                 apply_registration(entry)
+            rt.steps = steps.StepHooks(rt.patches)
         except BaseException:
             rt.patches.undo()
             rt.policies = None
@@ -295,8 +297,6 @@ def install(effective, options, resolver=None, recorder=None, passthrough=False)
         errors.install_hooks()
         rt.lists = {k: sorted(v) for k, v in effective.items()}
         rt.options = dict(options)
-        if cache:
-            state.on_reenable = weight_cache.clear
         if verbose:
             rt._log_restore = _start_verbose_logging()
             log.info("hmp: convert opt_level=%s, lower dtype %s", options["opt_level"], str(low).replace("torch.", ""))
@@ -309,6 +309,9 @@ def install(effective, options, resolver=None, recorder=None, passthrough=False)
 def _revert_locked():
     rt = runtime
     try:
+        if rt.steps is not None:
+            rt.steps.remove()
+            rt.steps = None
         rt.patches.undo()
     finally:
         user.active = None
