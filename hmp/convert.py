@@ -308,12 +308,17 @@ def install(effective, options, resolver=None, recorder=None, passthrough=False)
 
 def _revert_locked():
     rt = runtime
+    installed = rt.patches.values()
     try:
         if rt.steps is not None:
             rt.steps.remove()
             rt.steps = None
         rt.patches.undo()
     finally:
+        left = {id(v) for v in rt.patches.values()}  # entries that could not be undone stay live
+        for value in installed:
+            if id(value) not in left:
+                wrap.retire(value)
         user.active = None
         errors.remove_hooks()
         state.on_reenable = None

@@ -10,7 +10,7 @@ _MISSING = object()
 
 class PatchLog:
     def __init__(self):
-        self._entries = []  # (namespace, attr, previous own value or _MISSING)
+        self._entries = []  # (namespace, attr, previous own value or _MISSING, value set)
 
     def __len__(self):
         return len(self._entries)
@@ -18,7 +18,7 @@ class PatchLog:
     def setattr(self, namespace, attr, value):
         previous = namespace.__dict__.get(attr, _MISSING)
         setattr(namespace, attr, value)
-        self._entries.append((namespace, attr, previous))
+        self._entries.append((namespace, attr, previous, value))
 
     def undo(self):
         """Undo every change, newest first. Keeps going past a failing entry
@@ -29,7 +29,7 @@ class PatchLog:
         first_error, failed = None, []
         while self._entries:
             entry = self._entries.pop()
-            namespace, attr, previous = entry
+            namespace, attr, previous, _ = entry
             try:
                 if previous is _MISSING:
                     delattr(namespace, attr)
@@ -45,4 +45,8 @@ class PatchLog:
             raise first_error
 
     def labels(self):
-        return [f"{getattr(ns, '__name__', ns)}.{attr}" for ns, attr, _ in self._entries]
+        return [f"{getattr(ns, '__name__', ns)}.{attr}" for ns, attr, _, _ in self._entries]
+
+    def values(self):
+        """Every value set and not undone yet, oldest first."""
+        return [value for _, _, _, value in self._entries]

@@ -125,23 +125,46 @@ def _floating_dtypes(seq, seen):
     return seen
 
 
+def _dimensioned_dtypes(seq, seen):
+    for a in seq:
+        if isinstance(a, Tensor):
+            d = a.dtype
+            if d in FLOATS and a.dim():
+                seen.add(d)
+        elif type(a) is list or type(a) is tuple:
+            _dimensioned_dtypes(a, seen)
+    return seen
+
+
 def widest(args, kwargs):
-    """The widest floating dtype among the tensor arguments, or None when
-    they share one dtype (or have none), so nothing needs a cast."""
+    """The floating dtype ``torch.result_type`` would give the tensor
+    arguments, or None when they share one dtype (or have none), so nothing
+    needs a cast.
+
+    As in torch, 0-dim tensors do not widen dimensioned ones: ``x +
+    torch.tensor(0.5, dtype=torch.float64)`` stays in ``x``'s dtype, and
+    only when no dimensioned tensor is floating do 0-dim ones decide.
+    Python scalars are not tensors and never count."""
     seen = _floating_dtypes(args, set())
     if kwargs:
         _floating_dtypes(kwargs.values(), seen)
     if len(seen) < 2:
         return None
-    seen = iter(seen)
-    dt = next(seen)
-    for d in seen:
+    # mixed dtypes (rare): a second pass sorts out what counts
+    dims = _dimensioned_dtypes(args, set())
+    if kwargs:
+        _dimensioned_dtypes(kwargs.values(), dims)
+    dims = iter(dims or seen)
+    dt = next(dims)
+    for d in dims:
         dt = _promote_types(dt, d)
     return dt
 
 
 def promote(casts):
-    """Promote list: every floating tensor goes to the widest floating dtype."""
+    """Promote list: every floating tensor goes to the dtype torch's type
+    promotion gives them (``widest``); 0-dim ones are cast too, so ops that
+    insist on one dtype (index_put, lerp) get it."""
 
     def prepare(args, kwargs):
         dt = widest(args, kwargs)

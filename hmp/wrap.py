@@ -7,8 +7,11 @@ dtype, in-place detection, logging) was decided when the wrapper was made.
 
 import functools
 import logging
+import types
+import weakref
 
 import torch
+from torch.jit import _builtins as _jit_builtins
 
 from . import errors, policy
 from .resolve import ORIGINAL, unwrap
@@ -25,8 +28,67 @@ def _finish(wrapper, op):
         functools.update_wrapper(wrapper, op)
     except (AttributeError, TypeError):  # some builtins lack __dict__ or names
         wrapper.__wrapped__ = op
-    setattr(wrapper, ORIGINAL, unwrap(op))
+    original = unwrap(op)
+    setattr(wrapper, ORIGINAL, original)
+    _script_as(wrapper, original)
     return wrapper
+
+
+def _forget_builtin(key):
+    _jit_builtins._get_builtin_table().pop(key, None)
+
+
+def _script_as(wrapper, original):
+    """Make TorchScript compile ``wrapper`` as ``original``: scripted code
+    runs its ops uncast, from C++, like any call hmp cannot see.
+
+    An original that TorchScript knows as an aten builtin (``torch.relu``,
+    ``F.linear``) gets the wrapper registered as the same builtin, keyed by
+    the wrapper's id and removed when the wrapper is collected (so a retired
+    wrapper captured by a module stays scriptable after revert()). A Python
+    original (``F.relu``) is compiled from its own source and scope through
+    the ``__prepare_scriptable__`` hook torch.jit calls on functions."""
+    builtin = _jit_builtins._find_builtin(original)
+    if builtin is not None:
+        _jit_builtins._register_builtin(wrapper, builtin)
+        weakref.finalize(wrapper, _forget_builtin, id(wrapper))
+    elif isinstance(original, types.FunctionType):
+        wrapper.__prepare_scriptable__ = lambda: original
+
+
+_PASSTHROUGH = {}  # a wrapper's free variable names -> code that only calls ``op``
+
+
+def _passthrough_code(freevars):
+    """Code of ``wrapper(*args, **kwargs): return op(*args, **kwargs)`` with
+    exactly ``freevars`` (a function's code can only be swapped for code with
+    the same free variables)."""
+    code = _PASSTHROUGH.get(freevars)
+    if code is None:
+        names = ", ".join(freevars)
+        src = (f"def make({names}):\n    def wrapper(*args, **kwargs):\n        {names}\n"
+               f"        return op(*args, **kwargs)\n    return wrapper\n")
+        scope = {}
+        exec(compile(src, "<hmp retired wrapper>", "exec"), scope)
+        code = scope["make"](*freevars).__code__
+        if code.co_freevars != freevars:  # never seen; checked so a swap cannot misbind
+            raise RuntimeError(f"hmp: cannot build a pass-through for free variables {freevars}")
+        _PASSTHROUGH[freevars] = code
+    return code
+
+
+def retire(wrapper):
+    """Turn an hmp wrapper that revert() took out of torch into a plain call
+    of the original: references captured while converted (``self.act =
+    F.relu``) then behave as the original, at no per-call cost to live
+    wrappers. Objects that are not hmp wrappers are left alone."""
+    original = getattr(wrapper, ORIGINAL, None)
+    code = getattr(wrapper, "__code__", None)
+    if original is None or code is None or "op" not in code.co_freevars or code.co_filename != __file__:
+        return
+    passthrough = _passthrough_code(code.co_freevars)
+    wrapper.__closure__[code.co_freevars.index("op")].cell_contents = original
+    wrapper.__code__ = passthrough
 
 
 def wrap_simple(op, prepare, site=None):
