@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from . import errors, interop, lists, policy, record, state, user, wrap
+from . import errors, interop, lists, policy, record, regions, state, user, wrap
 from .cache import cache as weight_cache
 from .patch import PatchLog
 from .resolve import FUSED, Resolver, Site, unwrap
@@ -243,6 +243,7 @@ def install(effective, options, resolver=None, recorder=None, passthrough=False)
         casts = weight_cache.casters() if cache else dict(policy.PLAIN_CASTS)
         policies = _Policies(low, casts, verbose, recorder, passthrough)
         plan = _plan(effective, policies, resolver)
+        left_alone = regions.plan()  # autocast regions, backward, GradScaler, DataLoader
         for owner, name, _ in user.registered:
             if not callable(getattr(owner, name, None)):
                 raise ValueError(f"hmp: registered {user.owner_label(owner)}.{name} is gone")
@@ -250,6 +251,8 @@ def install(effective, options, resolver=None, recorder=None, passthrough=False)
         try:
             for site, make in plan:
                 rt.patches.setattr(site.namespace, site.attr, make(_original(site)))
+            for namespace, attr, value in left_alone:
+                rt.patches.setattr(namespace, attr, value)
             rt.policies = policies
             for entry in list(user.registered):
                 apply_registration(entry)
@@ -277,6 +280,7 @@ def _revert_locked():
     try:
         rt.patches.undo()
     finally:
+        regions.forget_open_regions()
         user.active = None
         errors.remove_hooks()
         state.on_reenable = None
