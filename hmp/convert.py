@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from . import checkpoint, errors, interop, lists, policy, record, rnn, state, steps, user, wrap
+from . import checkpoint, errors, interop, lists, policy, record, regions, rnn, state, steps, user, wrap
 from .cache import cache as weight_cache
 from .patch import PatchLog
 from .resolve import FUSED, Resolver, Site, unwrap
@@ -276,6 +276,7 @@ def install(effective, options, resolver=None, recorder=None, passthrough=False)
         extra = checkpoint.patches()  # recomputes run under their forward's hmp state
         if not passthrough:  # passthrough casts nothing, so the module's own dtype check must stay
             extra += [p for p in [rnn.check_input_patch(effective)] if p is not None]
+        extra += regions.plan()  # autocast regions, backward, GradScaler, DataLoader: left alone
         for owner, name, _ in user.registered:
             if not callable(getattr(owner, name, None)):
                 raise ValueError(f"hmp: registered {user.owner_label(owner)}.{name} is gone")
@@ -319,6 +320,7 @@ def _revert_locked():
         for value in installed:
             if id(value) not in left:
                 wrap.retire(value)
+        regions.forget_open_regions()
         user.active = None
         errors.remove_hooks()
         state.on_reenable = None

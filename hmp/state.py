@@ -8,10 +8,22 @@ a listed op calls internally are not cast again: the outermost op decides).
 import contextlib
 import threading
 
+import torch
+
+# -1 outside a backward pass; autograd's device threads run nothing else
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
 
 class _ThreadState(threading.local):
-    # class attribute: every new thread starts with casting on
+    # class attribute: every new thread starts with casting on ...
     off = 0
+
+    def __init__(self):
+        # ... except one first seen inside a backward pass: an autograd
+        # device thread (CUDA runs backward there), which only ever runs
+        # backward, where hmp casts nothing. Runs once per thread.
+        if _graph_task_id is not None and _graph_task_id() != -1:
+            self.off = 1
 
 
 tls = _ThreadState()

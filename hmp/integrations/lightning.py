@@ -9,16 +9,25 @@
     trainer.fit(model, data)
 
 The plugin converts hmp when the Trainer sets up a run (``fit``,
-``validate``, ``test``, ``predict``), runs the optimizer step and gradient
-clipping with casts off, and reverts when the run ends, also when it ends
-with an exception. A conversion that was active before the run is restored
-afterwards, so Trainers in one process do not leak into each other.
+``validate``, ``test``, ``predict``) and reverts when the run ends, also
+when it ends with an exception. A conversion that was active before the run
+is restored afterwards, so Trainers in one process do not leak into each
+other.
+
+While a run is on, hmp casts only inside the steps (``training_step``,
+``validation_step``, ...; Lightning enters the plugin's ``forward_context``
+around each) and not inside ``self.log``/``self.log_dict`` called from a
+step: Lightning's own bookkeeping (logging, metric reduction, callbacks,
+the loops), the optimizer step and gradient clipping run in the run's
+thread with casts off, so logged values are fp32 arithmetic on the logged
+tensors.
 
 Needs ``lightning`` (``pip install hmp[lightning]``); importing ``hmp`` or
 ``hmp.integrations`` does not import it.
 """
 
 import contextlib
+import functools
 import logging
 import warnings
 
@@ -27,24 +36,26 @@ from lightning.pytorch.plugins import Precision
 
 import hmp
 from hmp import state
-from hmp.convert import current, effective_lists_for, restore
+from hmp.convert import current, effective_lists_for, restore, runtime
+from hmp.resolve import ORIGINAL, unwrap
 
 log = logging.getLogger("hmp")
 
 __all__ = ["HMPPrecision"]
 
 
-@contextlib.contextmanager
-def _casts_back_on():
-    """Inside the optimizer step's ``disable_casts()``, turn casting back on
-    for the closure, which runs the forward and backward pass."""
-    tls = state.tls
-    saved = tls.off
-    tls.off = max(saved - 1, 0)  # the level outside the optimizer step's disable_casts()
-    try:
-        yield
-    finally:
-        tls.off = saved
+def _uncast_log(log_method):
+    """``LightningModule.log`` with casts off: it is called from inside a
+    step, where casts are on, and does Lightning's arithmetic (``value *
+    batch_size``, sums) on the logged tensor."""
+
+    def log(*args, **kwargs):
+        with hmp.disable_casts():
+            return log_method(*args, **kwargs)
+
+    functools.update_wrapper(log, log_method)
+    setattr(log, ORIGINAL, log_method)
+    return log
 
 
 class HMPPrecision(Precision):
@@ -78,6 +89,7 @@ class HMPPrecision(Precision):
         self.precision = "bf16-mixed" if low_precision_type is torch.bfloat16 else "16-mixed"
         self._active = False
         self._previous = None
+        self._step_level = None  # the thread's tls.off inside steps while a run is on
 
     def __repr__(self):
         return (f"{type(self).__name__}(opt_level={self.opt_level!r}, bf16_file_path={self.bf16_file_path!r}, "
@@ -90,8 +102,13 @@ class HMPPrecision(Precision):
         """Convert hmp with this plugin's settings (the Trainer calls it)."""
         if not self._active:
             self._previous = current()  # None when hmp is not converted
-        hmp.convert(self.opt_level, self.bf16_file_path or "", self.fp32_file_path or "", self.verbose,
-                    self.low_precision_type, promote_file_path=self.promote_file_path or "", cache=self.cache)
+        from lightning.pytorch import LightningModule
+
+        with runtime.lock:
+            hmp.convert(self.opt_level, self.bf16_file_path or "", self.fp32_file_path or "", self.verbose,
+                        self.low_precision_type, promote_file_path=self.promote_file_path or "", cache=self.cache)
+            # in hmp's patch log, so revert()/restore() undo it with the rest
+            runtime.patches.setattr(LightningModule, "log", _uncast_log(unwrap(LightningModule.__dict__["log"])))
         self._active = True
 
     def revert(self):
@@ -105,27 +122,41 @@ class HMPPrecision(Precision):
     def connect(self, model, optimizers, lr_schedulers):
         # Strategy.setup() calls this once per run, after the model is on its device.
         self.convert()
+        if self._step_level is None:  # casts off in the run's thread, on again inside steps
+            self._step_level = state.tls.off
+            state.tls.off += 1
         return super().connect(model, optimizers, lr_schedulers)
 
     def teardown(self):
         # Strategy.teardown() calls this at the end of every run, also after an exception.
         try:
+            if self._step_level is not None:
+                self._step_level = None
+                state.tls.off -= 1
             self.revert()
         finally:
             super().teardown()
 
+    @contextlib.contextmanager
+    def forward_context(self):
+        """Casts on inside a step (Lightning enters this around each
+        ``*_step`` call and the model summary's forward)."""
+        tls = state.tls
+        saved = tls.off
+        if self._step_level is not None:
+            tls.off = self._step_level
+        try:
+            yield
+        finally:
+            tls.off = saved
+
     # -- optimizer math in fp32 -------------------------------------------------
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
-        """``optimizer.step`` under ``hmp.disable_casts()``; the closure it
-        calls (forward and backward) runs with casts on."""
-
-        def closure_with_casts():
-            with _casts_back_on():
-                return closure()
-
+        """``optimizer.step`` under ``hmp.disable_casts()`` (also outside a
+        run); the ``training_step`` its closure runs is a step, with casts on."""
         with hmp.disable_casts():
-            return super().optimizer_step(optimizer, model, closure_with_casts, **kwargs)
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None, **kwargs):
         with hmp.disable_casts():

@@ -1,0 +1,175 @@
+"""Regions of a program where hmp casts nothing (docs/leaves-alone.md).
+
+Each region switches the thread's ``tls.off`` where it starts and ends, so
+the per-call wrapper keeps reading one integer and pays nothing for them:
+
+- **torch.autocast regions**, enabled or not (context manager, decorator,
+  ``torch.cuda.amp.autocast``/``torch.cpu.amp.autocast``): the author chose
+  the precision there; torch.autocast's own rules apply, as without hmp.
+- **Backward**: the thread that starts a backward pass (CPU backward runs
+  there) is switched off for the pass; autograd's device threads (CUDA)
+  start with casts off (hmp/state.py).
+- **GradScaler** ``scale``/``unscale_``/``step``/``update``: the loss
+  scale is fp32 arithmetic (in fp16 it could never exceed 65504).
+- **DataLoader** data loading: worker processes (any start method) and the
+  in-process loader (``num_workers=0``) load data as without hmp.
+
+``plan()`` builds every patch before convert() changes anything; the
+patches go through convert()'s patch log, so revert() undoes them.
+"""
+
+import functools
+import threading
+import warnings
+
+import torch
+
+from . import state
+from .resolve import ORIGINAL, unwrap
+from .state import tls
+
+_GRAD_SCALER_METHODS = ("scale", "unscale_", "step", "update")
+
+
+class _OpenRegions(threading.local):
+    def __init__(self):
+        self.counts = {}  # id(autocast instance) -> times this thread entered it under hmp
+
+
+_open = _OpenRegions()
+_enabled_warned = False
+
+
+def _finish(wrapper, original):
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, ORIGINAL, original)
+    return wrapper
+
+
+def _warn_enabled_region(region):
+    global _enabled_warned
+    _enabled_warned = True
+    warnings.warn(
+        f"hmp: a torch.autocast region ({region.device}, {str(region.fast_dtype).replace('torch.', '')}) was "
+        f"entered while hmp is converted. hmp casts nothing inside torch.autocast regions: autocast's own lists "
+        f"apply there, as without hmp (docs/leaves-alone.md). (hmp warns about this once per process.)",
+        UserWarning, stacklevel=3)
+
+
+def _autocast_enter(original):
+    def __enter__(self):
+        result = original(self)
+        tls.off += 1  # after torch's own __enter__, which can raise
+        counts = _open.counts
+        key = id(self)
+        counts[key] = counts.get(key, 0) + 1
+        if getattr(self, "_enabled", False) and not _enabled_warned:
+            _warn_enabled_region(self)
+        return result
+
+    return _finish(__enter__, original)
+
+
+def _autocast_exit(original):
+    def __exit__(self, *exc):
+        try:
+            return original(self, *exc)
+        finally:
+            # only a region this thread entered under hmp counts: one entered
+            # before convert() leaves the thread's state as it found it
+            counts = _open.counts
+            key = id(self)
+            n = counts.get(key, 0)
+            if n:
+                if n == 1:
+                    del counts[key]
+                else:
+                    counts[key] = n - 1
+                tls.off -= 1
+
+    return _finish(__exit__, original)
+
+
+def forget_open_regions():
+    """revert() in the calling thread: regions it is inside stop counting,
+    so their exits (by torch's own code after revert) leave no casts off."""
+    counts = _open.counts
+    if counts:
+        tls.off -= sum(counts.values())
+        counts.clear()
+
+
+def _uncast(original):
+    """``original`` with casts off for its duration, in the calling thread."""
+
+    def uncast(*args, **kwargs):
+        st = tls
+        st.off += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            st.off -= 1
+
+    return _finish(uncast, original)
+
+
+def _uncast_then_reenable(original):
+    """As ``_uncast``, through disable_casts(), whose exit tells the weight
+    cache that weights may have changed (the optimizer step)."""
+
+    def uncast(*args, **kwargs):
+        with state.disable_casts():
+            return original(*args, **kwargs)
+
+    return _finish(uncast, original)
+
+
+def worker_loop(*args, **kwargs):
+    """DataLoader's worker entry point while hmp is converted: a worker
+    process casts nothing, however it was started. A module-level function,
+    so ``spawn`` and ``forkserver`` pickle it by name and the worker runs it
+    too, converted or not."""
+    tls.off += 1  # for the worker's life: it does nothing but load data
+    from torch.utils.data._utils import worker
+    return unwrap(worker._worker_loop)(*args, **kwargs)
+
+
+def _own(cls, name):
+    return unwrap(cls.__dict__[name])
+
+
+def _subclasses(cls):
+    found, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        found.append(c)
+        todo.extend(c.__subclasses__())
+    return found
+
+
+def plan():
+    """``[(namespace, attr, new value)]`` for every region hmp leaves alone.
+    Builds everything and changes nothing."""
+    from torch.amp.autocast_mode import autocast
+    from torch.utils.data import dataloader
+    from torch.utils.data._utils import worker
+
+    patches = [(autocast, "__enter__", _autocast_enter(_own(autocast, "__enter__"))),
+               (autocast, "__exit__", _autocast_exit(_own(autocast, "__exit__")))]
+    autograd = torch.autograd
+    if callable(getattr(autograd, "_engine_run_backward", None)):
+        # backward() and grad() both call this module global at call time,
+        # also when they were imported by name before convert()
+        patches.append((autograd, "_engine_run_backward", _uncast(unwrap(autograd._engine_run_backward))))
+    else:  # older torch
+        patches += [(autograd, name, _uncast(unwrap(getattr(autograd, name)))) for name in ("backward", "grad")]
+    for cls in _subclasses(torch.amp.GradScaler):  # subclasses defined later are not reached
+        for name in _GRAD_SCALER_METHODS:
+            if name in cls.__dict__:
+                patches.append((cls, name, _uncast_then_reenable(_own(cls, name))))
+    worker_loop.__dict__[ORIGINAL] = unwrap(worker._worker_loop)
+    patches.append((worker, "_worker_loop", worker_loop))
+    single = getattr(dataloader, "_SingleProcessDataLoaderIter", None)
+    if single is not None and "_next_data" in single.__dict__:
+        patches.append((single, "_next_data", _uncast(_own(single, "_next_data"))))
+    return patches
