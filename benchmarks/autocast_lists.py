@@ -15,9 +15,10 @@ Sources, for the installed torch:
   that autocast_mode.cpp registers beside them; checked against the
   dispatcher's ``AutocastCUDA`` kernels (registered even in CPU builds).
 
-Only names hmp can bind (torch.X / torch.nn.functional.X / torch.Tensor.X)
+Only names hmp can bind (a Python entry point that reaches the op: torch.X,
+torch.nn.functional.X, torch.Tensor.X, torch.linalg/fft/_C._nn builtins)
 go into the files; each name is validated by hmp.convert itself, which
-raises ValueError on an unknown op. Dropped names are listed in each file's
+raises ValueError on an unknown op and warns on one it cannot bind. Dropped names are listed in each file's
 header.
 """
 
@@ -26,6 +27,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,14 +133,18 @@ def check_against_dispatcher(policies, key, extra=()):
 
 
 def hmp_knows(name, _cache={}):
-    """True when hmp.convert accepts ``name`` in a list file (public API only)."""
+    """True when hmp.convert accepts ``name`` in a list file and binds it
+    somewhere (public API only): a real aten op with nothing to bind in
+    Python is accepted with a warning, and left out here."""
     if name not in _cache:
         fd, path = tempfile.mkstemp(suffix=".txt")
         with os.fdopen(fd, "w") as f:
             f.write(name + "\n")
         try:
-            hmp.convert(bf16_file_path=path)
-            _cache[name] = True
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                hmp.convert(bf16_file_path=path)
+            _cache[name] = not any("nothing to bind" in str(w.message) for w in caught)
         except ValueError:
             _cache[name] = False
         finally:
@@ -171,8 +177,8 @@ def render(device, kind, names, source):
     if mapped:
         lines.append("# Listed under the Python entry point that reaches the aten op: " + ", ".join(mapped) + ".")
     if dropped:
-        lines.append("# Not bindable by hmp (no torch / torch.nn.functional / torch.Tensor attribute")
-        lines.append("# of that name in this torch), so left out:")
+        lines.append("# Not bindable by hmp (no Python entry point reaches the aten op in this")
+        lines.append("# torch; calls reach it from C++ only), so left out:")
         lines += _wrap_comment(dropped)
     return "\n".join(lines + sorted(kept)) + "\n"
 
