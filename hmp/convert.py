@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from . import errors, interop, lists, policy, record, state, user, wrap
+from . import errors, interop, lists, pickling, policy, record, state, user, wrap
 from .cache import cache as weight_cache
 from .patch import PatchLog
 from .resolve import FUSED, Resolver, Site, unwrap
@@ -253,6 +253,7 @@ def install(effective, options, resolver=None, recorder=None, passthrough=False)
             rt.policies = policies
             for entry in list(user.registered):
                 apply_registration(entry)
+            pickling.install(rt.patches)
         except BaseException:
             rt.patches.undo()
             rt.policies = None
@@ -283,6 +284,7 @@ def _revert_locked():
             if id(value) not in left:
                 wrap.retire(value)
         user.active = None
+        pickling.clear()
         errors.remove_hooks()
         state.on_reenable = None
         weight_cache.clear()

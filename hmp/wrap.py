@@ -89,6 +89,10 @@ def retire(wrapper):
     passthrough = _passthrough_code(code.co_freevars)
     wrapper.__closure__[code.co_freevars.index("op")].cell_contents = original
     wrapper.__code__ = passthrough
+    # pickle saves a function by name and the name now finds the original:
+    # the error it raises shows this name, which says what to do
+    wrapper.__qualname__ = (f"{wrapper.__qualname__} [an hmp wrapper retired by revert(): pickle the state_dict, "
+                            f"or build the module after revert()]")
 
 
 def wrap_simple(op, prepare, site=None):
