@@ -258,7 +258,7 @@ def test_fp16_low_precision(device):
 def test_o2_lists(tmp_path):
     hmp.convert(opt_level="O2")
     lists = hmp.effective_lists()
-    assert lists["bf16"] == sorted("addmm bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d "
+    assert lists["bf16"] == sorted("addmm baddbmm bilinear bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d "
                                    "conv_transpose3d dot linear matmul mm mv".split())
     assert {"relu", "mul", "softmax", "layer_norm", "dropout", "t"} <= set(lists["fp32"])
     x = torch.randn(4, 4)
