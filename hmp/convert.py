@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from . import checkpoint, errors, interop, lists, policy, record, regions, rnn, state, steps, user, wrap
+from . import checkpoint, errors, interop, lists, pickling, policy, record, regions, rnn, state, steps, user, wrap
 from .cache import cache as weight_cache
 from .patch import PatchLog
 from .resolve import FUSED, Resolver, Site, unwrap
@@ -290,6 +290,7 @@ def install(effective, options, resolver=None, recorder=None, passthrough=False)
             for entry in list(user.registered):
                 apply_registration(entry)
             rt.steps = steps.StepHooks(rt.patches)
+            pickling.install(rt.patches)
         except BaseException:
             rt.patches.undo()
             rt.policies = None
@@ -322,6 +323,7 @@ def _revert_locked():
                 wrap.retire(value)
         regions.forget_open_regions()
         user.active = None
+        pickling.clear()
         errors.remove_hooks()
         state.on_reenable = None
         weight_cache.clear()

@@ -69,6 +69,7 @@ _LOW = re.compile(r"BFloat16|bfloat16|\bHalf\b|\bhalf\b|float16")
 _FP32 = re.compile(r"\bFloat\b|\bfloat\b|float32|FloatTensor")
 _MIXED = re.compile(r"mixed dtype")
 _NO_KERNEL = re.compile(r"not implemented for '(BFloat16|Half)'")
+_HOOK = re.compile(r"hook '([^']*)' has changed the type of value(?: \(was (\S+) got (\S+)\))?")
 _PREFIX = "hmp: "
 _TITLE = {"bf16": "BF16", "fp32": "FP32", "promote": "promote"}
 _PARAM = {"bf16": "bf16_file_path", "fp32": "fp32_file_path", "promote": "promote_file_path"}
@@ -263,9 +264,22 @@ def _explain_python_check(frame):
             f"gave them one dtype.")
 
 
+def _explain_hook(match):
+    """Autograd's check that a hook kept its value's dtype: no op and no list
+    entry is involved, so the note must not suggest one."""
+    name, was, got = match.groups()
+    change = f" ({was} -> {got})" if was and got else ""
+    return (f"hmp: hook '{name}' returned a value of another dtype than it was given{change}; autograd requires "
+            f"a hook to keep the dtype. This is not a missing list entry: under hmp a gradient can be bf16 where "
+            f"it used to be float32, so return a value of the dtype given (`return result.to(grad.dtype)`).")
+
+
 def _explain(exc, site):
     """One line for a dtype mismatch. ``site`` is the About of the hmp
     wrapper the exception passed through, or None."""
+    hook = _HOOK.search(str(exc.args[0])) if exc.args else None
+    if hook is not None:
+        return _explain_hook(hook)
     callee = _callee(exc)
     label, name, kind = site[:3] if site is not None else (None, None, None)
     if callee is not None and label is not None and callee != name:

@@ -47,6 +47,10 @@ class PatchLog:
     def labels(self):
         return [f"{getattr(ns, '__name__', ns)}.{attr}" for ns, attr, _, _ in self._entries]
 
+    def entries(self):
+        """``(namespace, attr, previous or _MISSING, value set)``, oldest first."""
+        return list(self._entries)
+
     def values(self):
         """Every value set and not undone yet, oldest first."""
         return [value for _, _, _, value in self._entries]

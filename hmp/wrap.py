@@ -72,7 +72,7 @@ def _passthrough_code(freevars):
         exec(compile(src, "<hmp retired wrapper>", "exec"), scope)
         code = scope["make"](*freevars).__code__
         if code.co_freevars != freevars:  # never seen; checked so a swap cannot misbind
-            raise RuntimeError(f"hmp: cannot build a pass-through for free variables {freevars}")
+            code = None
         _PASSTHROUGH[freevars] = code
     return code
 
@@ -87,8 +87,14 @@ def retire(wrapper):
     if original is None or code is None or "op" not in code.co_freevars or code.co_filename != __file__:
         return
     passthrough = _passthrough_code(code.co_freevars)
+    if passthrough is None:  # revert() must not fail: such a wrapper keeps its code
+        return
     wrapper.__closure__[code.co_freevars.index("op")].cell_contents = original
     wrapper.__code__ = passthrough
+    # pickle saves a function by name and the name now finds the original:
+    # the error it raises shows this name, which says what to do
+    wrapper.__qualname__ = (f"{wrapper.__qualname__} [an hmp wrapper retired by revert(): pickle the state_dict, "
+                            f"or build the module after revert()]")
 
 
 def wrap_simple(op, prepare, site=None):

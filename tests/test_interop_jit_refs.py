@@ -13,6 +13,9 @@ import torch.nn.functional as F
 
 import hmp
 
+# torch.jit warns that it is deprecated; scripting still has to work under hmp
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+
 
 class Captures(nn.Module):
     """Stores op references in __init__, as many models do."""

@@ -11,14 +11,15 @@ import hmp
 from conftest import assert_same, snapshot, write
 
 DEFAULT_BF16 = sorted(
-    "addmm batch_norm bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d dot "
+    "addmm baddbmm batch_norm bilinear bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d dot "
     "dropout dropout1d dropout2d dropout3d group_norm instance_norm layer_norm leaky_relu linear matmul "
-    "mm mul mv relu t "
+    "mm mul mv prelu relu t "
     "lstm gru rnn_tanh rnn_relu lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell".split()  # benchmarks/rnn_precision.py
 )
 DEFAULT_FP32 = sorted(
-    "binary_cross_entropy binary_cross_entropy_with_logits cross_entropy div divide embedding "
-    "embedding_bag log log2 log_softmax nll_loss smooth_l1_loss softmax topk truediv".split()
+    "avg_pool3d binary_cross_entropy binary_cross_entropy_with_logits cross_entropy ctc_loss div divide embedding "
+    "embedding_bag huber_loss log log2 log_softmax multi_margin_loss multilabel_margin_loss nll_loss "
+    "smooth_l1_loss softmax topk truediv".split()
 )
 PROMOTE_AT_LEAST = set("add sub mul div truediv pow addcmul addcdiv cat stack where index_put scatter_add".split())
 

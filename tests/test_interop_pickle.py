@@ -1,0 +1,85 @@
+"""Pickling while converted: stock modules hold torch functions (an
+nn.TransformerEncoderLayer holds F.relu from its default argument)."""
+
+import io
+import multiprocessing.reduction
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hmp
+
+PLAIN = {"pickle.Pickler": pickle.Pickler, "pickle.dump": pickle.dump, "pickle.dumps": pickle.dumps}
+
+
+def layer():
+    torch.manual_seed(0)
+    return nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+
+def test_torch_save_and_pickle_while_converted(tmp_path):
+    before = layer()  # holds the original F.relu
+    hmp.convert()
+    during = layer()
+    assert F.relu is not before.activation  # the name now finds hmp's wrapper
+    for m in (before, during):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert loaded.activation is F.relu  # a name, looked up when loading: here the wrapper
+        loaded2 = pickle.loads(pickle.dumps(m))
+        assert loaded2.activation is F.relu
+    torch.save(before, tmp_path / "model.pt")
+    hmp.revert()
+    assert {"pickle.Pickler": pickle.Pickler, "pickle.dump": pickle.dump, "pickle.dumps": pickle.dumps} == PLAIN
+    assert "reducer_override" not in vars(multiprocessing.reduction.ForkingPickler)
+    # a process without hmp loads the original functions
+    code = textwrap.dedent(f"""
+        import sys, torch, torch.nn.functional as F
+        m = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
+        assert m.activation is F.relu, m.activation
+        assert "hmp" not in sys.modules
+        print(m(torch.randn(2, 3, 8)).dtype)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=""), cwd=tmp_path)
+    assert r.returncode == 0 and "torch.float32" in r.stdout, r.stderr[-2000:]
+
+
+def test_wrapper_captured_while_converted_fails_after_revert_with_hmp_saying_why():
+    """By construction: pickle saves a function by name, and after revert()
+    the name finds the original, not the (retired) wrapper a module captured."""
+    hmp.convert()
+    m = nn.Module()
+    m.act = F.relu
+    hmp.revert()
+    assert m.act(torch.tensor([-1.0])).item() == 0.0
+    with pytest.raises(pickle.PicklingError, match=r"hmp wrapper retired by revert\(\): pickle the state_dict"):
+        pickle.dumps(m)
+
+
+class Activations(torch.utils.data.Dataset):
+    def __init__(self):
+        self.fn = F.relu  # captured before convert(): the original
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return self.fn(torch.tensor([i - 1.0]))
+
+
+def test_spawn_dataloader_while_converted(one_intra_op_thread):
+    ds = Activations()
+    hmp.convert()
+    loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    (batch,) = list(loader)
+    assert batch.flatten().tolist() == [0.0, 0.0]
