@@ -141,7 +141,6 @@ NOT_RUN = {
     "RNNCellBase": "base class (the cells run)", "DataParallel": "wraps a module; needs CUDA to do anything",
     "SyncBatchNorm": "needs a process group and an accelerator",
 }
-RNN_CLASSES = {"RNN", "LSTM", "GRU", "RNNCell", "LSTMCell", "GRUCell"}
 
 
 def build(name):
@@ -231,10 +230,7 @@ def run(name, opt_level, fed):
 
 def _params():
     for name in SPECS:
-        marks = []
-        if name in RNN_CLASSES:
-            marks.append(pytest.mark.xfail(strict=False, reason="A2: RNN binding"))
-        yield pytest.param(name, marks=marks, id=name)
+        yield pytest.param(name, id=name)
 
 
 @pytest.mark.parametrize("name", list(_params()))
