@@ -58,13 +58,13 @@ def _warn_enabled_region(region):
 
 def _autocast_enter(original):
     def __enter__(self):
+        if getattr(self, "_enabled", False) and not _enabled_warned:
+            _warn_enabled_region(self)  # first: a warnings filter set to "error" changes nothing
         result = original(self)
         tls.off += 1  # after torch's own __enter__, which can raise
         counts = _open.counts
         key = id(self)
         counts[key] = counts.get(key, 0) + 1
-        if getattr(self, "_enabled", False) and not _enabled_warned:
-            _warn_enabled_region(self)
         return result
 
     return _finish(__enter__, original)

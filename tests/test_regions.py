@@ -321,3 +321,26 @@ def test_in_process_data_loading_never_casts():
     hmp.convert()
     assert _load(num_workers=0) == [{"mul": False, "converted": True, "casts": False}] * 2
     assert hmp.casts_enabled()
+
+
+def test_entering_an_enabled_region_warns_once_and_an_error_filter_changes_nothing(monkeypatch):
+    import warnings
+
+    from hmp import regions
+
+    monkeypatch.setattr(regions, "_enabled_warned", False)
+    hmp.convert()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="hmp casts nothing inside torch.autocast regions"):
+            with torch.autocast("cpu", dtype=BF16):
+                pass  # not reached
+        assert not torch.is_autocast_enabled("cpu") and hmp.casts_enabled()
+    monkeypatch.setattr(regions, "_enabled_warned", False)
+    with pytest.warns(UserWarning, match=r"\(cpu, bfloat16\).*once per process"):
+        with torch.autocast("cpu", dtype=BF16):
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=BF16):  # second time: silent
+            assert mul_dtype() == FP32
