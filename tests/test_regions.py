@@ -4,6 +4,7 @@ backward, GradScaler's arithmetic and DataLoader data loading."""
 import contextlib
 import multiprocessing
 import threading
+import warnings
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ def mul_dtype():
 # -- torch.autocast regions ---------------------------------------------------------------
 
 
+@pytest.mark.slow  # importing transformers
 def test_llama_rotary_embedding_at_2048_positions_is_fp32_bit_for_bit():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -116,7 +118,7 @@ _BLOCKS = st.sampled_from(["off", "on", "disable", "decorated", "raise"])
 def test_nesting_property(programs):
     hmp.convert()
 
-    def enter(kind, stack, depth):
+    def enter(stack, depth):
         if depth == len(stack):
             assert mul_dtype() == (FP32 if stack else BF16)
             return
@@ -125,19 +127,19 @@ def test_nesting_property(programs):
                "on": lambda: torch.autocast("cpu", dtype=BF16),
                "disable": hmp.disable_casts}.get(block)
         if block == "decorated":
-            torch.autocast("cpu", enabled=False)(enter)(kind, stack, depth + 1)
+            torch.autocast("cpu", enabled=False)(enter)(stack, depth + 1)
         elif block == "raise":
             with contextlib.suppress(KeyError):
                 with torch.autocast("cpu", enabled=False):
-                    enter(kind, stack, depth + 1)
+                    enter(stack, depth + 1)
                     raise KeyError
         else:
             with ctx():
-                enter(kind, stack, depth + 1)
+                enter(stack, depth + 1)
         assert mul_dtype() == (FP32 if depth else BF16)
 
     for stack in programs:
-        enter(None, stack, 0)
+        enter(stack, 0)
     assert hmp.casts_enabled() and state.tls.off == 0
 
 
@@ -306,7 +308,7 @@ def _load(**kwargs):
     return list(loader)
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])  # spawn imports torch
 def test_dataloader_workers_never_cast(method):
     if method not in multiprocessing.get_all_start_methods():
         pytest.skip(f"no {method} here")
@@ -324,8 +326,6 @@ def test_in_process_data_loading_never_casts():
 
 
 def test_entering_an_enabled_region_warns_once_and_an_error_filter_changes_nothing(monkeypatch):
-    import warnings
-
     from hmp import regions
 
     monkeypatch.setattr(regions, "_enabled_warned", False)
