@@ -344,3 +344,22 @@ def test_entering_an_enabled_region_warns_once_and_an_error_filter_changes_nothi
         warnings.simplefilter("error")
         with torch.autocast("cpu", dtype=BF16):  # second time: silent
             assert mul_dtype() == FP32
+
+
+def test_revert_puts_every_region_patch_back():
+    from torch.amp.autocast_mode import autocast
+    from torch.utils.data import dataloader
+    from torch.utils.data._utils import worker
+
+    owners = [autocast, torch.autograd, torch.autograd.graph, torch.amp.GradScaler, worker,
+              dataloader._SingleProcessDataLoaderIter]
+    before = [dict(vars(o)) for o in owners]
+    hmp.convert()
+    assert autocast.__dict__["__enter__"] is not before[0]["__enter__"]
+    assert worker._worker_loop is not before[4]["_worker_loop"]
+    hmp.convert(opt_level="O2")  # re-configuring never wraps a wrapper
+    assert autocast.__enter__.__hmp_original__ is before[0]["__enter__"]
+    hmp.revert()
+    for owner, saved in zip(owners, before):
+        now = vars(owner)
+        assert now.keys() == saved.keys() and all(now[k] is saved[k] for k in saved), owner
