@@ -161,6 +161,25 @@ def test_compiled_function_with_a_disabled_region_is_one_graph():
     torch._dynamo.reset()
 
 
+def test_compiled_function_with_a_graph_break_inside_a_disabled_region():
+    hmp.convert()
+    torch._dynamo.reset()
+
+    def f(a, b):
+        with torch.autocast("cpu", enabled=False):
+            before = a @ b
+            torch._dynamo.graph_break()
+            after = a @ b
+        return before, after, a @ b
+
+    compiled = torch.compile(f, backend="eager")
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    for _ in range(2):
+        assert [t.dtype for t in compiled(a, b)] == [FP32, FP32, BF16]
+        assert hmp.casts_enabled()
+    torch._dynamo.reset()
+
+
 def test_scripted_autocast_region_still_scripts():
     hmp.convert()
 
