@@ -221,6 +221,35 @@ def test_lightning_bookkeeping_is_uncast():
     assert hmp.casts_enabled() and not hmp.is_converted()
 
 
+class ManualWithClosure(MLP):
+    def __init__(self):
+        super().__init__(optimizer="lbfgs")
+        self.automatic_optimization = False
+        self.closure_seen = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+
+        def closure():
+            hidden = self.net[0](x)
+            loss = F.cross_entropy(self.net[2](self.net[1](hidden)), y)
+            self.closure_seen.append((hidden.dtype, hmp.casts_enabled()))
+            opt.zero_grad()
+            self.manual_backward(loss)
+            return loss
+
+        opt.step(closure=closure)
+
+
+def test_manual_optimization_closure_runs_with_the_steps_casts():
+    model = ManualWithClosure()
+    trainer(HMPPrecision(), max_epochs=1).fit(model, loader())
+    assert model.closure_seen and all(s == (torch.bfloat16, True) for s in model.closure_seen)
+    assert model.step_casts and all(s == (False, False) for s in model.step_casts)
+    assert hmp.casts_enabled() and not hmp.is_converted()
+
+
 def test_bad_list_fails_when_the_plugin_is_made(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("linaer\n")
