@@ -1,9 +1,11 @@
 """How hmp meets other precision machinery in the same process.
 
-torch.autocast: autocast casts inside the dispatcher, after hmp's
-Python-level casts, so when both are active autocast's lists win for ops
-both know. convert() warns once per process when called inside an active
-autocast region.
+torch.autocast: hmp casts nothing inside a torch.autocast region entered
+while it is converted, enabled or not (hmp/regions.py, docs/leaves-alone.md).
+A region entered before convert() is not one for hmp: there both act, and
+since autocast casts inside the dispatcher, after hmp's Python-level casts,
+autocast's lists win for ops both know. convert() warns once per process
+when called inside such an active region.
 """
 
 import warnings
@@ -45,8 +47,9 @@ def warn_inside_autocast():
     devices = autocast_regions()
     if devices:
         warnings.warn(
-            f"hmp: convert() called inside an active torch.autocast region ({', '.join(devices)}). autocast casts "
-            f"inside the dispatcher, after hmp's Python-level casts, so for ops both know autocast's lists win: "
+            f"hmp: convert() called inside an active torch.autocast region ({', '.join(devices)}). hmp casts nothing "
+            f"inside autocast regions entered after convert(), but in this one, entered before, both act. autocast "
+            f"casts inside the dispatcher, after hmp's Python-level casts, so for ops both know autocast's lists win: "
             f"an op in hmp's FP32 list can still run in autocast's lower precision, and one in hmp's BF16 list in "
             f"fp32. Leaving the autocast region does not revert hmp. Use one of the two for a region of code. "
             f"(hmp warns about this once per process.)", UserWarning, stacklevel=3)

@@ -58,13 +58,13 @@ def _warn_enabled_region(region):
 
 def _autocast_enter(original):
     def __enter__(self):
+        if getattr(self, "_enabled", False) and not _enabled_warned:
+            _warn_enabled_region(self)  # first: a warnings filter set to "error" changes nothing
         result = original(self)
         tls.off += 1  # after torch's own __enter__, which can raise
         counts = _open.counts
         key = id(self)
         counts[key] = counts.get(key, 0) + 1
-        if getattr(self, "_enabled", False) and not _enabled_warned:
-            _warn_enabled_region(self)
         return result
 
     return _finish(__enter__, original)
@@ -157,10 +157,14 @@ def plan():
     patches = [(autocast, "__enter__", _autocast_enter(_own(autocast, "__enter__"))),
                (autocast, "__exit__", _autocast_exit(_own(autocast, "__exit__")))]
     autograd = torch.autograd
-    if callable(getattr(autograd, "_engine_run_backward", None)):
-        # backward() and grad() both call this module global at call time,
-        # also when they were imported by name before convert()
-        patches.append((autograd, "_engine_run_backward", _uncast(unwrap(autograd._engine_run_backward))))
+    graph = getattr(autograd, "graph", None)
+    if callable(getattr(autograd, "_engine_run_backward", None)) and graph is not None:
+        # backward() and grad() both call torch.autograd's global at call
+        # time, also when imported by name before convert(); graph's is
+        # patched too because torch.compiler's export tracing copies it
+        # back over torch.autograd's when it is done
+        run = _uncast(unwrap(graph._engine_run_backward))
+        patches += [(graph, "_engine_run_backward", run), (autograd, "_engine_run_backward", run)]
     else:  # older torch
         patches += [(autograd, name, _uncast(unwrap(getattr(autograd, name)))) for name in ("backward", "grad")]
     for cls in _subclasses(torch.amp.GradScaler):  # subclasses defined later are not reached

@@ -187,6 +187,69 @@ def test_a_conversion_made_before_the_run_is_restored(tmp_path):
     assert torch.randn(2, 3).matmul(torch.randn(3, 2)).dtype == torch.float16
 
 
+class Logging(MLP):
+    """Logs the loss (epoch mean) and a constant; a callback does arithmetic."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.detach().clone())
+        self.log("loss", loss, on_step=False, on_epoch=True)
+        self.log_dict({"const": torch.tensor(2.3659)}, on_step=True, on_epoch=False)
+        return loss
+
+
+class Arithmetic(pl.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.product = (outputs["loss"].detach() * 0.5).dtype
+
+
+def test_lightning_bookkeeping_is_uncast():
+    model, callback = Logging(), Arithmetic()
+    trainer(HMPPrecision(), max_epochs=1, callbacks=[callback]).fit(model, loader())
+    assert model.seen[0][0] == torch.bfloat16  # the step itself ran under hmp
+    metrics = model.trainer.callback_metrics
+    assert metrics["const"].item() == torch.tensor(2.3659).item()  # bf16 would be 2.359375
+    # the epoch mean Lightning reduced, against float64 arithmetic on the same logged tensors
+    mean = torch.stack(model.losses).double().mean()
+    assert metrics["loss"].dtype == torch.float32
+    assert abs(metrics["loss"].double() - mean) <= 1e-6 * mean  # a bf16 product is off by ~1e-3
+    assert callback.product == torch.float32
+    assert hmp.casts_enabled() and not hmp.is_converted()
+
+
+class ManualWithClosure(MLP):
+    def __init__(self):
+        super().__init__(optimizer="lbfgs")
+        self.automatic_optimization = False
+        self.closure_seen = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+
+        def closure():
+            hidden = self.net[0](x)
+            loss = F.cross_entropy(self.net[2](self.net[1](hidden)), y)
+            self.closure_seen.append((hidden.dtype, hmp.casts_enabled()))
+            opt.zero_grad()
+            self.manual_backward(loss)
+            return loss
+
+        opt.step(closure=closure)
+
+
+def test_manual_optimization_closure_runs_with_the_steps_casts():
+    model = ManualWithClosure()
+    trainer(HMPPrecision(), max_epochs=1).fit(model, loader())
+    assert model.closure_seen and all(s == (torch.bfloat16, True) for s in model.closure_seen)
+    assert model.step_casts and all(s == (False, False) for s in model.step_casts)
+    assert hmp.casts_enabled() and not hmp.is_converted()
+
+
 def test_bad_list_fails_when_the_plugin_is_made(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("linaer\n")

@@ -153,10 +153,23 @@ class HMPPrecision(Precision):
     # -- optimizer math in fp32 -------------------------------------------------
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
-        """``optimizer.step`` under ``hmp.disable_casts()`` (also outside a
-        run); the ``training_step`` its closure runs is a step, with casts on."""
+        """``optimizer.step`` under ``hmp.disable_casts()``; the closure it
+        calls runs with the casts of the code that asked for the step: a
+        ``training_step`` (automatic optimization) or the code inside one
+        (manual optimization with a closure) runs with casts on."""
+        outer = state.tls.off
+
+        def closure_as_caller():
+            tls = state.tls
+            saved = tls.off
+            tls.off = outer
+            try:
+                return closure()
+            finally:
+                tls.off = saved
+
         with hmp.disable_casts():
-            return super().optimizer_step(optimizer, model, closure, **kwargs)
+            return super().optimizer_step(optimizer, model, closure_as_caller, **kwargs)
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None, **kwargs):
         with hmp.disable_casts():
