@@ -300,6 +300,6 @@ def test_entries_die_with_their_tensor_and_copies_do_not_share():
         b.weight.mul_(2)
     ya, yb = a(x), b(x)
     assert not torch.equal(ya, yb)
-    del ya, yb, a, b
+    del ya, yb, a, b, x
     gc.collect()
     assert len(cache) == 0 and all(len(s) == 0 for s in cache._live.values())
