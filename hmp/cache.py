@@ -47,16 +47,12 @@ class _Scope(threading.local):
     stores = None  # {dtype: {id(tensor): entry}} inside frozen_weights(), else None
 
 
-class _Store(dict):
-    __slots__ = ("__weakref__",)
-
-
 class _Frozen:
     """One thread's frozen_weights() stores, registered so clear() reaches them."""
     __slots__ = ("stores", "__weakref__")
 
     def __init__(self):
-        self.stores = {d: _Store() for d in _DTYPES}
+        self.stores = {d: {} for d in _DTYPES}
 
 
 def _forget(store, key):
@@ -65,7 +61,7 @@ def _forget(store, key):
 
 class CastCache:
     def __init__(self):
-        self._live = {d: _Store() for d in _DTYPES}  # grad mode: id -> (copy ref, version, ptr, requires_grad, storage, tensor ref)
+        self._live = {d: {} for d in _DTYPES}  # grad mode: id -> (copy ref, version, ptr, requires_grad, storage, tensor ref)
         self._frozen = weakref.WeakSet()  # every thread's frozen_weights() stores
         self._scope = _Scope()
 
