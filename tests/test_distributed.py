@@ -117,7 +117,6 @@ def test_torchrun_launch(tmp_path):
     check(tmp_path)
 
 
-@pytest.mark.slow
 def test_fsdp2_cache_on_equals_cache_off_and_shards_stay_fp32(tmp_path):
     """FSDP2 (fully_shard, gloo): the optimizer step is a plain step() under hmp."""
     run_ranks(tmp_path, FSDP_WORKER)

@@ -57,7 +57,6 @@ def _train(tmp_path, converted):
     return loss, logits_dtype
 
 
-@pytest.mark.slow
 def test_trainer_default_optimizer_under_hmp_ends_within_one_percent_of_fp32(tmp_path):
     fp32_loss, fp32_dtype = _train(tmp_path, converted=False)
     hmp_loss, hmp_dtype = _train(tmp_path, converted=True)
