@@ -158,3 +158,15 @@ def test_revert_removes_the_hooks():
     opt = Recording(_model().parameters())
     opt.step()
     assert opt.seen == [(True, torch.float32)]  # nothing patched, nothing disabled
+
+
+def test_revert_inside_a_step_leaves_casting_on_for_the_next_conversion():
+    class Reverting(torch.optim.SGD):
+        def step(self, closure=None):
+            hmp.revert()
+            return super().step()
+
+    hmp.convert()
+    Reverting(_model().parameters(), lr=0.1).step()
+    hmp.convert()
+    assert hmp.casts_enabled() and torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == BF16
