@@ -21,6 +21,7 @@ class Config:
     label: str
     kind: str  # "fp32" | "autocast" | "hmp" | "bf16"
     hmp_args: dict = field(default_factory=dict)
+    frozen: bool = False  # the whole run inside hmp.frozen_weights() (weights unchanged: inference)
 
     @property
     def is_hmp(self):
@@ -38,7 +39,8 @@ class Config:
             return
         hmp.convert(**self.hmp_args)
         try:
-            yield
+            with hmp.frozen_weights() if self.frozen else contextlib.nullcontext():
+                yield
         finally:
             hmp.revert()
 
@@ -64,6 +66,7 @@ def all_configs(device):
         Config("hmp-O1", "hmp O1 (default lists)", "hmp", {"opt_level": "O1"}),
         Config("hmp-O1-ac", "hmp O1 (autocast's lists)", "hmp", dict(opt_level="O1", **autocast_list_args(device))),
         Config("hmp-O2", "hmp O2", "hmp", {"opt_level": "O2"}),
+        Config("hmp-O1-frozen", "hmp O1 inside hmp.frozen_weights()", "hmp", {"opt_level": "O1"}, frozen=True),
         Config("bf16", "pure bf16 (model.bfloat16())", "bf16"),
     ]
 

@@ -47,16 +47,12 @@ class _Scope(threading.local):
     stores = None  # {dtype: {id(tensor): entry}} inside frozen_weights(), else None
 
 
-class _Store(dict):
-    __slots__ = ("__weakref__",)
-
-
 class _Frozen:
     """One thread's frozen_weights() stores, registered so clear() reaches them."""
     __slots__ = ("stores", "__weakref__")
 
     def __init__(self):
-        self.stores = {d: _Store() for d in _DTYPES}
+        self.stores = {d: {} for d in _DTYPES}
 
 
 def _forget(store, key):
@@ -65,7 +61,7 @@ def _forget(store, key):
 
 class CastCache:
     def __init__(self):
-        self._live = {d: _Store() for d in _DTYPES}  # grad mode: id -> (copy ref, version, ptr, requires_grad, storage, tensor ref)
+        self._live = {d: {} for d in _DTYPES}  # grad mode: id -> (copy ref, version, ptr, requires_grad, storage, tensor ref)
         self._frozen = weakref.WeakSet()  # every thread's frozen_weights() stores
         self._scope = _Scope()
 
@@ -87,7 +83,6 @@ class CastCache:
         parameters and other leaf tensors that require grad."""
         plain = PLAIN_CASTS[dtype]
         live, scope = self._live[dtype], self._scope
-        miss_live, miss_frozen = self._miss_live, self._miss_frozen
 
         def cast(t):
             if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
@@ -95,44 +90,44 @@ class CastCache:
             if _is_compiling() or _tracing_state() is not None:
                 return plain(t)  # compile: fake tensors; jit.trace: a cached copy would become a constant
             if _grad_enabled():
-                entry = live.get(id(t))
+                key = id(t)
+                entry = live.get(key)
                 if entry is not None:
                     copy = entry[0]()
                     if copy is not None and entry[1] == t._version and entry[2] == t.data_ptr() \
                             and entry[3] is t.requires_grad:
                         return copy
-                return miss_live(t, plain, live, entry)
+                copy = plain(t)
+                try:
+                    version = t._version
+                except RuntimeError:  # an inference tensor: no version counter
+                    return copy
+                if _transforms_active():  # the copy is wrapped at the transform's level: it must not escape
+                    return copy
+                copy._hmp_cast = True  # a Python attribute: torch keeps the object alive while the graph saves it
+                ref = entry[5] if entry is not None else weakref.ref(t, _forget(live, key))
+                live[key] = (weakref.ref(copy), version, t.data_ptr(), t.requires_grad, t.untyped_storage(), ref)
+                return copy
             stores = scope.stores
             if stores is None:
                 return plain(t)
             store = stores[dtype]
-            entry = store.get(id(t))
+            key = id(t)
+            entry = store.get(key)
             if entry is not None and entry[1] == t._version and entry[2] == t.data_ptr():
                 return entry[0]
-            return miss_frozen(t, plain, store, entry)
+            copy = plain(t)
+            try:
+                version = t._version
+            except RuntimeError:
+                return copy
+            if _transforms_active():
+                return copy
+            ref = entry[4] if entry is not None else weakref.ref(t, _forget(store, key))
+            store[key] = (copy, version, t.data_ptr(), t.untyped_storage(), ref)
+            return copy
 
         return cast
-
-    @staticmethod
-    def _cacheable(t):
-        # inference tensors have no version counter; tensors made under a
-        # functorch transform are wrapped at its level and must not escape it
-        return not t.is_inference() and not _transforms_active()
-
-    def _miss_live(self, t, plain, store, entry):
-        copy = plain(t)
-        if self._cacheable(t):
-            copy._hmp_cast = True  # a Python attribute: torch keeps the object alive while the graph saves it
-            ref = entry[5] if entry is not None else weakref.ref(t, _forget(store, id(t)))
-            store[id(t)] = (weakref.ref(copy), t._version, t.data_ptr(), t.requires_grad, t.untyped_storage(), ref)
-        return copy
-
-    def _miss_frozen(self, t, plain, store, entry):
-        copy = plain(t)
-        if self._cacheable(t):
-            ref = entry[4] if entry is not None else weakref.ref(t, _forget(store, id(t)))
-            store[id(t)] = (copy, t._version, t.data_ptr(), t.untyped_storage(), ref)
-        return copy
 
     def casters(self):
         return {dtype: self.caster(dtype) for dtype in PLAIN_CASTS}

@@ -10,8 +10,8 @@ called inside ``disable_casts()``.
 
 An exception inside ``step()`` skips the post hook. torch runs the hooks
 and the step inside one ``torch.autograd.profiler.record_function`` block,
-so hmp installs (through the patch log) a subclass whose ``__exit__``, on
-an exception, unwinds the step levels entered inside it. No optimizer
+so hmp installs (through the patch log) a subclass whose ``__exit__``
+unwinds any step level entered inside it that is still open. No optimizer
 object or class is modified.
 """
 
@@ -35,11 +35,11 @@ _steps = _Steps()
 
 
 def _closure_at(closure, level):
-    def closure_with_casts():
+    def closure_with_casts(*args, **kwargs):  # passes arguments on, for optimizers that give any
         saved = tls.off
         tls.off = level
         try:
-            return closure()
+            return closure(*args, **kwargs)
         finally:
             tls.off = saved
 
@@ -84,8 +84,9 @@ class record_function(_record_function):
         try:
             return super().__exit__(exc_type, exc_value, traceback)
         finally:
-            if exc_type is not None:
-                _unwind(getattr(self, "_hmp_steps", 0))
+            # normally the post hook has already left the step; this catches
+            # an exception, and a revert() inside the step (hooks gone)
+            _unwind(getattr(self, "_hmp_steps", 0))
 
 
 record_function.__name__ = record_function.__qualname__ = _record_function.__name__

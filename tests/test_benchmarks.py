@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "benchmarks" / "run.py"
-CONFIGS = ["fp32", "autocast", "hmp-O1", "hmp-O1-ac", "hmp-O2", "bf16"]
+CONFIGS = ["fp32", "autocast", "hmp-O1", "hmp-O1-ac", "hmp-O2", "hmp-O1-frozen", "bf16"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_meta(quick_mlp):
     assert [c["name"] for c in meta["configs"]] == CONFIGS
     # the checkout's hmp is the one benchmarked
     assert Path(meta["hmp_path"]) == ROOT / "hmp"
-    assert set(res["convert_cost"]) == {"hmp-O1", "hmp-O1-ac", "hmp-O2"}
+    assert set(res["convert_cost"]) == {"hmp-O1", "hmp-O1-ac", "hmp-O2", "hmp-O1-frozen"}
 
 
 def test_timings(quick_mlp):
@@ -64,7 +64,7 @@ def test_targets_and_markdown(quick_mlp):
     res, stdout = quick_mlp
     rows = [r for r in res["targets"] if r["workload"] == "mlp" and r["metric"] == "HMP / autocast"]
     assert len(rows) == 1
-    assert set(rows[0]["values"]) == {"hmp-O1", "hmp-O1-ac", "hmp-O2"}
+    assert set(rows[0]["values"]) == {"hmp-O1", "hmp-O1-ac", "hmp-O2", "hmp-O1-frozen"}
     assert all(isinstance(v, bool) for v in rows[0]["pass"].values())
     assert "## Time per step" in stdout and "| mlp |" in stdout and "## Targets" in stdout
 

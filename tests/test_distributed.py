@@ -16,6 +16,7 @@ import hmp
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
+FSDP_WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
 WORLD = 2
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")
@@ -73,10 +74,10 @@ def check(out_dir):
     torch.testing.assert_close(torch.tensor(mean_loss), torch.tensor(single["losses"]), atol=2e-2, rtol=2e-2)
 
 
-def run_ranks(out_dir):
+def run_ranks(out_dir, worker=WORKER):
     port = free_port()
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(out_dir)], env=env_for(rank, port),
+        subprocess.Popen([sys.executable, str(worker), str(out_dir)], env=env_for(rank, port),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in range(WORLD)
     ]
@@ -114,3 +115,20 @@ def test_torchrun_launch(tmp_path):
     )
     assert res.returncode == 0, res.stdout + res.stderr
     check(tmp_path)
+
+
+def test_fsdp2_cache_on_equals_cache_off_and_shards_stay_fp32(tmp_path):
+    """FSDP2 (fully_shard, gloo): the optimizer step is a plain step() under hmp."""
+    run_ranks(tmp_path, FSDP_WORKER)
+    for rank in range(WORLD):
+        seen = torch.load(tmp_path / f"fsdp_rank{rank}.pt", weights_only=False)
+        on, off = seen["cache"], seen["no_cache"]
+        for run in (on, off):
+            assert run["out_dtypes"] == {"torch.bfloat16"}  # the model ran under hmp
+            assert run["sharded"]
+            assert run["param_dtypes"] == run["grad_dtypes"] == run["state_dtypes"] == {"torch.float32"}
+            assert run["losses"][-1] < 0.8 * run["losses"][0]
+        assert on["losses"] == off["losses"]
+        assert torch.equal(on["eval"], off["eval"])
+        for k in on["state"]:
+            assert torch.equal(on["state"][k], off["state"][k]), k
