@@ -14,7 +14,7 @@ where picklers are made: ``pickle.Pickler`` (what ``torch.save`` subclasses
 on every call), ``pickle.dump``/``pickle.dumps``, and
 ``multiprocessing.reduction.ForkingPickler`` (spawn-started DataLoader
 workers). A pickler made before convert() (or a Pickler subclass defined
-before it) is not covered; see docs/leaves-alone-torchscript-pickle.md.
+before it) is not covered; see docs/leaves-alone.md.
 """
 
 import io
@@ -61,6 +61,19 @@ def _path(namespace, attr):
     return None
 
 
+def _own_name(value):
+    """True for hmp's own module-level functions (regions.worker_loop): pickle
+    saves them under their own hmp name, which a spawned process must import
+    to run them; the patched name would find torch's function there."""
+    module = getattr(value, "__module__", None) or ""
+    if module != "hmp" and not module.startswith("hmp."):
+        return False
+    try:
+        return pkgutil.resolve_name(f"{module}:{value.__qualname__}") is value
+    except Exception:
+        return False
+
+
 def names(entries):
     """``{id: (function, path)}`` for the (namespace, attr, previous, value)
     entries of the patch log whose value a path finds; the replaced
@@ -74,7 +87,7 @@ def names(entries):
             found = pkgutil.resolve_name(path)
         except Exception:  # a namespace that is not importable by name
             continue
-        if found is not value:
+        if found is not value or _own_name(value):
             continue
         out[id(value)] = (value, path)
         if callable(previous) and not isinstance(previous, type):
