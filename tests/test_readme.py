@@ -42,16 +42,25 @@ def test_readme_is_short():
     assert len(README.splitlines()) < 170
 
 
-def test_relative_links_lead_to_files():
+def anchors(markdown):
+    """GitHub's anchors for the headings: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```$", "", markdown, flags=re.S | re.M), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_relative_links_lead_to_files_and_headings():
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    missing = []
+    broken = []
     for doc in docs:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text(encoding="utf-8")):
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", doc.read_text(encoding="utf-8")):
             if "://" in target:
                 continue
-            if not (doc.parent / target).exists():
-                missing.append(f"{doc.relative_to(ROOT)}: {target}")
-    assert not missing, missing
+            path = doc.parent / target if target else doc
+            if not path.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+            elif anchor and anchor not in anchors(path.read_text(encoding="utf-8")):
+                broken.append(f"{doc.relative_to(ROOT)}: {target}#{anchor}")
+    assert not broken, broken
 
 
 def test_ci_finds_the_test_command():
@@ -62,3 +71,16 @@ def test_ci_finds_the_test_command():
     (_, body), = fenced_blocks_after(README, "<!-- ci: test command -->", 1)
     assert done.stdout == body
     assert len(body.splitlines()) == 1 and "python -m pytest" in body
+
+
+def test_tables_are_not_broken_by_blank_lines():
+    """A row after a blank line starts a new table, which needs a header separator:
+    a row cut off from its table renders as text."""
+    broken = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        lines = doc.read_text(encoding="utf-8").splitlines()
+        for i, line in enumerate(lines):
+            starts_table = line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|"))
+            if starts_table and not (i + 1 < len(lines) and re.match(r"^\|\s*:?-{3}", lines[i + 1])):
+                broken.append(f"{doc.relative_to(ROOT)}:{i + 1}: {line[:60]}")
+    assert not broken, broken
