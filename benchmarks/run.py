@@ -18,7 +18,6 @@ import gc
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ for p in (str(HERE), str(ROOT)):  # this checkout's hmp, and the sibling modules
 import torch  # noqa: E402
 
 import hmp  # noqa: E402
+from hmp._procmem import start_peak  # noqa: E402
 import micro  # noqa: E402
 from configs import all_configs, select  # noqa: E402
 from workloads import all_workloads  # noqa: E402
@@ -140,43 +140,6 @@ def convert_cost(configs, n=7):
 # ---------------------------------------------------------------- memory
 
 
-def _rss_mb():
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return None
-
-
-def _maxrss_mb():
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r / 2**20 if sys.platform == "darwin" else r / 1024
-
-
-def _hwm_mb():
-    """This process's own RSS high-water mark (VmHWM). Unlike ru_maxrss it is
-    not inherited from the parent through fork and exec (a child of a big
-    parent would otherwise report the parent's peak), and clear_refs resets it."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss():
-    """Reset the kernel's RSS high-water mark (Linux >= 4.0); False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def memory_child(workloads, config, device, quick, steps):
     """Run in its own process: for each workload, the peak memory of ``steps``
     steps above a baseline taken after model and data construction.
@@ -201,10 +164,7 @@ def memory_child(workloads, config, device, quick, steps):
             base = torch.cuda.memory_allocated() / 2**20
             method = "torch.cuda.max_memory_allocated - memory_allocated at baseline"
         else:
-            reset = _hwm_mb() is not None and _reset_peak_rss()
-            base = _rss_mb() if reset else _maxrss_mb()
-            method = ("peak RSS (VmHWM, reset at baseline) - RSS at baseline" if reset
-                      else "ru_maxrss - ru_maxrss at baseline")
+            base, read_peak, method = start_peak()
         with c.active():
             for _ in range(steps):
                 w.step(st, c, device)
@@ -212,7 +172,7 @@ def memory_child(workloads, config, device, quick, steps):
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() / 2**20
         else:
-            peak = _hwm_mb() if reset else _maxrss_mb()
+            peak = read_peak()
         del st
         gc.collect()
         out.append({"workload": name, "config": config, "baseline_mb": base, "peak_mb": peak,

@@ -19,15 +19,6 @@ from hmp.demo.training import Config, count_casts, train
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _reverted():
-    hmp.revert()
-    try:
-        yield
-    finally:
-        hmp.revert()
-
-
 @pytest.fixture(scope="module")
 def small_corpus():
     return data.load(train_chars=200_000, val_chars=40_000)

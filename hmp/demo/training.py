@@ -16,6 +16,7 @@ import torch
 
 import hmp
 
+from .._procmem import start_peak
 from . import data as data_mod
 from .model import CharTransformer, n_params
 
@@ -227,28 +228,6 @@ def count_casts(cfg, corpus, hmp_options, steps=CAST_STEPS):
 MEMORY_STEPS = 3
 
 
-def _rss_kib(field):
-    """VmRSS / VmHWM of this process in KiB from /proc (Linux), else None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss():
-    """Make VmHWM (peak RSS) restart from the current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _memory_child(spec_json):
     """Subprocess entry point: a few training steps, then print the peak RSS
     growth over the RSS just before them, in MiB, as JSON."""
@@ -260,17 +239,10 @@ def _memory_child(spec_json):
     y = torch.randint(0, data_mod.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen)
     if spec["hmp_options"] is not None:
         hmp.convert(**spec["hmp_options"])
-    if _reset_peak_rss() and _rss_kib("VmHWM") is not None:
-        base, read_peak = _rss_kib("VmRSS"), lambda: _rss_kib("VmHWM")
-    else:
-        import resource  # Unix; ru_maxrss is KiB on Linux, bytes on macOS
-
-        scale = 1024 if sys.platform == "darwin" else 1
-        read_peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // scale  # noqa: E731
-        base = read_peak()
+    base, read_peak, _ = start_peak()
     for _ in range(MEMORY_STEPS):
         train_step(model, opt, sched, x, y, cfg)
-    print(json.dumps({"peak_rss_growth_mib": (read_peak() - base) / 1024}))
+    print(json.dumps({"peak_rss_growth_mib": read_peak() - base}))
 
 
 def peak_rss_growth(cfg, hmp_options=None, timeout=600):
