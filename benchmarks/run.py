@@ -16,6 +16,7 @@ percall (per-call overhead micro-benchmark). Peak memory of every
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -357,6 +358,41 @@ def markdown(res):
     return "\n".join(L)
 
 
+# ---------------------------------------------------------------- self-check
+
+
+def check_results(res, configs):
+    """The harness checks its own results before reporting them: every
+    configuration timed ``reps`` times with finite positive samples and
+    consistent summaries, fp32 ending in float32 and every other
+    configuration in bfloat16, a finite memory row per configuration,
+    boolean target verdicts. Returns the problems found (empty when none)."""
+    names = [c.name for c in configs]
+    problems = []
+    for wname, w in res["workloads"].items():
+        if list(w["median_ms"]) != names:
+            problems.append(f"{wname}: medians for {list(w['median_ms'])}, expected {names}")
+            continue
+        for c in configs:
+            s = w["samples_ms"][c.name]
+            if len(s) != w["reps"] or not all(x > 0 and math.isfinite(x) for x in s):
+                problems.append(f"{wname}/{c.name}: samples {s} ({w['reps']} expected, finite and > 0)")
+            elif not min(s) == w["min_ms"][c.name] <= w["median_ms"][c.name] <= max(s):
+                problems.append(f"{wname}/{c.name}: min/median {w['min_ms'][c.name]}/{w['median_ms'][c.name]} "
+                                f"do not match the samples {s}")
+            want = "float32" if c.kind == "fp32" else "bfloat16"
+            if w["out_dtype"][c.name] != want:
+                problems.append(f"{wname}/{c.name}: output dtype {w['out_dtype'][c.name]}, expected {want}")
+    for wname, per in res.get("memory", {}).items():
+        if set(per) != set(names):
+            problems.append(f"memory {wname}: rows for {sorted(per)}, expected {sorted(names)}")
+        problems += [f"memory {wname}/{n}: delta {row['delta_mb']} MB" for n, row in per.items()
+                     if not math.isfinite(row["delta_mb"])]
+    problems += [f"target {r['workload']} {r['metric']}: verdicts {r['pass']}" for r in res["targets"]
+                 if not all(isinstance(v, bool) for v in r["pass"].values())]
+    return problems
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -451,6 +487,9 @@ def main(argv=None):
         res["memory"] = measure_memory(workloads, configs, args.device, args.quick, mem_steps)
 
     res["targets"] = evaluate_targets(res, [c.name for c in configs if c.is_hmp])
+    problems = check_results(res, configs)
+    if problems:
+        raise SystemExit("benchmarks/run.py: its results fail its own checks:\n  " + "\n  ".join(problems))
     meta["wall_s"] = time.perf_counter() - t_start
     meta["loadavg_end"] = _loadavg()
     md = markdown(res)

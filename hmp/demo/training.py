@@ -245,26 +245,44 @@ def _memory_child(spec_json):
     print(json.dumps({"peak_rss_growth_mib": read_peak() - base}))
 
 
-def peak_rss_growth(cfg, hmp_options=None, timeout=600):
-    """Peak RSS growth (MiB) of MEMORY_STEPS training steps in a fresh
+def peak_rss_growth(cfg, configurations, timeout=600):
+    """Peak RSS growth (MiB) of MEMORY_STEPS training steps for each entry of
+    ``configurations`` (hmp options, or None for fp32), each in a fresh
     Python process, so configurations do not share an allocator's history.
-    Returns ``(mib or None, error or None)``."""
+    The processes run side by side: each measures only its own memory.
+    Returns a list of ``(mib or None, error or None)``."""
     if sys.platform == "win32":
-        return None, "not measured on Windows"
-    spec = {"config": asdict(cfg), "hmp_options": hmp_options}
+        return [(None, "not measured on Windows")] * len(configurations)
     package_root = str(Path(hmp.__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     code = "import sys; from hmp.demo.training import _memory_child; _memory_child(sys.argv[1])"
-    try:
-        proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True,
-                              timeout=timeout, env=env)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, str(e)
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-        return None, tail[0]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss_growth_mib"], None
+    procs = []
+    for options in configurations:
+        spec = json.dumps({"config": asdict(cfg), "hmp_options": options})
+        try:
+            procs.append(subprocess.Popen([sys.executable, "-c", code, spec], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env=env))
+        except OSError as e:
+            procs.append(e)
+    out = []
+    for proc in procs:
+        if isinstance(proc, OSError):
+            out.append((None, str(proc)))
+            continue
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            proc.kill()
+            proc.communicate()
+            out.append((None, str(e)))
+            continue
+        if proc.returncode != 0:
+            tail = stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+            out.append((None, tail[0]))
+        else:
+            out.append((json.loads(stdout.strip().splitlines()[-1])["peak_rss_growth_mib"], None))
+    return out
 
 
 def model_summary(cfg):
