@@ -75,6 +75,15 @@ def one_intra_op_thread():
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """torch.compile's caches emptied before and after: no graph compiled
+    under another test's conversion is reused."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def pristine():
     hmp.revert()
     before = snapshot()

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 import hmp
 
-pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="no torch.compile")
+pytestmark = [pytest.mark.skipif(not hasattr(torch, "compile"), reason="no torch.compile"),
+              pytest.mark.usefixtures("fresh_dynamo")]
 
 TOL = dict(atol=2e-2, rtol=2e-2)
 
@@ -52,13 +53,6 @@ class Block(torch.nn.Module):
         q = 2 / (r.abs() + 1)  # __rtruediv__: FP32 (not cast again by the mul inside it)
         o = self.out(r)  # linear: BF16
         return h, n, a, r, q, o
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def make():
