@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "benchmarks" / "run.py"
 
 
+@pytest.mark.slow  # about 20 s: the harness and its memory subprocesses
 def test_quick_run_passes_its_own_checks(tmp_path):
     out = tmp_path / "mlp.json"
     p = subprocess.run([sys.executable, str(RUN), "--quick", "--workload", "mlp", "--json", str(out)],

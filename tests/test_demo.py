@@ -163,6 +163,7 @@ def test_json_directory_must_exist(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # about 15 s: the whole command, its memory subprocesses included
 def test_json_output_has_the_table_fields(tmp_path):
     out = tmp_path / "demo.json"
     proc = run_cli("--steps", "3", "--batch-size", "2", "--device", "cpu", "--seed", "1", "--json", str(out))
