@@ -71,17 +71,29 @@ class OpLog(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def cmd_casts(args):
+def _each_config(args, warmup, measure):
+    """For each selected configuration: build the workload, run ``warmup``
+    steps, then ``measure(w, c, state)``, all under the configuration.
+    Yields ``(w, c, what measure returned)``."""
     w = _workload(args.workload)
     for c in _configs(args):
         st = w.build(c, "cpu", args.quick)
         with c.active():
-            for _ in range(2):
+            for _ in range(warmup):
                 w.step(st, c, "cpu")
-            params = {p.data_ptr(): n for n, p in st.model.named_parameters()}
-            log = OpLog(params)
-            with log:
-                out = w.step(st, c, "cpu")
+            got = measure(w, c, st)
+        yield w, c, got
+
+
+def cmd_casts(args):
+    def measure(w, c, st):
+        params = {p.data_ptr(): n for n, p in st.model.named_parameters()}
+        log = OpLog(params)
+        with log:
+            out = w.step(st, c, "cpu")
+        return params, log, out
+
+    for w, c, (params, log, out) in _each_config(args, 2, measure):
         n_params = len(params)
         total = sum(log.casts.values())
         print(f"\n== {w.name} / {c.name}: output {_short(out.dtype)}; {log.n_ops} aten ops, {total} dtype casts "
@@ -101,14 +113,12 @@ def cmd_trace(args):
     the casts autocast makes there), with its input dtypes."""
     from torch.profiler import ProfilerActivity, profile
 
-    w = _workload(args.workload)
-    for c in _configs(args):
-        st = w.build(c, "cpu", args.quick)
-        with c.active():
-            for _ in range(2):
-                w.step(st, c, "cpu")
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-                out = w.step(st, c, "cpu")
+    def measure(w, c, st):
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            out = w.step(st, c, "cpu")
+        return prof, out
+
+    for w, c, (prof, out) in _each_config(args, 2, measure):
         counts = collections.Counter()
         for e in prof.events():
             if not e.name.startswith("aten::"):
@@ -123,19 +133,16 @@ def cmd_trace(args):
 
 
 def cmd_cprofile(args):
-    w = _workload(args.workload)
-    for c in _configs(args):
-        st = w.build(c, "cpu", args.quick)
-        with c.active():
-            for _ in range(5):
-                w.step(st, c, "cpu")
-            prof = cProfile.Profile()
-            t0 = time.perf_counter()
-            prof.enable()
-            for _ in range(args.steps):
-                w.step(st, c, "cpu")
-            prof.disable()
-            dt = time.perf_counter() - t0
+    def measure(w, c, st):
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(args.steps):
+            w.step(st, c, "cpu")
+        prof.disable()
+        return prof, time.perf_counter() - t0
+
+    for w, c, (prof, dt) in _each_config(args, 5, measure):
         s = io.StringIO()
         stats = pstats.Stats(prof, stream=s)
         stats.sort_stats("tottime").print_stats(args.top)

@@ -16,9 +16,9 @@ percall (per-call overhead micro-benchmark). Peak memory of every
 import argparse
 import gc
 import json
+import math
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -34,6 +34,7 @@ for p in (str(HERE), str(ROOT)):  # this checkout's hmp, and the sibling modules
 import torch  # noqa: E402
 
 import hmp  # noqa: E402
+from hmp._procmem import start_peak  # noqa: E402
 import micro  # noqa: E402
 from configs import all_configs, select  # noqa: E402
 from workloads import all_workloads  # noqa: E402
@@ -140,43 +141,6 @@ def convert_cost(configs, n=7):
 # ---------------------------------------------------------------- memory
 
 
-def _rss_mb():
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return None
-
-
-def _maxrss_mb():
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r / 2**20 if sys.platform == "darwin" else r / 1024
-
-
-def _hwm_mb():
-    """This process's own RSS high-water mark (VmHWM). Unlike ru_maxrss it is
-    not inherited from the parent through fork and exec (a child of a big
-    parent would otherwise report the parent's peak), and clear_refs resets it."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss():
-    """Reset the kernel's RSS high-water mark (Linux >= 4.0); False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def memory_child(workloads, config, device, quick, steps):
     """Run in its own process: for each workload, the peak memory of ``steps``
     steps above a baseline taken after model and data construction.
@@ -201,10 +165,7 @@ def memory_child(workloads, config, device, quick, steps):
             base = torch.cuda.memory_allocated() / 2**20
             method = "torch.cuda.max_memory_allocated - memory_allocated at baseline"
         else:
-            reset = _hwm_mb() is not None and _reset_peak_rss()
-            base = _rss_mb() if reset else _maxrss_mb()
-            method = ("peak RSS (VmHWM, reset at baseline) - RSS at baseline" if reset
-                      else "ru_maxrss - ru_maxrss at baseline")
+            base, read_peak, method = start_peak()
         with c.active():
             for _ in range(steps):
                 w.step(st, c, device)
@@ -212,7 +173,7 @@ def memory_child(workloads, config, device, quick, steps):
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() / 2**20
         else:
-            peak = _hwm_mb() if reset else _maxrss_mb()
+            peak = read_peak()
         del st
         gc.collect()
         out.append({"workload": name, "config": config, "baseline_mb": base, "peak_mb": peak,
@@ -397,6 +358,41 @@ def markdown(res):
     return "\n".join(L)
 
 
+# ---------------------------------------------------------------- self-check
+
+
+def check_results(res, configs):
+    """The harness checks its own results before reporting them: every
+    configuration timed ``reps`` times with finite positive samples and
+    consistent summaries, fp32 ending in float32 and every other
+    configuration in bfloat16, a finite memory row per configuration,
+    boolean target verdicts. Returns the problems found (empty when none)."""
+    names = [c.name for c in configs]
+    problems = []
+    for wname, w in res["workloads"].items():
+        if list(w["median_ms"]) != names:
+            problems.append(f"{wname}: medians for {list(w['median_ms'])}, expected {names}")
+            continue
+        for c in configs:
+            s = w["samples_ms"][c.name]
+            if len(s) != w["reps"] or not all(x > 0 and math.isfinite(x) for x in s):
+                problems.append(f"{wname}/{c.name}: samples {s} ({w['reps']} expected, finite and > 0)")
+            elif not min(s) == w["min_ms"][c.name] <= w["median_ms"][c.name] <= max(s):
+                problems.append(f"{wname}/{c.name}: min/median {w['min_ms'][c.name]}/{w['median_ms'][c.name]} "
+                                f"do not match the samples {s}")
+            want = "float32" if c.kind == "fp32" else "bfloat16"
+            if w["out_dtype"][c.name] != want:
+                problems.append(f"{wname}/{c.name}: output dtype {w['out_dtype'][c.name]}, expected {want}")
+    for wname, per in res.get("memory", {}).items():
+        if set(per) != set(names):
+            problems.append(f"memory {wname}: rows for {sorted(per)}, expected {sorted(names)}")
+        problems += [f"memory {wname}/{n}: delta {row['delta_mb']} MB" for n, row in per.items()
+                     if not math.isfinite(row["delta_mb"])]
+    problems += [f"target {r['workload']} {r['metric']}: verdicts {r['pass']}" for r in res["targets"]
+                 if not all(isinstance(v, bool) for v in r["pass"].values())]
+    return problems
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -491,6 +487,9 @@ def main(argv=None):
         res["memory"] = measure_memory(workloads, configs, args.device, args.quick, mem_steps)
 
     res["targets"] = evaluate_targets(res, [c.name for c in configs if c.is_hmp])
+    problems = check_results(res, configs)
+    if problems:
+        raise SystemExit("benchmarks/run.py: its results fail its own checks:\n  " + "\n  ".join(problems))
     meta["wall_s"] = time.perf_counter() - t_start
     meta["loadavg_end"] = _loadavg()
     md = markdown(res)

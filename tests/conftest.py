@@ -3,15 +3,44 @@ import torch
 import torch.nn.functional as F
 
 import hmp
+from hmp import state
 
 NAMESPACES = {"torch": torch, "torch.nn.functional": F, "torch.Tensor": torch.Tensor}
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
+RUN_SLOW = "--run-slow"
 
-def snapshot():
-    """Every entry of the patched namespaces, by identity."""
-    return {name: dict(vars(ns)) for name, ns in NAMESPACES.items()}
+
+def pytest_addoption(parser):
+    parser.addoption(RUN_SLOW, action="store_true", help="also run the tests marked slow (CI runs them all)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption(RUN_SLOW):
+        return
+    skip = pytest.mark.skip(reason=f"slow; run all tests with: python -m pytest {RUN_SLOW}")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test that leaves disable_casts() active fails (FAILED, not an
+    ERROR in some fixture's teardown); casting is turned back on so the
+    tests after it start clean."""
+    result = yield
+    if not hmp.casts_enabled():
+        state.tls.off = 0
+        pytest.fail("the test left hmp.disable_casts() active (casts are still off when it returned)",
+                    pytrace=False)
+    return result
+
+
+def snapshot(namespaces=NAMESPACES):
+    """Every entry of the given namespaces ({name: module or class}), by identity."""
+    return {name: dict(vars(ns)) for name, ns in namespaces.items()}
 
 
 def assert_same(before, after):
@@ -33,7 +62,6 @@ def _always_revert(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     yield
     hmp.revert()
-    assert hmp.casts_enabled(), "a test left disable_casts active"
 
 
 @pytest.fixture
@@ -44,6 +72,15 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """torch.compile's caches emptied before and after: no graph compiled
+    under another test's conversion is reused."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 @pytest.fixture

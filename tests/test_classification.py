@@ -16,18 +16,9 @@ datasets = pytest.importorskip("sklearn.datasets")
 model_selection = pytest.importorskip("sklearn.model_selection")
 
 
-@pytest.fixture(autouse=True)
-def _reverted_single_thread():
-    # A model this small gains nothing from threads, and on a busy 2-core
-    # runner two OpenMP threads waiting on each other make it ~15x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    hmp.revert()
-    try:
-        yield
-    finally:
-        hmp.revert()
-        torch.set_num_threads(threads)
+# A model this small gains nothing from threads, and on a busy 2-core
+# runner two OpenMP threads waiting on each other make it ~15x slower.
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def digits():

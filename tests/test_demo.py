@@ -1,6 +1,7 @@
 """``python -m hmp demo`` and its pieces: data, cast counting, numerical
 quality of hmp against fp32 on the demo model, and the command line."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -13,19 +14,10 @@ import torch.nn.functional as F
 
 import hmp
 from hmp.__main__ import main
-from hmp.demo import data
+from hmp.demo import LONG_STEPS, STEPS, add_parser, data
 from hmp.demo.training import Config, count_casts, train
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def _reverted():
-    hmp.revert()
-    try:
-        yield
-    finally:
-        hmp.revert()
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +79,7 @@ def test_count_casts_on_the_demo_model(small_corpus):
 @pytest.mark.slow
 def test_hmp_validation_loss_within_2_percent_of_fp32():
     corpus = data.load()
-    cfg = Config(steps=120, batch_size=8)  # about 40 s for both on a quiet 2-core CPU
+    cfg = Config(steps=STEPS, batch_size=8)  # the demo's default run: about 40 s for both on a quiet 2-core CPU
     fp32 = train(cfg, corpus)
     mixed = train(cfg, corpus, {"opt_level": "O1"})
     assert not hmp.is_converted()
@@ -108,12 +100,21 @@ def test_hmp_validation_loss_within_2_percent_of_fp32():
     (["--opt-level", "O3"], "--opt-level: invalid choice"),
     (["--device", "tpu"], "--device: invalid choice"),
     (["--seed", "-1"], "--seed: expected an integer from 0"),
+    (["--long", "--steps", "5"], "argument --steps: not allowed with argument --long"),
 ])
 def test_bad_flag_values_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["demo", *argv])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_long_is_a_longer_run():
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert parser.parse_args(["demo"]).steps == STEPS
+    assert parser.parse_args(["demo", "--long"]).steps == LONG_STEPS > STEPS
+    assert parser.parse_args(["demo", "--steps", "7"]).steps == 7
 
 
 def test_bad_flag_from_the_command_line():
@@ -162,6 +163,7 @@ def test_json_directory_must_exist(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # about 15 s: the whole command, its memory subprocesses included
 def test_json_output_has_the_table_fields(tmp_path):
     out = tmp_path / "demo.json"
     proc = run_cli("--steps", "3", "--batch-size", "2", "--device", "cpu", "--seed", "1", "--json", str(out))

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from conftest import write
+from conftest import assert_same, snapshot, write
 from hmp import lists
 from hmp.resolve import Resolver
 
@@ -34,16 +34,6 @@ NAMESPACES = {
     "torch._C._linalg": torch._C._linalg, "torch.linalg": torch.linalg, "torch._C._special": torch._C._special,
     "torch.special": torch.special, "torch._C._fft": torch._C._fft, "torch.fft": torch.fft,
 }
-
-
-def snapshot():
-    return {name: dict(vars(ns)) for name, ns in NAMESPACES.items()}
-
-
-def assert_same(before, after):
-    for name in before:
-        changed = [k for k in before[name] if before[name][k] is not after[name].get(k)]
-        assert before[name].keys() == after[name].keys() and not changed, f"{name}: {changed[:10]}"
 
 
 # Ground truth for each name form, written by hand from what torch has:
@@ -136,7 +126,7 @@ def test_converted_aten_names_cast_through_the_public_functions(pristine):
     """cross_entropy_loss in the FP32 list reaches F.cross_entropy; multi_dot and
     an overload-qualified pow in the BF16 list reach torch.linalg.multi_dot and
     torch.pow / ``**``."""
-    before = snapshot()
+    before = snapshot(NAMESPACES)
     with pytest.warns(UserWarning, match=r"aten::slice.*nothing to bind"):
         hmp.convert(bf16_file_path=_file("linalg_multi_dot\npow.Tensor_Scalar\nslice\n"),
                     fp32_file_path=_file("cross_entropy_loss\nnll_loss2d\n"))
@@ -154,7 +144,7 @@ def test_converted_aten_names_cast_through_the_public_functions(pristine):
     target = torch.randint(0, 3, (2, 4, 4))
     assert torch._C._nn.nll_loss2d(img, target).dtype == torch.float32
     hmp.revert()
-    assert_same(before, snapshot())
+    assert_same(before, snapshot(NAMESPACES))
 
 
 def _file(text, folder=None):
@@ -221,7 +211,7 @@ def test_every_route_loads_the_name_forms(route, tmp_path, monkeypatch, pristine
 @pytest.mark.parametrize("route", ROUTES, ids=lambda r: r.__name__)
 def test_every_route_rejects_typos_and_patches_nothing(route, tmp_path, monkeypatch):
     hmp.revert()
-    before = snapshot()
+    before = snapshot(NAMESPACES)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(ValueError) as err:
@@ -238,15 +228,15 @@ def test_every_route_rejects_typos_and_patches_nothing(route, tmp_path, monkeypa
         assert re.findall(r"line (\d+):", text) == ["3", "5"]
     assert not [w for w in caught if "nothing to bind" in str(w.message)]  # a failed load only raises
     assert not hmp.is_converted()
-    assert_same(before, snapshot())
+    assert_same(before, snapshot(NAMESPACES))
 
 
 def test_a_failed_load_over_a_conversion_keeps_it(tmp_path):
     hmp.convert(fp32_file_path=write(tmp_path, "f.txt", "cross_entropy_loss\n"))
-    before, lists_before = snapshot(), hmp.effective_lists()
+    before, lists_before = snapshot(NAMESPACES), hmp.effective_lists()
     with pytest.raises(ValueError):
         hmp.convert(fp32_file_path=write(tmp_path, "g.txt", "linalg_multi_dot\nlinalg_multi_dto\n"))
-    assert_same(before, snapshot())
+    assert_same(before, snapshot(NAMESPACES))
     assert hmp.effective_lists() == lists_before
 
 

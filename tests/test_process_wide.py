@@ -10,7 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["hmp.state", "hmp.patch", "hmp.lists", "hmp.policy", "hmp.resolve", "hmp.cache", "hmp.errors",
-           "hmp.interop", "hmp.wrap", "hmp.convert", "hmp", "hmp.__main__"]
+           "hmp.interop", "hmp.wrap", "hmp.convert", "hmp", "hmp.__main__", "hmp.integrations", "hmp.config",
+           "hmp.legacy"]
 
 PROBE = textwrap.dedent(r"""
     import importlib, logging, sys, threading, warnings

@@ -143,9 +143,8 @@ def test_nesting_property(programs):
     assert hmp.casts_enabled() and state.tls.off == 0
 
 
-def test_compiled_function_with_a_disabled_region_is_one_graph():
+def test_compiled_function_with_a_disabled_region_is_one_graph(fresh_dynamo):
     hmp.convert()
-    torch._dynamo.reset()
 
     def f(a, b):
         with torch.autocast("cpu", enabled=False):
@@ -158,12 +157,10 @@ def test_compiled_function_with_a_disabled_region_is_one_graph():
         outer, inner = compiled(a, b)
         assert (outer.dtype, inner.dtype) == (BF16, FP32)
         assert hmp.casts_enabled()
-    torch._dynamo.reset()
 
 
-def test_compiled_function_with_a_graph_break_inside_a_disabled_region():
+def test_compiled_function_with_a_graph_break_inside_a_disabled_region(fresh_dynamo):
     hmp.convert()
-    torch._dynamo.reset()
 
     def f(a, b):
         with torch.autocast("cpu", enabled=False):
@@ -177,7 +174,6 @@ def test_compiled_function_with_a_graph_break_inside_a_disabled_region():
     for _ in range(2):
         assert [t.dtype for t in compiled(a, b)] == [FP32, FP32, BF16]
         assert hmp.casts_enabled()
-    torch._dynamo.reset()
 
 
 def test_scripted_autocast_region_still_scripts():

@@ -36,6 +36,13 @@ def convert_with(tmp_path, kind, names):
     hmp.convert(bf16_file_path=files["bf16"], fp32_file_path=files["fp32"], promote_file_path=files["promote"])
 
 
+def converted(tmp_path, kind, name, table=MODULES):
+    """``name`` alone listed in ``kind``, and its module built from seed 0."""
+    convert_with(tmp_path, kind, [name])
+    torch.manual_seed(0)
+    return table[name]()
+
+
 def reference(make, dtype, *inputs):
     """The oracle: a copy of the module converted to ``dtype`` by hand, fed
     inputs in ``dtype``, outside hmp."""
@@ -56,9 +63,7 @@ def flat(out):
 @pytest.mark.parametrize("kind", ["bf16", "fp32"])
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_listed_rnn_runs_in_its_list_dtype(tmp_path, name, kind):
-    convert_with(tmp_path, kind, [name])
-    torch.manual_seed(0)
-    module = MODULES[name]()
+    module = converted(tmp_path, kind, name)
     x = torch.randn(5, 3, 8).bfloat16()  # what a bf16-listed dropout before the RNN hands it
     out = module(x)
     dtype = DTYPE[kind]
@@ -72,9 +77,7 @@ def test_listed_rnn_runs_in_its_list_dtype(tmp_path, name, kind):
 
 @pytest.mark.parametrize("kind", ["bf16", "fp32"])
 def test_given_hidden_state_is_cast_too(tmp_path, kind):
-    convert_with(tmp_path, kind, ["lstm"])
-    torch.manual_seed(0)
-    module = MODULES["lstm"]()
+    module = converted(tmp_path, kind, "lstm")
     x = torch.randn(5, 3, 8).bfloat16()
     hx = (torch.randn(2, 3, 6), torch.randn(2, 3, 6))  # fp32, the input bf16
     out, (h, c) = module(x, hx)
@@ -87,9 +90,7 @@ def test_given_hidden_state_is_cast_too(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["bf16", "fp32"])
 @pytest.mark.parametrize("name", ["lstm", "gru"])
 def test_packed_sequence(tmp_path, name, kind):
-    convert_with(tmp_path, kind, [name])
-    torch.manual_seed(0)
-    module = MODULES[name]()
+    module = converted(tmp_path, kind, name)
     packed = pack_padded_sequence(torch.randn(5, 3, 8).bfloat16(), torch.tensor([5, 4, 2]))
     out, _ = module(packed)
     assert out.data.dtype == DTYPE[kind]
@@ -100,9 +101,7 @@ def test_packed_sequence(tmp_path, name, kind):
 @pytest.mark.parametrize("kind", ["bf16", "fp32"])
 @pytest.mark.parametrize("name", sorted(CELLS))
 def test_cells(tmp_path, name, kind):
-    convert_with(tmp_path, kind, [name])
-    torch.manual_seed(0)
-    cell = CELLS[name]()
+    cell = converted(tmp_path, kind, name, CELLS)
     x = torch.randn(3, 8).bfloat16()
     hx = torch.randn(3, 6)  # fp32 hidden state beside a bf16 input
     hx = (hx, torch.randn(3, 6)) if name == "lstm_cell" else hx

@@ -130,6 +130,7 @@ def test_eight_threads_each_see_their_own_state(fast_switching):
     assert counts == [25] * THREADS
 
 
+@pytest.mark.slow  # about 10 s
 def test_convert_and_revert_while_eight_threads_run(fast_switching, pristine):
     stop = threading.Event()
     failures, mismatches, steps = [], [], []

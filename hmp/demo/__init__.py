@@ -25,6 +25,8 @@ from .training import (CAST_STEPS, Config, DeviceError, MEMORY_STEPS, count_cast
 
 PROG = "python -m hmp demo"
 DEFAULTS = Config()
+STEPS = 120  # about a minute for both configurations on an idle 2-core CPU
+LONG_STEPS = DEFAULTS.steps  # the demo's length before it was cut to STEPS
 
 
 def _positive_int(text):
@@ -55,8 +57,11 @@ def add_parser(subparsers):
                     "on the Python standard library's source files: in fp32, then under hmp.convert(). "
                     "Prints speed, memory, losses and hmp's casts per op.",
     )
-    p.add_argument("--steps", type=_positive_int, default=DEFAULTS.steps,
-                   help=f"training steps per configuration (default {DEFAULTS.steps})")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=_positive_int, default=STEPS,
+                        help=f"training steps per configuration (default {STEPS})")
+    length.add_argument("--long", dest="steps", action="store_const", const=LONG_STEPS,
+                        help=f"a longer run: {LONG_STEPS} steps per configuration (a few minutes on a CPU)")
     p.add_argument("--batch-size", type=_positive_int, default=DEFAULTS.batch_size,
                    help=f"sequences of {DEFAULTS.seq_len} characters per step (default {DEFAULTS.batch_size})")
     p.add_argument("--device", choices=("auto", "cpu", "cuda", "hpu"), default="auto",
@@ -230,10 +235,10 @@ def _run(args):
     memory_kind = "rss" if device == "cpu" else "allocated"
     if device == "cpu":
         if sys.stderr.isatty():
-            _note(f"measuring memory: {MEMORY_STEPS} steps per configuration in a fresh process")
-        for r in results:
-            r["peak_memory_mib"], r["peak_memory_error"] = peak_rss_growth(cfg, r["hmp"])
-            if r["peak_memory_error"]:
+            _note(f"measuring memory: {MEMORY_STEPS} steps per configuration, each in a fresh process")
+        for r, (mib, error) in zip(results, peak_rss_growth(cfg, [r["hmp"] for r in results])):
+            r["peak_memory_mib"], r["peak_memory_error"] = mib, error
+            if error:
                 _note(f"warning: memory of {r['configuration']} not measured: {r['peak_memory_error']}")
     base = results[0]
     for r in results:

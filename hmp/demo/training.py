@@ -16,6 +16,7 @@ import torch
 
 import hmp
 
+from .._procmem import start_peak
 from . import data as data_mod
 from .model import CharTransformer, n_params
 
@@ -227,28 +228,6 @@ def count_casts(cfg, corpus, hmp_options, steps=CAST_STEPS):
 MEMORY_STEPS = 3
 
 
-def _rss_kib(field):
-    """VmRSS / VmHWM of this process in KiB from /proc (Linux), else None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss():
-    """Make VmHWM (peak RSS) restart from the current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _memory_child(spec_json):
     """Subprocess entry point: a few training steps, then print the peak RSS
     growth over the RSS just before them, in MiB, as JSON."""
@@ -260,39 +239,50 @@ def _memory_child(spec_json):
     y = torch.randint(0, data_mod.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen)
     if spec["hmp_options"] is not None:
         hmp.convert(**spec["hmp_options"])
-    if _reset_peak_rss() and _rss_kib("VmHWM") is not None:
-        base, read_peak = _rss_kib("VmRSS"), lambda: _rss_kib("VmHWM")
-    else:
-        import resource  # Unix; ru_maxrss is KiB on Linux, bytes on macOS
-
-        scale = 1024 if sys.platform == "darwin" else 1
-        read_peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // scale  # noqa: E731
-        base = read_peak()
+    base, read_peak, _ = start_peak()
     for _ in range(MEMORY_STEPS):
         train_step(model, opt, sched, x, y, cfg)
-    print(json.dumps({"peak_rss_growth_mib": (read_peak() - base) / 1024}))
+    print(json.dumps({"peak_rss_growth_mib": read_peak() - base}))
 
 
-def peak_rss_growth(cfg, hmp_options=None, timeout=600):
-    """Peak RSS growth (MiB) of MEMORY_STEPS training steps in a fresh
+def peak_rss_growth(cfg, configurations, timeout=600):
+    """Peak RSS growth (MiB) of MEMORY_STEPS training steps for each entry of
+    ``configurations`` (hmp options, or None for fp32), each in a fresh
     Python process, so configurations do not share an allocator's history.
-    Returns ``(mib or None, error or None)``."""
+    The processes run side by side: each measures only its own memory.
+    Returns a list of ``(mib or None, error or None)``."""
     if sys.platform == "win32":
-        return None, "not measured on Windows"
-    spec = {"config": asdict(cfg), "hmp_options": hmp_options}
+        return [(None, "not measured on Windows")] * len(configurations)
     package_root = str(Path(hmp.__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     code = "import sys; from hmp.demo.training import _memory_child; _memory_child(sys.argv[1])"
-    try:
-        proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True,
-                              timeout=timeout, env=env)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, str(e)
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-        return None, tail[0]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss_growth_mib"], None
+    procs = []
+    for options in configurations:
+        spec = json.dumps({"config": asdict(cfg), "hmp_options": options})
+        try:
+            procs.append(subprocess.Popen([sys.executable, "-c", code, spec], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env=env))
+        except OSError as e:
+            procs.append(e)
+    out = []
+    for proc in procs:
+        if isinstance(proc, OSError):
+            out.append((None, str(proc)))
+            continue
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            proc.kill()
+            proc.communicate()
+            out.append((None, str(e)))
+            continue
+        if proc.returncode != 0:
+            tail = stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+            out.append((None, tail[0]))
+        else:
+            out.append((json.loads(stdout.strip().splitlines()[-1])["peak_rss_growth_mib"], None))
+    return out
 
 
 def model_summary(cfg):
