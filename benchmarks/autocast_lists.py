@@ -143,12 +143,12 @@ def hmp_knows(name, _cache={}):
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                hmp.convert(bf16_file_path=path)
+                with hmp.converted(bf16_file_path=path):
+                    pass
             _cache[name] = not any("nothing to bind" in str(w.message) for w in caught)
         except ValueError:
             _cache[name] = False
         finally:
-            hmp.revert()
             os.unlink(path)
     return _cache[name]
 

@@ -37,12 +37,8 @@ class Config:
         if not self.is_hmp:
             yield
             return
-        hmp.convert(**self.hmp_args)
-        try:
-            with hmp.frozen_weights() if self.frozen else contextlib.nullcontext():
-                yield
-        finally:
-            hmp.revert()
+        with hmp.converted(**self.hmp_args), hmp.frozen_weights() if self.frozen else contextlib.nullcontext():
+            yield
 
     def forward_ctx(self, device):
         if self.kind == "autocast":

@@ -27,14 +27,7 @@ def modes(device):
     """name -> (label, context manager factory)."""
 
     def hmp_ctx(**kw):
-        @contextlib.contextmanager
-        def ctx():
-            hmp.convert(**kw)
-            try:
-                yield
-            finally:
-                hmp.revert()
-        return ctx
+        return lambda: hmp.converted(**kw)
 
     return {
         "plain": ("plain fp32", contextlib.nullcontext),

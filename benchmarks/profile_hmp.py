@@ -204,15 +204,12 @@ def cmd_percall(args):
     rows["F.linear(x, w, b all cast each call)  ~ hmp's work"] = _t(lambda: F.linear(x.to(bf), w.to(bf), bias.to(bf)))
     with torch.autocast("cpu", dtype=bf):
         rows["autocast F.linear (one region)"] = _t(lambda: F.linear(x, w, bias))
-    hmp.convert()
-    try:
+    with hmp.converted():
         rows["hmp O1 F.linear"] = _t(lambda: F.linear(x, w, bias))
         with hmp.disable_casts():
             rows["hmp O1 F.linear inside disable_casts (wrapper pass-through)"] = _t(lambda: F.linear(x, w, bias))
         rows["hmp O1 torch.mul (bf16 list: 2 casts)"] = _t(lambda: torch.mul(a, b))
         rows["hmp O1 torch.cat (promote list, no cast)"] = _t(lambda: torch.cat([a, b]))
-    finally:
-        hmp.revert()
     rows["torch.mul fp32 (plain)"] = _t(lambda: torch.mul(a, b))
     rows["torch.mul bf16 inputs"] = _t(lambda: torch.mul(ab, bb))
     rows["torch.mul(a->bf16, b->bf16)"] = _t(lambda: torch.mul(a.to(bf), b.to(bf)))

@@ -6,6 +6,7 @@ model) and compare the tuned lists with the default lists: step time
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -70,16 +71,12 @@ def final_loss(problem, lists, steps):
     """Train ``steps`` steps from the problem's fresh state with the given list files (None: fp32)."""
     hmp.revert()
     state, step, batch = problem()
-    if lists is not None:
-        hmp.convert(**lists)
-    try:
+    with hmp.converted(**lists) if lists is not None else contextlib.nullcontext():
         times = []
         for _ in range(steps):
             start = time.perf_counter()
             loss = step(*batch)
             times.append(time.perf_counter() - start)
-    finally:
-        hmp.revert()
     return float(loss.detach()), times
 
 
@@ -95,9 +92,7 @@ def main(argv=None):
 
     hmp.revert()
     state, step, batch = problem()
-    hmp.convert()
     result = hmp.tune(step, *batch, state=state, steps=min(args.steps, 30))
-    hmp.revert()
     print(result.table())
     bf16, fp32 = f"{args.out}-{args.model}-bf16.txt", f"{args.out}-{args.model}-fp32.txt"
     result.write(bf16, fp32)

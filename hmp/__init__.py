@@ -7,16 +7,19 @@ A drop-in for Habana's ``habana_frameworks.torch.hpex.hmp``::
     ...
     optimizer.step()  # runs with casts off by itself while converted
 
-Importing hmp patches nothing; only convert() does.
+Importing hmp patches nothing; only convert() does. How one call flows:
+lists.py (list files) -> resolve.py (names to the places ops live) ->
+policy.py (what each call casts) -> wrap.py (the wrapper) -> patch.py (the
+undo log), driven by conversion.py; state.py holds everything kept.
 """
 
-from .audit import audit
+from .auditing import audit
 from .cache import clear_cache, frozen_weights
+from .casts import casts_enabled, disable_casts, enable_casts
 from .config import convert_from_config
-from .convert import convert, effective_lists, is_converted, revert
-from .state import casts_enabled, disable_casts
-from .profile import profile
-from .tune import tune
+from .conversion import convert, converted, effective_lists, is_converted, revert
+from .profiling import profile
+from .tuning import tune
 from .user import bf16_function, fp32_function, promote_function, register, unregister
 from .wrap import op_wrap, to_bf16, to_fp32
 
@@ -25,7 +28,9 @@ __version__ = "0.1.0"
 __all__ = [
     "convert",
     "revert",
+    "converted",
     "disable_casts",
+    "enable_casts",
     "op_wrap",
     "to_bf16",
     "to_fp32",

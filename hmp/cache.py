@@ -26,25 +26,18 @@ as a constant) and while torch.compile traces (fake tensors).
 """
 
 import contextlib
-import threading
 import weakref
 
 import torch
 
 from .policy import PLAIN_CASTS
+from .state import copies, tls
 
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
 _tracing_state = torch._C._get_tracing_state
 _transforms_active = torch._C._are_functorch_transforms_active
 _Parameter = torch.nn.Parameter
-_DTYPES = tuple(PLAIN_CASTS)
-
-
-class _Scope(threading.local):
-    depth = 0
-    frozen = None
-    stores = None  # {dtype: {id(tensor): entry}} inside frozen_weights(), else None
 
 
 class _Frozen:
@@ -52,112 +45,87 @@ class _Frozen:
     __slots__ = ("stores", "__weakref__")
 
     def __init__(self):
-        self.stores = {d: {} for d in _DTYPES}
+        self.stores = {d: {} for d in copies.dtypes}
 
 
 def _forget(store, key):
     return lambda _ref: store.pop(key, None)
 
 
-class CastCache:
-    def __init__(self):
-        self._live = {d: {} for d in _DTYPES}  # grad mode: id -> (copy ref, version, ptr, requires_grad, storage, tensor ref)
-        self._frozen = weakref.WeakSet()  # every thread's frozen_weights() stores
-        self._scope = _Scope()
-
-    def __len__(self):
-        """Usable entries: live grad-mode copies and this thread's frozen ones."""
-        n = sum(1 for s in self._live.values() for e in list(s.values()) if e[0]() is not None)
-        stores = self._scope.stores
-        return n + (sum(len(s) for s in stores.values()) if stores else 0)
-
-    def clear(self):
-        for store in self._live.values():
-            store.clear()
-        for frozen in list(self._frozen):
-            for store in frozen.stores.values():
-                store.clear()
-
-    def caster(self, dtype):
-        """A one-argument cast to ``dtype`` that goes through the cache for
-        parameters and other leaf tensors that require grad."""
-        plain = PLAIN_CASTS[dtype]
-        live, scope = self._live[dtype], self._scope
-
-        def cast(t):
-            if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
-                return plain(t)
-            if _is_compiling() or _tracing_state() is not None:
-                return plain(t)  # compile: fake tensors; jit.trace: a cached copy would become a constant
-            if _grad_enabled():
-                key = id(t)
-                entry = live.get(key)
-                if entry is not None:
-                    copy = entry[0]()
-                    if copy is not None and entry[1] == t._version and entry[2] == t.data_ptr() \
-                            and entry[3] is t.requires_grad:
-                        return copy
-                copy = plain(t)
-                try:
-                    version = t._version
-                except RuntimeError:  # an inference tensor: no version counter
-                    return copy
-                if _transforms_active():  # the copy is wrapped at the transform's level: it must not escape
-                    return copy
-                copy._hmp_cast = True  # a Python attribute: torch keeps the object alive while the graph saves it
-                ref = entry[5] if entry is not None else weakref.ref(t, _forget(live, key))
-                live[key] = (weakref.ref(copy), version, t.data_ptr(), t.requires_grad, t.untyped_storage(), ref)
-                return copy
-            stores = scope.stores
-            if stores is None:
-                return plain(t)
-            store = stores[dtype]
-            key = id(t)
-            entry = store.get(key)
-            if entry is not None and entry[1] == t._version and entry[2] == t.data_ptr():
-                return entry[0]
-            copy = plain(t)
-            try:
-                version = t._version
-            except RuntimeError:
-                return copy
-            if _transforms_active():
-                return copy
-            ref = entry[4] if entry is not None else weakref.ref(t, _forget(store, key))
-            store[key] = (copy, version, t.data_ptr(), t.untyped_storage(), ref)
-            return copy
-
-        return cast
-
-    def casters(self):
-        return {dtype: self.caster(dtype) for dtype in PLAIN_CASTS}
-
-    @contextlib.contextmanager
-    def frozen(self):
-        scope = self._scope
-        if scope.depth == 0:
-            frozen = _Frozen()
-            self._frozen.add(frozen)
-            scope.frozen, scope.stores = frozen, frozen.stores
-        scope.depth += 1
-        try:
-            yield
-        finally:
-            scope.depth -= 1
-            if scope.depth == 0:
-                for store in scope.stores.values():
-                    store.clear()
-                scope.frozen = scope.stores = None
-
-
-cache = CastCache()
+def size():
+    """Usable entries: live grad-mode copies and this thread's frozen ones."""
+    n = sum(1 for s in copies.live.values() for e in list(s.values()) if e[0]() is not None)
+    frozen = tls.frozen
+    return n + (sum(len(s) for s in frozen.stores.values()) if frozen is not None else 0)
 
 
 def clear_cache():
     """Drop every cached lower-precision copy."""
-    cache.clear()
+    for store in copies.live.values():
+        store.clear()
+    for frozen in list(copies.frozen):
+        for store in frozen.stores.values():
+            store.clear()
 
 
+def caster(dtype):
+    """A one-argument cast to ``dtype`` that goes through the cache for
+    parameters and other leaf tensors that require grad."""
+    plain = PLAIN_CASTS[dtype]
+    live = copies.live[dtype]
+
+    def cast(t):
+        if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
+            return plain(t)
+        if _is_compiling() or _tracing_state() is not None:
+            return plain(t)  # compile: fake tensors; jit.trace: a cached copy would become a constant
+        if _grad_enabled():
+            key = id(t)
+            entry = live.get(key)
+            if entry is not None:
+                copy = entry[0]()
+                if copy is not None and entry[1] == t._version and entry[2] == t.data_ptr() \
+                        and entry[3] is t.requires_grad:
+                    return copy
+            copy = plain(t)
+            try:
+                version = t._version
+            except RuntimeError:  # an inference tensor: no version counter
+                return copy
+            if _transforms_active():  # the copy is wrapped at the transform's level: it must not escape
+                return copy
+            copy._hmp_cast = True  # a Python attribute: torch keeps the object alive while the graph saves it
+            ref = entry[5] if entry is not None else weakref.ref(t, _forget(live, key))
+            live[key] = (weakref.ref(copy), version, t.data_ptr(), t.requires_grad, t.untyped_storage(), ref)
+            return copy
+        frozen = tls.frozen
+        if frozen is None:
+            return plain(t)
+        store = frozen.stores[dtype]
+        key = id(t)
+        entry = store.get(key)
+        if entry is not None and entry[1] == t._version and entry[2] == t.data_ptr():
+            return entry[0]
+        copy = plain(t)
+        try:
+            version = t._version
+        except RuntimeError:
+            return copy
+        if _transforms_active():
+            return copy
+        ref = entry[4] if entry is not None else weakref.ref(t, _forget(store, key))
+        store[key] = (copy, version, t.data_ptr(), t.untyped_storage(), ref)
+        return copy
+
+    return cast
+
+
+def casters():
+    """dtype -> cast through the cache, for every dtype hmp casts to."""
+    return {dtype: caster(dtype) for dtype in PLAIN_CASTS}
+
+
+@contextlib.contextmanager
 def frozen_weights():
     """A block in which the weights do not change, so no-grad casts of them
     are kept across calls (fast repeated inference); dropped on exit.
@@ -167,4 +135,16 @@ def frozen_weights():
     inside the block; what it cannot see is an in-place write through the
     ``p.data`` alias, which is what you promise not to do here. Outside the
     block no-grad casts are never reused, so the default is always exact."""
-    return cache.frozen()
+    st = tls
+    if st.frozen_depth == 0:
+        st.frozen = _Frozen()
+        copies.frozen.add(st.frozen)
+    st.frozen_depth += 1
+    try:
+        yield
+    finally:
+        st.frozen_depth -= 1
+        if st.frozen_depth == 0:
+            for store in st.frozen.stores.values():
+                store.clear()
+            st.frozen = None

@@ -20,23 +20,9 @@ turned casts off around the backward.
 
 import torch.utils.checkpoint as torch_checkpoint
 
+from .casts import at_level
 from .resolve import ORIGINAL, unwrap
 from .state import tls
-
-
-def under_state(fn, off):
-    """``fn`` run with ``tls.off`` set to ``off``; the caller's value is back after."""
-
-    def run(*args, **kwargs):
-        st = tls
-        saved = st.off
-        st.off = off
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            st.off = saved
-
-    return run
 
 
 def _mark(wrapper, original):
@@ -53,7 +39,7 @@ def patches():
     if callable(generator):
 
         def without_reentrant(fn, *args, **kwargs):
-            return generator(under_state(fn, tls.off), *args, **kwargs)
+            return generator(at_level(fn, tls.off), *args, **kwargs)
 
         out.append((torch_checkpoint, "_checkpoint_without_reentrant_generator", _mark(without_reentrant, generator)))
     function = getattr(torch_checkpoint, "CheckpointFunction", None)
@@ -62,7 +48,7 @@ def patches():
         original = unwrap(forward.__func__)
 
         def reentrant_forward(ctx, run_function, preserve_rng_state, *args):
-            return original(ctx, under_state(run_function, tls.off), preserve_rng_state, *args)
+            return original(ctx, at_level(run_function, tls.off), preserve_rng_state, *args)
 
         out.append((function, "forward", staticmethod(_mark(reentrant_forward, original))))
     return out

@@ -22,13 +22,13 @@ softmax?``), and nothing changes when the config is wrong.
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 
 import torch
 
 from . import lists as list_files
-from .convert import OPT_LEVELS, convert, revert
+from .conversion import convert, revert
+from .lists import OPT_LEVELS, Names
 from .resolve import NO_PYTHON, UNKNOWN, Resolver
 
 log = logging.getLogger("hmp")
@@ -195,26 +195,6 @@ def plan(path_or_mapping):
     }
 
 
-def convert_with_names(opt_level="O1", bf16=None, fp32=None, promote=None, *, verbose=False,
-                       low_precision_type=torch.bfloat16, cache=True, fields=("bf16", "fp32", "promote")):
-    """:func:`hmp.convert` with op-name lists instead of files (None: hmp's default list).
-
-    The names go through temporary list files that are removed again before
-    this returns (convert() reads its files once).
-    """
-    with tempfile.TemporaryDirectory(prefix="hmp-config-") as tmp:
-        paths = []
-        for names, field in zip((bf16, fp32, promote), fields):
-            if names is None:
-                paths.append("")
-                continue
-            path = os.path.join(tmp, f"{field}.txt")
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(f"# {field}\n" + "".join(f"{n}\n" for n in names))
-            paths.append(path)
-        convert(opt_level, paths[0], paths[1], verbose, low_precision_type, promote_file_path=paths[2], cache=cache)
-
-
 def convert_from_config(path_or_mapping, *, low_precision_type=torch.bfloat16, cache=True):
     """Apply an optimum-habana ``gaudi_config.json`` (a path or a mapping).
 
@@ -234,6 +214,7 @@ def convert_from_config(path_or_mapping, *, low_precision_type=torch.bfloat16, c
     if wanted is None:
         revert()
         return False
-    convert_with_names(wanted["opt_level"], wanted["bf16"], wanted["fp32"], verbose=wanted["verbose"],
-                       low_precision_type=low_precision_type, cache=cache, fields=wanted["fields"] + ("promote",))
+    given = [Names(names, f"{field} of gaudi config {wanted['source']}") if names is not None else ""
+             for names, field in zip((wanted["bf16"], wanted["fp32"]), wanted["fields"])]
+    convert(wanted["opt_level"], given[0], given[1], wanted["verbose"], low_precision_type, cache=cache)
     return True

@@ -12,8 +12,9 @@ import warnings
 
 import torch
 
+from . import state
+
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps", "xla", "ipu", "mtia", "maia", "privateuseone")
-_autocast_warned = False
 
 
 def autocast_regions():
@@ -41,8 +42,7 @@ def autocast_regions():
 
 def warn_inside_autocast():
     """Warn (once per process) when convert() runs inside torch.autocast."""
-    global _autocast_warned
-    if _autocast_warned:
+    if "convert inside autocast" in state.warned:
         return
     devices = autocast_regions()
     if devices:
@@ -53,4 +53,4 @@ def warn_inside_autocast():
             f"an op in hmp's FP32 list can still run in autocast's lower precision, and one in hmp's BF16 list in "
             f"fp32. Leaving the autocast region does not revert hmp. Use one of the two for a region of code. "
             f"(hmp warns about this once per process.)", UserWarning, stacklevel=3)
-        _autocast_warned = True
+        state.warned.add("convert inside autocast")

@@ -23,6 +23,7 @@ written to site-packages):
 - with Habana software installed, everything but hmp comes from it.
 """
 
+import argparse
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -139,34 +140,34 @@ class HabanaFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__doc__ = f"hmp's stand-in for {module.__name__} (Habana software is not installed)"
 
 
-_installed = None
+def _installed():
+    """The hook in sys.meta_path, or None."""
+    return next((f for f in sys.meta_path if isinstance(f, HabanaFinder)), None)
 
 
 def habana_installed():
     """True when real Habana software (``habana_frameworks``) can be imported."""
-    if _installed is not None and _installed.shims:
+    finder = _installed()
+    if finder is not None and finder.shims:
         return False
     return importlib.util.find_spec(ROOT) is not None
 
 
 def install():
     """Install the import hook (once); returns it."""
-    global _installed
-    if _installed is None:
+    finder = _installed()
+    if finder is None:
         finder = HabanaFinder(shims=not habana_installed())
         sys.meta_path.insert(0, finder)
-        _installed = finder
-    return _installed
+    return finder
 
 
 def uninstall():
     """Remove the import hook and forget the modules it provided."""
-    global _installed
-    finder, _installed = _installed, None
+    finder = _installed()
     if finder is None:
         return
-    if finder in sys.meta_path:
-        sys.meta_path.remove(finder)
+    sys.meta_path.remove(finder)
     for name in [HMP_NAME] + (list(SHIMS) if finder.shims else []):
         sys.modules.pop(name, None)
     if not finder.shims:
@@ -194,8 +195,6 @@ def run(script, args=()):
 
 
 def add_parser(subparsers):
-    import argparse
-
     p = subparsers.add_parser(
         "run",
         help="run a script written for Habana's hmp, unchanged",

@@ -1,19 +1,48 @@
 """Op list files: reading, validating and combining them into effective lists.
 
 Everything here runs before anything is patched, so a bad file raises with
-torch untouched.
+torch untouched. Which file each list comes from, first match wins: the
+argument, the environment (ENV_LISTS), the shipped default (DEFAULT_FILES).
 """
 
-import difflib
 import logging
 import os
 import sys
 import warnings
 from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from .resolve import NO_PYTHON, UNKNOWN
 
 log = logging.getLogger("hmp")
 
 KINDS = ("bf16", "fp32", "promote")
+TITLES = {"bf16": "BF16 list file", "fp32": "FP32 list file", "promote": "promote list file"}
+FP16_TITLE = "FP16 list file"
+TITLE = {"bf16": "BF16", "fp32": "FP32", "promote": "promote"}  # the list itself, in messages
+PARAMS = {"bf16": "bf16_file_path", "fp32": "fp32_file_path", "promote": "promote_file_path"}
+DEFAULT_FILES = {
+    "O1": {"bf16": "bf16.txt", "fp32": "fp32.txt", "promote": "promote.txt"},
+    "O2": {"bf16": "o2_bf16.txt", "fp32": "o2_fp32.txt", "promote": "promote.txt"},
+}
+OPT_LEVELS = tuple(DEFAULT_FILES)
+# Environment variables naming list files when convert() gets no path, in
+# order of precedence: the names Lightning's HPU docs use, then the names
+# Habana's autocast reads.
+ENV_LISTS = {
+    "bf16": ("LOWER_LIST", "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST"),
+    "fp32": ("FP32_LIST", "PT_HPU_AUTOCAST_FP32_OPS_LIST"),
+}
+
+
+class Names(NamedTuple):
+    """Op names given directly (a gaudi config's list), already checked;
+    they stand where a list file's path would."""
+
+    names: list
+    source: str  # where they came from, for messages
 
 
 def list_dir():
@@ -112,8 +141,6 @@ def load(path, known, what):
     operator that no Python name reaches is left out with one warning for
     the file; unknown names raise ValueError naming the file and lines.
     """
-    from .resolve import NO_PYTHON, UNKNOWN
-
     entries = read_names(path, what)
     errors, unreachable = [], []
     names = {}
@@ -193,5 +220,76 @@ def combine(bf16, fp32, promote, bf16_from_user, fp32_from_user, sources):
     return {"bf16": bf16, "fp32": fp32, "promote": promote}
 
 
-def suggest(name, universe, n=3):
-    return difflib.get_close_matches(name, universe, n=n, cutoff=0.6)
+
+
+def given(path):
+    """True for a path or names the caller gave; ``""`` and None mean "not given"."""
+    return path is not None and not (isinstance(path, str) and path == "")
+
+
+def _env_path(kind, environ):
+    for var in ENV_LISTS.get(kind, ()):
+        value = environ.get(var, "")
+        if value:
+            return value, var
+    return "", None
+
+
+def _low_list(bf16, fp16, low):
+    """``(source, title)`` of the lower-precision list, as Habana's HMP chose
+    it: ``fp16_file_path`` is that list when the lower dtype is float16 and
+    is ignored (with a warning) under bfloat16. hmp also lets
+    bf16_file_path name it under float16 when no fp16_file_path is given."""
+    if not given(fp16):
+        return bf16, TITLES["bf16"]
+    if low != torch.float16:
+        warnings.warn(f"hmp: fp16_file_path {fp16!r} is ignored: it names the list for "
+                      f"low_precision_type=torch.float16, and the lower dtype is {low}", stacklevel=caller_level())
+        return bf16, TITLES["bf16"]
+    if given(bf16):
+        warnings.warn(f"hmp: bf16_file_path {bf16!r} is ignored: with low_precision_type=torch.float16 "
+                      f"the lower-precision list is fp16_file_path {fp16!r}", stacklevel=caller_level())
+    return fp16, FP16_TITLE
+
+
+def _load_one(source, resolver, title):
+    """``(names, printable source)`` for one list: a path or Names."""
+    if isinstance(source, Names):
+        return list(source.names), source.source
+    printable = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source
+    return load(source, resolver, title), printable
+
+
+def effective(resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16="", low=torch.bfloat16, environ=None):
+    """Read, validate and combine the lists: ``{"bf16", "fp32", "promote"}``
+    to sets of op names. Each of ``bf16``/``fp32``/``promote`` is a path, a
+    Names, or ``""``/None for the environment's list, else the shipped
+    default. ``fp16`` is the lower-precision list under ``low=torch.float16``.
+    Raises before anything changes."""
+    environ = os.environ if environ is None else environ
+    titles = dict(TITLES)
+    bf16, titles["bf16"] = _low_list(bf16, fp16, low)
+    sources = {"bf16": bf16, "fp32": fp32, "promote": promote}
+    for kind in ("bf16", "fp32"):
+        if not given(sources[kind]):
+            sources[kind], var = _env_path(kind, environ)
+            if var:
+                titles[kind] = f"{TITLES[kind]} (from ${var})"
+                log.info("hmp: %s list from $%s: %s", kind, var, sources[kind])
+    if opt_level == "O2":
+        ignored = [titles[k] for k in ("bf16", "fp32") if given(sources[k])]
+        if ignored:
+            warnings.warn(f"hmp: opt_level O2 uses its own lists; ignoring the given {' and '.join(ignored)}",
+                          stacklevel=caller_level())
+        sources["bf16"] = sources["fp32"] = ""
+    from_user = {k: given(v) for k, v in sources.items()}
+    names, printable = {}, {}
+    for kind in KINDS:
+        source = sources[kind] if from_user[kind] else default_path(DEFAULT_FILES[opt_level][kind])
+        names[kind], printable[kind] = _load_one(source, resolver, titles[kind])
+    return combine(names["bf16"], names["fp32"], names["promote"], from_user["bf16"], from_user["fp32"], printable)
+
+
+def none():
+    """Effective lists with nothing in them."""
+    return {k: set() for k in KINDS}

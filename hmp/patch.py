@@ -5,20 +5,33 @@ owned is set back to the identical object, and one it only inherited (a
 ``torch.Tensor`` method that lives on ``torch._C.TensorBase``) is deleted.
 """
 
-_MISSING = object()
+from typing import Any, NamedTuple
+
+MISSING = object()  # Entry.previous of an attribute the namespace did not own
+
+
+class Entry(NamedTuple):
+    namespace: Any
+    attr: str
+    previous: Any  # the namespace's own value before, or MISSING
+    value: Any  # what was set
+    if_unchanged: bool = False  # undo only while the attribute still holds ``value``
 
 
 class PatchLog:
     def __init__(self):
-        self._entries = []  # (namespace, attr, previous own value or _MISSING, value set)
+        self._entries = []
 
     def __len__(self):
         return len(self._entries)
 
-    def setattr(self, namespace, attr, value):
-        previous = namespace.__dict__.get(attr, _MISSING)
+    def setattr(self, namespace, attr, value, if_unchanged=False):
+        """Set ``namespace.attr``, logged for undo. ``if_unchanged``: undo
+        leaves the attribute alone when someone replaced ``value`` since
+        (a process hook that others chain onto: sys.excepthook)."""
+        previous = namespace.__dict__.get(attr, MISSING)
         setattr(namespace, attr, value)
-        self._entries.append((namespace, attr, previous, value))
+        self._entries.append(Entry(namespace, attr, previous, value, if_unchanged))
 
     def undo(self):
         """Undo every change, newest first. Keeps going past a failing entry
@@ -29,9 +42,11 @@ class PatchLog:
         first_error, failed = None, []
         while self._entries:
             entry = self._entries.pop()
-            namespace, attr, previous, _ = entry
+            namespace, attr, previous, value, if_unchanged = entry
             try:
-                if previous is _MISSING:
+                if if_unchanged and namespace.__dict__.get(attr, MISSING) is not value:
+                    continue
+                if previous is MISSING:
                     delattr(namespace, attr)
                 else:
                     setattr(namespace, attr, previous)
@@ -45,12 +60,12 @@ class PatchLog:
             raise first_error
 
     def labels(self):
-        return [f"{getattr(ns, '__name__', ns)}.{attr}" for ns, attr, _, _ in self._entries]
+        return [f"{getattr(e.namespace, '__name__', e.namespace)}.{e.attr}" for e in self._entries]
 
     def entries(self):
-        """``(namespace, attr, previous or _MISSING, value set)``, oldest first."""
+        """Every Entry not undone yet, oldest first."""
         return list(self._entries)
 
     def values(self):
         """Every value set and not undone yet, oldest first."""
-        return [value for _, _, _, value in self._entries]
+        return [e.value for e in self._entries]

@@ -21,12 +21,13 @@ import io
 import pickle
 import pkgutil
 import types
+from multiprocessing import reduction
 
-_by_id = {}  # id(function) -> (function, "module:attribute.path"); filled by install()
+from .state import runtime
 
 
 def _reduce(obj):
-    entry = _by_id.get(id(obj))
+    entry = runtime.pickle_names.get(id(obj))
     if entry is not None and entry[0] is obj:
         return pkgutil.resolve_name, (entry[1],)
     return NotImplemented
@@ -79,7 +80,7 @@ def names(entries):
     entries of the patch log whose value a path finds; the replaced
     originals get the same path."""
     out = {}
-    for namespace, attr, previous, value in entries:
+    for namespace, attr, previous, value, _ in entries:
         path = _path(namespace, attr)
         if path is None or not callable(value):
             continue
@@ -95,19 +96,7 @@ def names(entries):
     return out
 
 
-def install(patches):
-    """Point the picklers at hmp's (through ``patches``) for the functions
-    already patched in ``patches``. Called by convert() after the wrappers."""
-    from multiprocessing import reduction
-
-    table = names(patches.entries())
-    _by_id.clear()
-    _by_id.update(table)
-    patches.setattr(pickle, "Pickler", Pickler)
-    patches.setattr(pickle, "dump", dump)
-    patches.setattr(pickle, "dumps", dumps)
-    patches.setattr(reduction.ForkingPickler, "reducer_override", _reducer_override)
-
-
-def clear():
-    _by_id.clear()
+def patches():
+    """``[(namespace, attr, value)]`` that point the picklers at hmp's."""
+    return [(pickle, "Pickler", Pickler), (pickle, "dump", dump), (pickle, "dumps", dumps),
+            (reduction.ForkingPickler, "reducer_override", _reducer_override)]

@@ -4,7 +4,9 @@ Each policy is a small factory returning ``prepare(args, kwargs) ->
 (args, kwargs)``. ``prepare`` returns its inputs unchanged (the same
 objects) when nothing needs a cast, and never mutates them. ``casts`` maps a
 dtype to a one-argument cast function; it is chosen at convert time (plain,
-or through the weight cache).
+or through the weight cache). ``for_site`` picks the one prepare a wrapper
+calls: the list's rule, with the in-place rule for calls that write a
+tensor (``out=``, ``inplace=True``) checked inside it.
 """
 
 import torch
@@ -35,8 +37,8 @@ AFFINE_ONLY_NORMS = frozenset(("layer_norm", "group_norm", "rms_norm", "native_l
 def cast_seq(seq, src, cast):
     """``seq`` with every tensor whose dtype is in ``src`` passed through ``cast``.
 
-    Looks one level into list/tuple items (``torch.cat([a, b])``). Returns
-    ``seq`` itself when nothing was cast.
+    Looks into list/tuple items, at any depth (``torch.cat([a, b])``).
+    Returns ``seq`` itself when nothing was cast.
     """
     out = None
     for i, a in enumerate(seq):
@@ -57,50 +59,44 @@ def cast_seq(seq, src, cast):
 
 
 def cast_kwargs(kwargs, src, cast):
-    out = None
-    for k, v in kwargs.items():
-        if isinstance(v, Tensor):
-            if v.dtype in src:
-                if out is None:
-                    out = dict(kwargs)
-                out[k] = cast(v)
-        elif type(v) is list or type(v) is tuple:
-            b = cast_seq(v, src, cast)
-            if b is not v:
-                if out is None:
-                    out = dict(kwargs)
-                out[k] = b
-    return kwargs if out is None else out
+    """``cast_seq`` for keyword arguments: ``kwargs`` itself when nothing was cast."""
+    values = tuple(kwargs.values())
+    cast_values = cast_seq(values, src, cast)
+    return kwargs if cast_values is values else dict(zip(kwargs, cast_values))
 
 
-def to_dtype(src, cast):
-    """Cast every tensor argument whose dtype is in ``src`` with ``cast``."""
+def to_dtype(src, cast, out=None):
+    """Cast every tensor argument whose dtype is in ``src`` with ``cast``; a
+    call with ``out=`` goes to ``out`` instead (the in-place rule)."""
 
     def prepare(args, kwargs):
-        args = cast_seq(args, src, cast)
         if kwargs:
+            if out is not None and kwargs.get("out") is not None:
+                return out(args, kwargs)
             kwargs = cast_kwargs(kwargs, src, cast)
-        return args, kwargs
+        return cast_seq(args, src, cast), kwargs
 
     return prepare
 
 
-def lower(low, casts):
+def lower(low, casts, out=None):
     """BF16 list: float32 tensors go to the lower dtype; nothing else is touched."""
-    return to_dtype(frozenset((FP32,)), casts[low])
+    return to_dtype(frozenset((FP32,)), casts[low], out)
 
 
-def fp32(casts):
+def fp32(low, casts, out=None):
     """FP32 list: bfloat16 and float16 tensors go to float32."""
-    return to_dtype(frozenset((BF16, FP16)), casts[FP32])
+    return to_dtype(frozenset((BF16, FP16)), casts[FP32], out)
 
 
-def lower_input_only(low, casts):
+def lower_input_only(low, casts, out=None):
     """Normalization ops: only the input is cast; weight, bias and running
     statistics keep their dtype (BatchNorm's running stats stay fp32)."""
     cast = casts[low]
 
     def prepare(args, kwargs):
+        if kwargs and out is not None and kwargs.get("out") is not None:
+            return out(args, kwargs)
         if args:
             x = args[0]
             if isinstance(x, Tensor) and x.dtype is FP32:
@@ -161,12 +157,14 @@ def widest(args, kwargs):
     return dt
 
 
-def promote(casts):
+def promote(low, casts, out=None):
     """Promote list: every floating tensor goes to the dtype torch's type
     promotion gives them (``widest``); 0-dim ones are cast too, so ops that
     insist on one dtype (index_put, lerp) get it."""
 
     def prepare(args, kwargs):
+        if kwargs and out is not None and kwargs.get("out") is not None:
+            return out(args, kwargs)
         dt = widest(args, kwargs)
         if dt is None:  # one floating dtype or none: the common case, one pass
             return args, kwargs
@@ -235,3 +233,43 @@ def inplace_input(casts):
         return _into(target if isinstance(target, Tensor) else None, args, kwargs, casts)
 
     return prepare
+
+
+def _checking_inplace(main, into, position):
+    """``main``, except for calls with ``inplace=True`` (positional at
+    ``position``, or by keyword): those follow the in-place rule."""
+
+    def prepare(args, kwargs):
+        if len(args) > position:
+            inplace = args[position]
+        else:
+            inplace = kwargs.get("inplace", False) if kwargs else False
+        return into(args, kwargs) if inplace else main(args, kwargs)
+
+    return prepare
+
+
+RULES = {"bf16": lower, "fp32": fp32, "promote": promote}  # list kind -> policy factory
+
+
+def for_kind(kind, low, casts):
+    """The rule of list ``kind`` for a whole call (user functions, registered ops)."""
+    return RULES[kind](low, casts, inplace_out(casts))
+
+
+def for_site(kind, name, site, low, casts):
+    """The one prepare for calls of ``site`` (a resolve.Site) bound by list
+    entry ``name`` of list ``kind``."""
+    if site.inplace:
+        return inplace_self(casts)
+    rule = lower_input_only if kind == "bf16" and name in NORM_OPS else RULES[kind]
+    main = rule(low, casts, inplace_out(casts))
+    if site.inplace_param is None:
+        return main
+    return _checking_inplace(main, inplace_input(casts), site.inplace_param)
+
+
+def rejects_mixed(kind, name):
+    """True for a site whose kernel may reject its input cast alone (a BF16
+    norm without running statistics: see wrap.mixed_or_lower)."""
+    return kind == "bf16" and name in AFFINE_ONLY_NORMS

@@ -130,7 +130,3 @@ def snapshot(value):
     """Detached copies of the floating tensors in an op's output."""
     return tuple(t.detach().clone() for t in _tensors((value,), None) if t.is_floating_point())
 
-
-def passthrough(args, kwargs):
-    """A prepare that casts nothing (the fp32 reference run of an audit)."""
-    return args, kwargs

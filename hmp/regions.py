@@ -19,25 +19,18 @@ patches go through convert()'s patch log, so revert() undoes them.
 """
 
 import functools
-import threading
 import warnings
 
 import torch
+from torch.amp.autocast_mode import autocast
+from torch.utils.data import dataloader
+from torch.utils.data._utils import worker
 
 from . import state
 from .resolve import ORIGINAL, unwrap
 from .state import tls
 
 _GRAD_SCALER_METHODS = ("scale", "unscale_", "step", "update")
-
-
-class _OpenRegions(threading.local):
-    def __init__(self):
-        self.counts = {}  # id(autocast instance) -> times this thread entered it under hmp
-
-
-_open = _OpenRegions()
-_enabled_warned = False
 
 
 def _finish(wrapper, original):
@@ -47,8 +40,6 @@ def _finish(wrapper, original):
 
 
 def _warn_enabled_region(region):
-    global _enabled_warned
-    _enabled_warned = True
     warnings.warn(
         f"hmp: a torch.autocast region ({region.device}, {str(region.fast_dtype).replace('torch.', '')}) was "
         f"entered while hmp is converted. hmp casts nothing inside torch.autocast regions: autocast's own lists "
@@ -58,11 +49,11 @@ def _warn_enabled_region(region):
 
 def _autocast_enter(original):
     def __enter__(self):
-        if getattr(self, "_enabled", False) and not _enabled_warned:
+        if getattr(self, "_enabled", False) and state.first_time("autocast region entered"):
             _warn_enabled_region(self)  # first: a warnings filter set to "error" changes nothing
         result = original(self)
         tls.off += 1  # after torch's own __enter__, which can raise
-        counts = _open.counts
+        counts = tls.regions
         key = id(self)
         counts[key] = counts.get(key, 0) + 1
         return result
@@ -77,7 +68,7 @@ def _autocast_exit(original):
         finally:
             # only a region this thread entered under hmp counts: one entered
             # before convert() leaves the thread's state as it found it
-            counts = _open.counts
+            counts = tls.regions
             key = id(self)
             n = counts.get(key, 0)
             if n:
@@ -93,7 +84,7 @@ def _autocast_exit(original):
 def forget_open_regions():
     """revert() in the calling thread: regions it is inside stop counting,
     so their exits (by torch's own code after revert) leave no casts off."""
-    counts = _open.counts
+    counts = tls.regions
     if counts:
         tls.off -= sum(counts.values())
         counts.clear()
@@ -113,24 +104,12 @@ def _uncast(original):
     return _finish(uncast, original)
 
 
-def _uncast_then_reenable(original):
-    """As ``_uncast``, through disable_casts(), whose exit tells the weight
-    cache that weights may have changed (the optimizer step)."""
-
-    def uncast(*args, **kwargs):
-        with state.disable_casts():
-            return original(*args, **kwargs)
-
-    return _finish(uncast, original)
-
-
 def worker_loop(*args, **kwargs):
     """DataLoader's worker entry point while hmp is converted: a worker
     process casts nothing, however it was started. A module-level function,
     so ``spawn`` and ``forkserver`` pickle it by name and the worker runs it
     too, converted or not."""
     tls.off += 1  # for the worker's life: it does nothing but load data
-    from torch.utils.data._utils import worker
     return unwrap(worker._worker_loop)(*args, **kwargs)
 
 
@@ -150,10 +129,6 @@ def _subclasses(cls):
 def plan():
     """``[(namespace, attr, new value)]`` for every region hmp leaves alone.
     Builds everything and changes nothing."""
-    from torch.amp.autocast_mode import autocast
-    from torch.utils.data import dataloader
-    from torch.utils.data._utils import worker
-
     patches = [(autocast, "__enter__", _autocast_enter(_own(autocast, "__enter__"))),
                (autocast, "__exit__", _autocast_exit(_own(autocast, "__exit__")))]
     autograd = torch.autograd
@@ -170,7 +145,7 @@ def plan():
     for cls in _subclasses(torch.amp.GradScaler):  # subclasses defined later are not reached
         for name in _GRAD_SCALER_METHODS:
             if name in cls.__dict__:
-                patches.append((cls, name, _uncast_then_reenable(_own(cls, name))))
+                patches.append((cls, name, _uncast(_own(cls, name))))
     worker_loop.__dict__[ORIGINAL] = unwrap(worker._worker_loop)
     patches.append((worker, "_worker_loop", worker_loop))
     single = getattr(dataloader, "_SingleProcessDataLoaderIter", None)

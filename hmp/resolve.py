@@ -10,6 +10,8 @@ every builtin Python function generated from that operator (see
 is an error rather than a silent skip.
 """
 
+import difflib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -17,11 +19,12 @@ import logging
 import types
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from .lists import suggest
+from . import state
 
 log = logging.getLogger("hmp")
 
@@ -61,6 +64,32 @@ class Site:
     def label(self):
         return f"{self.owner}.{self.attr}"
 
+    def original(self):
+        """What this attribute holds without hmp (its wrapper's original while converted)."""
+        ns = self.namespace
+        if isinstance(ns, type):
+            return unwrap(inspect.getattr_static(ns, self.attr))
+        own = ns.__dict__
+        # torch._VF serves its functions through __getattr__: none is its own attribute
+        return unwrap(own[self.attr] if self.attr in own else getattr(ns, self.attr))
+
+
+class Binding(NamedTuple):
+    """A site and the list entry that binds it."""
+
+    site: Site
+    kind: str  # "bf16", "fp32" or "promote"
+    name: str  # the list name
+
+
+def owner_label(owner):
+    return getattr(owner, "__qualname__", None) or getattr(owner, "__name__", None) or type(owner).__name__
+
+
+def attribute_site(owner, name):
+    """The Site of ``owner.name`` for ``hmp.register()``."""
+    return Site(owner, name, owner_label(owner), False, _inplace_param(unwrap(getattr(owner, name))))
+
 
 def _is_op(raw):
     """A plain callable, not a class, module, property or static/class method."""
@@ -87,14 +116,10 @@ def _torchvision_ops():
         return None
 
 
-_optional_warned = set()
-
-
 def _warn_optional(module, error):
     """Warn once per process that an optional module is unusable."""
-    if module in _optional_warned:
+    if not state.first_time(("optional module", module)):
         return
-    _optional_warned.add(module)
     try:
         warnings.warn(f"hmp: {module} is present but cannot be imported ({type(error).__name__}: {error}); hmp binds "
                       f"no ops there. (hmp warns about this once per process.)", RuntimeWarning, stacklevel=4)
@@ -183,6 +208,21 @@ class Resolver:
     def exists(self, name):
         return bool(self.sites(name))
 
+    def bind(self, effective):
+        """``[Binding]`` for every entry point the effective lists (kind ->
+        names, in the order the kinds bind) bind, each site once: listed names first, so a fused kernel listed by name keeps
+        its own list; then the fused kernels of listed ops (FUSED)."""
+        named = [(kind, name) for kind, names in effective.items() for name in sorted(names)]
+        fused = [(kind, f) for kind, name in named for f in FUSED.get(name, ())]
+        out, seen = [], set()
+        for kind, name in named + fused:
+            for site in self.sites(name):
+                key = (id(site.namespace), site.attr)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(Binding(site, kind, name))
+        return out
+
     def _aten_sites(self, name, found):
         """Sites of the builtins generated from ``aten::name`` (and its
         in-place ``name_``) that the Python-name lookup above did not find."""
@@ -239,6 +279,11 @@ class Resolver:
         return suggest(name, self._universe)
 
 
+def suggest(name, universe, n=3):
+    """Close matches of ``name`` in ``universe``, for error messages."""
+    return difflib.get_close_matches(name, universe, n=n, cutoff=0.6)
+
+
 # -- aten operator names ----------------------------------------------------------------------
 
 BOUND, NO_PYTHON, UNKNOWN = "bound", "no-python", "unknown"
@@ -253,9 +298,6 @@ BOUND, NO_PYTHON, UNKNOWN = "bound", "no-python", "unknown"
 ATEN_HOMES = ("torch", "torch.nn.functional", "torch._C._nn", "torch._C._linalg", "torch._C._special",
               "torch._C._fft", "torch.linalg", "torch.special", "torch.fft")
 
-_entry_points = None
-
-
 def aten_op(name):
     """``torch.ops.aten.<name>`` (an OpOverloadPacket) when torch's operator
     registry has that operator, else None."""
@@ -268,24 +310,22 @@ def aten_op(name):
     return packet if isinstance(packet, torch._ops.OpOverloadPacket) else None
 
 
+@functools.lru_cache(maxsize=None)
 def aten_entry_points():
     """``{aten op name: [(owner, module, attr), ...]}`` for every builtin in
     ATEN_HOMES whose name is an aten operator; built once (a namespace entry
     hmp has wrapped is looked at through its original)."""
-    global _entry_points
-    if _entry_points is None:
-        table = {}
-        for owner in ATEN_HOMES:
-            module = importlib.import_module(owner)
-            for attr, value in list(vars(module).items()):
-                fn = unwrap(value)
-                if attr.startswith("__") or not isinstance(fn, types.BuiltinFunctionType):
-                    continue
-                op = getattr(fn, "__name__", None)
-                if isinstance(op, str) and aten_op(op) is not None:
-                    table.setdefault(op, []).append((owner, module, attr))
-        _entry_points = table
-    return _entry_points
+    table = {}
+    for owner in ATEN_HOMES:
+        module = importlib.import_module(owner)
+        for attr, value in list(vars(module).items()):
+            fn = unwrap(value)
+            if attr.startswith("__") or not isinstance(fn, types.BuiltinFunctionType):
+                continue
+            op = getattr(fn, "__name__", None)
+            if isinstance(op, str) and aten_op(op) is not None:
+                table.setdefault(op, []).append((owner, module, attr))
+    return table
 
 
 def _aten_names():

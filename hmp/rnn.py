@@ -19,14 +19,14 @@ from .state import tls
 MODES = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
 
 
-def check_input_patch(effective):
-    """``(nn.RNNBase, "check_input", replacement)`` when a module kernel is in
-    ``effective`` (list kind -> names), else None."""
+def check_input_patches(effective):
+    """``[(nn.RNNBase, "check_input", replacement)]`` when a module kernel is
+    in ``effective`` (list kind -> names), else ``[]``."""
     listed = frozenset(mode for mode, kernel in MODES.items() if any(kernel in names for names in effective.values()))
     base = torch.nn.RNNBase
     original = unwrap(base.__dict__.get("check_input"))
     if not listed or not callable(original):
-        return None
+        return []
     empty, meta = torch.empty, torch.device("meta")
 
     def check_input(self, input, batch_sizes):
@@ -42,4 +42,4 @@ def check_input_patch(effective):
     check_input.__doc__ = original.__doc__
     check_input.__qualname__ = original.__qualname__
     setattr(check_input, ORIGINAL, original)
-    return base, "check_input", check_input
+    return [(base, "check_input", check_input)]

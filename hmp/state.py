@@ -1,12 +1,18 @@
-"""Per-thread casting state.
+"""Everything hmp keeps between calls, in one place; imports nothing from hmp.
 
-One integer per thread, ``off``, is all the per-call wrapper reads: it is
-non-zero inside ``disable_casts()`` and while a wrapped op runs (so ops that
-a listed op calls internally are not cast again: the outermost op decides).
+- ``tls``: per thread. ``off`` is the only thing the per-call wrapper
+  reads: non-zero inside ``disable_casts()``, inside a listed op (so ops it
+  calls are not cast again: the outermost op decides), in backward and in
+  the other regions hmp leaves alone. The rest is bookkeeping of those
+  regions, written where a region starts and ends.
+- ``runtime``: the process-wide conversion. Only hmp/conversion.py writes
+  it, under ``runtime.lock``.
+- ``copies``: the weight-cast cache's stores (hmp/cache.py writes them).
+- ``warned``: keys of the warn-once messages already given.
 """
 
-import contextlib
 import threading
+import weakref
 
 import torch
 
@@ -14,7 +20,7 @@ import torch
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
-class _ThreadState(threading.local):
+class ThreadState(threading.local):
     # class attribute: every new thread starts with casting on ...
     off = 0
 
@@ -24,34 +30,52 @@ class _ThreadState(threading.local):
         # backward, where hmp casts nothing. Runs once per thread.
         if _graph_task_id is not None and _graph_task_id() != -1:
             self.off = 1
+        self.regions = {}  # id(autocast region) -> times this thread entered it under hmp (regions.py)
+        self.step_levels = []  # ``off`` at the entry of each optimizer step in progress (steps.py)
+        self.frozen_depth = 0  # frozen_weights() nesting (cache.py)
+        self.frozen = None  # that block's stores, {dtype: {id(tensor): entry}}
 
 
-tls = _ThreadState()
-
-# Called when a thread leaves its outermost disable_casts() block (set by
-# convert() to empty the weight-cast cache after an optimizer step).
-on_reenable = None
+tls = ThreadState()
 
 
-def casts_enabled():
-    """True when hmp wrappers would cast in the calling thread right now."""
-    return tls.off == 0
+class Runtime:
+    """The current conversion and what it installed."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.patches = None  # patch.PatchLog, made by the first convert(); kept for retries of a failed undo
+        self.conversion = None  # conversion.Conversion in force; None: not converted
+        self.wrappers = None  # wrap.Wrappers of this conversion, for register() while converted
+        self.step_hooks = []  # handles of the optimizer step hooks
+        self.pickle_names = {}  # id(function) -> (function, "module:attr") (pickling.py)
+        self.log_restore = None  # puts the "hmp" logger back after a verbose conversion
+        # kept across conversions
+        self.registered = []  # (owner, name, kind) from hmp.register()
+        self.decorated = weakref.WeakKeyDictionary()  # @hmp.*_function wrapper -> kind
 
 
-class disable_casts(contextlib.ContextDecorator):
-    """Turn hmp casting off for a block or a function, in this thread only.
+runtime = Runtime()
 
-    Nestable and exception-safe: leaving an inner block keeps the outer one
-    disabled, and the previous state is restored on every exit path.
-    """
 
-    def __enter__(self):
-        tls.off += 1
-        return self
+class Copies:
+    """Lower-precision copies of weights (hmp/cache.py)."""
 
-    def __exit__(self, *exc):
-        tls.off -= 1
-        hook = on_reenable  # read once: revert() in another thread may clear it
-        if tls.off == 0 and hook is not None:
-            hook()
+    def __init__(self):
+        dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        self.live = {d: {} for d in dtypes}  # grad mode: dtype -> {id(tensor): entry}
+        self.frozen = weakref.WeakSet()  # every thread's frozen_weights() stores
+        self.dtypes = dtypes
+
+
+copies = Copies()
+
+warned = set()
+
+
+def first_time(key):
+    """True the first time ``key`` is seen in this process (warn once)."""
+    if key in warned:
         return False
+    warned.add(key)
+    return True

@@ -15,69 +15,49 @@ unwinds any step level entered inside it that is still open. No optimizer
 object or class is modified.
 """
 
-import threading
-
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .cache import cache
+from .cache import clear_cache
+from .casts import at_level
 from .state import tls
 
 _record_function = torch.autograd.profiler.record_function
 
 
-class _Steps(threading.local):
-    def __init__(self):
-        self.levels = []  # tls.off found at the entry of each step in progress, outermost first
-
-
-_steps = _Steps()
-
-
-def _closure_at(closure, level):
-    def closure_with_casts(*args, **kwargs):  # passes arguments on, for optimizers that give any
-        saved = tls.off
-        tls.off = level
-        try:
-            return closure(*args, **kwargs)
-        finally:
-            tls.off = saved
-
-    return closure_with_casts
-
-
 def _pre_hook(optimizer, args, kwargs):
     level = tls.off
-    _steps.levels.append(level)
+    tls.step_levels.append(level)
     tls.off = level + 1
+    # the closure (LBFGS) passes its arguments on, for optimizers that give any
     if kwargs and kwargs.get("closure") is not None:
-        return args, dict(kwargs, closure=_closure_at(kwargs["closure"], level))
+        return args, dict(kwargs, closure=at_level(kwargs["closure"], level))
     if len(args) > 1 and callable(args[1]):  # args[0] is the optimizer
-        return (args[0], _closure_at(args[1], level)) + tuple(args[2:]), kwargs
+        return (args[0], at_level(args[1], level)) + tuple(args[2:]), kwargs
     return None
 
 
 def _post_hook(optimizer, args, kwargs):
-    levels = _steps.levels
+    levels = tls.step_levels
     if levels:
         tls.off = levels.pop()
-    cache.clear()
+    clear_cache()
 
 
 def _unwind(depth):
     """Leave every step entered since ``depth`` steps were in progress."""
-    levels = _steps.levels
+    levels = tls.step_levels
     if len(levels) > depth:
         tls.off = levels[depth]
         del levels[depth:]
-        cache.clear()  # the step may have written some weights before it failed
+        clear_cache()  # the step may have written some weights before it failed
 
 
 class record_function(_record_function):
     __doc__ = _record_function.__doc__
 
     def __enter__(self):
-        self._hmp_steps = len(_steps.levels)
+        self._hmp_steps = len(tls.step_levels)
         return super().__enter__()
 
     def __exit__(self, exc_type, exc_value, traceback):
@@ -93,14 +73,11 @@ record_function.__name__ = record_function.__qualname__ = _record_function.__nam
 record_function.__module__ = _record_function.__module__
 
 
-class StepHooks:
-    """The installed hooks; ``remove()`` takes them out."""
+def patches():
+    """``[(namespace, attr, value)]``: the record_function that unwinds a failed step."""
+    return [(torch.autograd.profiler, "record_function", record_function)]
 
-    def __init__(self, patches):
-        patches.setattr(torch.autograd.profiler, "record_function", record_function)
-        self._handles = [register_optimizer_step_pre_hook(_pre_hook), register_optimizer_step_post_hook(_post_hook)]
 
-    def remove(self):
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+def add_hooks():
+    """Register the step hooks; returns their handles (``remove()`` each)."""
+    return [register_optimizer_step_pre_hook(_pre_hook), register_optimizer_step_post_hook(_post_hook)]

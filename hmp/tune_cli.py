@@ -3,7 +3,14 @@ print the report; write the tuned list files and, with ``--plot``, draw each
 op's bf16 error against the time it takes."""
 
 import argparse
+import json
 import sys
+
+import torch
+
+from . import tuning
+from .demo import data as demo_data
+from .demo.training import Config, build, train_step
 
 PROG = "python -m hmp tune"
 
@@ -52,12 +59,6 @@ def plot(result, path):
 
 
 def run(args):
-    import json
-
-    import hmp
-    from hmp.demo import data as demo_data
-    from hmp.demo.training import Config, build, train_step
-
     if args.steps <= 0 or args.batch_size <= 0:
         return _fail("--steps and --batch-size must be positive")
     if args.plot:
@@ -68,16 +69,12 @@ def run(args):
     cfg = Config(batch_size=args.batch_size, seed=args.seed)
     corpus = demo_data.load()
     model, opt, sched = build(cfg)
-    import torch
-
     x, y = next(demo_data.batches(corpus.train, cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(args.seed)))
 
     def step(x, y):
         return train_step(model, opt, sched, x, y, cfg)
 
-    if not hmp.is_converted():
-        hmp.convert()
-    result = hmp.tune(step, x, y, state=(model, opt, sched), steps=args.steps)
+    result = tuning.tune(step, x, y, state=(model, opt, sched), steps=args.steps)
     print(result.table())
     result.write(args.bf16_out, args.fp32_out)
     print(f"\nwrote {args.bf16_out} and {args.fp32_out}; use them with "

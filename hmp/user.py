@@ -3,50 +3,29 @@
 ``@hmp.bf16_function`` / ``@hmp.fp32_function`` / ``@hmp.promote_function``
 decorate a function; ``hmp.register(owner, name, kind)`` wraps an attribute
 of any object (a C++ extension op, a custom ``autograd.Function.apply``).
-Both work whether they happen before or after ``convert()``, follow
-``disable_casts()`` and the outermost-op rule, and do nothing while hmp is
-not converted.
+Both work whether they happen before or after ``convert()``, go through the
+same wrapper as listed ops (``disable_casts()``, the outermost-op rule,
+error notes), and cost nothing while hmp is not converted.
 """
 
-import functools
-
-from .state import tls
-
-KINDS = ("bf16", "fp32", "promote")
-
-# kind -> prepare(args, kwargs), set by convert() and cleared by revert()
-active = None
-
-# (owner, name, kind) registered with register(), applied at every convert()
-registered = []
+from . import conversion, lists, wrap
 
 
 def _check_kind(kind):
-    if kind not in KINDS:
-        raise ValueError(f"hmp: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind not in lists.KINDS:
+        raise ValueError(f"hmp: kind must be one of {', '.join(lists.KINDS)}, got {kind!r}")
 
 
 def _decorator(kind):
     def decorate(fn):
         if not callable(fn):
             raise TypeError(f"hmp: {kind}_function needs a callable, got {fn!r}")
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            prepares = active
-            if prepares is None or tls.off:
-                return fn(*args, **kwargs)
-            args, kwargs = prepares[kind](args, kwargs)
-            tls.off = 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                tls.off = 0
-
+        wrapper = wrap.user_function(fn, kind)
+        conversion.adopt(wrapper, kind)
         return wrapper
 
-    decorate.__name__ = f"{kind}_function"
-    decorate.__doc__ = f"Run the decorated function under the {kind} list's rule while hmp is converted."
+    decorate.__name__ = decorate.__qualname__ = f"{kind}_function"
+    decorate.__doc__ = f"Run the decorated function under the {lists.TITLE[kind]} list's rule while hmp is converted."
     return decorate
 
 
@@ -62,23 +41,9 @@ def register(owner, name, kind):
     _check_kind(kind)
     if not callable(getattr(owner, name, None)):
         raise ValueError(f"hmp: {owner!r} has no callable attribute {name!r}")
-    from .convert import apply_registration, runtime
-
-    with runtime.lock:
-        entry = (owner, name, kind)
-        registered[:] = [e for e in registered if not (e[0] is owner and e[1] == name)]
-        registered.append(entry)
-        if runtime.lists is not None:
-            apply_registration(entry)
+    conversion.register(owner, name, kind)
 
 
 def unregister(owner, name):
     """Stop wrapping ``owner.name`` at later conversions (a current one keeps it until revert)."""
-    registered[:] = [e for e in registered if not (e[0] is owner and e[1] == name)]
-
-
-def owner_label(owner):
-    return getattr(owner, "__qualname__", None) or getattr(owner, "__name__", None) or type(owner).__name__
-
-
-__all__ = ["bf16_function", "fp32_function", "promote_function", "register", "unregister"]
+    conversion.unregister(owner, name)

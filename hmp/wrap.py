@@ -1,8 +1,12 @@
-"""Wrapper factories: one small function per call form, kept apart from
-where wrappers are installed (patch.py) and from what they cast (policy.py).
+"""The wrapper: one body for every call hmp casts (listed ops, registered
+functions, ``@hmp.*_function`` decorators, ``op_wrap``), and ``Wrappers``,
+the one place where what a site's wrapper does is decided.
 
-The per-call path reads one thread-local integer; everything else (policy,
-dtype, in-place detection, logging) was decided when the wrapper was made.
+Per call the body reads the thread's ``off``; when it is 0 it calls
+``prepare`` (the site's policy, chosen at convert time), turns casts off
+for the op's duration (the outermost op decides), and on an exception hands
+over to hmp/fallback.py. Everything else was decided when the wrapper was
+made.
 """
 
 import functools
@@ -13,7 +17,8 @@ import weakref
 import torch
 from torch.jit import _builtins as _jit_builtins
 
-from . import errors, policy
+from . import culprit, fallback, policy
+from .errors import About
 from .resolve import ORIGINAL, unwrap
 from .state import tls
 
@@ -21,6 +26,41 @@ log = logging.getLogger("hmp")
 
 _to_bf16 = policy.PLAIN_CASTS[torch.bfloat16]
 _to_fp32 = policy.PLAIN_CASTS[torch.float32]
+
+
+def make(op, prepare, about, original=None):
+    """The wrapper of ``op``: casts through ``prepare``; ``about`` (an
+    errors.About) describes it for the error path. ``original``: what ``op``
+    adapts, when it is an adapter (wrapper attributes come from it)."""
+    return _finish(_body(op, prepare, about), op if original is None else original)
+
+
+def _body(op, prepare, about):
+    def wrapper(*args, **kwargs):
+        st = tls
+        if st.off:
+            return op(*args, **kwargs)
+        a, k = prepare(args, kwargs)
+        st.off = 1
+        try:
+            return op(*a, **k)
+        except Exception as e:  # costs nothing unless the op raises
+            result = fallback.rescue(e, op, about, args, kwargs, a, k)
+            if result is fallback.RAISE:
+                raise
+            return result
+        finally:
+            st.off = 0
+
+    return wrapper
+
+
+def _op_of(frame):
+    return frame.f_locals.get("op")
+
+
+_BODY = _body(None, None, None).__code__
+culprit.register_wrapper(_BODY, _op_of)
 
 
 def _finish(wrapper, op):
@@ -56,124 +96,56 @@ def _script_as(wrapper, original):
         wrapper.__prepare_scriptable__ = lambda: original
 
 
-_PASSTHROUGH = {}  # a wrapper's free variable names -> code that only calls ``op``
-
-
-def _passthrough_code(freevars):
+def _passthrough_code():
     """Code of ``wrapper(*args, **kwargs): return op(*args, **kwargs)`` with
-    exactly ``freevars`` (a function's code can only be swapped for code with
-    the same free variables)."""
-    code = _PASSTHROUGH.get(freevars)
-    if code is None:
-        names = ", ".join(freevars)
-        src = (f"def make({names}):\n    def wrapper(*args, **kwargs):\n        {names}\n"
-               f"        return op(*args, **kwargs)\n    return wrapper\n")
-        scope = {}
-        exec(compile(src, "<hmp retired wrapper>", "exec"), scope)
-        code = scope["make"](*freevars).__code__
-        if code.co_freevars != freevars:  # never seen; checked so a swap cannot misbind
-            code = None
-        _PASSTHROUGH[freevars] = code
+    the body's free variables (a function's code can only be swapped for
+    code with the same free variables)."""
+    names = ", ".join(_BODY.co_freevars)
+    src = (f"def make({names}):\n    def wrapper(*args, **kwargs):\n        {names}\n"
+           f"        return op(*args, **kwargs)\n    return wrapper\n")
+    scope = {}
+    exec(compile(src, "<hmp wrapper, not casting>", "exec"), scope)
+    code = scope["make"](*_BODY.co_freevars).__code__
+    assert code.co_freevars == _BODY.co_freevars
     return code
 
 
+_PASSTHROUGH = _passthrough_code()
+
+
+def _cell(wrapper, name):
+    return wrapper.__closure__[wrapper.__code__.co_freevars.index(name)]
+
+
+def is_wrapper(obj):
+    return getattr(obj, "__code__", None) in (_BODY, _PASSTHROUGH)
+
+
+def pause(wrapper):
+    """Make a wrapper a plain call of what it wraps, at no per-call cost."""
+    wrapper.__code__ = _PASSTHROUGH
+
+
+def resume(wrapper, prepare):
+    """Make a paused wrapper cast again, through ``prepare``."""
+    _cell(wrapper, "prepare").cell_contents = prepare
+    wrapper.__code__ = _BODY
+
+
 def retire(wrapper):
-    """Turn an hmp wrapper that revert() took out of torch into a plain call
-    of the original: references captured while converted (``self.act =
+    """Turn a wrapper that revert() took out of torch into a plain call of
+    the original: references captured while converted (``self.act =
     F.relu``) then behave as the original, at no per-call cost to live
     wrappers. Objects that are not hmp wrappers are left alone."""
     original = getattr(wrapper, ORIGINAL, None)
-    code = getattr(wrapper, "__code__", None)
-    if original is None or code is None or "op" not in code.co_freevars or code.co_filename != __file__:
+    if original is None or not is_wrapper(wrapper):
         return
-    passthrough = _passthrough_code(code.co_freevars)
-    if passthrough is None:  # revert() must not fail: such a wrapper keeps its code
-        return
-    wrapper.__closure__[code.co_freevars.index("op")].cell_contents = original
-    wrapper.__code__ = passthrough
+    _cell(wrapper, "op").cell_contents = original
+    pause(wrapper)
     # pickle saves a function by name and the name now finds the original:
     # the error it raises shows this name, which says what to do
     wrapper.__qualname__ = (f"{wrapper.__qualname__} [an hmp wrapper retired by revert(): pickle the state_dict, "
                             f"or build the module after revert()]")
-
-
-def wrap_simple(op, prepare, site=None):
-    """Every call goes through ``prepare`` (in-place sites, ``op_wrap``).
-
-    ``site`` (an errors.About) describes the entry point for the error
-    path; the ``except`` clauses cost nothing unless the op raises."""
-
-    def wrapper(*args, **kwargs):
-        st = tls
-        if st.off:
-            return op(*args, **kwargs)
-        a, k = prepare(args, kwargs)
-        st.off = 1
-        try:
-            return op(*a, **k)
-        except Exception as e:
-            result = errors.failed(e, op, site, args, kwargs, a, k)
-            if result is errors.RAISE:
-                raise
-            return result
-        finally:
-            st.off = 0
-
-    return _finish(wrapper, op)
-
-
-def wrap_call(op, prepare, prepare_out, prepare_inplace=None, inplace_param=None, site=None):
-    """Out-of-place entry point. A call with ``out=`` (or ``inplace=True``
-    for functions that take it) follows the in-place rule instead."""
-    if inplace_param is None:
-
-        def wrapper(*args, **kwargs):
-            st = tls
-            if st.off:
-                return op(*args, **kwargs)
-            if kwargs and kwargs.get("out") is not None:
-                a, k = prepare_out(args, kwargs)
-            else:
-                a, k = prepare(args, kwargs)
-            st.off = 1
-            try:
-                return op(*a, **k)
-            except Exception as e:
-                result = errors.failed(e, op, site, args, kwargs, a, k)
-                if result is errors.RAISE:
-                    raise
-                return result
-            finally:
-                st.off = 0
-
-    else:
-
-        def wrapper(*args, **kwargs):
-            st = tls
-            if st.off:
-                return op(*args, **kwargs)
-            if len(args) > inplace_param:
-                inplace = args[inplace_param]
-            else:
-                inplace = kwargs.get("inplace", False) if kwargs else False
-            if inplace:
-                a, k = prepare_inplace(args, kwargs)
-            elif kwargs and kwargs.get("out") is not None:
-                a, k = prepare_out(args, kwargs)
-            else:
-                a, k = prepare(args, kwargs)
-            st.off = 1
-            try:
-                return op(*a, **k)
-            except Exception as e:
-                result = errors.failed(e, op, site, args, kwargs, a, k)
-                if result is errors.RAISE:
-                    raise
-                return result
-            finally:
-                st.off = 0
-
-    return _finish(wrapper, op)
 
 
 def _mentions_dtype(error):
@@ -185,6 +157,10 @@ def mixed_or_lower(op, lower_all):
     """``op`` for a norm whose input alone was cast. Where the device's kernel
     rejects mixed dtypes, retry with weight and bias cast too, and from then
     on go straight there for that device type."""
+    return _finish(_mixed_or_lower(op, lower_all), op)
+
+
+def _mixed_or_lower(op, lower_all):
     unsupported = set()
 
     def call(*args, **kwargs):
@@ -206,7 +182,10 @@ def mixed_or_lower(op, lower_all):
             log.info("hmp: %s rejects mixed dtypes on %s; casting weight and bias too", getattr(op, "__name__", op), device)
             return result
 
-    return _finish(call, op)
+    return call
+
+
+culprit.register_wrapper(_mixed_or_lower(None, None).__code__, _op_of)
 
 
 def _dtypes(args, kwargs):
@@ -237,6 +216,58 @@ def logged(prepare, label):
     return verbose_prepare
 
 
+class Wrappers:
+    """What every wrapper of one conversion does, decided per site.
+
+    ``casts``: dtype -> cast function (plain or through the weight cache);
+    ``verbose`` logs every cast call; ``recorder`` (hmp/record.py)
+    instruments the wrappers for profile/audit/tune; ``passthrough`` makes
+    them cast nothing while still recording (an audit's fp32 reference).
+    """
+
+    def __init__(self, low, casts, verbose=False, recorder=None, passthrough=False):
+        self.low, self.casts, self.verbose, self.recorder, self.passthrough = low, casts, verbose, recorder, passthrough
+
+    def _prepare(self, prepare, label, name):
+        if self.passthrough:
+            prepare = _cast_nothing
+        if self.verbose:
+            prepare = logged(prepare, label)
+        if self.recorder is not None:
+            prepare = self.recorder.prepare(prepare, name)
+        return prepare
+
+    def _op(self, op):
+        return op if self.recorder is None else self.recorder.op(op)
+
+    def site(self, binding, original):
+        """The wrapper of ``original`` for a resolve.Binding."""
+        site, kind, name = binding
+        prepare = self._prepare(policy.for_site(kind, name, site, self.low, self.casts), site.label, name)
+        op = original
+        if policy.rejects_mixed(kind, name) and not self.passthrough:
+            op = mixed_or_lower(op, policy.lower(self.low, self.casts))
+        about = About(site.label, name, kind, site.inplace, site.inplace_param)
+        return make(self._op(op), prepare, about, original)
+
+    def user_prepare(self, kind, label):
+        """The prepare of a user function (``@hmp.*_function``) of list ``kind``."""
+        return self._prepare(policy.for_kind(kind, self.low, self.casts), label, f"user_{kind}_function")
+
+
+def _cast_nothing(args, kwargs):
+    return args, kwargs
+
+
+def user_function(fn, kind):
+    """The wrapper ``@hmp.{kind}_function`` returns; paused until convert()
+    resumes it with that conversion's prepare."""
+    label = getattr(fn, "__qualname__", None) or repr(fn)
+    wrapper = make(fn, _cast_nothing, About(label, None, kind))
+    pause(wrapper)
+    return wrapper
+
+
 def op_wrap(op, cast_fn):
     """Habana's public helper: a wrapper of ``op`` that passes every tensor
     argument (positional, keyword, or inside a list/tuple) through
@@ -253,7 +284,7 @@ def op_wrap(op, cast_fn):
     def prepare(args, kwargs):
         return tuple(cast_value(a) for a in args), {k: cast_value(v) for k, v in kwargs.items()}
 
-    return wrap_simple(op, prepare, errors.About(getattr(op, "__qualname__", None) or repr(op)))
+    return make(op, prepare, About(getattr(op, "__qualname__", None) or repr(op)))
 
 
 def to_bf16(t):

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp.cache import cache
+from hmp import cache
+from hmp.state import copies
 
 BF16 = torch.bfloat16
 
@@ -168,9 +169,9 @@ def test_tied_weight_cast_once_per_forward_and_not_kept_after_backward():
     w = torch.nn.Parameter(torch.randn(8, 8))
     x = torch.randn(2, 8, requires_grad=True) * 1  # not a leaf: only w goes through the cache
     y = F.linear(F.linear(x, w), w)  # the graph saves the bf16 copy of w
-    assert len(cache) == 1  # one copy, shared by both uses
+    assert cache.size() == 1  # one copy, shared by both uses
     y.float().sum().backward()
-    assert len(cache) == 0  # backward freed the graph, and the copy with it
+    assert cache.size() == 0  # backward freed the graph, and the copy with it
     assert w.grad.dtype == torch.float32 and w.grad.abs().sum() > 0
 
 
@@ -180,7 +181,7 @@ def test_no_grad_copies_are_not_kept_between_calls_by_default():
     x = torch.randn(2, 8)
     with torch.no_grad():
         first = lin(x)
-        assert len(cache) == 0
+        assert cache.size() == 0
         lin.weight.data.copy_(torch.randn(8, 8))  # invisible to any counter
         assert not torch.equal(lin(x), first)
 
@@ -201,16 +202,16 @@ def test_frozen_weights_keeps_copies_until_exit_and_drops_them_on_a_step():
         b = cast(lin.weight)
         assert b is not a and torch.equal(b, lin.weight.to(BF16))
         seen = []
-        thread = threading.Thread(target=lambda: seen.append(len(cache)))
+        thread = threading.Thread(target=lambda: seen.append(cache.size()))
         thread.start()
         thread.join()
         assert seen == [0]  # per thread
         lin.weight.grad = torch.ones(8, 8)
         with torch.enable_grad():
             opt.step()
-        assert len(cache) == 0  # every optimizer step drops every copy
+        assert cache.size() == 0  # every optimizer step drops every copy
         out = lin(x)
-    assert len(cache) == 0  # and the block's exit drops the rest
+    assert cache.size() == 0  # and the block's exit drops the rest
     torch.testing.assert_close(out, F.linear(x.to(BF16), lin.weight.to(BF16), lin.bias.to(BF16)), rtol=0, atol=0)
 
 
@@ -278,17 +279,17 @@ def test_clear_cache_revert_and_cache_off():
     lin = torch.nn.Linear(8, 8)
     x = torch.randn(2, 8, requires_grad=True)
     out = lin(x)
-    assert len(cache) == 2
+    assert cache.size() == 2
     hmp.clear_cache()
-    assert len(cache) == 0
+    assert cache.size() == 0
     del out
     hmp.convert(cache=False)
     out = lin(x)
-    assert out.dtype == BF16 and len(cache) == 0
+    assert out.dtype == BF16 and cache.size() == 0
     hmp.convert()
     out = lin(x)
     hmp.revert()
-    assert len(cache) == 0
+    assert cache.size() == 0
 
 
 def test_entries_die_with_their_tensor_and_copies_do_not_share():
@@ -302,4 +303,4 @@ def test_entries_die_with_their_tensor_and_copies_do_not_share():
     assert not torch.equal(ya, yb)
     del ya, yb, a, b, x
     gc.collect()
-    assert len(cache) == 0 and all(len(s) == 0 for s in cache._live.values())
+    assert cache.size() == 0 and all(len(s) == 0 for s in copies.live.values())

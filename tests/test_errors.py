@@ -175,7 +175,7 @@ def test_mismatch_inside_a_listed_python_op_says_to_list_what_it_calls():
 
     casts = dict(policy.PLAIN_CASTS)
     about = errors.About("torch.nn.functional.attention", "attention", "bf16")
-    wrapped = wrap.wrap_simple(attention, policy.lower(BF16, casts), about)
+    wrapped = wrap.make(attention, policy.lower(BF16, casts), about)
     with pytest.raises(RuntimeError) as info:
         wrapped(torch.randn(3, 2), torch.randn(3, 2))
     (note,) = notes(info.value)
@@ -304,7 +304,6 @@ def test_revert_restores_exception_hooks_and_a_stranded_hook_stays_inert():
         assert len(calls) == 1
     finally:
         sys.excepthook = before[0]
-        errors._hooks.update(sys=None)
 
 
 # -- autocast --------------------------------------------------------------------------------
@@ -312,7 +311,7 @@ def test_revert_restores_exception_hooks_and_a_stranded_hook_stays_inert():
 
 @pytest.fixture
 def fresh_autocast_warning(monkeypatch):
-    monkeypatch.setattr(importlib.import_module("hmp.interop"), "_autocast_warned", False)
+    monkeypatch.setattr(importlib.import_module("hmp.state"), "warned", set())
 
 
 def test_convert_inside_autocast_warns_once(fresh_autocast_warning):

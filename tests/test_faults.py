@@ -17,7 +17,7 @@ BF16 = torch.bfloat16
 
 def entries_patched_by_convert():
     hmp.convert()
-    from hmp.convert import runtime
+    from hmp.state import runtime
 
     n = len(runtime.patches)
     hmp.revert()
@@ -33,11 +33,11 @@ def fail_on_patch(k, exc):
     original = patch.PatchLog.setattr
     calls = {"n": 0}
 
-    def flaky(self, namespace, attr, value):
+    def flaky(self, namespace, attr, value, **kwargs):
         calls["n"] += 1
         if calls["n"] == k:
             raise exc
-        return original(self, namespace, attr, value)
+        return original(self, namespace, attr, value, **kwargs)
 
     return flaky
 

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 import hmp
-from hmp import resolve
+from hmp import state
 
 
 @pytest.fixture
 def fresh(monkeypatch):
     """A process that has not warned yet, and no real torchvision in the way."""
-    monkeypatch.setattr(resolve, "_optional_warned", set())
+    monkeypatch.setattr(state, "warned", set())
     for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
         monkeypatch.delitem(sys.modules, name)
     return monkeypatch

@@ -9,9 +9,13 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["hmp.state", "hmp.patch", "hmp.lists", "hmp.policy", "hmp.resolve", "hmp.cache", "hmp.errors",
-           "hmp.interop", "hmp.wrap", "hmp.convert", "hmp", "hmp.__main__", "hmp.integrations", "hmp.config",
-           "hmp.legacy"]
+# every module of the package but those whose subcommand or framework loads
+# what hmp itself must not (the demo and tune: tqdm; the Lightning plugin: lightning)
+NOT_PROBED = {"hmp.demo", "hmp.demo.data", "hmp.demo.model", "hmp.demo.training", "hmp.tune_cli",
+              "hmp.integrations.lightning"}
+ALL_MODULES = sorted(".".join(("hmp",) + p.relative_to(ROOT / "hmp").with_suffix("").parts).removesuffix(".__init__")
+                     for p in (ROOT / "hmp").rglob("*.py"))
+MODULES = ["hmp.state"] + [m for m in ALL_MODULES if m not in NOT_PROBED and m != "hmp.state"]
 
 PROBE = textwrap.dedent(r"""
     import importlib, logging, sys, threading, warnings

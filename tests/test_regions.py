@@ -341,9 +341,7 @@ def test_in_process_data_loading_never_casts():
 
 
 def test_entering_an_enabled_region_warns_once_and_an_error_filter_changes_nothing(monkeypatch):
-    from hmp import regions
-
-    monkeypatch.setattr(regions, "_enabled_warned", False)
+    monkeypatch.setattr(state, "warned", set())
     hmp.convert()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -351,7 +349,7 @@ def test_entering_an_enabled_region_warns_once_and_an_error_filter_changes_nothi
             with torch.autocast("cpu", dtype=BF16):
                 pass  # not reached
         assert not torch.is_autocast_enabled("cpu") and hmp.casts_enabled()
-    monkeypatch.setattr(regions, "_enabled_warned", False)
+    monkeypatch.setattr(state, "warned", set())
     with pytest.warns(UserWarning, match=r"\(cpu, bfloat16\).*once per process"):
         with torch.autocast("cpu", dtype=BF16):
             pass

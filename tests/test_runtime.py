@@ -135,6 +135,74 @@ def test_disable_casts_is_thread_local():
     assert seen == {"enabled": True, "dtype": BF16}
 
 
+def test_enable_casts_inside_disable_casts():
+    hmp.convert()
+    x = torch.ones(2, 2)
+    with hmp.disable_casts():
+        with hmp.disable_casts():
+            with hmp.enable_casts():
+                assert hmp.casts_enabled() and torch.mm(x, x).dtype == BF16
+                with hmp.disable_casts():  # nests either way
+                    assert torch.mm(x, x).dtype == FP32
+                assert torch.mm(x, x).dtype == BF16
+            assert not hmp.casts_enabled()
+        with pytest.raises(KeyError):
+            with hmp.enable_casts():
+                raise KeyError("boom")
+        assert not hmp.casts_enabled()  # restored on the exception path too
+    assert hmp.casts_enabled()
+
+
+def test_enable_casts_as_a_decorator_in_two_threads():
+    """Each call gets its own block: threads never share one saved state."""
+    hmp.convert()
+    x = torch.ones(2, 2)
+    inside, release = threading.Barrier(2), threading.Event()
+
+    @hmp.enable_casts()
+    def step():
+        inside.wait(10)
+        release.wait(10)
+        return torch.mm(x, x).dtype
+
+    out = []
+
+    def worker():
+        with hmp.disable_casts():
+            out.append((step(), hmp.casts_enabled()))
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert out == [(BF16, False), (BF16, False)]
+    block = hmp.enable_casts()
+    with block, pytest.raises(RuntimeError, match="already in use"):
+        with block:
+            pass
+
+
+def test_converted_restores_what_was_in_force(tmp_path, pristine):
+    x = torch.ones(2, 2)
+    with hmp.converted():
+        assert torch.mm(x, x).dtype == BF16
+        with hmp.converted(fp32_file_path=write(tmp_path, "f.txt", "mm\n")):
+            assert torch.mm(x, x).dtype == FP32
+        assert torch.mm(x, x).dtype == BF16 and hmp.effective_lists()["fp32"] != ["mm"]
+        with pytest.raises(KeyError):
+            with hmp.converted(opt_level="O2"):
+                raise KeyError("boom")
+        assert "linear" in hmp.effective_lists()["bf16"] and hmp.effective_lists()["fp32"] != []
+        with pytest.raises(ValueError, match="not_an_op"):  # a bad list: nothing changes
+            with hmp.converted(bf16_file_path=write(tmp_path, "b.txt", "not_an_op\n")):
+                pass
+        assert torch.mm(x, x).dtype == BF16
+    assert not hmp.is_converted()
+    assert_same(pristine, snapshot())
+
+
 def test_new_thread_starts_enabled_while_parent_disabled():
     hmp.convert()
     out = []

@@ -88,9 +88,9 @@ def test_recorder_is_gone_after_profile():
     hmp.convert()
     hmp.profile(step, x, y)
     # an ordinary wrapper: no recorder closure anywhere in the live conversion
-    from hmp.convert import runtime
+    from hmp.state import runtime
 
-    assert runtime.policies.recorder is None
+    assert runtime.wrappers.recorder is None
     assert not any(isinstance(c.cell_contents, Recorder) for c in (F.linear.__closure__ or ()))
 
 

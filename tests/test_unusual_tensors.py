@@ -238,9 +238,9 @@ def test_sparse_coo_runs_in_the_lower_dtype_like_dense():
 
 @pytest.fixture
 def fresh_no_kernel_warnings(monkeypatch):
-    from hmp import errors
+    from hmp import state
 
-    monkeypatch.setattr(errors, "_warned", set())
+    monkeypatch.setattr(state, "warned", set())
 
 
 def test_op_without_a_kernel_for_the_cast_dtype_runs_uncast_and_warns_once(fresh_no_kernel_warnings):

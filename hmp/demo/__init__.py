@@ -16,6 +16,7 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 import hmp
 
@@ -79,8 +80,6 @@ class _Progress:
     """A tqdm bar on a terminal; one line at the start and end otherwise."""
 
     def __init__(self, label, steps):
-        from tqdm import tqdm
-
         self.label = label
         self.bar = tqdm(total=steps, desc=f"{label:<18}", unit="step", disable=None, leave=True,
                         file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
@@ -119,13 +118,12 @@ def _hmp_options(args):
 def _check_hmp_options(options):
     """Convert once and revert, so a bad list file fails before any training."""
     try:
-        hmp.convert(**options)
+        with hmp.converted(**options):
+            pass
     except OSError as e:
         return e.strerror or str(e)
     except (ValueError, TypeError) as e:
         return str(e)
-    finally:
-        hmp.revert()
     return None
 
 

@@ -1,5 +1,6 @@
 """Training the demo model once, in fp32 or under hmp, and measuring it."""
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -157,9 +158,7 @@ def train(cfg, corpus, hmp_options=None, on_step=None):
     acc = _accelerator(cfg.device)
     if acc is not None and hasattr(acc, "reset_peak_memory_stats"):
         acc.reset_peak_memory_stats()
-    if hmp_options is not None:
-        hmp.convert(**hmp_options)
-    try:
+    with hmp.converted(**hmp_options) if hmp_options is not None else contextlib.nullcontext():
         times, losses = [], []
         start = time.perf_counter()
         for step in range(cfg.steps):
@@ -178,9 +177,6 @@ def train(cfg, corpus, hmp_options=None, on_step=None):
                 on_step(step, loss)
         wall = time.perf_counter() - start
         val_loss = evaluate(model, corpus.val, cfg)
-    finally:
-        if hmp_options is not None:
-            hmp.revert()
     timed = times[cfg.timing_warmup:] or times
     result = {
         "tokens_per_s": cfg.batch_size * cfg.seq_len / statistics.median(timed),
@@ -210,11 +206,8 @@ def count_casts(cfg, corpus, hmp_options, steps=CAST_STEPS):
             x, y = next(batches)
             train_step(model, opt, sched, x.to(cfg.device), y.to(cfg.device), cfg)
 
-    hmp.convert(**hmp_options)
-    try:
+    with hmp.converted(**hmp_options):
         report = hmp.profile(steps_fn)
-    finally:
-        hmp.revert()
     rows = report.rows()
     per_op = {r["op"]: {d: n / steps for d, n in r["cast_to"].items()} for r in rows if r["casts"]}
     per_op = dict(sorted(per_op.items(), key=lambda kv: (-sum(kv[1].values()), kv[0])))

@@ -32,11 +32,11 @@ import logging
 import warnings
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins import Precision
 
 import hmp
-from hmp import state
-from hmp.convert import current, effective_lists_for, restore, runtime
+from hmp import conversion
 from hmp.resolve import ORIGINAL, unwrap
 
 log = logging.getLogger("hmp")
@@ -69,16 +69,10 @@ class HMPPrecision(Precision):
     def __init__(self, opt_level="O1", bf16_file_path=None, fp32_file_path=None, verbose=False, *,
                  low_precision_type=torch.bfloat16, promote_file_path=None, cache=True):
         super().__init__()
-        if low_precision_type not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"hmp: low_precision_type must be torch.bfloat16 or torch.float16, "
-                             f"got {low_precision_type!r}")
-        if opt_level not in ("O1", "O2"):
-            raise ValueError(f"hmp: opt_level must be one of O1, O2, got {opt_level!r}")
-        if not isinstance(verbose, bool):
-            raise TypeError(f"hmp: verbose must be a bool, got {verbose!r}")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # convert() warns about O2 and files when the run starts
-            effective_lists_for(opt_level, bf16_file_path or "", fp32_file_path or "", promote_file_path or "")
+            conversion.plan(opt_level, bf16_file_path, fp32_file_path, verbose, low_precision_type,
+                            promote_file_path=promote_file_path, cache=cache)
         self.opt_level = opt_level
         self.bf16_file_path = bf16_file_path
         self.fp32_file_path = fp32_file_path
@@ -89,7 +83,8 @@ class HMPPrecision(Precision):
         self.precision = "bf16-mixed" if low_precision_type is torch.bfloat16 else "16-mixed"
         self._active = False
         self._previous = None
-        self._step_level = None  # the thread's tls.off inside steps while a run is on
+        self._run_off = None  # the disable_casts() block a run's own code runs in
+        self._steps_cast = False  # whether steps cast: casts were on where the run started
 
     def __repr__(self):
         return (f"{type(self).__name__}(opt_level={self.opt_level!r}, bf16_file_path={self.bf16_file_path!r}, "
@@ -100,15 +95,13 @@ class HMPPrecision(Precision):
 
     def convert(self):
         """Convert hmp with this plugin's settings (the Trainer calls it)."""
+        wanted = conversion.plan(self.opt_level, self.bf16_file_path, self.fp32_file_path, self.verbose,
+                                 self.low_precision_type, promote_file_path=self.promote_file_path, cache=self.cache)
+        # patched along with the lists, so revert()/restore() undo it with the rest
+        log_patch = (LightningModule, "log", _uncast_log(unwrap(LightningModule.__dict__["log"])))
         if not self._active:
-            self._previous = current()  # None when hmp is not converted
-        from lightning.pytorch import LightningModule
-
-        with runtime.lock:
-            hmp.convert(self.opt_level, self.bf16_file_path or "", self.fp32_file_path or "", self.verbose,
-                        self.low_precision_type, promote_file_path=self.promote_file_path or "", cache=self.cache)
-            # in hmp's patch log, so revert()/restore() undo it with the rest
-            runtime.patches.setattr(LightningModule, "log", _uncast_log(unwrap(LightningModule.__dict__["log"])))
+            self._previous = conversion.current()  # None when hmp is not converted
+        conversion.apply(wanted._replace(extra=(log_patch,)))
         self._active = True
 
     def revert(self):
@@ -117,22 +110,23 @@ class HMPPrecision(Precision):
             return
         self._active = False
         previous, self._previous = self._previous, None
-        restore(previous)
+        conversion.restore(previous)
 
     def connect(self, model, optimizers, lr_schedulers):
         # Strategy.setup() calls this once per run, after the model is on its device.
         self.convert()
-        if self._step_level is None:  # casts off in the run's thread, on again inside steps
-            self._step_level = state.tls.off
-            state.tls.off += 1
+        if self._run_off is None:  # casts off in the run's thread, on again inside steps
+            self._steps_cast = hmp.casts_enabled()
+            self._run_off = hmp.disable_casts()
+            self._run_off.__enter__()
         return super().connect(model, optimizers, lr_schedulers)
 
     def teardown(self):
         # Strategy.teardown() calls this at the end of every run, also after an exception.
         try:
-            if self._step_level is not None:
-                self._step_level = None
-                state.tls.off -= 1
+            if self._run_off is not None:
+                run_off, self._run_off = self._run_off, None
+                run_off.__exit__(None, None, None)
             self.revert()
         finally:
             super().teardown()
@@ -140,15 +134,10 @@ class HMPPrecision(Precision):
     @contextlib.contextmanager
     def forward_context(self):
         """Casts on inside a step (Lightning enters this around each
-        ``*_step`` call and the model summary's forward)."""
-        tls = state.tls
-        saved = tls.off
-        if self._step_level is not None:
-            tls.off = self._step_level
-        try:
+        ``*_step`` call and the model summary's forward), unless the run
+        started where casts were off."""
+        with hmp.enable_casts() if self._run_off is not None and self._steps_cast else contextlib.nullcontext():
             yield
-        finally:
-            tls.off = saved
 
     # -- optimizer math in fp32 -------------------------------------------------
 
@@ -157,19 +146,11 @@ class HMPPrecision(Precision):
         calls runs with the casts of the code that asked for the step: a
         ``training_step`` (automatic optimization) or the code inside one
         (manual optimization with a closure) runs with casts on."""
-        outer = state.tls.off
-
-        def closure_as_caller():
-            tls = state.tls
-            saved = tls.off
-            tls.off = outer
-            try:
-                return closure()
-            finally:
-                tls.off = saved
+        if hmp.casts_enabled():
+            closure = hmp.enable_casts()(closure)  # inside the step's disable_casts() block below
 
         with hmp.disable_casts():
-            return super().optimizer_step(optimizer, model, closure_as_caller, **kwargs)
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None, **kwargs):
         with hmp.disable_casts():

@@ -4,7 +4,7 @@ report, per listed op, what hmp did and what it cost."""
 import json
 from pathlib import Path
 
-from .convert import current, install
+from .conversion import applied, current
 from .record import Recorder
 
 
@@ -67,14 +67,10 @@ def profile(fn, *args, **kwargs):
     """Run ``fn(*args, **kwargs)`` once with instrumented wrappers and return
     a ProfileReport. hmp must be converted; its configuration is restored
     afterwards, with no instrumentation left behind."""
-    saved = current()
-    if saved is None:
+    conversion = current()
+    if conversion is None:
         raise RuntimeError("hmp.profile: call hmp.convert() first; profile reports on the current configuration")
-    lists, options = saved
     recorder = Recorder()
-    install(lists, options, recorder=recorder)
-    try:
+    with applied(conversion, recorder=recorder):
         fn(*args, **kwargs)
-    finally:
-        install(lists, options)
     return ProfileReport(recorder.stats)

@@ -12,8 +12,8 @@ import sys
 
 import torch
 
-from . import lists as list_kinds
-from .convert import current, effective_lists_for, install, restore, revert
+from .conversion import applied, current, plan
+from .lists import KINDS
 from .record import Recorder, snapshot
 
 TINY = 1e-30
@@ -114,31 +114,22 @@ class AuditReport:
         return self.table()
 
 
-def _lists_and_options():
-    saved = current()
-    if saved is not None:
-        return saved
-    return effective_lists_for(), {"opt_level": "O1", "low_precision_type": torch.bfloat16, "verbose": False,
-                                   "cache": True}
+def current_or_default():
+    """The Conversion in force, or the one a plain ``hmp.convert()`` makes."""
+    return current() or plan()
 
 
-def _kind_of(name, lists):
-    return next((k for k in list_kinds.KINDS if name in lists[k]), None)
+def kind_of(name, lists):
+    return next((k for k in KINDS if name in lists[k]), None)
 
 
-def run_step(fn, args, kwargs, guard, lists=None, options=None, passthrough=False, keep_outputs=False,
-             restore_dtype=False):
-    """One run of ``fn`` from the guarded state: lists=None runs plain torch."""
+def run_step(fn, args, kwargs, guard, conversion=None, passthrough=False, keep_outputs=False, restore_dtype=False):
+    """One run of ``fn`` from the guarded state under ``conversion`` (None:
+    plain torch), recorded; the configuration in force is back afterwards."""
     guard.restore()
     recorder = Recorder(keep_outputs=keep_outputs, restore_dtype=restore_dtype)
-    if lists is None:
-        revert()
-    else:
-        install(lists, options, recorder=recorder, passthrough=passthrough)
-    try:
+    with applied(conversion, recorder=recorder, passthrough=passthrough):
         value = fn(*args, **kwargs)
-    finally:
-        revert()
     return _final(value), recorder
 
 
@@ -152,27 +143,27 @@ def audit(fn, *args, state=(), threshold=0.05, loss_threshold=2e-3, **kwargs):
     inf/NaN, or when the error it alone passes on to ``fn``'s output exceeds
     ``loss_threshold``. The configuration in force before is restored.
     """
-    saved = current()
-    lists, options = _lists_and_options()
+    conversion = current_or_default()
+    lists = conversion.lists
     guard = StateGuard(list(state) + list(args) + list(kwargs.values()))
     try:
-        ref_final, ref = run_step(fn, args, kwargs, guard, lists, options, passthrough=True, keep_outputs=True)
-        hmp_final, full = run_step(fn, args, kwargs, guard, lists, options, keep_outputs=True)
+        ref_final, ref = run_step(fn, args, kwargs, guard, conversion, passthrough=True, keep_outputs=True)
+        hmp_final, full = run_step(fn, args, kwargs, guard, conversion, keep_outputs=True)
         output_error = compare(ref_final, hmp_final)[0]
-        by_op_ref, by_op_hmp = _by_op(ref.outputs), _by_op(full.outputs)
+        by_op_ref, by_op_hmp = by_op(ref.outputs), by_op(full.outputs)
         rows = []
         for name, stats in full.stats.items():
             pairs = list(zip(by_op_ref.get(name, []), by_op_hmp.get(name, [])))
-            max_rel, mean_rel, nonfinite = _worst(pairs)
-            row = {"op": name, "list": _kind_of(name, lists), "calls": stats.calls, "casts": stats.casts,
+            max_rel, mean_rel, nonfinite = worst(pairs)
+            row = {"op": name, "list": kind_of(name, lists), "calls": stats.calls, "casts": stats.casts,
                    "max_rel": max_rel, "mean_rel": mean_rel, "nonfinite": nonfinite,
                    "own_max_rel": 0.0, "loss_error": 0.0}
             if stats.casts:
-                only = {k: ({name} if name in lists[k] else set()) for k in list_kinds.KINDS}
-                own_final, own = run_step(fn, args, kwargs, guard, only, options, keep_outputs=True,
-                                          restore_dtype=True)
-                own_pairs = list(zip(by_op_ref.get(name, []), _by_op(own.outputs).get(name, [])))
-                row["own_max_rel"], _, own_nonfinite = _worst(own_pairs)
+                only = {k: ({name} if name in lists[k] else set()) for k in KINDS}
+                own_final, own = run_step(fn, args, kwargs, guard, conversion._replace(lists=only),
+                                          keep_outputs=True, restore_dtype=True)
+                own_pairs = list(zip(by_op_ref.get(name, []), by_op(own.outputs).get(name, [])))
+                row["own_max_rel"], _, own_nonfinite = worst(own_pairs)
                 row["nonfinite"] = max(nonfinite, own_nonfinite)
                 row["loss_error"], _, final_nonfinite = compare(ref_final, own_final)
                 row["nonfinite"] += final_nonfinite
@@ -188,18 +179,17 @@ def audit(fn, *args, state=(), threshold=0.05, loss_threshold=2e-3, **kwargs):
             rows.append(row)
     finally:
         guard.restore()
-        restore(saved)
     return AuditReport(rows, output_error, threshold, loss_threshold)
 
 
-def _by_op(outputs):
+def by_op(outputs):
     out = {}
     for name, value in outputs:
         out.setdefault(name, []).append(value)
     return out
 
 
-def _worst(pairs):
+def worst(pairs):
     max_rel = mean_rel = 0.0
     nonfinite = 0
     for ref, got in pairs:

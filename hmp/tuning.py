@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import lists as list_kinds
-from .audit import StateGuard, _by_op, _lists_and_options, _worst, audit, compare, run_step
-from .convert import current, install, restore, revert
+from .auditing import StateGuard, by_op, worst, audit, compare, current_or_default, kind_of, run_step
+from .casts import casts_enabled
+from .conversion import applied
+from .lists import KINDS
 from .resolve import Resolver
-from .state import casts_enabled
 
 
 # calls a step makes that are not math to run in another dtype
@@ -128,30 +128,25 @@ def _as_float(value):
     return float(value)
 
 
-def _train(fn, args, kwargs, guard, steps, lists, options):
-    """fn's value after ``steps`` calls from the guarded state, and the step times."""
+def _train(fn, args, kwargs, guard, steps, conversion):
+    """fn's value after ``steps`` calls from the guarded state under
+    ``conversion`` (None: plain torch), and the step times."""
     guard.restore()
-    if lists is None:
-        revert()
-    else:
-        install(lists, options)
     times, value = [], None
-    try:
+    with applied(conversion):
         for _ in range(steps):
             start = time.perf_counter()
             value = fn(*args, **kwargs)
             times.append(time.perf_counter() - start)
-    finally:
-        revert()
     return _as_float(value), times
 
 
-def _interleaved_times(fn, args, kwargs, guard, configs, options, rounds):
+def _interleaved_times(fn, args, kwargs, guard, configs, rounds):
     """Median step seconds per configuration, configurations interleaved."""
     samples = {name: [] for name in configs}
     for _ in range(rounds):
-        for name, lists in configs.items():
-            samples[name] += _train(fn, args, kwargs, guard, 3, lists, options)[1][1:]
+        for name, conversion in configs.items():
+            samples[name] += _train(fn, args, kwargs, guard, 3, conversion)[1][1:]
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -168,27 +163,26 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
     steps may be from fp32's; ``min_share``: the share of fp32 op time an op
     must take to be worth trying in bf16; ``rounds``: timing rounds.
     """
-    saved = current()
-    start_lists, options = _lists_and_options()
-    start_lists = _as_sets(start_lists)
+    start = current_or_default()
+    start_lists = _as_sets(start.lists)
+
+    def under(lists):
+        return start._replace(lists=lists)
+
     guard = StateGuard(list(state) + list(args) + list(kwargs.values()))
     try:
         report = audit(step_fn, *args, state=state, threshold=threshold, loss_threshold=loss_threshold, **kwargs)
-        lists = {k: set(v) for k, v in start_lists.items()}
+        lists = _as_sets(start_lists)
         for op in report.flagged:
-            for k in list_kinds.KINDS:
+            for k in KINDS:
                 lists[k].discard(op)
             lists["fp32"].add(op)
 
         # what still computes in fp32 under the lists so far, and its share of the step's op time
         guard.restore()
-        install(lists, options)
         times = _OpTimes()
-        try:
-            with times:
-                step_fn(*args, **kwargs)
-        finally:
-            revert()
+        with applied(under(lists)), times:
+            step_fn(*args, **kwargs)
         total = sum(times.seconds.values()) or 1.0
         resolver = Resolver()
         candidates = [op for op, s in times.seconds.items()
@@ -196,31 +190,30 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
                       and resolver.exists(op)]
         # the fp32 reference, recording the candidates' outputs without casting
         watch = {"bf16": set(candidates), "fp32": set(), "promote": set()}
-        ref_final, ref = run_step(step_fn, args, kwargs, guard, watch, options, passthrough=True, keep_outputs=True)
-        ref_outputs = _by_op(ref.outputs)
+        ref_final, ref = run_step(step_fn, args, kwargs, guard, under(watch), passthrough=True, keep_outputs=True)
+        ref_outputs = by_op(ref.outputs)
         trials = {}
         for op in candidates:
             only = {"bf16": {op}, "fp32": set(), "promote": set()}
-            own_final, own = run_step(step_fn, args, kwargs, guard, only, options, keep_outputs=True,
+            own_final, own = run_step(step_fn, args, kwargs, guard, under(only), keep_outputs=True,
                                       restore_dtype=True)
             loss_error, _, nonfinite = compare(ref_final, own_final)
-            own_max_rel, _, own_nonfinite = _worst(zip(ref_outputs.get(op, []), _by_op(own.outputs).get(op, [])))
+            own_max_rel, _, own_nonfinite = worst(zip(ref_outputs.get(op, []), by_op(own.outputs).get(op, [])))
             stats = own.stats.get(op)
             accepted = (stats is not None and stats.casts > 0 and own_max_rel <= threshold
                         and loss_error <= loss_threshold and not (nonfinite or own_nonfinite))
-            trials[op] = {"was": next((k for k in list_kinds.KINDS if op in lists[k]), None),
-                          "seconds": times.seconds[op], "own_max_rel": own_max_rel, "loss_error": loss_error,
-                          "nonfinite": nonfinite + own_nonfinite, "accepted": accepted}
-        candidate = {k: set(v) for k, v in lists.items()}
+            trials[op] = {"was": kind_of(op, lists), "seconds": times.seconds[op], "own_max_rel": own_max_rel,
+                          "loss_error": loss_error, "nonfinite": nonfinite + own_nonfinite, "accepted": accepted}
+        candidate = _as_sets(lists)
         for op, t in trials.items():
             if t["accepted"]:
-                for k in list_kinds.KINDS:
+                for k in KINDS:
                     candidate[k].discard(op)
                 candidate["bf16"].add(op)
 
-        configs = {"fp32": None, "starting lists": start_lists, "tuned lists": candidate}
-        validation = {name: _train(step_fn, args, kwargs, guard, steps, lists_, options)[0]
-                      for name, lists_ in configs.items()}
+        configs = {"fp32": None, "starting lists": under(start_lists), "tuned lists": under(candidate)}
+        validation = {name: _train(step_fn, args, kwargs, guard, steps, conversion)[0]
+                      for name, conversion in configs.items()}
 
         def acceptable(name):
             """Within ``tolerance`` of fp32, or no further from it than the starting lists."""
@@ -230,12 +223,12 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         if not acceptable("tuned lists") and candidate != lists:
             for t in trials.values():
                 t["accepted"] = False
-            candidate = configs["tuned lists"] = lists
-            validation["tuned lists"] = _train(step_fn, args, kwargs, guard, steps, candidate, options)[0]
-        timings = _interleaved_times(step_fn, args, kwargs, guard, configs, options, rounds)
+            candidate = lists
+            configs["tuned lists"] = under(candidate)
+            validation["tuned lists"] = _train(step_fn, args, kwargs, guard, steps, configs["tuned lists"])[0]
+        timings = _interleaved_times(step_fn, args, kwargs, guard, configs, rounds)
     finally:
         guard.restore()
-        restore(saved)
     final = {k: sorted(v) for k, v in candidate.items()}
     final["promote"] = sorted(candidate["promote"] - candidate["bf16"] - candidate["fp32"])
     return TuneResult(final, {k: sorted(v) for k, v in start_lists.items()}, report, trials, validation, timings)

@@ -1,0 +1,274 @@
+"""convert() and revert(): the pipeline, and the only writer of hmp's state.
+
+convert() validates its options, loads the lists (lists.py), resolves their
+names to the sites they bind (resolve.py), builds each site's wrapper with
+the policy its list gives it (wrap.py, policy.py) and only then patches,
+through the undo log (patch.py). Everything that can fail happens before
+the first namespace changes, so a failed convert() leaves torch as it was.
+"""
+
+import contextlib
+import logging
+from typing import NamedTuple
+
+import torch
+
+from . import checkpoint, errors, interop, lists, pickling, regions, rnn, steps, wrap
+from .cache import casters, clear_cache
+from .patch import PatchLog
+from .policy import PLAIN_CASTS
+from .resolve import Binding, Resolver, attribute_site, owner_label, unwrap
+from .state import runtime
+
+log = logging.getLogger("hmp")
+
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class Options(NamedTuple):
+    opt_level: str = "O1"
+    low: torch.dtype = torch.bfloat16  # the lower-precision dtype
+    verbose: bool = False
+    cache: bool = True  # the weight-cast cache (hmp/cache.py)
+
+
+class Conversion(NamedTuple):
+    """What one convert() installed; ``apply()`` installs it again."""
+
+    lists: dict  # "bf16", "fp32", "promote" -> set of op names
+    options: Options
+    extra: tuple = ()  # (namespace, attr, value) patched along with it (the Lightning plugin's)
+
+
+def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bfloat16, cache=True):
+    if opt_level not in lists.OPT_LEVELS:
+        raise ValueError(f"hmp: opt_level must be one of {', '.join(lists.OPT_LEVELS)}, got {opt_level!r}")
+    if low_precision_type not in LOW_DTYPES:
+        raise ValueError(f"hmp: low_precision_type must be torch.bfloat16 or torch.float16, got {low_precision_type!r}")
+    if isinstance(isVerbose, (str, bytes)) or hasattr(isVerbose, "__fspath__"):
+        raise TypeError(f"hmp: isVerbose must be a bool, got the path {isVerbose!r}: hmp's 4th positional parameter "
+                        f"is isVerbose (Habana's later HMP put fp16_file_path there); pass fp16_file_path= by keyword")
+    if not isinstance(isVerbose, bool):
+        raise TypeError(f"hmp: isVerbose must be a bool, got {isVerbose!r}")
+    if not isinstance(cache, bool):
+        raise TypeError(f"hmp: cache must be a bool, got {cache!r}")
+    return Options(opt_level, low_precision_type, isVerbose, cache)
+
+
+def plan(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=False, low_precision_type=torch.bfloat16,
+         *, promote_file_path="", cache=True, fp16_file_path="", resolver=None):
+    """The Conversion convert() would install, checked; changes nothing."""
+    options = check_options(opt_level, isVerbose, low_precision_type, cache)
+    effective = lists.effective(resolver or Resolver(), opt_level, bf16_file_path, fp32_file_path, promote_file_path,
+                                fp16=fp16_file_path, low=low_precision_type)
+    return Conversion(effective, options)
+
+
+def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=False,
+            low_precision_type=torch.bfloat16, *, promote_file_path="", cache=True, fp16_file_path=""):
+    """Patch torch so listed ops run in the dtypes their lists say.
+
+    ``""`` or ``None`` for a path means the list named by the environment
+    (``LOWER_LIST``/``FP32_LIST``, then ``PT_HPU_AUTOCAST_*``), else the
+    default. Calling it again re-configures; it never wraps a wrapper. Raises
+    before patching anything. ``cache=False`` turns off the weight-cast cache
+    (see hmp/cache.py). ``fp16_file_path`` has the meaning of Habana's HMP:
+    the lower-precision list when ``low_precision_type=torch.float16``
+    (ignored, with a warning, under bfloat16).
+    """
+    with runtime.lock:
+        wanted = plan(opt_level, bf16_file_path, fp32_file_path, isVerbose, low_precision_type,
+                      promote_file_path=promote_file_path, cache=cache, fp16_file_path=fp16_file_path)
+        interop.warn_inside_autocast()  # before patching: a warnings filter set to "error" patches nothing
+        apply(wanted)
+
+
+@contextlib.contextmanager
+def converted(*args, **kwargs):
+    """``convert(*args, **kwargs)`` for a block; on exit, also when the block
+    raises, the configuration in force before it is back (none: reverted)."""
+    with runtime.lock:
+        saved = current()
+        convert(*args, **kwargs)
+    try:
+        yield
+    finally:
+        restore(saved)
+
+
+def _wrappers(options, recorder=None, passthrough=False):
+    casts = casters() if options.cache else dict(PLAIN_CASTS)
+    return wrap.Wrappers(options.low, casts, options.verbose, recorder, passthrough)
+
+
+def _registration(wrappers, owner, name, kind):
+    if not callable(getattr(owner, name, None)):
+        raise ValueError(f"hmp: registered {owner_label(owner)}.{name} is gone")
+    original = unwrap(getattr(owner, name))
+    return owner, name, wrappers.site(Binding(attribute_site(owner, name), kind, name), original)
+
+
+def apply(conversion, resolver=None, recorder=None, passthrough=False):
+    """Install ``conversion`` (a Conversion with checked lists) in place of
+    the current one. profile/audit/tune pass a ``recorder`` (hmp/record.py)
+    and ``passthrough``."""
+    with runtime.lock:
+        effective, options, extra = conversion
+        wrappers = _wrappers(options, recorder, passthrough)
+        patches = [(b.site.namespace, b.site.attr, wrappers.site(b, b.site.original()))
+                   for b in (resolver or Resolver()).bind(effective)]
+        patches += [_registration(wrappers, *entry) for entry in runtime.registered]
+        patches += checkpoint.patches()  # recomputes run under their forward's hmp state
+        if not passthrough:  # passthrough casts nothing, so the module's own dtype check must stay
+            patches += rnn.check_input_patches(effective)
+        patches += regions.plan()  # autocast regions, backward, GradScaler, DataLoader: left alone
+        patches += steps.patches()
+        patches += list(extra)
+        user = {w: wrappers.user_prepare(kind, w.__qualname__) for w, kind in list(runtime.decorated.items())}
+        hooks = errors.excepthook_patches()
+
+        _revert_locked()
+        log_ = runtime.patches = runtime.patches or PatchLog()
+        try:
+            for namespace, attr, value in patches:
+                log_.setattr(namespace, attr, value)
+            runtime.pickle_names = pickling.names(log_.entries())
+            for namespace, attr, value in pickling.patches():
+                log_.setattr(namespace, attr, value)
+            for namespace, attr, value in hooks:
+                log_.setattr(namespace, attr, value, if_unchanged=True)
+            runtime.step_hooks = steps.add_hooks()
+        except BaseException:
+            _revert_locked()
+            raise
+        for w, prepare in user.items():
+            wrap.resume(w, prepare)
+        runtime.conversion = Conversion({k: frozenset(v) for k, v in effective.items()}, options, tuple(extra))
+        runtime.wrappers = wrappers
+        if options.verbose:
+            _log_conversion(log_)
+
+
+def _log_conversion(patches):
+    runtime.log_restore = _start_verbose_logging()
+    options, effective = runtime.conversion.options, runtime.conversion.lists
+    log.info("hmp: convert opt_level=%s, lower dtype %s", options.opt_level, str(options.low).replace("torch.", ""))
+    for kind in lists.KINDS:
+        log.info("hmp: %s list: %s", kind, ", ".join(sorted(effective[kind])))
+    for label in patches.labels():
+        log.info("hmp: patched %s", label)
+
+
+def _start_verbose_logging():
+    previous_level = log.level
+    handler = None
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+
+    def restore():
+        log.setLevel(previous_level)
+        if handler is not None:
+            log.removeHandler(handler)
+
+    return restore
+
+
+def _revert_locked():
+    rt = runtime
+    for w in list(rt.decorated):
+        wrap.pause(w)
+    for handle in rt.step_hooks:
+        handle.remove()
+    rt.step_hooks = []
+    patches = rt.patches
+    installed = patches.values() if patches is not None else []
+    try:
+        if patches is not None:
+            patches.undo()
+    finally:
+        left = {id(v) for v in patches.values()} if patches is not None else set()
+        for value in installed:  # entries that could not be undone stay live
+            if id(value) not in left:
+                wrap.retire(value)
+        regions.forget_open_regions()
+        clear_cache()
+        rt.pickle_names = {}
+        rt.conversion = None
+        rt.wrappers = None
+        if rt.log_restore is not None:
+            rt.log_restore()
+            rt.log_restore = None
+
+
+def revert():
+    """Undo convert() completely; a no-op when not converted."""
+    with runtime.lock:
+        _revert_locked()
+
+
+def is_converted():
+    return runtime.conversion is not None
+
+
+def current():
+    """The Conversion in force, or None; ``restore()`` takes it."""
+    return runtime.conversion
+
+
+def restore(saved):
+    """Put back what current() returned: that conversion, or none."""
+    if saved is None:
+        revert()
+    else:
+        apply(saved)
+
+
+@contextlib.contextmanager
+def applied(conversion, recorder=None, passthrough=False):
+    """``conversion`` installed for a block (None: plain torch); the one in
+    force before is back on exit."""
+    with runtime.lock:
+        saved = current()
+        if conversion is None:
+            revert()
+        else:
+            apply(conversion, recorder=recorder, passthrough=passthrough)
+    try:
+        yield
+    finally:
+        restore(saved)
+
+
+def effective_lists():
+    """``{"bf16", "fp32", "promote"}`` to sorted op names; empty when not converted."""
+    conversion = runtime.conversion
+    if conversion is None:
+        return {k: [] for k in lists.KINDS}
+    return {k: sorted(v) for k, v in conversion.lists.items()}
+
+
+def register(owner, name, kind):
+    """Record ``hmp.register(owner, name, kind)``; wrap it now if converted."""
+    with runtime.lock:
+        unregister(owner, name)
+        runtime.registered.append((owner, name, kind))
+        if runtime.conversion is not None:
+            namespace, attr, wrapper = _registration(runtime.wrappers, owner, name, kind)
+            runtime.patches.setattr(namespace, attr, wrapper)
+
+
+def unregister(owner, name):
+    with runtime.lock:
+        runtime.registered[:] = [e for e in runtime.registered if not (e[0] is owner and e[1] == name)]
+
+
+def adopt(wrapper, kind):
+    """Take a ``@hmp.*_function`` wrapper (wrap.user_function) into every
+    conversion: resumed while converted, paused otherwise."""
+    with runtime.lock:
+        runtime.decorated[wrapper] = kind
+        if runtime.wrappers is not None:
+            wrap.resume(wrapper, runtime.wrappers.user_prepare(kind, wrapper.__qualname__))
