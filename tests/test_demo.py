@@ -172,7 +172,7 @@ def test_json_output_has_the_table_fields(tmp_path):
     res = json.loads(out.read_text())
     meta = res["meta"]
     assert meta["steps"] == 3 and meta["batch_size"] == 2 and meta["seed"] == 1 and meta["device"] == "cpu"
-    assert meta["unigram_baseline"] > 0 and meta["params"] > 0
+    assert meta["unigram_baseline"] > 0 and meta["params"] > 0 and meta["bf16_matmul_speedup"] > 0
     fp32, mixed = res["results"]
     assert fp32["configuration"] == "fp32" and mixed["configuration"] == "hmp O1 (bfloat16)"
     for r in (fp32, mixed):

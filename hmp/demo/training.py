@@ -282,3 +282,23 @@ def model_summary(cfg):
     model = CharTransformer(data_mod.VOCAB, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.dropout,
                             cfg.activation)
     return n_params(model)
+
+
+def matmul_speedup(cfg, reps=9):
+    """How much faster this device multiplies the model's largest matrices
+    (the MLP's ``batch*seq x d_model x 4*d_model``) in bfloat16 than in
+    float32: medians of interleaved timings. It bounds what any bf16 scheme
+    can gain here; on some CPUs it is below 1."""
+    rows, d = cfg.batch_size * cfg.seq_len, cfg.d_model
+    gen = torch.Generator().manual_seed(cfg.seed)
+    a, b = torch.randn(rows, d, generator=gen), torch.randn(d, 4 * d, generator=gen)
+    pairs = {dtype: (a.to(cfg.device, dtype), b.to(cfg.device, dtype)) for dtype in (torch.float32, torch.bfloat16)}
+    times = {dtype: [] for dtype in pairs}
+    for _ in range(reps + 1):  # the first round warms up
+        for dtype, (x, w) in pairs.items():
+            _sync(cfg.device)
+            start = time.perf_counter()
+            torch.mm(x, w)
+            _sync(cfg.device)
+            times[dtype].append(time.perf_counter() - start)
+    return statistics.median(times[torch.float32][1:]) / statistics.median(times[torch.bfloat16][1:])
