@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import checkpoint, errors, interop, lists, pickling, regions, rnn, steps, wrap
+from . import checkpoint, errors, interop, lists, modules, pickling, regions, rnn, steps, wrap
 from .cache import casters, clear_cache
 from .patch import PatchLog
 from .policy import PLAIN_CASTS
@@ -32,12 +32,16 @@ class Options(NamedTuple):
     cache: bool = True  # the weight-cast cache (hmp/cache.py)
 
 
+NO_MODULES = {"bf16": (), "fp32": ()}
+
+
 class Conversion(NamedTuple):
     """What one convert() installed; ``apply()`` installs it again."""
 
     lists: dict  # "bf16", "fp32", "promote" -> set of op names
     options: Options
     extra: tuple = ()  # (namespace, attr, value) patched along with it (the Lightning plugin's)
+    modules: dict = NO_MODULES  # "bf16", "fp32" -> module classes and instances (hmp/modules.py)
 
 
 def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bfloat16, cache=True):
@@ -56,16 +60,20 @@ def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bflo
 
 
 def plan(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=False, low_precision_type=torch.bfloat16,
-         *, promote_file_path="", cache=True, fp16_file_path="", resolver=None):
+         *, promote_file_path="", cache=True, fp16_file_path="", fp32_modules=None, bf16_modules=None, model=None,
+         resolver=None):
     """The Conversion convert() would install, checked; changes nothing."""
     options = check_options(opt_level, isVerbose, low_precision_type, cache)
-    effective = lists.effective(resolver or Resolver(), opt_level, bf16_file_path, fp32_file_path, promote_file_path,
-                                fp16=fp16_file_path, low=low_precision_type)
-    return Conversion(effective, options)
+    effective, classes = lists.effective(resolver or Resolver(), opt_level, bf16_file_path, fp32_file_path,
+                                         promote_file_path, fp16=fp16_file_path, low=low_precision_type)
+    fp32 = modules.targets(fp32_modules, model, "fp32_modules")
+    bf16 = modules.targets(bf16_modules, model, "bf16_modules")
+    return Conversion(effective, options, (), modules.merge(classes, fp32, bf16))
 
 
 def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=False,
-            low_precision_type=torch.bfloat16, *, promote_file_path="", cache=True, fp16_file_path=""):
+            low_precision_type=torch.bfloat16, *, promote_file_path="", cache=True, fp16_file_path="",
+            fp32_modules=None, bf16_modules=None, model=None):
     """Patch torch so listed ops run in the dtypes their lists say.
 
     ``""`` or ``None`` for a path means the list named by the environment
@@ -74,11 +82,16 @@ def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=Fals
     before patching anything. ``cache=False`` turns off the weight-cast cache
     (see hmp/cache.py). ``fp16_file_path`` has the meaning of Habana's HMP:
     the lower-precision list when ``low_precision_type=torch.float16``
-    (ignored, with a warning, under bfloat16).
+    (ignored, with a warning, under bfloat16). ``fp32_modules`` /
+    ``bf16_modules``: module classes, instances, or names matched against
+    ``model.named_modules()`` (``"lm_head"``, ``"*.post_attention_layernorm"``)
+    whose whole forward runs under that list's rule (hmp/modules.py), as
+    module entries of the list files do.
     """
     with runtime.lock:
         wanted = plan(opt_level, bf16_file_path, fp32_file_path, isVerbose, low_precision_type,
-                      promote_file_path=promote_file_path, cache=cache, fp16_file_path=fp16_file_path)
+                      promote_file_path=promote_file_path, cache=cache, fp16_file_path=fp16_file_path,
+                      fp32_modules=fp32_modules, bf16_modules=bf16_modules, model=model)
         interop.warn_inside_autocast()  # before patching: a warnings filter set to "error" patches nothing
         apply(wanted)
 
@@ -96,11 +109,6 @@ def converted(*args, **kwargs):
         restore(saved)
 
 
-def _wrappers(options, recorder=None, passthrough=False):
-    casts = casters() if options.cache else dict(PLAIN_CASTS)
-    return wrap.Wrappers(options.low, casts, options.verbose, recorder, passthrough)
-
-
 def _registration(wrappers, owner, name, kind):
     if not callable(getattr(owner, name, None)):
         raise ValueError(f"hmp: registered {owner_label(owner)}.{name} is gone")
@@ -113,14 +121,17 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
     the current one. profile/audit/tune pass a ``recorder`` (hmp/record.py)
     and ``passthrough``."""
     with runtime.lock:
-        effective, options, extra = conversion
-        wrappers = _wrappers(options, recorder, passthrough)
+        effective, options, extra, by_module = conversion
+        casts = casters() if options.cache else dict(PLAIN_CASTS)
+        wrappers = wrap.Wrappers(options.low, casts, options.verbose, recorder, passthrough)
         patches = [(b.site.namespace, b.site.attr, wrappers.site(b, b.site.original()))
                    for b in (resolver or Resolver()).bind(effective)]
         patches += [_registration(wrappers, *entry) for entry in runtime.registered]
+        if not passthrough:
+            patches += modules.patches(by_module, modules.Regions(options.low, casts, effective["fp32"]))
         patches += checkpoint.patches()  # recomputes run under their forward's hmp state
         if not passthrough:  # passthrough casts nothing, so the module's own dtype check must stay
-            patches += rnn.check_input_patches(effective)
+            patches += rnn.check_input_patches(effective, lower_modules=bool(by_module["bf16"]))
         patches += regions.plan()  # autocast regions, backward, GradScaler, DataLoader: left alone
         patches += steps.patches()
         patches += list(extra)
@@ -143,7 +154,8 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
             raise
         for w, prepare in user.items():
             wrap.resume(w, prepare)
-        runtime.conversion = Conversion({k: frozenset(v) for k, v in effective.items()}, options, tuple(extra))
+        runtime.conversion = Conversion({k: frozenset(v) for k, v in effective.items()}, options, tuple(extra),
+                                        by_module)
         runtime.wrappers = wrappers
         if options.verbose:
             _log_conversion(log_)
@@ -155,6 +167,9 @@ def _log_conversion(patches):
     log.info("hmp: convert opt_level=%s, lower dtype %s", options.opt_level, str(options.low).replace("torch.", ""))
     for kind in lists.KINDS:
         log.info("hmp: %s list: %s", kind, ", ".join(sorted(effective[kind])))
+    for kind, targets in runtime.conversion.modules.items():
+        if targets:
+            log.info("hmp: %s modules: %s", kind, ", ".join(modules.label(t) for t in targets))
     for label in patches.labels():
         log.info("hmp: patched %s", label)
 

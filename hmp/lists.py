@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .resolve import NO_PYTHON, UNKNOWN
+from .resolve import NO_PYTHON, UNKNOWN, is_module_path, module_class
 
 log = logging.getLogger("hmp")
 
@@ -102,7 +102,7 @@ def read_names(path, what="list file"):
         if not name:
             continue
         if not is_name(name):
-            errors.append(f"line {number}: {_short(name)!r} is not an op name")
+            errors.append(f"line {number}: {_short(name)!r} is not an op name or a module class's import path")
             continue
         entries.append((number, name))
     if errors:
@@ -111,10 +111,10 @@ def read_names(path, what="list file"):
 
 
 def is_name(text):
-    """An op name: an identifier, or an aten operator and its overload
-    (``pow.Tensor_Scalar``, as Habana's autocast lists write them)."""
-    parts = text.split(".")
-    return len(parts) <= 2 and all(p.isascii() and p.isidentifier() for p in parts)
+    """An op name (an identifier, or an aten operator and its overload,
+    ``pow.Tensor_Scalar``, as Habana's autocast lists write them) or a
+    module class's import path (``torch.nn.LSTM``): dotted identifiers."""
+    return all(p.isascii() and p.isidentifier() for p in text.split("."))
 
 
 _SANE = 80  # longer than any op name torch has
@@ -132,20 +132,41 @@ def _error_text(path, what, errors, limit=SHOWN):
     return f"hmp: bad {what} {str(path)!r}:\n  " + "\n  ".join(errors[:limit]) + more
 
 
-def load(path, known, what):
-    """Read a list file and check every name with ``known.check(name)``
-    (hmp.resolve.Resolver.check).
+class Entries(NamedTuple):
+    """What one list holds: op names and module classes, in file order."""
 
-    Returns the op names in file order, duplicates dropped, an overload
-    qualified name as its op (``pow.Tensor_Scalar`` -> ``pow``). A real aten
-    operator that no Python name reaches is left out with one warning for
-    the file; unknown names raise ValueError naming the file and lines.
+    ops: list
+    modules: list
+
+
+def load(path, known, what, modules=True):
+    """Read a list file and check every name with ``known.check(name)``
+    (hmp.resolve.Resolver.check); a module class's import path is imported
+    (the only code a list file can cause to run). ``modules=False``: module
+    entries are an error (the promote list).
+
+    Returns Entries: op names in file order, duplicates dropped, an overload
+    qualified name as its op (``pow.Tensor_Scalar`` -> ``pow``), and the
+    classes. A real aten operator that no Python name reaches is left out
+    with one warning for the file; bad names raise ValueError naming the
+    file and lines.
     """
     entries = read_names(path, what)
     errors, unreachable = [], []
-    names = {}
+    names, classes = {}, {}
     for number, name in entries:
-        if name in names:
+        if name in names or name in classes:
+            continue
+        if is_module_path(name):
+            try:
+                if not modules:
+                    raise ValueError(f"{name!r}: module entries go in the BF16 or FP32 list")
+                classes[name] = module_class(name)
+            except ValueError as e:
+                op = name.rpartition(".")[2]
+                if known.exists(op):  # torch.relu: an op written with its module
+                    e = f"unknown op {name!r}; did you mean {op}? (an op is listed by its name alone; {e})"
+                errors.append(f"line {number}: {e}")
             continue
         # suggestions cost milliseconds each (seconds for a huge name):
         # only for the errors shown, and only for names of a sane length
@@ -167,7 +188,7 @@ def load(path, known, what):
     if unreachable:
         where = ", ".join(f"line {n}: aten::{op}" for n, op in unreachable)
         warn_unreachable(f"{what} {str(path)!r}: {where}")
-    return list(names)
+    return Entries(list(names), list(dict.fromkeys(classes.values())))
 
 
 def warn_unreachable(where):
@@ -220,8 +241,6 @@ def combine(bf16, fp32, promote, bf16_from_user, fp32_from_user, sources):
     return {"bf16": bf16, "fp32": fp32, "promote": promote}
 
 
-
-
 def given(path):
     """True for a path or names the caller gave; ``""`` and None mean "not given"."""
     return path is not None and not (isinstance(path, str) and path == "")
@@ -252,20 +271,21 @@ def _low_list(bf16, fp16, low):
     return fp16, FP16_TITLE
 
 
-def _load_one(source, resolver, title):
-    """``(names, printable source)`` for one list: a path or Names."""
+def _load_one(source, resolver, title, kind):
+    """``(Entries, printable source)`` for one list: a path or Names."""
     if isinstance(source, Names):
-        return list(source.names), source.source
+        return Entries(list(source.names), []), source.source
     printable = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source
-    return load(source, resolver, title), printable
+    return load(source, resolver, title, modules=kind != "promote"), printable
 
 
 def effective(resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16="", low=torch.bfloat16, environ=None):
-    """Read, validate and combine the lists: ``{"bf16", "fp32", "promote"}``
-    to sets of op names. Each of ``bf16``/``fp32``/``promote`` is a path, a
-    Names, or ``""``/None for the environment's list, else the shipped
-    default. ``fp16`` is the lower-precision list under ``low=torch.float16``.
-    Raises before anything changes."""
+    """Read, validate and combine the lists: ``({"bf16", "fp32", "promote"}
+    -> set of op names, {"bf16", "fp32"} -> module classes)``. Each of
+    ``bf16``/``fp32``/``promote`` is a path, a Names, or ``""``/None for the
+    environment's list, else the shipped default. ``fp16`` is the
+    lower-precision list under ``low=torch.float16``. Raises before anything
+    changes."""
     environ = os.environ if environ is None else environ
     titles = dict(TITLES)
     bf16, titles["bf16"] = _low_list(bf16, fp16, low)
@@ -283,13 +303,19 @@ def effective(resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16=""
                           stacklevel=caller_level())
         sources["bf16"] = sources["fp32"] = ""
     from_user = {k: given(v) for k, v in sources.items()}
-    names, printable = {}, {}
+    loaded, printable = {}, {}
     for kind in KINDS:
         source = sources[kind] if from_user[kind] else default_path(DEFAULT_FILES[opt_level][kind])
-        names[kind], printable[kind] = _load_one(source, resolver, titles[kind])
-    return combine(names["bf16"], names["fp32"], names["promote"], from_user["bf16"], from_user["fp32"], printable)
+        loaded[kind], printable[kind] = _load_one(source, resolver, titles[kind], kind)
+    ops = combine(*(loaded[k].ops for k in KINDS), from_user["bf16"], from_user["fp32"], printable)
+    classes = {k: loaded[k].modules for k in ("bf16", "fp32")}
+    both = [c for c in classes["bf16"] if c in classes["fp32"]]
+    if both:
+        raise ValueError(f"hmp: module classes in both the BF16 list {printable['bf16']!r} and the FP32 list "
+                         f"{printable['fp32']!r}: {', '.join(class_path(c) for c in both)}")
+    return ops, classes
 
 
-def none():
-    """Effective lists with nothing in them."""
-    return {k: set() for k in KINDS}
+def class_path(cls):
+    """The import path a list file names ``cls`` by."""
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -19,23 +19,25 @@ from .state import tls
 MODES = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
 
 
-def check_input_patches(effective):
+def check_input_patches(effective, lower_modules=False):
     """``[(nn.RNNBase, "check_input", replacement)]`` when a module kernel is
-    in ``effective`` (list kind -> names), else ``[]``."""
+    in ``effective`` (list kind -> names), or when there are BF16 module
+    entries (an RNN inside one computes in the lower dtype), else ``[]``."""
     listed = frozenset(mode for mode, kernel in MODES.items() if any(kernel in names for names in effective.values()))
     base = torch.nn.RNNBase
     original = unwrap(base.__dict__.get("check_input"))
-    if not listed or not callable(original):
+    if not (listed or lower_modules) or not callable(original):
         return []
     empty, meta = torch.empty, torch.device("meta")
 
     def check_input(self, input, batch_sizes):
-        if not tls.off and self.mode in listed:
+        st = tls
+        if not st.off and (self.mode in listed or st.lower_mode is not None):
             weights = self._flat_weights
             w = weights[0] if weights else None
             if w is not None and input.dtype is not w.dtype and input.dtype in FLOATS and w.dtype in FLOATS:
-                # the listed kernel's wrapper gives input and weights one dtype;
-                # a storage-less stand-in keeps the shape checks
+                # the listed kernel's wrapper (or a BF16 module's mode) gives input
+                # and weights one dtype; a storage-less stand-in keeps the shape checks
                 input = empty(input.shape, dtype=w.dtype, device=meta)
         return original(self, input, batch_sizes)
 

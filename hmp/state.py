@@ -2,9 +2,9 @@
 
 - ``tls``: per thread. ``off`` is the only thing the per-call wrapper
   reads: non-zero inside ``disable_casts()``, inside a listed op (so ops it
-  calls are not cast again: the outermost op decides), in backward and in
-  the other regions hmp leaves alone. The rest is bookkeeping of those
-  regions, written where a region starts and ends.
+  calls are not cast again: the outermost op decides), inside an FP32
+  module, in backward and in the other regions hmp leaves alone. The rest
+  is bookkeeping of those regions, written where a region starts and ends.
 - ``runtime``: the process-wide conversion. Only hmp/conversion.py writes
   it, under ``runtime.lock``.
 - ``copies``: the weight-cast cache's stores (hmp/cache.py writes them).
@@ -21,8 +21,10 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
 class ThreadState(threading.local):
-    # class attribute: every new thread starts with casting on ...
+    # class attributes: every new thread starts with casting on ...
     off = 0
+    module_off = 0  # the ``off`` an enclosing FP32 module set (modules.py); 0 outside one
+    lower_mode = None  # the TorchFunctionMode of an enclosing BF16 module (modules.py), while pushed
 
     def __init__(self):
         # ... except one first seen inside a backward pass: an autograd

@@ -68,7 +68,7 @@ def load(path):
     """lists.load with warnings recorded: (names, [warning texts])."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        names = lists.load(path, Resolver(), "BF16 list file")
+        names = lists.load(path, Resolver(), "BF16 list file").ops
     return names, [str(w.message) for w in caught if "hmp" in str(w.message)]
 
 

@@ -1,0 +1,276 @@
+"""Precision by module: every call of a module class (or of one instance)
+runs its whole ``forward`` under one list's rule.
+
+- **FP32 list**: lower-precision floating inputs go to float32, nothing is
+  cast inside (the module computes in float32 with its float32
+  parameters), lower-precision floating outputs go to float32.
+- **BF16 list**: float32 floating inputs go to the lower dtype, and inside,
+  every op computes in the lower dtype as if the module had been converted
+  with ``.to(bfloat16)`` for the call: listed ops through their wrappers,
+  every other op through a TorchFunctionMode pushed only while such a
+  module runs, which casts float32 arguments (parameters and buffers
+  through the weight cache) before the op. Ops of the FP32 list stay
+  float32; a tensor written in place keeps its dtype. The stored parameters
+  stay float32 and get float32 gradients.
+
+The innermost module policy wins. ``disable_casts()``, torch.autocast
+regions, backward and a listed op around the call win over every module
+policy: the forward then runs as written. Each policy is entered and left
+with the forward, per thread, on every exit path.
+
+A class entry patches ``forward`` on the class and on each of its
+subclasses that defines its own (a subclass listed itself keeps its own
+rule); an instance entry sets ``forward`` on the instance. Both go through
+the patch log, so revert() restores every class and instance exactly, and
+modules without a policy are not touched at all.
+"""
+
+import fnmatch
+import inspect
+import types
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map_only
+
+from . import lists, policy
+from .resolve import ORIGINAL, is_module_path, module_class, unwrap
+from .state import tls
+
+Module = torch.nn.Module
+
+# calls the lower-precision mode leaves alone: dtype and device conversions
+# (they say what dtype they want), and questions about a tensor
+_UNCAST = frozenset((
+    "__get__", "__set__", "__delete__", "to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu",
+    "cuda", "numpy", "tolist", "item", "size", "dim", "numel", "stride", "storage_offset", "data_ptr",
+    "element_size", "is_floating_point", "is_complex", "is_contiguous", "__len__", "__repr__", "__format__",
+    "__bool__", "__int__", "__float__", "__index__", "__reduce_ex__", "__deepcopy__", "__hash__", "__array__",
+))
+
+
+def _writes_first(name):
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"
+
+
+class LowerMode(TorchFunctionMode):
+    """Inside a BF16 module: each op not in a listed wrapper casts its float32
+    arguments to the lower dtype first (the FP32 list's ops to float32, an
+    in-place op's arguments to the dtype of the tensor it writes)."""
+
+    def __init__(self, low, casts, fp32_names):
+        super().__init__()
+        self._lower = policy.lower(low, casts, policy.inplace_out(casts))
+        self._fp32 = policy.fp32(low, casts, policy.inplace_out(casts))
+        self._into = policy.inplace_self(casts)
+        self._fp32_names = fp32_names
+        self._prepares = {}
+
+    def _prepare(self, func):
+        prepare = self._prepares.get(func)
+        if prepare is None:
+            name = getattr(func, "__name__", "")
+            if name in _UNCAST:
+                prepare = _as_given
+            elif _writes_first(name):
+                prepare = self._into
+            else:
+                op = name[2:-2] if name.startswith("__") and name.endswith("__") else name
+                prepare = self._fp32 if op in self._fp32_names else self._lower
+            self._prepares[func] = prepare
+        return prepare
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        st = tls
+        if st.off:  # a listed op, an FP32 module, disable_casts(): they decided
+            return func(*args, **kwargs)
+        a, k = self._prepare(func)(args, kwargs)
+        st.off = 1  # the outermost op decides, as with the wrappers
+        try:
+            return func(*a, **k)
+        finally:
+            st.off = 0
+
+
+def _as_given(args, kwargs):
+    return args, kwargs
+
+
+def _fp32_forward(original, cast_in, cast_out):
+    def forward(self, *args, **kwargs):
+        st = tls
+        off, module_off = st.off, st.module_off
+        if off and off != module_off:  # casts are off for another reason: it wins
+            return original(self, *args, **kwargs)
+        args, kwargs = cast_in(args, kwargs)
+        st.off = st.module_off = off or 1
+        try:
+            out = original(self, *args, **kwargs)
+        finally:
+            st.off, st.module_off = off, module_off
+        return cast_out(out)
+
+    return forward
+
+
+def _lower_forward(original, cast_in, mode):
+    def forward(self, *args, **kwargs):
+        st = tls
+        off, module_off, outer = st.off, st.module_off, st.lower_mode
+        if off and off != module_off:
+            return original(self, *args, **kwargs)
+        args, kwargs = cast_in(args, kwargs)
+        st.off = st.module_off = 0
+        st.lower_mode = mode
+        try:
+            if outer is mode:  # already pushed by an enclosing BF16 module
+                return original(self, *args, **kwargs)
+            with mode:
+                return original(self, *args, **kwargs)
+        finally:
+            st.off, st.module_off, st.lower_mode = off, module_off, outer
+
+    return forward
+
+
+class Regions:
+    """The forward replacements of one conversion."""
+
+    def __init__(self, low, casts, fp32_names):
+        to_fp32 = casts[torch.float32]
+        self._fp32_in = policy.fp32(low, casts)
+        self._fp32_out = lambda out: tree_map_only(torch.Tensor, lambda t: to_fp32(t) if t.dtype in (
+            torch.bfloat16, torch.float16) else t, out)
+        self._lower_in = policy.lower(low, casts)
+        self._mode = LowerMode(low, casts, fp32_names)
+
+    def forward(self, kind, original):
+        """``forward(self, ...)`` running ``original`` under ``kind``'s rule."""
+        if kind == "fp32":
+            fn = _fp32_forward(original, self._fp32_in, self._fp32_out)
+        else:
+            fn = _lower_forward(original, self._lower_in, self._mode)
+        fn.__name__ = "forward"  # a bound copy pickles as getattr(module, "forward")
+        fn.__qualname__ = getattr(original, "__qualname__", "forward")
+        fn.__doc__ = getattr(original, "__doc__", None)
+        setattr(fn, ORIGINAL, original)
+        return fn
+
+
+def _subclasses(cls):
+    found, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        found.append(c)
+        todo.extend(c.__subclasses__())
+    return found
+
+
+def patches(modules, regions):
+    """``[(namespace, "forward", replacement)]`` for ``modules`` (kind ->
+    classes and instances); builds everything, changes nothing."""
+    listed = {t for targets in modules.values() for t in targets if isinstance(t, type)}
+    out, seen = [], set()
+    for kind, targets in modules.items():
+        for target in targets:
+            if isinstance(target, type):
+                for cls in _classes_under(target, listed):
+                    if cls not in seen:
+                        seen.add(cls)
+                        original = unwrap(inspect.getattr_static(cls, "forward"))
+                        out.append((cls, "forward", regions.forward(kind, original)))
+            else:
+                out.append((target, "forward", types.MethodType(regions.forward(kind, _instance_forward(target)),
+                                                                 target)))
+    return out
+
+
+def _classes_under(cls, listed):
+    """``cls`` and its subclasses that define their own forward, except
+    those under another listed class (that one's rule is closer)."""
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        if c is not cls and c in listed:
+            continue
+        if c is cls or "forward" in c.__dict__:
+            out.append(c)
+        todo.extend(c.__subclasses__())
+    return out
+
+
+def _instance_forward(module):
+    """What ``module.forward`` runs without hmp, as ``f(self, ...)``."""
+    own = module.__dict__.get("forward")
+    if own is None:
+        return unwrap(inspect.getattr_static(type(module), "forward"))
+    own = unwrap(own)
+    if isinstance(own, types.MethodType) and own.__self__ is module:
+        return own.__func__
+    return lambda self, *args, **kwargs: own(*args, **kwargs)  # someone's own per-instance forward
+
+
+# -- what convert() was given ------------------------------------------------------------------
+
+
+def targets(given, model, what):
+    """The classes and instances named by ``given`` (an iterable of classes,
+    module instances, or strings: name patterns matched against
+    ``model.named_modules()``, else a class's import path). ``what``
+    names the argument in errors. Raises before anything changes."""
+    if given is None:
+        return []
+    if isinstance(given, (str, type, Module)):
+        given = [given]
+    out = []
+    names = dict(model.named_modules()) if isinstance(model, Module) else None
+    for i, item in enumerate(given):
+        where = f"hmp: {what}[{i}]"
+        if isinstance(item, type):
+            if not issubclass(item, Module):
+                raise TypeError(f"{where}: {item.__qualname__} is not a torch.nn.Module subclass")
+            out.append(item)
+        elif isinstance(item, Module):
+            out.append(item)
+        elif isinstance(item, str):
+            out += _by_name(item, names, where)
+        else:
+            raise TypeError(f"{where}: expected a module class, a module or a name, got {type(item).__name__}: "
+                            f"{item!r}")
+    return list(dict.fromkeys(out))
+
+
+def _by_name(pattern, names, where):
+    if names is not None:
+        found = [m for name, m in names.items() if name and fnmatch.fnmatchcase(name, pattern)]
+        if found:
+            return found
+    if is_module_path(pattern):
+        try:
+            return [module_class(pattern)]
+        except ValueError as e:
+            if names is None:
+                raise ValueError(f"{where}: {e}") from None
+    if names is None:
+        raise ValueError(f"{where}: {pattern!r} is a module name pattern, and convert() got no model= to match "
+                         f"it against (or give the class, an instance or a class's import path)")
+    close = fnmatch.filter(names, f"*{pattern.strip('*')}*")[:3] or [n for n in names if n][:3]
+    raise ValueError(f"{where}: {pattern!r} matches no module of the model (its names look like "
+                     f"{', '.join(close)}) and is no module class's import path")
+
+
+def merge(from_files, fp32, bf16):
+    """kind -> tuple of targets: the list files' classes, then those given;
+    one target in both kinds is an error."""
+    merged = {"bf16": list(from_files.get("bf16", ())) + bf16, "fp32": list(from_files.get("fp32", ())) + fp32}
+    both = [t for t in merged["bf16"] if any(t is u for u in merged["fp32"])]
+    if both:
+        raise ValueError(f"hmp: modules under both the BF16 and the FP32 rule: {', '.join(label(t) for t in both)}")
+    return {k: tuple(dict.fromkeys(v)) for k, v in merged.items()}
+
+
+def label(target):
+    if isinstance(target, type):
+        return lists.class_path(target)
+    return f"{type(target).__qualname__} instance at {id(target):#x}"
