@@ -53,18 +53,29 @@ class enable_casts(contextlib.ContextDecorator):
         return False
 
 
-def at_level(fn, off):
-    """``fn`` run with the thread's ``off`` set to ``off`` (the state some
-    earlier code ran at: a checkpointed forward, the code that asked for an
-    optimizer step); the caller's state is back afterwards."""
+def saved():
+    """The calling thread's cast state, for ``run_as``."""
+    st = tls
+    return st.off, st.module_off, st.lower_mode
+
+
+def run_as(fn, state):
+    """``fn`` run in the cast state ``saved()`` returned (the state some
+    earlier code ran in: a checkpointed forward, the code that asked for an
+    optimizer step), a BF16 module's mode pushed again if it was on; the
+    caller's state is back afterwards."""
+    mode = state[2]
 
     def run(*args, **kwargs):
         st = tls
-        saved = st.off
-        st.off = off
+        before = st.off, st.module_off, st.lower_mode
+        st.off, st.module_off, st.lower_mode = state
         try:
+            if mode is not None and before[2] is not mode:  # its forward ran inside a BF16 module
+                with mode:
+                    return fn(*args, **kwargs)
             return fn(*args, **kwargs)
         finally:
-            st.off = saved
+            st.off, st.module_off, st.lower_mode = before
 
     return run

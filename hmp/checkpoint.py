@@ -2,8 +2,9 @@
 
 torch.utils.checkpoint reruns a function's forward during backward. torch
 saves autocast's state at the forward and re-enters it around the rerun;
-hmp's ``tls.off`` must travel the same way, or the rerun computes in other
-dtypes than the forward did (CheckpointError, or wrong gradients). Both
+hmp's cast state (``casts.saved()``: casts on or off, and the module policy
+in force) must travel the same way, or the rerun computes in other dtypes
+than the forward did (CheckpointError, or wrong gradients). Both
 modes are covered by wrapping the user's function where torch's checkpoint
 takes it at call time, not the public ``checkpoint`` name (Hugging Face
 holds a reference to that one):
@@ -20,9 +21,8 @@ turned casts off around the backward.
 
 import torch.utils.checkpoint as torch_checkpoint
 
-from .casts import at_level
+from .casts import run_as, saved
 from .resolve import ORIGINAL, unwrap
-from .state import tls
 
 
 def _mark(wrapper, original):
@@ -39,7 +39,7 @@ def patches():
     if callable(generator):
 
         def without_reentrant(fn, *args, **kwargs):
-            return generator(at_level(fn, tls.off), *args, **kwargs)
+            return generator(run_as(fn, saved()), *args, **kwargs)
 
         out.append((torch_checkpoint, "_checkpoint_without_reentrant_generator", _mark(without_reentrant, generator)))
     function = getattr(torch_checkpoint, "CheckpointFunction", None)
@@ -48,7 +48,7 @@ def patches():
         original = unwrap(forward.__func__)
 
         def reentrant_forward(ctx, run_function, preserve_rng_state, *args):
-            return original(ctx, at_level(run_function, tls.off), preserve_rng_state, *args)
+            return original(ctx, run_as(run_function, saved()), preserve_rng_state, *args)
 
         out.append((function, "forward", staticmethod(_mark(reentrant_forward, original))))
     return out

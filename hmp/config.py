@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from . import lists as list_files
+from . import modules
 from .conversion import convert, revert
 from .lists import OPT_LEVELS, Names
 from .resolve import NO_PYTHON, UNKNOWN, Resolver
@@ -37,7 +38,9 @@ log = logging.getLogger("hmp")
 BOOL_FIELDS = ("use_habana_mixed_precision", "use_torch_autocast", "hmp_is_verbose")
 LIST_FIELDS = ("hmp_bf16_ops", "hmp_fp32_ops", "autocast_bf16_ops", "autocast_fp32_ops")
 STR_FIELDS = ("hmp_opt_level",)
-FIELDS = BOOL_FIELDS + LIST_FIELDS + STR_FIELDS
+# hmp's own: module classes (import paths) or module name patterns, in either mode
+MODULE_FIELDS = {"bf16": "hmp_bf16_modules", "fp32": "hmp_fp32_modules"}
+FIELDS = BOOL_FIELDS + LIST_FIELDS + STR_FIELDS + tuple(MODULE_FIELDS.values())
 
 # which list fields each mode reads: (bf16 field, fp32 field)
 MODE_LISTS = {
@@ -99,6 +102,21 @@ def _check_types(config, errors):
         value = config.get(field)
         if value is not None and not isinstance(value, list):
             errors.append(f"{field}: must be a list of op names, got {type(value).__name__}: {value!r}")
+    for field in MODULE_FIELDS.values():
+        value = config.get(field)
+        if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            errors.append(f"{field}: must be a list of module class import paths or module names, got {value!r}")
+
+
+def _check_modules(config, model, errors):
+    """kind -> the classes and modules the module fields name."""
+    out = {}
+    for kind, field in MODULE_FIELDS.items():
+        try:
+            out[kind] = modules.targets(config.get(field), model, field)
+        except (ValueError, TypeError) as e:
+            errors.append(str(e).removeprefix("hmp: "))
+    return out
 
 
 def _check_names(config, fields, resolver, errors):
@@ -130,13 +148,14 @@ def _check_names(config, fields, resolver, errors):
     return out, unreachable
 
 
-def plan(path_or_mapping):
+def plan(path_or_mapping, model=None):
     """Validate a gaudi config and return what it asks for, changing nothing.
 
     Returns None when it asks for no mixed precision, else a dict with
     ``opt_level``, ``bf16`` and ``fp32`` (op names, or None for hmp's
-    default list) and ``verbose``. Raises ValueError naming the field.
-    ``path_or_mapping`` itself is not changed.
+    default list), ``modules`` (kind -> module classes and instances; names
+    are matched against ``model``) and ``verbose``. Raises ValueError naming
+    the field. ``path_or_mapping`` itself is not changed.
     """
     config, source = read_config(path_or_mapping)
     errors = []
@@ -173,6 +192,7 @@ def plan(path_or_mapping):
 
     resolver = Resolver()
     lists, unreachable = _check_names(config, (bf16_field, fp32_field), resolver, errors)
+    by_module = _check_modules(config, model, errors)
     bf16, fp32 = lists[bf16_field], lists[fp32_field]
     if len(filled) == 1 and bf16 and fp32:  # the list given wins over the default one, as with list files
         given, other = (bf16, fp32) if filled == [fp32_field] else (fp32, bf16)
@@ -190,12 +210,13 @@ def plan(path_or_mapping):
         "bf16": bf16,
         "fp32": fp32,
         "verbose": bool(config.get("hmp_is_verbose") or False),
+        "modules": by_module,
         "source": source,
         "fields": (bf16_field, fp32_field),
     }
 
 
-def convert_from_config(path_or_mapping, *, low_precision_type=torch.bfloat16, cache=True):
+def convert_from_config(path_or_mapping, *, model=None, low_precision_type=torch.bfloat16, cache=True):
     """Apply an optimum-habana ``gaudi_config.json`` (a path or a mapping).
 
     ``use_habana_mixed_precision`` reads ``hmp_opt_level``, ``hmp_bf16_ops``,
@@ -203,18 +224,23 @@ def convert_from_config(path_or_mapping, *, low_precision_type=torch.bfloat16, c
     optimum-habana's default for it (the BERT lists of
     op_lists/gaudi_config_bert.json). ``use_torch_autocast`` maps
     ``autocast_bf16_ops`` / ``autocast_fp32_ops`` onto the same lists (O1); a
-    missing one there means hmp's default list of that kind. Other fields
-    (``use_fused_adam``, ...) are ignored (logged at DEBUG).
+    missing one there means hmp's default list of that kind. hmp's own
+    ``hmp_fp32_modules`` / ``hmp_bf16_modules`` (in either mode) list module
+    classes by import path, or module names matched against ``model``'s
+    ``named_modules()``, to run under that rule (``fp32_modules`` of
+    :func:`hmp.convert`). Other fields (``use_fused_adam``, ...) are ignored
+    (logged at DEBUG).
 
     Returns True when hmp was converted. When neither mode is true, hmp is
     reverted and False is returned. A wrong type, an unknown op or both
     modes at once raise ValueError naming the field, before anything changes.
     """
-    wanted = plan(path_or_mapping)
+    wanted = plan(path_or_mapping, model)
     if wanted is None:
         revert()
         return False
     given = [Names(names, f"{field} of gaudi config {wanted['source']}") if names is not None else ""
              for names, field in zip((wanted["bf16"], wanted["fp32"]), wanted["fields"])]
-    convert(wanted["opt_level"], given[0], given[1], wanted["verbose"], low_precision_type, cache=cache)
+    convert(wanted["opt_level"], given[0], given[1], wanted["verbose"], low_precision_type, cache=cache,
+            fp32_modules=wanted["modules"]["fp32"], bf16_modules=wanted["modules"]["bf16"])
     return True

@@ -158,15 +158,6 @@ class Regions:
         return fn
 
 
-def _subclasses(cls):
-    found, todo = [], [cls]
-    while todo:
-        c = todo.pop()
-        found.append(c)
-        todo.extend(c.__subclasses__())
-    return found
-
-
 def patches(modules, regions):
     """``[(namespace, "forward", replacement)]`` for ``modules`` (kind ->
     classes and instances); builds everything, changes nothing."""

@@ -19,21 +19,22 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .cache import clear_cache
-from .casts import at_level
+from .casts import run_as, saved
 from .state import tls
 
 _record_function = torch.autograd.profiler.record_function
 
 
 def _pre_hook(optimizer, args, kwargs):
-    level = tls.off
-    tls.step_levels.append(level)
-    tls.off = level + 1
+    st = tls
+    caller = saved()
+    st.step_levels.append(st.off)
+    st.off += 1
     # the closure (LBFGS) passes its arguments on, for optimizers that give any
     if kwargs and kwargs.get("closure") is not None:
-        return args, dict(kwargs, closure=at_level(kwargs["closure"], level))
+        return args, dict(kwargs, closure=run_as(kwargs["closure"], caller))
     if len(args) > 1 and callable(args[1]):  # args[0] is the optimizer
-        return (args[0], at_level(args[1], level)) + tuple(args[2:]), kwargs
+        return (args[0], run_as(args[1], caller)) + tuple(args[2:]), kwargs
     return None
 
 

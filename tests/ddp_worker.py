@@ -3,10 +3,11 @@
 Launch it the way torchrun does (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 in the environment), or with torchrun itself::
 
-    torchrun --nproc_per_node 2 tests/ddp_worker.py OUT_DIR
+    torchrun --nproc_per_node 2 tests/ddp_worker.py OUT_DIR [modules]
 
-Each rank converts hmp, trains a small model under DDP (gloo) on its shard
-of a fixed global batch, and saves what it saw to OUT_DIR/rank<R>.pt.
+Each rank converts hmp (with ``modules``: LayerNorm under the FP32 module
+rule too), trains a small model under DDP (gloo) on its shard of a fixed
+global batch, and saves what it saw to OUT_DIR/rank<R>.pt.
 """
 
 import os
@@ -23,6 +24,7 @@ import hmp
 GLOBAL_BATCH = 32
 STEPS = 6
 LR = 0.2
+CONVERT = {"plain": {}, "modules": {"fp32_modules": [torch.nn.LayerNorm]}}
 
 
 def make_model():
@@ -42,7 +44,10 @@ def global_batch():
 def train(model, x, y, steps=STEPS):
     """The training loop both runs share; returns what it saw."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    seen = {"losses": [], "out_dtypes": set(), "grad_dtypes": set()}
+    seen = {"losses": [], "out_dtypes": set(), "grad_dtypes": set(), "norm_dtypes": set()}
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    for norm in norms:
+        norm.register_forward_hook(lambda mod, args, out: seen["norm_dtypes"].add(str(out.dtype)))
     for _ in range(steps):
         out = model(x)
         loss = F.cross_entropy(out, y)
@@ -56,11 +61,11 @@ def train(model, x, y, steps=STEPS):
     return seen
 
 
-def main(out_dir):
+def main(out_dir, variant="plain"):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank, world = dist.get_rank(), dist.get_world_size()
-    hmp.convert()
+    hmp.convert(**CONVERT[variant])
     model = make_model()
     ddp = DistributedDataParallel(model)
     bucket_dtypes = set()
@@ -83,4 +88,4 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import hmp
+from conftest import assert_same, snapshot
 from hmp.lists import list_dir
 
 BERT = list_dir() / "gaudi_config_bert.json"
@@ -227,3 +228,19 @@ def test_temporary_list_files_are_removed(tmp_path, monkeypatch, pristine):
     hmp.convert_from_config(BERT)
     assert hmp.is_converted()
     assert list(Path(tmp_path).iterdir()) == []
+
+
+def test_module_fields(pristine):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    config = {"use_habana_mixed_precision": True, "hmp_fp32_modules": ["1"],
+              "hmp_bf16_modules": ["torch.nn.LSTM"]}
+    assert hmp.convert_from_config(config, model=model)
+    assert model(torch.randn(2, 4)).dtype == torch.float32  # the LayerNorm ran under the FP32 module rule
+    lstm = torch.nn.LSTM(4, 4)
+    assert lstm(torch.randn(3, 2, 4))[0].dtype == torch.bfloat16
+    hmp.revert()
+    with pytest.raises(ValueError, match=r"gaudi config \(mapping\):\n  hmp_fp32_modules\[0\]: '9' matches no module"):
+        hmp.convert_from_config(dict(config, hmp_fp32_modules=["9"]), model=model)
+    with pytest.raises(ValueError, match=r"hmp_bf16_modules: must be a list of module class import paths"):
+        hmp.convert_from_config(dict(config, hmp_bf16_modules="torch.nn.LSTM"))
+    assert_same(pristine, snapshot())

@@ -43,12 +43,13 @@ def env_for(rank, port):
     return env
 
 
-def check(out_dir):
+def check(out_dir, variant="plain"):
     worker = load_worker()
     ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for seen in ranks:
         assert seen["converted"]
         assert seen["out_dtypes"] == {"torch.bfloat16"}  # the model ran under hmp
+        assert seen["norm_dtypes"] == {"torch.float32" if variant == "modules" else "torch.bfloat16"}
         assert seen["grad_dtypes"] == {"torch.float32"}
         assert seen["bucket_dtypes"] == {"torch.float32"}  # DDP all-reduced fp32 gradients
         assert seen["losses"][-1] < seen["losses"][0]
@@ -59,7 +60,7 @@ def check(out_dir):
         for k in first:
             assert torch.equal(first[k], seen["state"][k]), k
     # and match one process on the whole global batch, within bf16 tolerance
-    hmp.convert()
+    hmp.convert(**worker.CONVERT[variant])
     model = worker.make_model()
     x, y = worker.global_batch()
     single = worker.train(model, x, y)
@@ -74,10 +75,10 @@ def check(out_dir):
     torch.testing.assert_close(torch.tensor(mean_loss), torch.tensor(single["losses"]), atol=2e-2, rtol=2e-2)
 
 
-def run_ranks(out_dir, worker=WORKER):
+def run_ranks(out_dir, worker=WORKER, *args):
     port = free_port()
     procs = [
-        subprocess.Popen([sys.executable, str(worker), str(out_dir)], env=env_for(rank, port),
+        subprocess.Popen([sys.executable, str(worker), str(out_dir), *args], env=env_for(rank, port),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in range(WORLD)
     ]
@@ -97,6 +98,12 @@ def run_ranks(out_dir, worker=WORKER):
 def test_ddp_two_processes_on_loopback(tmp_path):
     run_ranks(tmp_path)
     check(tmp_path)
+
+
+def test_ddp_with_a_module_policy(tmp_path):
+    """LayerNorm under the FP32 module rule inside DDP: outputs fp32 in every rank, replicas identical."""
+    run_ranks(tmp_path, WORKER, "modules")
+    check(tmp_path, "modules")
 
 
 @pytest.mark.slow

@@ -262,3 +262,17 @@ def test_fp16_and_o2():
     assert "relu" not in model.seen[0][5]
     assert not hmp.is_converted()
 
+
+
+def test_module_policy_by_name_in_the_plugin():
+    """fp32_modules names are matched against the LightningModule's modules when the run starts."""
+    model = MLP()
+    seen = []
+    model.net[2].register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    trainer(HMPPrecision(fp32_modules=["net.2"]), max_epochs=1).fit(model, loader())
+    hidden = {s[0] for s in model.seen}
+    assert hidden == {torch.bfloat16} and set(seen) == {torch.float32}  # net.0 under O1, net.2 in fp32
+    assert "forward" not in vars(model.net[2]) and not hmp.is_converted()
+    with pytest.raises(ValueError, match=r"fp32_modules\[0\]: 'nt\.2' matches no module"):
+        trainer(HMPPrecision(fp32_modules=["nt.2"]), max_epochs=1).fit(MLP(), loader())
+    assert not hmp.is_converted() and hmp.casts_enabled()

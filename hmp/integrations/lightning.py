@@ -64,15 +64,21 @@ class HMPPrecision(Precision):
     The arguments are :func:`hmp.convert`'s: ``None`` or ``""`` for a path
     means hmp's default list. The lists are checked here, so a bad file
     fails when the plugin is made, not in the middle of ``fit``.
+    ``fp32_modules`` / ``bf16_modules`` take module classes, import paths,
+    or names matched against the LightningModule's ``named_modules()``
+    (``"model.lm_head"``, ``"*.post_attention_layernorm"``) when the run
+    starts.
     """
 
     def __init__(self, opt_level="O1", bf16_file_path=None, fp32_file_path=None, verbose=False, *,
-                 low_precision_type=torch.bfloat16, promote_file_path=None, cache=True):
+                 low_precision_type=torch.bfloat16, promote_file_path=None, cache=True, fp32_modules=None,
+                 bf16_modules=None):
         super().__init__()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # convert() warns about O2 and files when the run starts
             conversion.plan(opt_level, bf16_file_path, fp32_file_path, verbose, low_precision_type,
                             promote_file_path=promote_file_path, cache=cache)
+        self.fp32_modules, self.bf16_modules = fp32_modules, bf16_modules
         self.opt_level = opt_level
         self.bf16_file_path = bf16_file_path
         self.fp32_file_path = fp32_file_path
@@ -93,10 +99,12 @@ class HMPPrecision(Precision):
 
     # -- start and end of a run -------------------------------------------------
 
-    def convert(self):
-        """Convert hmp with this plugin's settings (the Trainer calls it)."""
+    def convert(self, model=None):
+        """Convert hmp with this plugin's settings (the Trainer calls it with
+        the model, which module names are matched against)."""
         wanted = conversion.plan(self.opt_level, self.bf16_file_path, self.fp32_file_path, self.verbose,
-                                 self.low_precision_type, promote_file_path=self.promote_file_path, cache=self.cache)
+                                 self.low_precision_type, promote_file_path=self.promote_file_path, cache=self.cache,
+                                 fp32_modules=self.fp32_modules, bf16_modules=self.bf16_modules, model=model)
         # patched along with the lists, so revert()/restore() undo it with the rest
         log_patch = (LightningModule, "log", _uncast_log(unwrap(LightningModule.__dict__["log"])))
         if not self._active:
@@ -114,7 +122,7 @@ class HMPPrecision(Precision):
 
     def connect(self, model, optimizers, lr_schedulers):
         # Strategy.setup() calls this once per run, after the model is on its device.
-        self.convert()
+        self.convert(model)
         if self._run_off is None:  # casts off in the run's thread, on again inside steps
             self._steps_cast = hmp.casts_enabled()
             self._run_off = hmp.disable_casts()

@@ -1,0 +1,454 @@
+"""Precision by module: module entries in list files and fp32_modules /
+bf16_modules, on real models (a tiny Llama from transformers, nn.LSTM),
+with the rules checked against an oracle written here."""
+
+import copy
+import io
+import statistics
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hmp
+from conftest import assert_same, snapshot, write
+from hmp.lists import default_path
+
+BF16, FP32 = torch.bfloat16, torch.float32
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+
+RMSNORM = "transformers.models.llama.modeling_llama.LlamaRMSNorm"
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+def fp32_list_with(tmp_path, *lines):
+    """The shipped FP32 list plus module lines."""
+    return write(tmp_path, "fp32.txt", default_path("fp32.txt").read_text() + "\n" + "\n".join(lines) + "\n")
+
+
+# -- a tiny Llama with LlamaRMSNorm in the FP32 list ------------------------------------------
+
+VOCAB, SEQ, BATCH, HIDDEN = 128, 32, 4, 64
+
+
+def llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+IDS = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def record(model, kind):
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append((mod, args[0].detach(), out.detach())))
+             for m in model.modules() if isinstance(m, kind)]
+    return seen, hooks
+
+
+def test_rmsnorm_in_the_fp32_list_computes_fp32_rmsnorm_bit_for_bit(tmp_path):
+    model = llama()
+    seen, hooks = record(model, LlamaRMSNorm)
+    gate = []
+    model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda mod, args, out: gate.append(out.dtype))
+    with hmp.converted(fp32_file_path=fp32_list_with(tmp_path, RMSNORM)):
+        loss = model(input_ids=IDS, labels=IDS).loss
+        loss.backward()
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 5  # two per layer and the final norm
+    for module, x, out in seen:
+        assert out.dtype == FP32
+        with torch.no_grad():
+            assert torch.equal(out, module(x.float()))  # plain fp32 RMSNorm of the same input
+    assert gate == [BF16]  # everything else as under O1
+    assert {p.grad.dtype for p in model.parameters()} == {FP32}
+    assert {p.dtype for p in model.parameters()} == {FP32}
+
+
+def rmsnorm_error_under_o1():
+    model = llama()
+    seen, hooks = record(model, LlamaRMSNorm)
+    with hmp.converted():
+        model(input_ids=IDS)
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        return max((out.float() - m(x.float())).abs().max().item() for m, x, out in seen)
+
+
+def loss_gaps(config, steps=12):
+    """Relative gap to fp32's loss at each of ``steps`` AdamW steps."""
+    losses = {}
+    for name, kwargs in (("fp32", None), ("hmp", config)):
+        model = llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        out = []
+        with hmp.converted(**kwargs) if kwargs is not None else hmp.disable_casts():
+            for _ in range(steps):
+                loss = model(input_ids=IDS, labels=IDS).loss
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                out.append(loss.item())
+        losses[name] = out
+    return [abs(a - b) / b for a, b in zip(losses["hmp"], losses["fp32"])]
+
+
+def test_rmsnorm_entry_brings_the_loss_at_least_as_close_to_fp32(tmp_path):
+    assert rmsnorm_error_under_o1() > 1e-3  # under O1 alone its multiplies run in bf16
+    without = statistics.fmean(loss_gaps({}))
+    with_entry = statistics.fmean(loss_gaps({"fp32_file_path": fp32_list_with(tmp_path, RMSNORM)}))
+    assert with_entry <= without, (with_entry, without)
+
+
+def test_the_same_from_python_by_class_and_by_name(tmp_path):
+    model = llama()
+    seen, _ = record(model, LlamaRMSNorm)
+    with hmp.converted(fp32_modules=["*.post_attention_layernorm"], model=model):
+        model(input_ids=IDS)
+    assert [out.dtype for _, _, out in seen] == [BF16, FP32, BF16, FP32, BF16]
+    seen.clear()
+    with hmp.converted(fp32_modules=[LlamaRMSNorm, model.lm_head]):
+        logits = model(input_ids=IDS).logits
+    assert {out.dtype for _, _, out in seen} == {FP32} and logits.dtype == FP32
+
+
+# -- nn.LSTM ---------------------------------------------------------------------------------------
+
+
+def test_lstm_in_the_bf16_list_runs_as_a_bf16_lstm(tmp_path):
+    torch.manual_seed(0)
+    lstm, x = nn.LSTM(8, 16, 2), torch.randn(5, 3, 8)
+    as_bf16 = copy.deepcopy(lstm).bfloat16()
+    with hmp.converted(bf16_file_path=write(tmp_path, "bf16.txt", "torch.nn.LSTM\n")):
+        assert hmp.effective_lists()["bf16"] == []  # no op listed: the module entry alone
+        out, (h, c) = lstm(x)
+        out.float().sum().backward()
+    assert out.dtype == h.dtype == BF16
+    assert torch.equal(out, as_bf16(x.bfloat16())[0])  # as if converted with .to(bfloat16) for the call
+    assert {p.dtype for p in lstm.parameters()} == {p.grad.dtype for p in lstm.parameters()} == {FP32}
+
+
+def test_lstm_in_the_fp32_list_fed_bf16_runs_in_fp32(tmp_path):
+    torch.manual_seed(0)
+    lstm, x = nn.LSTM(8, 16), torch.randn(5, 3, 8).bfloat16()
+    with hmp.converted(fp32_file_path=fp32_list_with(tmp_path, "torch.nn.LSTM")):  # lstm itself is BF16-listed
+        out, _ = lstm(x)
+    assert out.dtype == FP32
+    with torch.no_grad():
+        assert torch.equal(out, lstm(x.float())[0])
+
+
+# -- malformed module lines ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line, message", [
+    ("no_such_package.Norm", r"line 2: 'no_such_package.Norm' is no op and no importable path: no module named "
+                             r"'no_such_package'"),
+    ("torch.nn.functional.layer_norm", r"line 2: unknown op 'torch.nn.functional.layer_norm'; did you mean "
+                                       r"layer_norm\?.*is a function"),
+    ("collections.OrderedDict", r"line 2: 'collections.OrderedDict' is a class but not a torch.nn.Module subclass"),
+    ("torch.nn.NoSuchNorm", r"line 2: 'torch.nn.NoSuchNorm': 'torch.nn' has no attribute 'NoSuchNorm'"),
+    ("torch.nn.modules.linear.math.pi", r"line 2: 'torch.nn.modules.linear.math.pi' is a float, not a "
+                                        r"torch.nn.Module subclass"),
+])
+def test_malformed_module_lines_name_file_and_line_and_patch_nothing(tmp_path, pristine, line, message):
+    before = dict(vars(nn.LSTM))
+    hmp.convert()  # a conversion in force stays as it was
+    path = write(tmp_path, "bf16.txt", f"linear\n{line}\n")
+    with pytest.raises(ValueError, match=rf"bf16\.txt'(.|\n)*{message}"):
+        hmp.convert(bf16_file_path=path)
+    assert "linear" in hmp.effective_lists()["bf16"] and len(hmp.effective_lists()["bf16"]) > 1
+    hmp.revert()
+    assert_same(pristine, snapshot())
+    assert vars(nn.LSTM) == before
+
+
+def test_module_entries_are_checked_like_op_names(tmp_path, pristine):
+    with pytest.raises(ValueError, match=r"promote\.txt'(.|\n)*line 1: 'torch.nn.LSTM': module entries go in the "
+                                         r"BF16 or FP32 list"):
+        hmp.convert(promote_file_path=write(tmp_path, "promote.txt", "torch.nn.LSTM\n"))
+    with pytest.raises(ValueError, match=r"module classes in both .*torch.nn.modules.rnn.LSTM"):
+        hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "torch.nn.LSTM\n"),
+                    fp32_file_path=write(tmp_path, "f.txt", "torch.nn.LSTM\n"))
+    with pytest.raises(ValueError, match=r"fp32_modules\[0\]: 'lm_hed' matches no module of the model"):
+        hmp.convert(fp32_modules=["lm_hed"], model=nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match=r"fp32_modules\[0\]: 'lm_head' is a module name pattern, and convert\(\) "
+                                         r"got no model="):
+        hmp.convert(fp32_modules=["lm_head"])
+    with pytest.raises(TypeError, match=r"bf16_modules\[1\]: expected a module class"):
+        hmp.convert(bf16_modules=[nn.LSTM, 3])
+    with pytest.raises(ValueError, match=r"both the BF16 and the FP32 rule"):
+        hmp.convert(bf16_modules=[nn.LSTM], fp32_modules=["torch.nn.LSTM"])
+    assert_same(pristine, snapshot())
+
+
+# -- the rules, against an oracle ------------------------------------------------------------------
+
+
+class Leaf(nn.Module):
+    """A listed op (linear, BF16 list) and an unlisted one (tanh), dtypes recorded."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.log = log
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        z = torch.tanh(x)
+        self.log.append((y.dtype, z.dtype))
+        return y + z.to(y.dtype)
+
+
+class Level(nn.Module):
+    def __init__(self, child, disable=False):
+        super().__init__()
+        self.child, self.disable = child, disable
+
+    def forward(self, x):
+        if self.disable:
+            with hmp.disable_casts():
+                return self.child(x)
+        return self.child(x)
+
+
+LEVELS = st.lists(st.sampled_from(["none", "fp32", "bf16", "disable"]), max_size=5)
+
+
+def oracle(levels, x_dtype):
+    """(linear's dtype, tanh's dtype, output dtype), from the documented
+    rules, outermost level first."""
+    off, rule, x = False, None, x_dtype
+    exits = []  # what each active module does to the output on the way out
+    for level in levels:
+        if level == "disable":
+            off = True
+        elif level in ("fp32", "bf16") and not off:
+            rule = level
+            x = FP32 if level == "fp32" and x == BF16 else BF16 if level == "bf16" and x == FP32 else x
+            exits.append(level)
+    if off or rule == "fp32":
+        linear, tanh = x, x  # casts off: both compute in their inputs' dtype (the weight is fp32)
+        if x == BF16:
+            linear = None  # bf16 input with an fp32 weight: torch refuses
+    elif rule == "bf16":
+        linear, tanh = BF16, BF16  # the mode lowers the unlisted op too
+    else:
+        linear, tanh = BF16, x  # O1: linear listed, tanh untouched
+    out = None if linear is None else linear
+    for level in reversed(exits):
+        if out is not None and level == "fp32":
+            out = FP32
+    return linear, tanh, out
+
+
+@settings(max_examples=60, deadline=None)
+@given(levels=LEVELS, x_dtype=st.sampled_from([FP32, BF16]), by_class=st.booleans())
+def test_nested_module_rules_follow_the_oracle(levels, x_dtype, by_class):
+    torch.manual_seed(0)
+    log = []
+    model = Leaf(log)
+    kinds = {"fp32": [], "bf16": []}
+    for level in reversed(levels):
+        model = Level(model, disable=level == "disable")
+        if level in kinds:
+            kinds[level].append(model)
+    if by_class:  # each policy module its own class, listed by class
+        for kind, mods in kinds.items():
+            for m in mods:
+                m.__class__ = type(f"{kind}Level{id(m)}", (Level,), {})
+        kinds = {k: [type(m) for m in mods] for k, mods in kinds.items()}
+    expected = oracle(levels, x_dtype)
+    with hmp.converted(fp32_modules=kinds["fp32"], bf16_modules=kinds["bf16"]):
+        x = torch.randn(2, 4, dtype=x_dtype)
+        if expected[0] is None:
+            with pytest.raises(RuntimeError):
+                model(x)
+        else:
+            out = model(x)
+            assert (log[-1][0], log[-1][1], out.dtype) == expected
+        assert hmp.casts_enabled()  # every path out left the thread's state as it found it
+
+
+def test_the_oracle_is_not_the_implementation():
+    """A few rows worked by hand."""
+    assert oracle([], FP32) == (BF16, FP32, BF16)
+    assert oracle(["fp32"], BF16) == (FP32, FP32, FP32)
+    assert oracle(["fp32", "bf16"], FP32) == (BF16, BF16, FP32)
+    assert oracle(["bf16", "fp32"], FP32) == (FP32, FP32, FP32)
+    assert oracle(["disable", "fp32"], BF16) == (None, BF16, None)
+
+
+def test_a_module_policy_is_per_thread():
+    inside, release = threading.Event(), threading.Event()
+
+    class Slow(nn.Module):
+        def forward(self, x):
+            inside.set()
+            release.wait(10)
+            return F.linear(x, torch.ones(2, 2))
+
+    other = []
+
+    def run_other():
+        inside.wait(10)
+        other.append(F.linear(torch.ones(2, 2), torch.ones(2, 2)).dtype)
+        release.set()
+
+    with hmp.converted(fp32_modules=[Slow]):
+        t = threading.Thread(target=run_other)
+        t.start()
+        assert Slow()(torch.ones(2, 2)).dtype == FP32
+        t.join(10)
+    assert other == [BF16]
+
+
+def test_an_exception_in_a_policy_module_leaves_the_state_as_it_was():
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise KeyError("boom")
+
+    with hmp.converted(fp32_modules=[Boom], bf16_modules=[nn.Linear]):
+        for module in (Boom(), nn.Sequential(nn.Linear(2, 2), Boom())):
+            with pytest.raises(KeyError):
+                module(torch.ones(2, 2))
+            assert hmp.casts_enabled() and F.linear(torch.ones(2, 2), torch.ones(2, 2)).dtype == BF16
+            assert not torch._C._is_torch_function_mode_enabled()
+
+
+# -- exact undo, and only modules with a policy are touched --------------------------------------
+
+
+class Norm(nn.LayerNorm):
+    pass
+
+
+class OwnNorm(nn.LayerNorm):
+    def forward(self, x):
+        return super().forward(x) * 1
+
+
+def test_revert_restores_classes_and_instances_exactly(pristine):
+    classes = (nn.LayerNorm, Norm, OwnNorm, nn.Linear, nn.Module)
+    before = {c: dict(vars(c)) for c in classes}
+    lin = nn.Linear(2, 2)
+    lin_dict = dict(vars(lin))
+    with hmp.converted(fp32_modules=[nn.LayerNorm], bf16_modules=[lin]):
+        assert vars(nn.LayerNorm)["forward"] is not before[nn.LayerNorm]["forward"]
+        assert "forward" in vars(OwnNorm) and vars(OwnNorm)["forward"] is not before[OwnNorm]["forward"]
+        assert "forward" not in vars(Norm)  # inherits the patched one
+        assert vars(nn.Linear) == before[nn.Linear] and vars(nn.Module) == before[nn.Module]
+        assert "forward" in vars(lin)
+        assert OwnNorm(4)(torch.randn(2, 4).bfloat16()).dtype == FP32
+    for c in classes:
+        assert vars(c) == before[c], c
+    assert vars(lin) == lin_dict
+    assert_same(pristine, snapshot())
+
+
+def test_a_subclass_listed_itself_keeps_its_own_rule():
+    with hmp.converted(fp32_modules=[nn.LayerNorm], bf16_modules=[OwnNorm]):
+        assert nn.LayerNorm(4)(torch.randn(2, 4).bfloat16()).dtype == FP32
+        assert OwnNorm(4)(torch.randn(2, 4)).dtype == BF16
+
+
+def test_a_model_copied_or_saved_while_converted_stays_itself():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    with hmp.converted(fp32_modules=[model[1]]):
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            twin[1].weight.fill_(2.0)
+        x = torch.randn(2, 4)
+        doubled, plain = twin(x), model(x)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+    assert doubled.dtype == FP32 and torch.allclose(doubled, 2 * plain, atol=1e-6)  # the copy runs its own weights
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    assert loaded(x).dtype == FP32 and "forward" not in vars(model[1])
+
+
+# -- training stacks ------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """A block whose forward checkpoints an inner part."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.lin, self.norm, self.reentrant = nn.Linear(8, 8), nn.LayerNorm(8), reentrant
+        self.gate = nn.Parameter(torch.randn(8))
+
+    def inner(self, x):
+        # sigmoid is in no list: in a BF16 module only the module's mode lowers it
+        return torch.tanh(self.norm(self.lin(x))) * torch.sigmoid(self.gate)
+
+    def forward(self, x, checkpointed):
+        if checkpointed:
+            return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_gradient_checkpointing_recomputes_under_the_module_policy(kind, reentrant):
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        block = Block(reentrant)
+        x = torch.randn(4, 8, requires_grad=True)
+        with hmp.converted(**{f"{kind}_modules": [Block]}):
+            out = block(x, checkpointed)
+            assert out.dtype == (FP32 if kind == "fp32" else BF16)
+            out.float().sum().backward()
+        grads.append([p.grad for p in block.parameters()] + [x.grad])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hf_gradient_checkpointing_with_rmsnorm_in_fp32(reentrant):
+    """The recompute runs RMSNorm in fp32 as the forward did (non-reentrant
+    checkpointing also checks every recomputed tensor's dtype). Gradients
+    match the uncheckpointed run up to the order bf16 gradients are summed
+    in, which checkpointing changes under O1 with or without the entry."""
+    grads = []
+    for checkpointing in (False, True):
+        model = llama()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+        seen, _ = record(model, LlamaRMSNorm)
+        with hmp.converted(fp32_modules=[LlamaRMSNorm]):
+            model(input_ids=IDS, labels=IDS).loss.backward()
+        assert len(seen) == (9 if checkpointing else 5) and {out.dtype for _, _, out in seen} == {FP32}
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_compile_adds_no_graph_break_for_modules_without_a_policy(fresh_dynamo):
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+
+    def breaks(**kwargs):
+        torch._dynamo.reset()
+        with hmp.converted(**kwargs):
+            return torch._dynamo.explain(model)(x).graph_break_count
+
+    assert breaks(fp32_modules=[nn.LSTM]) == breaks()
+    with hmp.converted(fp32_modules=[nn.LayerNorm]):
+        eager = model(x)
+        compiled = torch.compile(model, backend="aot_eager")(x)
+    assert compiled.dtype == eager.dtype == BF16
+    assert torch.equal(compiled, eager)
