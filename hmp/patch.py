@@ -18,6 +18,11 @@ class Entry(NamedTuple):
     if_unchanged: bool = False  # undo only while the attribute still holds ``value``
 
 
+def _name(namespace):
+    name = getattr(namespace, "__name__", None)
+    return name if isinstance(name, str) else f"<{type(namespace).__name__} at {id(namespace):#x}>"
+
+
 class PatchLog:
     def __init__(self):
         self._entries = []
@@ -60,7 +65,7 @@ class PatchLog:
             raise first_error
 
     def labels(self):
-        return [f"{getattr(e.namespace, '__name__', e.namespace)}.{e.attr}" for e in self._entries]
+        return [f"{_name(e.namespace)}.{e.attr}" for e in self._entries]
 
     def entries(self):
         """Every Entry not undone yet, oldest first."""
