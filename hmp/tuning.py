@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .auditing import StateGuard, by_op, worst, audit, compare, current_or_default, kind_of, run_step
+from .auditing import StateGuard, audit, by_op, compare, current_or_default, kind_of, pairs, run_step, worst
 from .casts import casts_enabled
 from .conversion import applied
 from .lists import KINDS
@@ -198,7 +198,7 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
             own_final, own = run_step(step_fn, args, kwargs, guard, under(only), keep_outputs=True,
                                       restore_dtype=True)
             loss_error, _, nonfinite = compare(ref_final, own_final)
-            own_max_rel, _, own_nonfinite = worst(zip(ref_outputs.get(op, []), by_op(own.outputs).get(op, [])))
+            own_max_rel, _, own_nonfinite = worst(pairs(ref_outputs, by_op(own.outputs), op))
             stats = own.stats.get(op)
             accepted = (stats is not None and stats.casts > 0 and own_max_rel <= threshold
                         and loss_error <= loss_threshold and not (nonfinite or own_nonfinite))
