@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import hmp
 from hmp.conversion import current
 from hmp.record import Recorder
+from hmp.tuning import TuneResult
 
 OFFSET = planted.OFFSET
 
@@ -236,3 +237,40 @@ def test_audit_removes_its_hooks_when_the_step_raises(unsafe_lists):
     assert len(calls) == 2
     assert hooks_left(model) == []
     assert current().lists["bf16"] >= {"sub"}
+
+
+def test_write_module_classes_as_import_paths(tmp_path):
+    class Local(torch.nn.Module):
+        pass
+
+    lists = {"bf16": ["linear", "sub"], "fp32": ["softmax"], "promote": []}
+    result = TuneResult(lists, lists, None, {}, {"fp32": 1.0}, {}, {"bf16": (), "fp32": (planted.Recenter,)})
+    result.write(tmp_path / "b.txt", tmp_path / "f.txt")
+    assert (tmp_path / "f.txt").read_text().splitlines()[-2:] == ["softmax", "planted.Recenter"]
+    hmp.convert(bf16_file_path=tmp_path / "b.txt", fp32_file_path=tmp_path / "f.txt")
+    assert current().modules["fp32"] == (planted.Recenter,) and "sub" in current().lists["bf16"]
+
+    result.modules = {"bf16": (), "fp32": (planted.Recenter, Local)}
+    with pytest.raises(ValueError, match=r"Local .*'test_tune\.test_write_module_classes_as_import_paths\.<locals>"
+                                         r"\.Local' does not load it"):
+        result.write(tmp_path / "b2.txt", tmp_path / "f2.txt")
+    assert not (tmp_path / "b2.txt").exists() and not (tmp_path / "f2.txt").exists()
+
+
+def test_tune_puts_the_unsafe_module_class_in_fp32_not_its_op(unsafe_lists, tmp_path):
+    result = tuned(module_problem, unsafe_lists, rounds=1)
+    assert result.modules_to_fp32 == [planted.Recenter]
+    assert result.moved_to_fp32 == [] and "sub" in result.lists["bf16"]  # the common op stays in bf16
+    assert result.proposals["sub"]["own_max_rel"] < 0.05 and result.proposals["sub"]["accepted"]
+    assert "module classes to FP32: planted.Recenter" in result.table()
+    v = result.validation
+    assert abs(v["tuned lists"] - v["fp32"]) <= 0.02 * v["fp32"]
+    assert v["starting lists"] > 1.5 * v["fp32"]
+
+    result.write(tmp_path / "b.txt", tmp_path / "f.txt")
+    assert "planted.Recenter" in (tmp_path / "f.txt").read_text().splitlines()
+    hmp.convert(bf16_file_path=tmp_path / "b.txt", fp32_file_path=tmp_path / "f.txt")
+    assert current().modules["fp32"] == (planted.Recenter,) and "sub" in current().lists["bf16"]
+    losses = losses_after(module_problem, unsafe_lists, tmp_path / "b.txt", tmp_path / "f.txt")
+    assert abs(losses["tuned"] - losses["fp32"]) <= 0.02 * losses["fp32"]
+    assert losses["unsafe"] > 1.5 * losses["fp32"]
