@@ -169,7 +169,6 @@ class Recorder:
 
         return recorded_op
 
-
     def _force(self, name, module, out):
         key = (name, module)
         i = self._forced_calls[key]

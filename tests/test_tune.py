@@ -257,6 +257,7 @@ def test_write_module_classes_as_import_paths(tmp_path):
     assert not (tmp_path / "b2.txt").exists() and not (tmp_path / "f2.txt").exists()
 
 
+@pytest.mark.slow  # 1.3 s on an idle 2-core CPU, 10-17 s beside another test run
 def test_tune_puts_the_unsafe_module_class_in_fp32_not_its_op(unsafe_lists, tmp_path):
     result = tuned(module_problem, unsafe_lists, rounds=1)
     assert result.modules_to_fp32 == [planted.Recenter]
