@@ -4,6 +4,11 @@ Runs a step in fp32 and under hmp from the same state and RNG, pairs each
 listed op's outputs by call order, and for every op that casts, runs once
 more with only that op cast to see the error it alone passes on to the
 step's output (the loss). Model state is restored after every run.
+
+The recorded runs also hook the modules among the step's state and
+arguments (hmp/record.py): each module's outputs are paired by call order
+too, and each op call is attributed to the innermost module it ran in, so
+the ops' own errors add up per module and per module class.
 """
 
 import copy
@@ -13,10 +18,11 @@ import sys
 import torch
 
 from .conversion import applied, current, plan
-from .lists import KINDS
-from .record import Recorder, snapshot
+from .lists import KINDS, class_path
+from .record import ModuleHooks, Recorder, module_paths, snapshot
 
 TINY = 1e-30
+TOP = 10  # module rows table() shows; all are in AuditReport.modules / .module_classes
 
 
 class StateGuard:
@@ -87,14 +93,21 @@ def compare(ref, got):
 
 
 class AuditReport:
-    def __init__(self, rows, output_error, threshold, loss_threshold):
+    def __init__(self, rows, output_error, threshold, loss_threshold, modules=()):
         self.rows = rows  # one dict per op that ran
         self.output_error = output_error  # relative error of fn's output under full hmp
         self.threshold, self.loss_threshold = threshold, loss_threshold
+        self.modules = list(modules)  # one dict per hooked module that ran, by path
+        self.module_classes = _class_rows(self.modules, threshold)  # the same, per module class
 
     @property
     def flagged(self):
         return sorted(r["op"] for r in self.rows if r["flagged"])
+
+    @property
+    def flagged_modules(self):
+        """Import paths of the module classes in which an op's own error exceeds ``threshold``."""
+        return sorted(r["class"] for r in self.module_classes if r["flagged"])
 
     def table(self):
         lines = [
@@ -108,10 +121,86 @@ class AuditReport:
                 f"| {r['op']} | {r['list']} | {r['calls']} | {r['max_rel']:.3g} | {r['mean_rel']:.3g} | "
                 f"{r['own_max_rel']:.3g} | {r['nonfinite']} | {r['loss_error']:.3g} | {r['reason'] or ''} |"
             )
+        for what, rows, columns in (("modules", self.modules, MODULE_COLUMNS),
+                                    ("module classes", self.module_classes, CLASS_COLUMNS)):
+            if rows:
+                lines += ["", _heading(what, len(rows)), "", "| " + " | ".join(title for title, _, _ in columns) + " |",
+                          "|" + "|".join(align for _, align, _ in columns) + "|"]
+                lines += ["| " + " | ".join(cell(r) for _, _, cell in columns) + " |" for r in _by_error(rows)[:TOP]]
         return "\n".join(lines)
 
     def __str__(self):
         return self.table()
+
+
+def _own(row):
+    return f"{row['own_max_rel']:.3g} ({row['own_op']})" if row["own_op"] else "-"
+
+
+# (title, alignment, cell) of the module tables' columns
+MODULE_COLUMNS = (
+    ("module", "---", lambda r: r["path"] or "(root)"),
+    ("class", "---", lambda r: r["class"]),
+    ("calls", "---:", lambda r: str(r["calls"])),
+    ("output max rel err", "---:", lambda r: f"{r['max_rel']:.3g}"),
+    ("output mean rel err", "---:", lambda r: f"{r['mean_rel']:.3g}"),
+    ("largest own op error in it", "---:", _own),
+)
+CLASS_COLUMNS = (
+    ("class", "---", lambda r: r["class"]),
+    ("instances", "---:", lambda r: str(r["instances"])),
+    ("calls", "---:", lambda r: str(r["calls"])),
+    ("output max rel err", "---:", lambda r: f"{r['max_rel']:.3g}"),
+    ("largest own op error in it", "---:", _own),
+    ("flagged", "---", lambda r: r["reason"]),
+)
+
+
+def _heading(what, count):
+    shown = f"the {TOP} with the largest own op error" if count > TOP else "by own op error"
+    return f"{what} ({count}; {shown}; own op error: of ops called directly in the module):"
+
+
+def _by_error(rows):
+    return sorted(rows, key=lambda r: (-r["own_max_rel"], -r["max_rel"]))
+
+
+def _module_rows(paths, ref, full, ops):
+    """One row per hooked module that ran under hmp: its outputs against the
+    fp32 run's, and the largest own error (``ops``' ``own_by_module``) of
+    the ops called directly in it."""
+    ref_outputs, full_outputs = by_op(ref.module_outputs), by_op(full.module_outputs)
+    rows = []
+    for path, module in paths.items():
+        if path not in full_outputs:
+            continue
+        max_rel, mean_rel, nonfinite = worst(pairs(ref_outputs, full_outputs, path))
+        own = {r["op"]: r["own_by_module"][path] for r in ops if path in r["own_by_module"]}
+        own_op = max(own, key=own.get, default=None)
+        rows.append({"path": path, "class": class_path(type(module)), "type": type(module),
+                     "calls": len(full_outputs[path][None]), "max_rel": max_rel, "mean_rel": mean_rel,
+                     "nonfinite": nonfinite, "own_max_rel": own.get(own_op, 0.0), "own_op": own_op})
+    return rows
+
+
+def _class_rows(module_rows, threshold):
+    """``module_rows`` aggregated per class: the largest errors of its
+    instances; flagged when an op's own error in one exceeds ``threshold``."""
+    by_class = {}
+    for r in module_rows:
+        by_class.setdefault(r["type"], []).append(r)
+    rows = []
+    for cls, instances in by_class.items():
+        top = max(instances, key=lambda r: r["own_max_rel"])
+        flagged = top["own_max_rel"] > threshold
+        rows.append({"class": class_path(cls), "type": cls, "instances": len(instances),
+                     "paths": [r["path"] for r in instances], "calls": sum(r["calls"] for r in instances),
+                     "max_rel": max(r["max_rel"] for r in instances),
+                     "mean_rel": max(r["mean_rel"] for r in instances),
+                     "nonfinite": sum(r["nonfinite"] for r in instances),
+                     "own_max_rel": top["own_max_rel"], "own_op": top["own_op"], "flagged": flagged,
+                     "reason": f"{top['own_op']} error {top['own_max_rel']:.2g} > {threshold:g}" if flagged else ""})
+    return rows
 
 
 def current_or_default():
@@ -123,12 +212,16 @@ def kind_of(name, lists):
     return next((k for k in KINDS if name in lists[k]), None)
 
 
-def run_step(fn, args, kwargs, guard, conversion=None, passthrough=False, keep_outputs=False, restore_dtype=False):
+def run_step(fn, args, kwargs, guard, conversion=None, passthrough=False, keep_outputs=False, restore_dtype=False,
+             forced=None, module_outputs=False):
     """One run of ``fn`` from the guarded state under ``conversion`` (None:
-    plain torch), recorded; the configuration in force is back afterwards."""
+    plain torch), recorded (see record.Recorder for the options), with the
+    guarded modules hooked when outputs are kept; the configuration in force
+    is back afterwards."""
     guard.restore()
-    recorder = Recorder(keep_outputs=keep_outputs, restore_dtype=restore_dtype)
-    with applied(conversion, recorder=recorder, passthrough=passthrough):
+    recorder = Recorder(keep_outputs, restore_dtype, forced, module_outputs)
+    hooks = ModuleHooks(recorder, module_paths(guard.modules) if keep_outputs else {})
+    with applied(conversion, recorder=recorder, passthrough=passthrough), hooks:
         value = fn(*args, **kwargs)
     return _final(value), recorder
 
@@ -141,29 +234,40 @@ def audit(fn, *args, state=(), threshold=0.05, loss_threshold=2e-3, **kwargs):
     after the audit as before. An op is flagged when its own bf16 error
     (measured with only it cast) exceeds ``threshold``, when it introduces
     inf/NaN, or when the error it alone passes on to ``fn``'s output exceeds
-    ``loss_threshold``. The configuration in force before is restored.
+    ``loss_threshold``. The modules among ``state`` and the arguments get
+    rows too (``report.modules``, ``report.module_classes``): their outputs'
+    error, and the largest own error of an op called directly in them; a
+    class is flagged when that exceeds ``threshold``. The configuration in
+    force before is restored.
     """
     conversion = current_or_default()
     lists = conversion.lists
     guard = StateGuard(list(state) + list(args) + list(kwargs.values()))
     try:
-        ref_final, ref = run_step(fn, args, kwargs, guard, conversion, passthrough=True, keep_outputs=True)
-        hmp_final, full = run_step(fn, args, kwargs, guard, conversion, keep_outputs=True)
+        ref_final, ref = run_step(fn, args, kwargs, guard, conversion, passthrough=True, keep_outputs=True,
+                                  module_outputs=True)
+        hmp_final, full = run_step(fn, args, kwargs, guard, conversion, keep_outputs=True, module_outputs=True)
         output_error = compare(ref_final, hmp_final)[0]
         by_op_ref, by_op_hmp = by_op(ref.outputs), by_op(full.outputs)
         rows = []
         for name, stats in full.stats.items():
-            pairs = list(zip(by_op_ref.get(name, []), by_op_hmp.get(name, [])))
-            max_rel, mean_rel, nonfinite = worst(pairs)
+            max_rel, mean_rel, nonfinite = worst(pairs(by_op_ref, by_op_hmp, name))
             row = {"op": name, "list": kind_of(name, lists), "calls": stats.calls, "casts": stats.casts,
                    "max_rel": max_rel, "mean_rel": mean_rel, "nonfinite": nonfinite,
-                   "own_max_rel": 0.0, "loss_error": 0.0}
+                   "own_max_rel": 0.0, "loss_error": 0.0, "own_by_module": {}}
             if stats.casts:
                 only = {k: ({name} if name in lists[k] else set()) for k in KINDS}
                 own_final, own = run_step(fn, args, kwargs, guard, conversion._replace(lists=only),
                                           keep_outputs=True, restore_dtype=True)
-                own_pairs = list(zip(by_op_ref.get(name, []), by_op(own.outputs).get(name, [])))
+                own_pairs = pairs(by_op_ref, by_op(own.outputs), name)
                 row["own_max_rel"], _, own_nonfinite = worst(own_pairs)
+                row["own_by_module"] = worst_by_module(own_pairs)
+                if row["own_max_rel"] > threshold and len(row["own_by_module"]) > 1:
+                    # which module's calls introduce it: once more, each call from the fp32 run's
+                    # inputs, so the error of the op's earlier calls does not count in later ones
+                    _, forced = run_step(fn, args, kwargs, guard, conversion._replace(lists=only),
+                                         keep_outputs=True, restore_dtype=True, forced=by_op_ref)
+                    row["own_by_module"] = worst_by_module(pairs(by_op_ref, by_op(forced.outputs), name))
                 row["nonfinite"] = max(nonfinite, own_nonfinite)
                 row["loss_error"], _, final_nonfinite = compare(ref_final, own_final)
                 row["nonfinite"] += final_nonfinite
@@ -177,22 +281,42 @@ def audit(fn, *args, state=(), threshold=0.05, loss_threshold=2e-3, **kwargs):
             row["reason"] = "; ".join(reasons)
             row["flagged"] = bool(reasons)
             rows.append(row)
+        modules = _module_rows(module_paths(guard.modules), ref, full, rows)
     finally:
         guard.restore()
-    return AuditReport(rows, output_error, threshold, loss_threshold)
+    return AuditReport(rows, output_error, threshold, loss_threshold, modules)
 
 
 def by_op(outputs):
+    """name -> innermost module path (None: outside the hooked modules) ->
+    the recorded outputs (record.Output), in call order."""
     out = {}
-    for name, value in outputs:
-        out.setdefault(name, []).append(value)
+    for o in outputs:
+        out.setdefault(o.name, {}).setdefault(o.module, []).append(o.value)
     return out
 
 
-def worst(pairs):
+def pairs(ref, got, name):
+    """``[(module path, ref output, got output)]``: the calls of ``name`` in
+    two by_op() results, paired by order within each innermost module (so
+    calls one run does not record, inside an FP32 module, shift no others)."""
+    mine = got.get(name, {})
+    return [(m, r, g) for m, values in ref.get(name, {}).items() for r, g in zip(values, mine.get(m, ()))]
+
+
+def worst(calls):
+    """The largest errors over ``calls`` (from pairs()), and their inf/NaN count."""
     max_rel = mean_rel = 0.0
     nonfinite = 0
-    for ref, got in pairs:
+    for _, ref, got in calls:
         a, b, c = compare(ref, got)
         max_rel, mean_rel, nonfinite = max(max_rel, a), max(mean_rel, b), nonfinite + c
     return max_rel, mean_rel, nonfinite
+
+
+def worst_by_module(calls):
+    """module path -> the largest max relative error of ``calls`` made directly in it."""
+    out = {}
+    for module, ref, got in calls:
+        out[module] = max(out.get(module, 0.0), compare(ref, got)[0])
+    return out

@@ -4,14 +4,21 @@ A conversion built with a Recorder gets instrumented prepare functions and
 op adapters; an ordinary conversion has none of this (nothing is left
 behind once the recording conversion is replaced). Only the outermost
 listed op of a call is recorded, as only it casts.
+
+For audit and tune, ``ModuleHooks`` also puts forward hooks on a model's
+modules for one recorded run: they keep the stack of modules running, so
+each op output is recorded with the innermost module it ran in, and they
+record each module call's output. They are removed when the run ends.
 """
 
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 _Tensor = torch.Tensor
 
@@ -57,17 +64,58 @@ class OpStats:
     bytes_cast: int = 0
 
 
-class Recorder:
-    """Collects per-op statistics and, when asked, each call's output."""
+class Output(NamedTuple):
+    name: str  # the op's name, or a module's path for a module call
+    value: tuple  # snapshot() of what it returned
+    module: Optional[str] = None  # path of the innermost hooked module the op ran in, if any
 
-    def __init__(self, keep_outputs=False, restore_dtype=False):
+
+class Recorder:
+    """Collects per-op statistics and, when asked, each call's output (and
+    each hooked module call's output, see ModuleHooks)."""
+
+    def __init__(self, keep_outputs=False, restore_dtype=False, forced=None, module_outputs=False):
         # restore_dtype: cast an op's floating outputs back to the dtype of its
         # first floating input, so only this op's rounding reaches the rest
-        # of the model (used to measure one op at a time)
-        self.keep_outputs, self.restore_dtype = keep_outputs, restore_dtype
+        # of the model (used to measure one op at a time).
+        # forced: a reference run's outputs, {op: {module path: [outputs]}};
+        # each recorded call passes on the reference's output of the same
+        # call instead of its own (gradients flow through its own), so no
+        # call's error reaches the next: each call's error is its own.
+        # module_outputs: keep each hooked module call's output too
+        self.keep_outputs, self.restore_dtype, self.forced = keep_outputs, restore_dtype, forced
+        self.keep_module_outputs = module_outputs
+        self._forced_calls = Counter()  # (op, module path) -> calls forced so far
         self.stats = {}
-        self.outputs = []  # (op name, output) in call order
+        self.outputs = []  # Output per op call, in call order
+        self.module_outputs = []  # Output per hooked module call, named by the module's path
         self._tls = threading.local()
+
+    def _stack(self):
+        stack = getattr(self._tls, "modules", None)
+        if stack is None:
+            stack = self._tls.modules = []
+        return stack
+
+    def entering(self, path):
+        """A forward pre-hook: ``path``'s module starts running."""
+
+        def hook(module, args):
+            self._stack().append(path)
+
+        return hook
+
+    def leaving(self, path):
+        """A forward hook: ``path``'s module returned ``output``."""
+
+        def hook(module, args, output):
+            stack = self._stack()
+            if path in stack:  # also drops what a child that raised left behind
+                del stack[len(stack) - 1 - stack[::-1].index(path):]
+            if self.keep_module_outputs:
+                self.module_outputs.append(Output(path, snapshot(output)))
+
+        return hook
 
     def prepare(self, prepare, name):
         def recorded_prepare(args, kwargs):
@@ -112,10 +160,42 @@ class Recorder:
             if self.restore_dtype and first is not None:
                 out = _restore(out, first)
             if self.keep_outputs:
-                self.outputs.append((name, snapshot(out)))
+                stack = self._stack()
+                module = stack[-1] if stack else None
+                self.outputs.append(Output(name, snapshot(out), module))
+                if self.forced is not None:
+                    out = self._force(name, module, out)
             return out
 
         return recorded_op
+
+    def _force(self, name, module, out):
+        key = (name, module)
+        i = self._forced_calls[key]
+        self._forced_calls[key] += 1
+        refs = self.forced.get(name, {}).get(module, [])
+        if i >= len(refs):
+            return out
+        ref = iter(refs[i])
+        leaves, spec = tree_flatten(out)
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, _Tensor) and leaf.is_floating_point():
+                r = next(ref, None)
+                if r is not None and r.shape == leaf.shape and r.dtype == leaf.dtype:
+                    leaves[j] = _Forced.apply(leaf, r)
+        return tree_unflatten(leaves, spec)
+
+
+class _Forced(torch.autograd.Function):
+    """``ref``'s values, with ``got``'s place in the graph."""
+
+    @staticmethod
+    def forward(ctx, got, ref):
+        return ref.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def _restore(value, dtype):
@@ -127,6 +207,53 @@ def _restore(value, dtype):
 
 
 def snapshot(value):
-    """Detached copies of the floating tensors in an op's output."""
-    return tuple(t.detach().clone() for t in _tensors((value,), None) if t.is_floating_point())
+    """Detached copies of the floating tensors in an op's or a module's
+    output (tensors inside tuples, lists, dicts, torch.return_types,
+    transformers' ModelOutput)."""
+    return tuple(t.detach().clone() for t in tree_leaves(value) if isinstance(t, _Tensor) and t.is_floating_point())
+
+
+def module_paths(objects):
+    """``{path: module}`` for every submodule of the modules among
+    ``objects``, each module once. One root: paths as ``named_modules()``
+    gives them (the root is ``""``); several: as if the roots were items of
+    one ``ModuleList`` (``"0"``, ``"0.fc"``, ``"1"``). ScriptModules are
+    left out: they take no hooks, and hmp casts nothing inside them."""
+    roots = [o for o in objects if isinstance(o, torch.nn.Module)]
+    out, seen = {}, set()
+    for i, root in enumerate(roots):
+        for name, module in root.named_modules():
+            if id(module) in seen or isinstance(module, torch.jit.ScriptModule):
+                continue
+            seen.add(id(module))
+            prefix = str(i) if len(roots) > 1 else ""
+            out[".".join(p for p in (prefix, name) if p)] = module
+    return out
+
+
+class ModuleHooks:
+    """Forward hooks on ``paths``' modules (module_paths()) reporting to
+    ``recorder``, for the duration of a ``with`` block; removed on exit,
+    also when the block raises."""
+
+    def __init__(self, recorder, paths):
+        self.recorder, self.paths, self.handles = recorder, paths, []
+
+    def __enter__(self):
+        try:
+            for path, module in self.paths.items():
+                self.handles.append(module.register_forward_pre_hook(self.recorder.entering(path)))
+                self.handles.append(module.register_forward_hook(self.recorder.leaving(path)))
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self._remove()
+
+    def _remove(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 

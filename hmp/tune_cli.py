@@ -1,6 +1,7 @@
 """``python -m hmp tune``: run hmp.tune on the demo's language model and
-print the report; write the tuned list files and, with ``--plot``, draw each
-op's bf16 error against the time it takes."""
+print the report (module classes proposed for FP32 included); write the
+tuned list files and, with ``--plot``, draw each op's bf16 error against the
+time it takes."""
 
 import argparse
 import json
@@ -9,6 +10,7 @@ import sys
 import torch
 
 from . import tuning
+from .lists import class_path
 from .demo import data as demo_data
 from .demo.training import Config, build, train_step
 
@@ -76,7 +78,13 @@ def run(args):
 
     result = tuning.tune(step, x, y, state=(model, opt, sched), steps=args.steps)
     print(result.table())
-    result.write(args.bf16_out, args.fp32_out)
+    classes = ", ".join(map(class_path, result.modules_to_fp32))
+    if classes:
+        print(f"\nproposed for the FP32 list, instead of moving their ops: module classes {classes}")
+    try:
+        result.write(args.bf16_out, args.fp32_out)
+    except ValueError as e:
+        return _fail(str(e))
     print(f"\nwrote {args.bf16_out} and {args.fp32_out}; use them with "
           f"hmp.convert(bf16_file_path={args.bf16_out!r}, fp32_file_path={args.fp32_out!r})")
     if args.plot:
@@ -84,6 +92,9 @@ def run(args):
         print(f"wrote {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"lists": result.lists, "validation": result.validation, "timings": result.timings,
-                       "trials": result.trials, "audit": result.audit.rows}, f, indent=2, default=str)
+            json.dump({"lists": result.lists, "modules_to_fp32": [class_path(c) for c in result.modules_to_fp32],
+                       "validation": result.validation, "timings": result.timings, "trials": result.trials,
+                       "module_proposals": result.proposals, "audit": result.audit.rows,
+                       "audit_modules": result.audit.modules, "audit_module_classes": result.audit.module_classes},
+                      f, indent=2, default=str)
     return 0

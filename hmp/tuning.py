@@ -1,12 +1,15 @@
 """hmp.tune: lists that are fast and safe for this model.
 
-1. audit the current lists; flagged ops move to the FP32 list;
+1. audit the current lists; flagged ops move to the FP32 list, except where
+   an op's error is confined to one module class: that class is proposed
+   for the FP32 list instead (checked by a run with the op cast everywhere
+   else), and the op keeps its list;
 2. find the ops the step runs that are expensive and not in the BF16 list
    (unlisted or FP32-listed), try each alone in bf16, and keep those whose
    own error and the error they pass on to the loss stay under the bounds;
 3. validate: train a few steps from the same state in fp32, with the current
    lists and with the candidate; if the candidate's loss strays from fp32's,
-   drop the additions; time a step of each.
+   drop the additions and module proposals; time a step of each.
 """
 
 import statistics
@@ -17,11 +20,12 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .auditing import StateGuard, by_op, worst, audit, compare, current_or_default, kind_of, run_step
+from .auditing import StateGuard, audit, by_op, compare, current_or_default, kind_of, pairs, run_step, worst
 from .casts import casts_enabled
 from .conversion import applied
-from .lists import KINDS
-from .resolve import Resolver
+from .lists import KINDS, class_path
+from .modules import label
+from .resolve import Resolver, module_class
 
 
 # calls a step makes that are not math to run in another dtype
@@ -72,13 +76,17 @@ class _OpTimes(TorchFunctionMode):
 
 
 class TuneResult:
-    def __init__(self, lists, before, audit_report, trials, validation, timings):
+    def __init__(self, lists, before, audit_report, trials, validation, timings, modules=None, proposals=None):
         self.lists = lists  # {"bf16", "fp32", "promote"} -> sorted names
         self.before = before
         self.audit = audit_report
         self.trials = trials  # op -> {"seconds", "own_max_rel", "loss_error", "nonfinite", "accepted"}
         self.validation = validation  # name -> final loss after the validation steps
         self.timings = timings  # name -> median step seconds
+        self.modules = modules or {"bf16": (), "fp32": ()}  # module entries: classes and instances
+        # op -> {"class", "type", "own_max_rel", "loss_error", "nonfinite", "accepted"}: the module
+        # class its error is confined to, and the op's errors with that class in FP32
+        self.proposals = proposals or {}
 
     @property
     def moved_to_fp32(self):
@@ -88,6 +96,11 @@ class TuneResult:
     def added_to_bf16(self):
         return sorted(set(self.lists["bf16"]) - set(self.before["bf16"]))
 
+    @property
+    def modules_to_fp32(self):
+        """The module classes tune put under the FP32 rule."""
+        return list(dict.fromkeys(p["type"] for p in self.proposals.values() if p["accepted"]))
+
     def table(self):
         lines = ["## audit of the starting lists", "", self.audit.table(), "", "## ops tried in bf16", "",
                  "| op | was in | fp32 time ms | own max rel err | error passed to loss | inf/NaN | kept in bf16 |",
@@ -95,11 +108,19 @@ class TuneResult:
         for op, t in sorted(self.trials.items(), key=lambda kv: -kv[1]["seconds"]):
             lines.append(f"| {op} | {t['was'] or 'no list'} | {t['seconds'] * 1e3:.3f} | {t['own_max_rel']:.3g} | "
                          f"{t['loss_error']:.3g} | {t['nonfinite']} | {'yes' if t['accepted'] else 'no'} |")
+        if self.proposals:
+            lines += ["", "## flagged ops whose error is confined to one module class", "",
+                      "| op | module class | own max rel err, class in FP32 | error passed to loss | inf/NaN | "
+                      "class to FP32 instead of the op |", "|---|---|---:|---:|---:|---|"]
+            for op, p in self.proposals.items():
+                lines.append(f"| {op} | {p['class']} | {p['own_max_rel']:.3g} | {p['loss_error']:.3g} | "
+                             f"{p['nonfinite']} | {'yes' if p['accepted'] else 'no'} |")
         lines += ["", "## validation", "", "| lists | final loss | step ms (median) |", "|---|---:|---:|"]
         for name in self.validation:
             ms = self.timings.get(name)
             lines.append(f"| {name} | {self.validation[name]:.5f} | {'' if ms is None else f'{ms * 1e3:.2f}'} |")
         lines += ["", f"moved to FP32: {', '.join(self.moved_to_fp32) or 'none'}",
+                  f"module classes to FP32: {', '.join(map(class_path, self.modules_to_fp32)) or 'none'}",
                   f"added to BF16: {', '.join(self.added_to_bf16) or 'none'}"]
         return "\n".join(lines)
 
@@ -107,15 +128,40 @@ class TuneResult:
         return self.table()
 
     def write(self, bf16_path, fp32_path, promote_path=None):
-        """Write list files that hmp.convert() loads."""
+        """Write list files that hmp.convert() loads; module classes as
+        their import paths. Raises ValueError, writing nothing, when a class
+        does not load by its import path."""
+        classes = {kind: [importable(t) for t in targets if isinstance(t, type)]
+                   for kind, targets in self.modules.items()}
+        instances = [label(t) for targets in self.modules.values() for t in targets if not isinstance(t, type)]
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         header = (f"# written by hmp.tune on {stamp}\n"
                   f"# moved to FP32 (flagged by the audit): {', '.join(self.moved_to_fp32) or 'none'}\n"
+                  f"# module classes to FP32 (a flagged op's error is confined to them): "
+                  f"{', '.join(map(class_path, self.modules_to_fp32)) or 'none'}\n"
                   f"# added to BF16 (safe and expensive): {', '.join(self.added_to_bf16) or 'none'}\n"
                   f"# validation final losses: " + ", ".join(f"{k} {v:.5f}" for k, v in self.validation.items()) + "\n")
+        if instances:
+            header += f"# not in these files, give them to convert() again: module instances {', '.join(instances)}\n"
         targets = [("bf16", bf16_path), ("fp32", fp32_path)] + ([("promote", promote_path)] if promote_path else [])
         for kind, path in targets:
-            Path(path).write_text(header + "\n".join(self.lists[kind]) + "\n")
+            Path(path).write_text(header + "\n".join(self.lists[kind] + classes.get(kind, [])) + "\n")
+
+
+def importable(cls):
+    """``cls``'s import path, checked to load ``cls`` again."""
+    path = class_path(cls)
+    try:
+        found = module_class(path)
+    except ValueError as e:
+        found, why = None, str(e)
+    else:
+        why = f"it names another class, {found!r}"
+    if found is not cls:
+        raise ValueError(f"hmp.tune: cannot write the module class {cls.__qualname__} to a list file: its import path "
+                         f"{path!r} does not load it ({why}). Define the class at the top level of an importable "
+                         f"module, or write the files without it and pass it to hmp.convert(fp32_modules=[...]).")
+    return path
 
 
 def _as_sets(lists):
@@ -150,6 +196,27 @@ def _interleaved_times(fn, args, kwargs, guard, configs, rounds):
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def confined_to(report, op, roots):
+    """The module class in whose instances alone ``op``'s own error exceeds
+    the audit's threshold, when the op also runs elsewhere and the class is
+    not that of one of the ``roots`` (a whole model); else None."""
+    row = next(r for r in report.rows if r["op"] == op)
+    types = {r["path"]: r["type"] for r in report.modules}
+    over = {types.get(m) for m, error in row["own_by_module"].items() if error > report.threshold}
+    if len(over) != 1 or None in over:
+        return None
+    cls = over.pop()
+    if any(isinstance(r, cls) for r in roots):
+        return None  # the whole model under FP32: moving the op is the narrower change
+    inside = [r["path"] for r in report.modules if issubclass(r["type"], cls)]
+    elsewhere = [m for m in row["own_by_module"] if m is None or not any(_within(m, p) for p in inside)]
+    return cls if elsewhere else None
+
+
+def _within(path, outer):
+    return path == outer or path.startswith(outer + ".")
+
+
 def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3, tolerance=0.02,
          min_share=0.02, rounds=5, **kwargs):
     """Tune the lists for ``step_fn(*args, **kwargs)``, a training step that
@@ -162,12 +229,16 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
     causes; ``tolerance``: how far the tuned lists' loss after ``steps``
     steps may be from fp32's; ``min_share``: the share of fp32 op time an op
     must take to be worth trying in bf16; ``rounds``: timing rounds.
+    A flagged op whose error is confined to the instances of one module
+    class (confined_to()) keeps its list, and that class goes to the FP32
+    list instead, when the op cast everywhere else stays within the bounds.
     """
     start = current_or_default()
     start_lists = _as_sets(start.lists)
 
-    def under(lists):
-        return start._replace(lists=lists)
+    def under(lists, fp32_modules=()):
+        fp32 = tuple(dict.fromkeys(start.modules["fp32"] + tuple(fp32_modules)))
+        return start._replace(lists=lists, modules={"bf16": start.modules["bf16"], "fp32": fp32})
 
     guard = StateGuard(list(state) + list(args) + list(kwargs.values()))
     try:
@@ -177,6 +248,7 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
             for k in KINDS:
                 lists[k].discard(op)
             lists["fp32"].add(op)
+        confined = {op: cls for op in report.flagged if (cls := confined_to(report, op, guard.modules)) is not None}
 
         # what still computes in fp32 under the lists so far, and its share of the step's op time
         guard.restore()
@@ -188,30 +260,46 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         candidates = [op for op, s in times.seconds.items()
                       if s / total >= min_share and op not in lists["bf16"] and op not in report.flagged
                       and resolver.exists(op)]
-        # the fp32 reference, recording the candidates' outputs without casting
-        watch = {"bf16": set(candidates), "fp32": set(), "promote": set()}
+        # the fp32 reference, recording the candidates' and the confined ops' outputs without casting
+        watch = {"bf16": set(candidates) | set(confined), "fp32": set(), "promote": set()}
         ref_final, ref = run_step(step_fn, args, kwargs, guard, under(watch), passthrough=True, keep_outputs=True)
         ref_outputs = by_op(ref.outputs)
-        trials = {}
-        for op in candidates:
-            only = {"bf16": {op}, "fp32": set(), "promote": set()}
-            own_final, own = run_step(step_fn, args, kwargs, guard, under(only), keep_outputs=True,
+
+        def alone(op, only, fp32_modules=()):
+            """Errors of ``op`` cast alone (its list in ``only``), against the reference."""
+            own_final, own = run_step(step_fn, args, kwargs, guard, under(only, fp32_modules), keep_outputs=True,
                                       restore_dtype=True)
             loss_error, _, nonfinite = compare(ref_final, own_final)
-            own_max_rel, _, own_nonfinite = worst(zip(ref_outputs.get(op, []), by_op(own.outputs).get(op, [])))
+            own_max_rel, _, own_nonfinite = worst(pairs(ref_outputs, by_op(own.outputs), op))
             stats = own.stats.get(op)
-            accepted = (stats is not None and stats.casts > 0 and own_max_rel <= threshold
-                        and loss_error <= loss_threshold and not (nonfinite or own_nonfinite))
-            trials[op] = {"was": kind_of(op, lists), "seconds": times.seconds[op], "own_max_rel": own_max_rel,
-                          "loss_error": loss_error, "nonfinite": nonfinite + own_nonfinite, "accepted": accepted}
+            ok = (stats is not None and stats.casts > 0 and own_max_rel <= threshold
+                  and loss_error <= loss_threshold and not (nonfinite or own_nonfinite))
+            return {"own_max_rel": own_max_rel, "loss_error": loss_error, "nonfinite": nonfinite + own_nonfinite,
+                    "accepted": ok}
+
+        trials = {}
+        for op in candidates:
+            trials[op] = {"was": kind_of(op, lists), "seconds": times.seconds[op],
+                          **alone(op, {"bf16": {op}, "fp32": set(), "promote": set()})}
+        proposals = {}
+        for op, cls in confined.items():
+            only = {k: ({op} if op in start_lists[k] else set()) for k in KINDS}
+            proposals[op] = {"class": class_path(cls), "type": cls, **alone(op, only, [cls])}
         candidate = _as_sets(lists)
         for op, t in trials.items():
             if t["accepted"]:
                 for k in KINDS:
                     candidate[k].discard(op)
                 candidate["bf16"].add(op)
+        for op, p in proposals.items():
+            if p["accepted"]:  # the op keeps its starting list; its class goes to FP32
+                for k in KINDS:
+                    candidate[k].discard(op)
+                    if op in start_lists[k]:
+                        candidate[k].add(op)
+        to_fp32 = [p["type"] for p in proposals.values() if p["accepted"]]
 
-        configs = {"fp32": None, "starting lists": under(start_lists), "tuned lists": under(candidate)}
+        configs = {"fp32": None, "starting lists": under(start_lists), "tuned lists": under(candidate, to_fp32)}
         validation = {name: _train(step_fn, args, kwargs, guard, steps, conversion)[0]
                       for name, conversion in configs.items()}
 
@@ -220,10 +308,10 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
             gap = abs(validation[name] - validation["fp32"])
             return gap <= tolerance * abs(validation["fp32"]) or gap <= abs(validation["starting lists"] - validation["fp32"])
 
-        if not acceptable("tuned lists") and candidate != lists:
-            for t in trials.values():
+        if not acceptable("tuned lists") and (candidate != lists or to_fp32):
+            for t in list(trials.values()) + list(proposals.values()):
                 t["accepted"] = False
-            candidate = lists
+            candidate, to_fp32 = lists, []
             configs["tuned lists"] = under(candidate)
             validation["tuned lists"] = _train(step_fn, args, kwargs, guard, steps, configs["tuned lists"])[0]
         timings = _interleaved_times(step_fn, args, kwargs, guard, configs, rounds)
@@ -231,4 +319,5 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         guard.restore()
     final = {k: sorted(v) for k, v in candidate.items()}
     final["promote"] = sorted(candidate["promote"] - candidate["bf16"] - candidate["fp32"])
-    return TuneResult(final, {k: sorted(v) for k, v in start_lists.items()}, report, trials, validation, timings)
+    return TuneResult(final, {k: sorted(v) for k, v in start_lists.items()}, report, trials, validation, timings,
+                      configs["tuned lists"].modules, proposals)

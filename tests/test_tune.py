@@ -2,41 +2,61 @@
 
 The planted op: inputs carry a large offset (think raw timestamps or
 un-normalised sensor values) that the model removes with ``torch.sub``. With
-``sub`` in the BF16 list, the input is rounded to bf16 first (spacing 8
+``sub`` in the BF16 list, the input is rounded to bf16 first (spacing 4
 near 1000) and the signal is gone; in fp32 it survives.
+
+The planted module (tests/planted.py): the same subtraction inside one
+module class, ``Recenter``, while ``sub`` also runs harmlessly in another
+(``Center``). The fix is that class in FP32, not ``sub`` everywhere.
 """
 
 import json
 
+import planted
 import pytest
 import torch
 import torch.nn.functional as F
 
 import hmp
+from hmp.conversion import current
 from hmp.record import Recorder
+from hmp.tuning import TuneResult
 
-OFFSET = 1000.0
+OFFSET = planted.OFFSET
 
 
 @hmp.disable_casts()  # the data is made in fp32 even when a test calls this converted
-def problem(seed=0):
+def problem(seed=0, module=False):
+    """The planted op (``torch.sub`` in the step), or with ``module`` the
+    planted module (planted.Net, whose Recenter does the subtraction)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(256, 16, generator=g) * 0.5 + OFFSET
     w = torch.randn(16, 4, generator=g)
     y = ((x - OFFSET) @ w).argmax(1)
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    if module:
+        model = planted.Net()
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
 
     def step(x, y):
         opt.zero_grad()
-        loss = F.cross_entropy(model(torch.sub(x, OFFSET)), y)
+        loss = F.cross_entropy(model(x if module else torch.sub(x, OFFSET)), y)
         loss.backward()
         with hmp.disable_casts():
             opt.step()
         return loss
 
     return model, opt, step, x, y
+
+
+def module_problem(seed=0):
+    return problem(seed, module=True)
+
+
+def hooks_left(model):
+    return [name for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
 
 
 @pytest.fixture
@@ -63,6 +83,31 @@ def train(step, x, y, steps):
     for _ in range(steps):
         loss = step(x, y)
     return float(loss.detach())
+
+
+def tuned(make_problem, unsafe, rounds):
+    """hmp.tune from the unsafe lists; the model and optimizer are as before afterwards."""
+    model, opt, step, x, y = make_problem()
+    start = snapshot(model, opt)
+    hmp.convert(bf16_file_path=unsafe)
+    result = hmp.tune(step, x, y, state=(model, opt), steps=40, rounds=rounds)
+    assert_same_state(start, model, opt)
+    return result
+
+
+def losses_after(make_problem, unsafe, bf16, fp32, steps=60):
+    """Final training losses from the same start: fp32, the unsafe lists,
+    and the list files tune wrote (``bf16``, ``fp32``)."""
+    losses = {}
+    for name, kwargs in [("fp32", None), ("unsafe", {"bf16_file_path": unsafe}),
+                         ("tuned", {"bf16_file_path": bf16, "fp32_file_path": fp32})]:
+        model, opt, step, x, y = make_problem()
+        hmp.revert()
+        if kwargs is not None:
+            hmp.convert(**kwargs)
+        losses[name] = train(step, x, y, steps)
+    hmp.revert()
+    return losses
 
 
 def test_profile_reports_per_op_and_leaves_nothing_behind(tmp_path):
@@ -125,25 +170,108 @@ def test_audit_counts_inf_introduced(tmp_path):
 
 @pytest.mark.slow
 def test_tune_moves_the_planted_op_and_training_matches_fp32(unsafe_lists, tmp_path):
-    model, opt, step, x, y = problem()
-    start = snapshot(model, opt)
-    hmp.convert(bf16_file_path=unsafe_lists)
-    result = hmp.tune(step, x, y, state=(model, opt), steps=40, rounds=2)
-    assert_same_state(start, model, opt)
+    result = tuned(problem, unsafe_lists, rounds=2)
     assert "sub" in result.moved_to_fp32 and "sub" in result.lists["fp32"] and "sub" not in result.lists["bf16"]
     v = result.validation
     assert abs(v["tuned lists"] - v["fp32"]) <= 0.02 * v["fp32"]
 
     result.write(tmp_path / "b.txt", tmp_path / "f.txt")
     assert (tmp_path / "b.txt").read_text().startswith("# written by hmp.tune")
-    losses = {}
-    for name, kwargs in [("fp32", None), ("unsafe", {"bf16_file_path": unsafe_lists}),
-                         ("tuned", {"bf16_file_path": tmp_path / "b.txt", "fp32_file_path": tmp_path / "f.txt"})]:
-        model, opt, step, x, y = problem()
-        hmp.revert()
-        if kwargs is not None:
-            hmp.convert(**kwargs)
-        losses[name] = train(step, x, y, 60)
-    hmp.revert()
+    losses = losses_after(problem, unsafe_lists, tmp_path / "b.txt", tmp_path / "f.txt")
     assert abs(losses["tuned"] - losses["fp32"]) <= 0.02 * losses["fp32"]
     assert losses["unsafe"] > 1.5 * losses["fp32"]  # the planted op really hurts
+
+
+def test_audit_names_the_unsafe_module_class(unsafe_lists):
+    model, opt, step, x, y = module_problem()
+    hmp.convert(bf16_file_path=unsafe_lists)
+    train(step, x, y, 2)
+    before = snapshot(model, opt)
+    report = hmp.audit(step, x, y, state=(model, opt))
+    assert report.flagged == ["sub"]
+    assert report.flagged_modules == ["planted.Recenter"]
+    modules = {r["path"]: r for r in report.modules}
+    assert set(modules) == {"", "recenter", "fc1", "act", "center", "fc2"}
+    assert modules["recenter"]["own_op"] == "sub" and modules["recenter"]["own_max_rel"] > 0.5
+    # Center's sub sees the garbage Recenter passed on (its output drifts), but its own error is small
+    assert modules["center"]["max_rel"] > 0.5 and modules["center"]["own_max_rel"] < 0.05
+    assert modules["fc1"]["class"] == "torch.nn.modules.linear.Linear" and modules["fc1"]["calls"] == 1
+    classes = {r["class"]: r for r in report.module_classes}
+    assert classes["torch.nn.modules.linear.Linear"]["instances"] == 2
+    assert not classes["planted.Center"]["flagged"] and classes["planted.Recenter"]["flagged"]
+    sub = next(r for r in report.rows if r["op"] == "sub")
+    assert sub["own_by_module"]["recenter"] > 0.5 and sub["own_by_module"]["center"] < 0.05
+    lines = report.table().splitlines()
+    ops, top_module, top_class = [lines[i + 1] for i, line in enumerate(lines) if line.startswith("|---")]
+    assert top_module.startswith("| recenter | planted.Recenter | 1 |")
+    assert top_class.startswith("| planted.Recenter | 1 | 1 |") and top_class.endswith("| sub error 0.96 > 0.05 |")
+    assert hooks_left(model) == []
+    assert_same_state(before, model, opt)
+
+
+def test_audit_pairs_calls_within_modules(unsafe_lists):
+    """With Recenter in FP32, its sub is not recorded under hmp: Center's call
+    is still paired with Center's call of the fp32 run, so nothing is flagged."""
+    model, opt, step, x, y = module_problem()
+    hmp.convert(bf16_file_path=unsafe_lists, fp32_modules=[planted.Recenter])
+    report = hmp.audit(step, x, y, state=(model, opt))
+    rows = {r["op"]: r for r in report.rows}
+    assert rows["sub"]["calls"] == 1 and rows["sub"]["max_rel"] < 0.05
+    assert report.flagged == [] and report.flagged_modules == []
+    assert current().modules["fp32"] == (planted.Recenter,)  # configuration restored
+
+
+def test_audit_removes_its_hooks_when_the_step_raises(unsafe_lists):
+    model, opt, step, x, y = module_problem()
+    hmp.convert(bf16_file_path=unsafe_lists)
+    calls = []
+
+    def failing(x, y):
+        calls.append(1)
+        if len(calls) == 2:  # the fp32 reference passes; under hmp, fc1 raises inside the model's forward
+            return step(x[:, :3], y)
+        return step(x, y)
+
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        hmp.audit(failing, x, y, state=(model, opt))
+    assert len(calls) == 2
+    assert hooks_left(model) == []
+    assert current().lists["bf16"] >= {"sub"}
+
+
+def test_write_module_classes_as_import_paths(tmp_path):
+    class Local(torch.nn.Module):
+        pass
+
+    lists = {"bf16": ["linear", "sub"], "fp32": ["softmax"], "promote": []}
+    result = TuneResult(lists, lists, None, {}, {"fp32": 1.0}, {}, {"bf16": (), "fp32": (planted.Recenter,)})
+    result.write(tmp_path / "b.txt", tmp_path / "f.txt")
+    assert (tmp_path / "f.txt").read_text().splitlines()[-2:] == ["softmax", "planted.Recenter"]
+    hmp.convert(bf16_file_path=tmp_path / "b.txt", fp32_file_path=tmp_path / "f.txt")
+    assert current().modules["fp32"] == (planted.Recenter,) and "sub" in current().lists["bf16"]
+
+    result.modules = {"bf16": (), "fp32": (planted.Recenter, Local)}
+    with pytest.raises(ValueError, match=r"Local .*'test_tune\.test_write_module_classes_as_import_paths\.<locals>"
+                                         r"\.Local' does not load it"):
+        result.write(tmp_path / "b2.txt", tmp_path / "f2.txt")
+    assert not (tmp_path / "b2.txt").exists() and not (tmp_path / "f2.txt").exists()
+
+
+@pytest.mark.slow  # 1.3 s on an idle 2-core CPU, 10-17 s beside another test run
+def test_tune_puts_the_unsafe_module_class_in_fp32_not_its_op(unsafe_lists, tmp_path):
+    result = tuned(module_problem, unsafe_lists, rounds=1)
+    assert result.modules_to_fp32 == [planted.Recenter]
+    assert result.moved_to_fp32 == [] and "sub" in result.lists["bf16"]  # the common op stays in bf16
+    assert result.proposals["sub"]["own_max_rel"] < 0.05 and result.proposals["sub"]["accepted"]
+    assert "module classes to FP32: planted.Recenter" in result.table()
+    v = result.validation
+    assert abs(v["tuned lists"] - v["fp32"]) <= 0.02 * v["fp32"]
+    assert v["starting lists"] > 1.5 * v["fp32"]
+
+    result.write(tmp_path / "b.txt", tmp_path / "f.txt")
+    assert "planted.Recenter" in (tmp_path / "f.txt").read_text().splitlines()
+    hmp.convert(bf16_file_path=tmp_path / "b.txt", fp32_file_path=tmp_path / "f.txt")
+    assert current().modules["fp32"] == (planted.Recenter,) and "sub" in current().lists["bf16"]
+    losses = losses_after(module_problem, unsafe_lists, tmp_path / "b.txt", tmp_path / "f.txt")
+    assert abs(losses["tuned"] - losses["fp32"]) <= 0.02 * losses["fp32"]
+    assert losses["unsafe"] > 1.5 * losses["fp32"]
