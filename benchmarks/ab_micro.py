@@ -1,64 +1,76 @@
-"""Per-call overhead of two checkouts of hmp, measured interleaved.
+"""Per-call cost of this checkout's wrappers against another checkout's, in one process.
 
-    python benchmarks/ab_micro.py /path/to/other/checkout [--rounds 8]
+    python benchmarks/ab_micro.py /path/to/other/checkout [--pairs 80]
 
-Each round runs ``micro.run`` (benchmarks/micro.py) once in a fresh process
-per checkout, alternating which goes first, and keeps hmp O1's overhead per
-op over plain torch measured in that same process, ``(hmp - plain)``, so a
-change in the machine's load between processes cancels out of each number.
-Prints the median overhead per op for each checkout and their ratio
-(``this / other``: below 1 means this checkout is faster).
+Both packages are loaded side by side (the other one as ``hmp_other``) and
+both are converted with their default O1 lists: the other first, then this
+one, so each holds live wrappers of the same torch ops calling the same
+originals. Each pair of samples times ``--calls`` calls of one wrapper and
+then of the other (the order alternates), and the ratio of the pair is kept:
+load on the machine changes slowly next to a pair, so it cancels out of the
+ratio. Prints the median ratio (this / other; below 1: this is faster) and
+its interquartile range per op: F.linear with nn.Parameter weights (cast
+through the weight cache), torch.mul (BF16 list), torch.cat (promote list),
+and ``Tensor.__add__`` (promote list, no cast).
 """
 
 import argparse
-import json
+import gc
+import importlib.util
 import statistics
-import subprocess
 import sys
+import timeit
 from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 
-CHILD = r"""
-import json, sys
-sys.path[:0] = [sys.argv[1] + "/benchmarks", sys.argv[1]]
-import torch
-import micro
-res = micro.run("cpu", int(sys.argv[2]), int(sys.argv[3]), lambda: None, progress=lambda *a: None)
-print(json.dumps({op: r["median_us"]["hmp-O1"] - r["median_us"]["plain"] for op, r in res["ops"].items()}))
-"""
+
+def load(name, checkout):
+    spec = importlib.util.spec_from_file_location(name, checkout / "hmp" / "__init__.py",
+                                                  submodule_search_locations=[str(checkout / "hmp")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-def overhead(checkout, reps, calls):
-    out = subprocess.run([sys.executable, "-c", CHILD, str(checkout), str(reps), str(calls)], capture_output=True,
-                         text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def wrappers():
+    return {"linear": F.linear, "mul": torch.mul, "cat": torch.cat, "add": torch.Tensor.__add__}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("other", type=Path, help="the checkout to compare with (a git worktree of another commit)")
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=5, help="samples per mode inside one process")
-    ap.add_argument("--calls", type=int, default=2000, help="calls per sample")
+    ap.add_argument("--pairs", type=int, default=80)
+    ap.add_argument("--calls", type=int, default=1000, help="calls per sample")
     args = ap.parse_args(argv)
-    checkouts = {"this": HERE.parent, "other": args.other.resolve()}
-    samples = {name: [] for name in checkouts}
-    for r in range(args.rounds):
-        order = list(checkouts) if r % 2 == 0 else list(reversed(checkouts))
-        for name in order:
-            samples[name].append(overhead(checkouts[name], args.reps, args.calls))
-        print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
-    ops = list(samples["this"][0])
-    print(f"hmp O1 per-call overhead over plain torch, us (median of {args.rounds} processes)\n")
-    print("| op | this | other | this / other |")
-    print("|---|---:|---:|---:|")
-    for op in ops:
-        this, other = (statistics.median(s[op] for s in samples[name]) for name in ("this", "other"))
-        print(f"| {op} | {this:.2f} | {other:.2f} | {this / other:.3f} |")
-    total = [sum(s.values()) for s in samples["this"]], [sum(s.values()) for s in samples["other"]]
-    this, other = statistics.median(total[0]), statistics.median(total[1])
-    print(f"| sum | {this:.2f} | {other:.2f} | {this / other:.3f} |")
+    torch.set_num_threads(1)
+    other = load("hmp_other", args.other.resolve())
+    this = load("hmp", HERE.parent)
+    other.convert()
+    theirs = wrappers()
+    this.convert()
+    ours = wrappers()
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    w, bias = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8))
+    calls = {"linear": lambda f: f(a, w, bias), "mul": lambda f: f(a, b), "cat": lambda f: f([a, b]),
+             "add": lambda f: f(a, b)}
+    gc.disable()
+    print(f"per-call time, this / other ({args.pairs} interleaved pairs of {args.calls} calls)\n")
+    print("| op | median | interquartile range |")
+    print("|---|---:|---|")
+    for op, call in calls.items():
+        ratios = []
+        for i in range(args.pairs):
+            order = [("this", ours[op]), ("other", theirs[op])]
+            times = {name: timeit.timeit(lambda: call(fn), number=args.calls) for name, fn in order[::1 - 2 * (i % 2)]}
+            ratios.append(times["this"] / times["other"])
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        print(f"| {op} | {statistics.median(ratios):.3f} | {q1:.3f} - {q3:.3f} |")
 
 
 if __name__ == "__main__":
