@@ -196,9 +196,8 @@ def _instance_forward(module):
     own = module.__dict__.get("forward")
     if own is None:
         return unwrap(inspect.getattr_static(type(module), "forward"))
-    own = unwrap(own)
     if isinstance(own, types.MethodType) and own.__self__ is module:
-        return own.__func__
+        return unwrap(own.__func__)  # a conversion's own entry, still in place: what it wraps
     return lambda self, *args, **kwargs: own(*args, **kwargs)  # someone's own per-instance forward
 
 

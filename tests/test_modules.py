@@ -356,6 +356,18 @@ def test_revert_restores_classes_and_instances_exactly(pristine):
     assert_same(pristine, snapshot())
 
 
+def test_converting_again_never_wraps_a_module_entry():
+    lin = nn.Linear(2, 2)
+    before = dict(vars(nn.LayerNorm))
+    for _ in range(2):
+        hmp.convert(fp32_modules=[lin, nn.LayerNorm])
+        assert lin(torch.randn(1, 2).bfloat16()).dtype == FP32
+        assert vars(nn.LayerNorm)["forward"].__hmp_original__ is before["forward"]
+        assert lin.forward.__func__.__hmp_original__ is vars(nn.Linear)["forward"]
+    hmp.revert()
+    assert "forward" not in vars(lin) and vars(nn.LayerNorm) == before
+
+
 def test_a_subclass_listed_itself_keeps_its_own_rule():
     with hmp.converted(fp32_modules=[nn.LayerNorm], bf16_modules=[OwnNorm]):
         assert nn.LayerNorm(4)(torch.randn(2, 4).bfloat16()).dtype == FP32
