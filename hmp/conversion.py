@@ -127,11 +127,10 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         patches = [(b.site.namespace, b.site.attr, wrappers.site(b, b.site.original()))
                    for b in (resolver or Resolver()).bind(effective)]
         patches += [_registration(wrappers, *entry) for entry in runtime.registered]
-        if not passthrough:
-            patches += modules.patches(by_module, modules.Regions(options.low, casts, effective["fp32"]))
-        patches += checkpoint.patches()  # recomputes run under their forward's hmp state
-        if not passthrough:  # passthrough casts nothing, so the module's own dtype check must stay
+        if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
+            patches += modules.patches(by_module, modules.Forwards(options.low, casts, effective["fp32"]))
             patches += rnn.check_input_patches(effective, lower_modules=bool(by_module["bf16"]))
+        patches += checkpoint.patches()  # recomputes run under their forward's hmp state
         patches += regions.plan()  # autocast regions, backward, GradScaler, DataLoader: left alone
         patches += steps.patches()
         patches += list(extra)

@@ -134,14 +134,17 @@ def _lower_forward(original, cast_in, mode):
     return forward
 
 
-class Regions:
+class Forwards:
     """The forward replacements of one conversion."""
 
     def __init__(self, low, casts, fp32_names):
-        to_fp32 = casts[torch.float32]
+        to_fp32, lower = casts[torch.float32], (torch.bfloat16, torch.float16)
+
+        def up(t):
+            return to_fp32(t) if t.dtype in lower else t
+
         self._fp32_in = policy.fp32(low, casts)
-        self._fp32_out = lambda out: tree_map_only(torch.Tensor, lambda t: to_fp32(t) if t.dtype in (
-            torch.bfloat16, torch.float16) else t, out)
+        self._fp32_out = lambda out: tree_map_only(torch.Tensor, up, out)  # any nesting: tuples, ModelOutput
         self._lower_in = policy.lower(low, casts)
         self._mode = LowerMode(low, casts, fp32_names)
 
@@ -158,7 +161,7 @@ class Regions:
         return fn
 
 
-def patches(modules, regions):
+def patches(modules, forwards):
     """``[(namespace, "forward", replacement)]`` for ``modules`` (kind ->
     classes and instances); builds everything, changes nothing."""
     listed = {t for targets in modules.values() for t in targets if isinstance(t, type)}
@@ -170,9 +173,9 @@ def patches(modules, regions):
                     if cls not in seen:
                         seen.add(cls)
                         original = unwrap(inspect.getattr_static(cls, "forward"))
-                        out.append((cls, "forward", regions.forward(kind, original)))
+                        out.append((cls, "forward", forwards.forward(kind, original)))
             else:
-                out.append((target, "forward", types.MethodType(regions.forward(kind, _instance_forward(target)),
+                out.append((target, "forward", types.MethodType(forwards.forward(kind, _instance_forward(target)),
                                                                  target)))
     return out
 
