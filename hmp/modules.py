@@ -71,7 +71,7 @@ class LowerMode(TorchFunctionMode):
         if prepare is None:
             name = getattr(func, "__name__", "")
             if name in _UNCAST:
-                prepare = _as_given
+                prepare = policy.cast_nothing
             elif _writes_first(name):
                 prepare = self._into
             else:
@@ -91,10 +91,6 @@ class LowerMode(TorchFunctionMode):
             return func(*a, **k)
         finally:
             st.off = 0
-
-
-def _as_given(args, kwargs):
-    return args, kwargs
 
 
 def _fp32_forward(original, cast_in, cast_out):

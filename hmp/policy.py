@@ -65,6 +65,11 @@ def cast_kwargs(kwargs, src, cast):
     return kwargs if cast_values is values else dict(zip(kwargs, cast_values))
 
 
+def cast_nothing(args, kwargs):
+    """The policy of a call left as given."""
+    return args, kwargs
+
+
 def to_dtype(src, cast, out=None):
     """Cast every tensor argument whose dtype is in ``src`` with ``cast``; a
     call with ``out=`` goes to ``out`` instead (the in-place rule)."""

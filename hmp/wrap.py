@@ -230,7 +230,7 @@ class Wrappers:
 
     def _prepare(self, prepare, label, name):
         if self.passthrough:
-            prepare = _cast_nothing
+            prepare = policy.cast_nothing
         if self.verbose:
             prepare = logged(prepare, label)
         if self.recorder is not None:
@@ -255,15 +255,11 @@ class Wrappers:
         return self._prepare(policy.for_kind(kind, self.low, self.casts), label, f"user_{kind}_function")
 
 
-def _cast_nothing(args, kwargs):
-    return args, kwargs
-
-
 def user_function(fn, kind):
     """The wrapper ``@hmp.{kind}_function`` returns; paused until convert()
     resumes it with that conversion's prepare."""
     label = getattr(fn, "__qualname__", None) or repr(fn)
-    wrapper = make(fn, _cast_nothing, About(label, None, kind))
+    wrapper = make(fn, policy.cast_nothing, About(label, None, kind))
     pause(wrapper)
     return wrapper
 
