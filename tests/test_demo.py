@@ -172,14 +172,15 @@ def test_json_output_has_the_table_fields(tmp_path):
     res = json.loads(out.read_text())
     meta = res["meta"]
     assert meta["steps"] == 3 and meta["batch_size"] == 2 and meta["seed"] == 1 and meta["device"] == "cpu"
-    assert meta["unigram_baseline"] > 0 and meta["params"] > 0 and meta["bf16_matmul_speedup"] > 0
+    assert meta["unigram_baseline"] > 0 and meta["params"] > 0 and meta["bf16_matmul_time_vs_fp32"] > 0
     fp32, mixed = res["results"]
     assert fp32["configuration"] == "fp32" and mixed["configuration"] == "hmp O1 (bfloat16)"
     for r in (fp32, mixed):
-        for key in ("tokens_per_s", "speedup", "peak_memory_mib", "train_loss", "val_loss", "wall_s"):
+        for key in ("tokens_per_s", "time_vs_fp32", "peak_memory_mib", "train_loss", "val_loss", "wall_s"):
             assert isinstance(r[key], float) and r[key] > 0, (key, r)
         assert len(r["losses"]) == 3
-    assert fp32["speedup"] == 1.0
+    assert fp32["time_vs_fp32"] == 1.0
+    assert mixed["time_vs_fp32"] == pytest.approx(fp32["tokens_per_s"] / mixed["tokens_per_s"])
     assert res["val_loss_change_pct"] == pytest.approx(100 * (mixed["val_loss"] / fp32["val_loss"] - 1))
     assert res["casts"]["per_op"]["linear"]["bfloat16"] > 0 and res["casts"]["total_per_step"] > 0
     # the printed table carries the same numbers

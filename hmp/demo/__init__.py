@@ -21,7 +21,7 @@ from tqdm import tqdm
 import hmp
 
 from . import data as data_mod
-from .training import (CAST_STEPS, Config, DeviceError, MEMORY_STEPS, count_casts, matmul_speedup, model_summary,
+from .training import (CAST_STEPS, Config, DeviceError, MEMORY_STEPS, count_casts, matmul_time_vs_fp32, model_summary,
                        peak_rss_growth, resolve_device, train)
 
 PROG = "python -m hmp demo"
@@ -145,11 +145,11 @@ def format_report(res):
     """The text report for a results dict (what --json writes)."""
     m, rows = res["meta"], res["results"]
     mem_title = "peak RSS growth" if m["memory_kind"] == "rss" else "peak memory"
-    head = ("configuration", "tokens/s", "speedup", mem_title, "train loss", "val loss", "train time")
+    head = ("configuration", "tokens/s", "time vs fp32", mem_title, "train loss", "val loss", "train time")
     body = []
     for r in rows:
         mem = "n/a" if r["peak_memory_mib"] is None else f"{r['peak_memory_mib']:,.0f} MiB"
-        body.append((r["configuration"], _fmt_int(r["tokens_per_s"]), f"{r['speedup']:.2f}x", mem,
+        body.append((r["configuration"], _fmt_int(r["tokens_per_s"]), f"{r['time_vs_fp32']:.2f}x", mem,
                      f"{r['train_loss']:.4f}", f"{r['val_loss']:.4f}", f"{r['wall_s']:.1f} s"))
     widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
     line = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
@@ -171,8 +171,8 @@ def format_report(res):
         "",
         f"val loss: hmp {res['val_loss_change_pct']:+.2f}% vs fp32; unigram baseline {m['unigram_baseline']:.4f} "
         f"(losses are cross-entropy in nats/char)",
-        f"this {m['device']}: a bfloat16 matmul of the model's size runs at {m['bf16_matmul_speedup']:.2f}x the "
-        f"speed of float32 (measured now); no bf16 scheme gains more than that on the matmuls",
+        f"this {m['device']}: a bfloat16 matmul of the model's size takes {m['bf16_matmul_time_vs_fp32']:.2f}x "
+        f"float32's time (measured now; below 1 is faster); no bf16 scheme gains more than that on the matmuls",
         f"casts hmp made per training step (forward; {c['total_per_step']:g} casts in {c['op_calls_per_step']:g} "
         f"op calls): {_casts_line(c['per_op'])}",
         f"tokens/s: median step after {m['timing_warmup']} warm-up steps; train loss: mean of the last "
@@ -242,7 +242,7 @@ def _run(args):
                 _note(f"warning: memory of {r['configuration']} not measured: {r['peak_memory_error']}")
     base = results[0]
     for r in results:
-        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["time_vs_fp32"] = base["tokens_per_s"] / r["tokens_per_s"]  # below 1 is faster
     res = {
         "meta": {
             "device": device, "torch": torch.__version__, "python": platform.python_version(),
@@ -254,9 +254,9 @@ def _run(args):
             **{k: getattr(cfg, k) for k in ("steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads",
                                             "dropout", "lr", "seed", "timing_warmup", "loss_window")},
             "opt_level": args.opt_level, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "bf16_matmul_speedup": matmul_speedup(cfg),
+            "bf16_matmul_time_vs_fp32": matmul_time_vs_fp32(cfg),
         },
-        "results": [{k: r.get(k) for k in ("configuration", "tokens_per_s", "speedup", "peak_memory_mib",
+        "results": [{k: r.get(k) for k in ("configuration", "tokens_per_s", "time_vs_fp32", "peak_memory_mib",
                                            "train_loss", "val_loss", "wall_s", "hmp", "losses")}
                     for r in results],
         "val_loss_change_pct": 100.0 * (results[1]["val_loss"] / base["val_loss"] - 1.0),

@@ -284,11 +284,11 @@ def model_summary(cfg):
     return n_params(model)
 
 
-def matmul_speedup(cfg, reps=9):
-    """How much faster this device multiplies the model's largest matrices
-    (the MLP's ``batch*seq x d_model x 4*d_model``) in bfloat16 than in
-    float32: medians of interleaved timings. It bounds what any bf16 scheme
-    can gain here; on some CPUs it is below 1."""
+def matmul_time_vs_fp32(cfg, reps=9):
+    """The time this device takes to multiply the model's largest matrices
+    (the MLP's ``batch*seq x d_model x 4*d_model``) in bfloat16, relative to
+    float32 (below 1 is faster): medians of interleaved timings. It bounds
+    what any bf16 scheme can gain here; on some CPUs it is above 1."""
     rows, d = cfg.batch_size * cfg.seq_len, cfg.d_model
     gen = torch.Generator().manual_seed(cfg.seed)
     a, b = torch.randn(rows, d, generator=gen), torch.randn(d, 4 * d, generator=gen)
@@ -301,4 +301,4 @@ def matmul_speedup(cfg, reps=9):
             torch.mm(x, w)
             _sync(cfg.device)
             times[dtype].append(time.perf_counter() - start)
-    return statistics.median(times[torch.float32][1:]) / statistics.median(times[torch.bfloat16][1:])
+    return statistics.median(times[torch.bfloat16][1:]) / statistics.median(times[torch.float32][1:])
