@@ -32,3 +32,17 @@ def test_autocast_lists_up_to_date():
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "autocast_lists.py"), "--check"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_percall_compares_the_schemes_on_what_each_returns(tmp_path):
+    out = tmp_path / "percall.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "percall.py"), "--reps", "1", "--calls", "5",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    # the timed calls are the ones the table names: bare torch is fp32, both schemes cast where they should
+    for case in ("linear (training)", "linear (inference)", "mm"):
+        assert res[case]["dtype"] == {"bare": "float32", "autocast": "bfloat16", "hmp": "bfloat16"}, case
+    for case in ("softmax (fp32, no cast)", "cat (one dtype, no cast)"):
+        assert res[case]["dtype"] == {"bare": "float32", "autocast": "float32", "hmp": "float32"}, case
+    assert "| mm |" in p.stdout
