@@ -2,5 +2,5 @@
 
 torch's private names change between releases without notice; keeping them
 here means one file to read when a new release breaks something, and
-tests/test_structure.py fails if another module reaches one directly.
+tests/unit/test_structure.py fails if another module reaches one directly.
 """

@@ -1,13 +1,13 @@
+"""Fixtures and the suite's own rules; shared helpers live in the helpers package."""
+
 import pytest
 import torch
-import torch.nn.functional as F
 
 import hmp
 from hmp import state
 
-NAMESPACES = {"torch": torch, "torch.nn.functional": F, "torch.Tensor": torch.Tensor}
+from helpers import DEVICES, assert_same, snapshot
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 RUN_SLOW = "--run-slow"
 
@@ -36,19 +36,6 @@ def pytest_runtest_call(item):
         pytest.fail("the test left hmp.disable_casts() active (casts are still off when it returned)",
                     pytrace=False)
     return result
-
-
-def snapshot(namespaces=NAMESPACES):
-    """Every entry of the given namespaces ({name: module or class}), by identity."""
-    return {name: dict(vars(ns)) for name, ns in namespaces.items()}
-
-
-def assert_same(before, after):
-    for name in before:
-        b, a = before[name], after[name]
-        assert b.keys() == a.keys(), f"{name}: added {set(a) - set(b)}, removed {set(b) - set(a)}"
-        changed = [k for k in b if b[k] is not a[k]]
-        assert not changed, f"{name}: entries not identical: {changed[:10]}"
 
 
 ENV_LIST_VARS = ("LOWER_LIST", "FP32_LIST", "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST", "PT_HPU_AUTOCAST_FP32_OPS_LIST")
@@ -95,12 +82,3 @@ def pristine():
 @pytest.fixture(params=DEVICES)
 def device(request):
     return torch.device(request.param)
-
-
-def write(tmp_path, name, text, mode="w"):
-    path = tmp_path / name
-    if mode == "wb":
-        path.write_bytes(text)
-    else:
-        path.write_text(text)
-    return path

@@ -13,7 +13,7 @@ import pytest
 import hmp
 from hmp import legacy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # The Habana tutorial loop, as written for Gaudi with the (removed) hmp.
 LEGACY_SCRIPT = '''\

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import hmp
-from conftest import assert_same, snapshot
+from helpers import assert_same, snapshot
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 POOL = ["mm", "matmul", "linear", "relu", "softmax", "log", "exp", "tanh", "sin",
         "add", "sub", "mul", "div", "truediv"]
 

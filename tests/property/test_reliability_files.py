@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import hmp
-from conftest import assert_same, snapshot
+from helpers import assert_same, snapshot
 from hmp.resolve import Resolver
 
 KINDS = ("bf16_file_path", "fp32_file_path", "promote_file_path")

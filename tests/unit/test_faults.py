@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hmp
-from conftest import assert_same, snapshot
+from helpers import assert_same, snapshot
 from hmp import patch
 
 BF16 = torch.bfloat16

@@ -36,7 +36,7 @@ def test_after():
 
 @pytest.fixture
 def suite(pytester):
-    pytester.makeconftest(Path(__file__).with_name("conftest.py").read_text())
+    pytester.makeconftest(Path(__file__).parents[1].joinpath("conftest.py").read_text())
     pytester.makeini("[pytest]\nmarkers =\n    slow: slow\n")
     pytester.makepyfile(test_some=SUITE)
     return pytester

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import hmp
-from conftest import assert_same, snapshot
+from helpers import assert_same, snapshot
 from hmp.lists import list_dir
 
 BERT = list_dir() / "gaudi_config_bert.json"

@@ -5,14 +5,14 @@ un-normalised sensor values) that the model removes with ``torch.sub``. With
 ``sub`` in the BF16 list, the input is rounded to bf16 first (spacing 4
 near 1000) and the signal is gone; in fp32 it survives.
 
-The planted module (tests/planted.py): the same subtraction inside one
+The planted module (tests/helpers/planted.py): the same subtraction inside one
 module class, ``Recenter``, while ``sub`` also runs harmlessly in another
 (``Center``). The fix is that class in FP32, not ``sub`` everywhere.
 """
 
 import json
 
-import planted
+from helpers import planted
 import pytest
 import torch
 import torch.nn.functional as F
@@ -189,7 +189,7 @@ def test_audit_names_the_unsafe_module_class(unsafe_lists):
     before = snapshot(model, opt)
     report = hmp.audit(step, x, y, state=(model, opt))
     assert report.flagged == ["sub"]
-    assert report.flagged_modules == ["planted.Recenter"]
+    assert report.flagged_modules == ["helpers.planted.Recenter"]
     modules = {r["path"]: r for r in report.modules}
     assert set(modules) == {"", "recenter", "fc1", "act", "center", "fc2"}
     assert modules["recenter"]["own_op"] == "sub" and modules["recenter"]["own_max_rel"] > 0.5
@@ -198,13 +198,13 @@ def test_audit_names_the_unsafe_module_class(unsafe_lists):
     assert modules["fc1"]["class"] == "torch.nn.modules.linear.Linear" and modules["fc1"]["calls"] == 1
     classes = {r["class"]: r for r in report.module_classes}
     assert classes["torch.nn.modules.linear.Linear"]["instances"] == 2
-    assert not classes["planted.Center"]["flagged"] and classes["planted.Recenter"]["flagged"]
+    assert not classes["helpers.planted.Center"]["flagged"] and classes["helpers.planted.Recenter"]["flagged"]
     sub = next(r for r in report.rows if r["op"] == "sub")
     assert sub["own_by_module"]["recenter"] > 0.5 and sub["own_by_module"]["center"] < 0.05
     lines = report.table().splitlines()
     ops, top_module, top_class = [lines[i + 1] for i, line in enumerate(lines) if line.startswith("|---")]
-    assert top_module.startswith("| recenter | planted.Recenter | 1 |")
-    assert top_class.startswith("| planted.Recenter | 1 | 1 |") and top_class.endswith("| sub error 0.96 > 0.05 |")
+    assert top_module.startswith("| recenter | helpers.planted.Recenter | 1 |")
+    assert top_class.startswith("| helpers.planted.Recenter | 1 | 1 |") and top_class.endswith("| sub error 0.96 > 0.05 |")
     assert hooks_left(model) == []
     assert_same_state(before, model, opt)
 
@@ -246,7 +246,7 @@ def test_write_module_classes_as_import_paths(tmp_path):
     lists = {"bf16": ["linear", "sub"], "fp32": ["softmax"], "promote": []}
     result = TuneResult(lists, lists, None, {}, {"fp32": 1.0}, {}, {"bf16": (), "fp32": (planted.Recenter,)})
     result.write(tmp_path / "b.txt", tmp_path / "f.txt")
-    assert (tmp_path / "f.txt").read_text().splitlines()[-2:] == ["softmax", "planted.Recenter"]
+    assert (tmp_path / "f.txt").read_text().splitlines()[-2:] == ["softmax", "helpers.planted.Recenter"]
     hmp.convert(bf16_file_path=tmp_path / "b.txt", fp32_file_path=tmp_path / "f.txt")
     assert current().modules["fp32"] == (planted.Recenter,) and "sub" in current().lists["bf16"]
 
@@ -269,7 +269,7 @@ def test_tune_puts_the_unsafe_module_class_in_fp32_not_its_op(unsafe_lists, tmp_
     assert v["starting lists"] > 1.5 * v["fp32"]
 
     result.write(tmp_path / "b.txt", tmp_path / "f.txt")
-    assert "planted.Recenter" in (tmp_path / "f.txt").read_text().splitlines()
+    assert "helpers.planted.Recenter" in (tmp_path / "f.txt").read_text().splitlines()
     hmp.convert(bf16_file_path=tmp_path / "b.txt", fp32_file_path=tmp_path / "f.txt")
     assert current().modules["fp32"] == (planted.Recenter,) and "sub" in current().lists["bf16"]
     losses = losses_after(module_problem, unsafe_lists, tmp_path / "b.txt", tmp_path / "f.txt")

@@ -12,7 +12,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 import hmp
 from hmp.resolve import RNN_KERNELS
 
-from conftest import write
+from helpers import write
 
 MODULES = {
     "lstm": lambda: nn.LSTM(8, 6, num_layers=2),

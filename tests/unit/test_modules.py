@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from conftest import assert_same, snapshot, write
+from helpers import assert_same, snapshot, write
 from hmp.lists import default_path
 
 BF16, FP32 = torch.bfloat16, torch.float32

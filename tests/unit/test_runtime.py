@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import hmp
-from conftest import assert_same, snapshot, write
+from helpers import assert_same, snapshot, write
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

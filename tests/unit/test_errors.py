@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import hmp
-from conftest import assert_same, snapshot, write
+from helpers import assert_same, snapshot, write
 from hmp import errors
 
 BF16, FP32 = torch.bfloat16, torch.float32

@@ -3,7 +3,7 @@
 Launch it the way torchrun does (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 in the environment), or with torchrun itself::
 
-    torchrun --nproc_per_node 2 tests/ddp_worker.py OUT_DIR [modules]
+    torchrun --nproc_per_node 2 tests/helpers/ddp_worker.py OUT_DIR [modules]
 
 Each rank converts hmp (with ``modules``: LayerNorm under the FP32 module
 rule too), trains a small model under DDP (gloo) on its shard of a fixed

@@ -12,7 +12,7 @@ import torch
 import hmp
 from hmp.resolve import ORIGINAL, Resolver
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TV_OPS = ("nms", "batched_nms", "roi_align")
 
 

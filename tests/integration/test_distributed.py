@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 import hmp
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
-FSDP_WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "helpers" / "ddp_worker.py"
+FSDP_WORKER = ROOT / "tests" / "helpers" / "fsdp_worker.py"
 WORLD = 2
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")

@@ -22,11 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from conftest import assert_same, snapshot, write
+from helpers import assert_same, snapshot, write
 from hmp import lists
 from hmp.resolve import Resolver
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # every namespace an aten name can bind, by identity
 NAMESPACES = {
@@ -291,7 +291,7 @@ def _run_mnist(tmp_path, *args):
     (tmp_path / "ops_bf16_mnist.txt").write_text("conv2d\nlinear\nrelu\nmax_pool2d\n_convolution.deprecated\n")
     (tmp_path / "ops_fp32_mnist.txt").write_text("log_softmax\nnll_loss\nnll_loss2d\ncross_entropy_loss\nslice\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "hmp", "run", str(ROOT / "tests" / "habana_mnist.py"), *args],
+    return subprocess.run([sys.executable, "-m", "hmp", "run", str(ROOT / "tests" / "helpers" / "habana_mnist.py"), *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hmp
-from conftest import assert_same, snapshot, write
+from helpers import assert_same, snapshot, write
 
 DEFAULT_BF16 = sorted(
     "addmm baddbmm batch_norm bilinear bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d dot "

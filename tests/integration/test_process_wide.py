@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # every module of the package but those whose subcommand or framework loads
 # what hmp itself must not (the demo and tune: tqdm; the Lightning plugin: lightning)
 NOT_PROBED = {"hmp.demo", "hmp.demo.data", "hmp.demo.model", "hmp.demo.training", "hmp.tune_cli",

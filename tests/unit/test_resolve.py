@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import hmp
-from conftest import write
+from helpers import write
 from hmp.resolve import ORIGINAL, Resolver
 
 

@@ -160,3 +160,26 @@ def test_every_kind_of_wrapper_runs_one_body():
 @pytest.mark.parametrize("name", sorted(m.rpartition(".")[2] for m in SOURCES if m.count(".") == 1))
 def test_module_is_importable_under_its_name(name):
     assert isinstance(__import__(f"hmp.{name}", fromlist=["_"]), types.ModuleType)
+
+
+TESTS = Path(__file__).resolve().parents[1]
+KINDS = ("unit", "property", "integration")  # what runs; helpers/ holds what tests share
+
+
+def test_tests_are_filed_by_kind():
+    top = sorted(p.name for p in TESTS.glob("*.py"))
+    assert top == ["conftest.py"], f"test files belong in one of {KINDS}: {top}"
+    folders = sorted(p.name for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
+    assert folders == sorted(KINDS + ("helpers",)), folders
+    assert not list((TESTS / "helpers").glob("test_*.py")), "helpers/ holds no tests"
+    for kind in KINDS:
+        files = list((TESTS / kind).glob("*.py"))
+        assert files and all(p.name.startswith("test_") for p in files), (kind, [p.name for p in files])
+
+
+def test_tests_import_shared_code_from_helpers_not_conftest():
+    offenders = [str(p.relative_to(TESTS)) for p in TESTS.rglob("*.py")
+                 if any(isinstance(n, ast.ImportFrom) and n.module == "conftest" or
+                        isinstance(n, ast.Import) and any(a.name == "conftest" for a in n.names)
+                        for n in ast.walk(ast.parse(p.read_text())))]
+    assert not offenders, offenders

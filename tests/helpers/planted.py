@@ -1,8 +1,8 @@
-"""Models with a planted numerically unsafe module, for tests/test_tune.py.
+"""Models with a planted numerically unsafe module, for tests/unit/test_tune.py.
 
 The module classes live here, at module level, so their import paths
-(``planted.Recenter``) load from a list file while the tests run (pytest
-puts this folder on ``sys.path``, as it does for ``conftest``).
+(``helpers.planted.Recenter``) load from a list file while the tests run
+(pytest puts ``tests/`` on ``sys.path``, as it does for ``conftest``).
 
 ``Recenter`` removes a large offset the raw inputs carry (think raw
 timestamps or un-normalised sensor values) with ``sub``. With ``sub`` in

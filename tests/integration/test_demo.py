@@ -17,7 +17,7 @@ from hmp.__main__ import main
 from hmp.demo import LONG_STEPS, STEPS, add_parser, data
 from hmp.demo.training import Config, count_casts, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

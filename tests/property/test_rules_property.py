@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 import hmp
-from conftest import DEVICES
+from helpers import DEVICES
 
 FP16, BF16, FP32, FP64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 FLOATING = [FP16, BF16, FP32, FP64]

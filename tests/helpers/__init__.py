@@ -1,0 +1,31 @@
+"""What tests share: namespace snapshots, list-file writing, the devices to run on.
+The worker scripts and models beside this file are run or imported by the tests."""
+
+import torch
+import torch.nn.functional as F
+
+NAMESPACES = {"torch": torch, "torch.nn.functional": F, "torch.Tensor": torch.Tensor}
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def snapshot(namespaces=NAMESPACES):
+    """Every entry of the given namespaces ({name: module or class}), by identity."""
+    return {name: dict(vars(ns)) for name, ns in namespaces.items()}
+
+
+def assert_same(before, after):
+    for name in before:
+        b, a = before[name], after[name]
+        assert b.keys() == a.keys(), f"{name}: added {set(a) - set(b)}, removed {set(b) - set(a)}"
+        changed = [k for k in b if b[k] is not a[k]]
+        assert not changed, f"{name}: entries not identical: {changed[:10]}"
+
+
+def write(tmp_path, name, text, mode="w"):
+    path = tmp_path / name
+    if mode == "wb":
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return path
