@@ -30,13 +30,15 @@ import weakref
 
 import torch
 
+from . import torch_private
 from .policy import PLAIN_CASTS
 from .state import copies, tls
 
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
-_tracing_state = torch._C._get_tracing_state
-_transforms_active = torch._C._are_functorch_transforms_active
+_tracing_state = torch_private.tracing_state
+_transforms_active = torch_private.functorch_transforms_active
+_version = torch_private.version_of
 _Parameter = torch.nn.Parameter
 
 
@@ -84,12 +86,12 @@ def caster(dtype):
             entry = live.get(key)
             if entry is not None:
                 copy = entry[0]()
-                if copy is not None and entry[1] == t._version and entry[2] == t.data_ptr() \
+                if copy is not None and entry[1] == _version(t) and entry[2] == t.data_ptr() \
                         and entry[3] is t.requires_grad:
                     return copy
             copy = plain(t)
             try:
-                version = t._version
+                version = _version(t)
             except RuntimeError:  # an inference tensor: no version counter
                 return copy
             if _transforms_active():  # the copy is wrapped at the transform's level: it must not escape
@@ -104,11 +106,11 @@ def caster(dtype):
         store = frozen.stores[dtype]
         key = id(t)
         entry = store.get(key)
-        if entry is not None and entry[1] == t._version and entry[2] == t.data_ptr():
+        if entry is not None and entry[1] == _version(t) and entry[2] == t.data_ptr():
             return entry[0]
         copy = plain(t)
         try:
-            version = t._version
+            version = _version(t)
         except RuntimeError:
             return copy
         if _transforms_active():
