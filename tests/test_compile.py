@@ -130,3 +130,20 @@ def test_convert_revert_and_disable_casts_after_compiling_recompile():
     assert compiled(x)[0].dtype == torch.bfloat16
     hmp.revert()
     assert compiled(x)[0].dtype == torch.float32
+
+
+def test_compiled_code_using_record_function_runs_while_converted():
+    # hmp extends record_function's enter/exit, never replaces the class that
+    # dynamo knows by identity: a block of it traces into one graph
+    hmp.convert()
+    model, x = make()
+
+    def f(x):
+        with torch.autograd.profiler.record_function("user block"):
+            return model(x)
+
+    eager = f(x)
+    explain = torch._dynamo.explain(f)(x)
+    assert explain.graph_break_count == 0, [b.reason for b in explain.break_reasons]
+    assert_like(torch.compile(f, backend="aot_eager")(x), eager)
+    assert eager[0].dtype == torch.bfloat16
