@@ -91,14 +91,14 @@ def caster(dtype):
                     return copy
             copy = plain(t)
             try:
-                version = _version(t)
-            except RuntimeError:  # an inference tensor: no version counter
+                version, ptr = _version(t), t.data_ptr()
+            except RuntimeError:  # an inference tensor (no version counter); a fake one (torch < 2.6 compiles eagerly)
                 return copy
             if _transforms_active():  # the copy is wrapped at the transform's level: it must not escape
                 return copy
             copy._hmp_cast = True  # a Python attribute: torch keeps the object alive while the graph saves it
             ref = entry[5] if entry is not None else weakref.ref(t, _forget(live, key))
-            live[key] = (weakref.ref(copy), version, t.data_ptr(), t.requires_grad, t.untyped_storage(), ref)
+            live[key] = (weakref.ref(copy), version, ptr, t.requires_grad, t.untyped_storage(), ref)
             return copy
         frozen = tls.frozen
         if frozen is None:
@@ -110,13 +110,13 @@ def caster(dtype):
             return entry[0]
         copy = plain(t)
         try:
-            version = _version(t)
+            version, ptr = _version(t), t.data_ptr()
         except RuntimeError:
             return copy
         if _transforms_active():
             return copy
         ref = entry[4] if entry is not None else weakref.ref(t, _forget(store, key))
-        store[key] = (copy, version, t.data_ptr(), t.untyped_storage(), ref)
+        store[key] = (copy, version, ptr, t.untyped_storage(), ref)
         return copy
 
     return cast

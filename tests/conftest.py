@@ -7,6 +7,16 @@ from hmp import state
 
 NAMESPACES = {"torch": torch, "torch.nn.functional": F, "torch.Tensor": torch.Tensor}
 
+# the running torch's release, (major, minor, patch), for version-gated skips
+# (docs/reliability.md, "torch releases": each says which feature needs which torch)
+TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:3])
+
+
+def needs_torch(version, why):
+    """Skip below ``version`` (a tuple), saying why; never on a torch that has the feature."""
+    return pytest.mark.skipif(TORCH < version, reason=f"needs torch >= {'.'.join(map(str, version))}: {why}")
+
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 RUN_SLOW = "--run-slow"
