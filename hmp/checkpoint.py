@@ -22,7 +22,9 @@ torch enters for the rerun: the forward's state wins over anything that
 turned casts off around the backward.
 """
 
-from . import torch_private
+import warnings
+
+from . import state, torch_private
 from .casts import run_as, saved
 from .resolve import ORIGINAL, unwrap
 
@@ -36,6 +38,9 @@ def _mark(wrapper, original):
 def patches():
     """``[(namespace, attr, replacement)]`` for the checkpoint entry points this
     torch has; built without changing anything."""
+    for line in torch_private.missing():  # a torch newer than the tested ones: say what is not kept cast
+        if state.first_time(("torch lacks", line)):
+            warnings.warn(f"{line} (hmp warns about this once per process.)", RuntimeWarning, stacklevel=4)
     out = []
     torch_checkpoint = torch_private.CHECKPOINT_MODULE
     name = torch_private.checkpoint_generator()

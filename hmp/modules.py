@@ -32,10 +32,10 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import lists, policy, torch_private
-from .torch_private import tree_map_only
+from . import lists, policy
 from .resolve import ORIGINAL, is_module_path, module_class, unwrap
 from .state import tls
+from .torch_private import tree_map_only
 
 Module = torch.nn.Module
 

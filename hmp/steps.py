@@ -27,6 +27,7 @@ from .casts import run_as, saved
 from .resolve import ORIGINAL, unwrap
 from .state import tls
 
+
 def _pre_hook(optimizer, args, kwargs):
     st = tls
     caller = saved()

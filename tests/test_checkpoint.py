@@ -3,6 +3,7 @@ under: gradients equal those of the same model without checkpointing, bit
 for bit, whichever of forward and backward ran inside disable_casts()."""
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -137,3 +138,16 @@ def test_timm_grad_checkpointing_gives_the_same_gradients():
     for n in grads[0]:
         assert grads[1][n].dtype == torch.float32
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+
+
+def test_a_torch_without_the_generator_gets_one_warning_naming_it(monkeypatch):
+    # as on a future torch that renames it again: convert() still works, and says what is not kept cast
+    monkeypatch.setattr(torch_private, "_GENERATORS", ("_no_such_generator",))
+    monkeypatch.setattr(hmp.state, "warned", set())
+    with pytest.warns(RuntimeWarning, match=r"torch \S+ has no non-reentrant checkpoint generator.*please report"):
+        hmp.convert()
+    assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.bfloat16
+    hmp.revert()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hmp.convert()  # once per process
