@@ -30,13 +30,15 @@ import weakref
 
 import torch
 
+from . import torch_private
 from .policy import PLAIN_CASTS
 from .state import copies, tls
 
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
-_tracing_state = torch._C._get_tracing_state
-_transforms_active = torch._C._are_functorch_transforms_active
+_tracing_state = torch_private.tracing_state
+_transforms_active = torch_private.functorch_transforms_active
+_version = torch_private.version_of
 _Parameter = torch.nn.Parameter
 
 
@@ -84,19 +86,19 @@ def caster(dtype):
             entry = live.get(key)
             if entry is not None:
                 copy = entry[0]()
-                if copy is not None and entry[1] == t._version and entry[2] == t.data_ptr() \
+                if copy is not None and entry[1] == _version(t) and entry[2] == t.data_ptr() \
                         and entry[3] is t.requires_grad:
                     return copy
             copy = plain(t)
             try:
-                version = t._version
-            except RuntimeError:  # an inference tensor: no version counter
+                version, ptr = _version(t), t.data_ptr()
+            except RuntimeError:  # an inference tensor (no version counter); a fake one (torch < 2.6 compiles eagerly)
                 return copy
             if _transforms_active():  # the copy is wrapped at the transform's level: it must not escape
                 return copy
             copy._hmp_cast = True  # a Python attribute: torch keeps the object alive while the graph saves it
             ref = entry[5] if entry is not None else weakref.ref(t, _forget(live, key))
-            live[key] = (weakref.ref(copy), version, t.data_ptr(), t.requires_grad, t.untyped_storage(), ref)
+            live[key] = (weakref.ref(copy), version, ptr, t.requires_grad, t.untyped_storage(), ref)
             return copy
         frozen = tls.frozen
         if frozen is None:
@@ -104,17 +106,17 @@ def caster(dtype):
         store = frozen.stores[dtype]
         key = id(t)
         entry = store.get(key)
-        if entry is not None and entry[1] == t._version and entry[2] == t.data_ptr():
+        if entry is not None and entry[1] == _version(t) and entry[2] == t.data_ptr():
             return entry[0]
         copy = plain(t)
         try:
-            version = t._version
+            version, ptr = _version(t), t.data_ptr()
         except RuntimeError:
             return copy
         if _transforms_active():
             return copy
         ref = entry[4] if entry is not None else weakref.ref(t, _forget(store, key))
-        store[key] = (copy, version, t.data_ptr(), t.untyped_storage(), ref)
+        store[key] = (copy, version, ptr, t.untyped_storage(), ref)
         return copy
 
     return cast

@@ -11,16 +11,20 @@ holds a reference to that one):
 
 - ``use_reentrant=True``: ``CheckpointFunction.forward`` stores the function
   that backward reruns;
-- ``use_reentrant=False``: ``_checkpoint_without_reentrant_generator`` builds
-  the rerun from it.
+- ``use_reentrant=False``: the generator that builds the rerun from it
+  (``_checkpoint_without_reentrant_generator``; 2.14:
+  ``_checkpoint_without_reentrant_generator_impl``, the old name a shim
+  around it): the one ``checkpoint()`` calls on this torch, decided at
+  convert time (``torch_private.checkpoint_generator``).
 
 The wrapper sets the captured state innermost, inside the autocast regions
 torch enters for the rerun: the forward's state wins over anything that
 turned casts off around the backward.
 """
 
-import torch.utils.checkpoint as torch_checkpoint
+import warnings
 
+from . import state, torch_private
 from .casts import run_as, saved
 from .resolve import ORIGINAL, unwrap
 
@@ -34,16 +38,21 @@ def _mark(wrapper, original):
 def patches():
     """``[(namespace, attr, replacement)]`` for the checkpoint entry points this
     torch has; built without changing anything."""
+    for line in torch_private.missing():  # a torch newer than the tested ones: say what is not kept cast
+        if state.first_time(("torch lacks", line)):
+            warnings.warn(f"{line} (hmp warns about this once per process.)", RuntimeWarning, stacklevel=4)
     out = []
-    generator = unwrap(torch_checkpoint.__dict__.get("_checkpoint_without_reentrant_generator"))
+    torch_checkpoint = torch_private.CHECKPOINT_MODULE
+    name = torch_private.checkpoint_generator()
+    generator = unwrap(torch_checkpoint.__dict__.get(name)) if name else None
     if callable(generator):
 
         def without_reentrant(fn, *args, **kwargs):
             return generator(run_as(fn, saved()), *args, **kwargs)
 
-        out.append((torch_checkpoint, "_checkpoint_without_reentrant_generator", _mark(without_reentrant, generator)))
-    function = getattr(torch_checkpoint, "CheckpointFunction", None)
-    forward = function.__dict__.get("forward") if isinstance(function, type) else None
+        out.append((torch_checkpoint, name, _mark(without_reentrant, generator)))
+    function = torch_private.checkpoint_function()
+    forward = function.__dict__.get("forward") if function is not None else None
     if isinstance(forward, staticmethod):
         original = unwrap(forward.__func__)
 

@@ -208,6 +208,7 @@ def _revert_locked():
             if id(value) not in left:
                 wrap.retire(value)
         regions.forget_open_regions()
+        steps.forget_open_steps()
         clear_cache()
         rt.pickle_names = {}
         rt.conversion = None

@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import NamedTuple, Optional
 
-from . import culprit, lists, state
+from . import culprit, lists, state, torch_private
 from .policy import NORM_OPS
 from .rnn import MODES
 
@@ -44,8 +44,8 @@ class About(NamedTuple):
 
 _LOW = re.compile(r"BFloat16|bfloat16|\bHalf\b|\bhalf\b|float16")
 _FP32 = re.compile(r"\bFloat\b|\bfloat\b|float32|FloatTensor")
-_MIXED = re.compile(r"mixed dtype")
-_HOOK = re.compile(r"hook '([^']*)' has changed the type of value(?: \(was (\S+) got (\S+)\))?")
+_MIXED = re.compile(torch_private.MIXED_DTYPE_MESSAGE)
+_HOOK = re.compile(torch_private.HOOK_CHANGED_TYPE_MESSAGE)
 _PREFIX = "hmp: "
 # names that are probably compute-bound (BF16) or precision-sensitive (FP32)
 # when the shipped lists do not say
@@ -108,7 +108,7 @@ def _explain_python_check(frame):
     code = frame.f_code
     where = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{frame.f_lineno})"
     module = frame.f_locals.get("self")
-    kernel = MODES.get(getattr(module, "mode", None)) if code.co_name == "check_input" else None
+    kernel = MODES.get(getattr(module, "mode", None)) if code.co_name == torch_private.RNN_CHECK_INPUT else None
     if kernel is None:
         return (f"hmp: {where} checked dtypes itself and raised before any op ran; hmp casts only at op calls, so "
                 f"no list entry changes this check: give the call the dtype it expects.")

@@ -17,12 +17,12 @@ clause (free in Python 3.11 when nothing is raised).
 import re
 import warnings
 
-from . import culprit, errors, state
+from . import culprit, errors, state, torch_private
 from .policy import FP32, PLAIN_CASTS, fp32
 
 RAISE = object()  # rescue(): the wrapper re-raises its exception
 
-_NO_KERNEL = re.compile(r"not implemented for '(BFloat16|Half)'")
+_NO_KERNEL = re.compile(torch_private.NO_KERNEL_MESSAGE)
 _to_fp32 = fp32(None, PLAIN_CASTS)
 
 

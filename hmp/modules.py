@@ -31,11 +31,11 @@ import types
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map_only
 
 from . import lists, policy
 from .resolve import ORIGINAL, is_module_path, module_class, unwrap
 from .state import tls
+from .torch_private import tree_map_only
 
 Module = torch.nn.Module
 

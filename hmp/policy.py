@@ -11,6 +11,8 @@ tensor (``out=``, ``inplace=True``) checked inside it.
 
 import torch
 
+from . import torch_private
+
 Tensor = torch.Tensor
 FP16, BF16, FP32, FP64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 FLOATS = frozenset((FP16, BF16, FP32, FP64))
@@ -21,7 +23,7 @@ _promote_types = torch.promote_types  # captured: listing promote_types cannot r
 # Casts go straight to TensorBase's C methods, never through a name hmp may
 # patch (so listing `to` or `float` cannot recurse). The per-dtype methods
 # parse their arguments faster than `to`; all of them are differentiable.
-_TB = torch._C.TensorBase
+_TB = torch_private.TensorBase
 PLAIN_CASTS = {FP16: _TB.half, BF16: _TB.bfloat16, FP32: _TB.float, FP64: _TB.double}
 
 NORM_OPS = frozenset((

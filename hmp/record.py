@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from .torch_private import tree_flatten, tree_leaves, tree_unflatten
 
 _Tensor = torch.Tensor
 

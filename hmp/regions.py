@@ -23,10 +23,8 @@ import warnings
 
 import torch
 from torch.amp.autocast_mode import autocast
-from torch.utils.data import dataloader
-from torch.utils.data._utils import worker
 
-from . import state
+from . import state, torch_private
 from .resolve import ORIGINAL, unwrap
 from .state import tls
 
@@ -49,7 +47,7 @@ def _warn_enabled_region(region):
 
 def _autocast_enter(original):
     def __enter__(self):
-        if getattr(self, "_enabled", False) and state.first_time("autocast region entered"):
+        if torch_private.autocast_enabled(self) and state.first_time("autocast region entered"):
             _warn_enabled_region(self)  # first: a warnings filter set to "error" changes nothing
         result = original(self)
         tls.off += 1  # after torch's own __enter__, which can raise
@@ -110,7 +108,7 @@ def worker_loop(*args, **kwargs):
     so ``spawn`` and ``forkserver`` pickle it by name and the worker runs it
     too, converted or not."""
     tls.off += 1  # for the worker's life: it does nothing but load data
-    return unwrap(worker._worker_loop)(*args, **kwargs)
+    return unwrap(torch_private.worker_loop())(*args, **kwargs)
 
 
 def _own(cls, name):
@@ -132,23 +130,23 @@ def plan():
     patches = [(autocast, "__enter__", _autocast_enter(_own(autocast, "__enter__"))),
                (autocast, "__exit__", _autocast_exit(_own(autocast, "__exit__")))]
     autograd = torch.autograd
-    graph = getattr(autograd, "graph", None)
-    if callable(getattr(autograd, "_engine_run_backward", None)) and graph is not None:
+    homes = torch_private.engine_run_backward_homes()
+    if homes:
         # backward() and grad() both call torch.autograd's global at call
         # time, also when imported by name before convert(); graph's is
         # patched too because torch.compiler's export tracing copies it
         # back over torch.autograd's when it is done
-        run = _uncast(unwrap(graph._engine_run_backward))
-        patches += [(graph, "_engine_run_backward", run), (autograd, "_engine_run_backward", run)]
+        run = _uncast(unwrap(getattr(*homes[0])))
+        patches += [(namespace, attr, run) for namespace, attr in homes]
     else:  # older torch
         patches += [(autograd, name, _uncast(unwrap(getattr(autograd, name)))) for name in ("backward", "grad")]
     for cls in _subclasses(torch.amp.GradScaler):  # subclasses defined later are not reached
         for name in _GRAD_SCALER_METHODS:
             if name in cls.__dict__:
                 patches.append((cls, name, _uncast(_own(cls, name))))
-    worker_loop.__dict__[ORIGINAL] = unwrap(worker._worker_loop)
-    patches.append((worker, "_worker_loop", worker_loop))
-    single = getattr(dataloader, "_SingleProcessDataLoaderIter", None)
-    if single is not None and "_next_data" in single.__dict__:
-        patches.append((single, "_next_data", _uncast(_own(single, "_next_data"))))
+    worker_loop.__dict__[ORIGINAL] = unwrap(torch_private.worker_loop())
+    patches.append((torch_private.WORKER_MODULE, torch_private.WORKER_LOOP, worker_loop))
+    fetch = torch_private.single_process_fetch()
+    if fetch is not None:
+        patches.append((*fetch, _uncast(_own(*fetch))))
     return patches

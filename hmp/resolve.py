@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import state
+from . import state, torch_private
 
 log = logging.getLogger("hmp")
 
@@ -33,7 +33,7 @@ log = logging.getLogger("hmp")
 # torch._transformer_encoder_layer_fwd directly). They follow the list of the
 # op they contain unless they are listed themselves.
 FUSED = {
-    "linear": ("_transformer_encoder_layer_fwd", "_native_multi_head_attention"),
+    "linear": torch_private.FUSED_LINEAR_KERNELS,
     "matmul": ("scaled_dot_product_attention",),
 }
 
@@ -130,10 +130,10 @@ def _warn_optional(module, error):
 def _vf_sites(name):
     """torch._VF.X for an RNN kernel: set as an attribute of torch._VF (which
     revert deletes again), it shadows __getattr__ for nn.RNNBase's calls."""
-    vf = torch._VF
+    vf = torch_private.VF
     if name not in RNN_KERNELS or not _is_op(getattr(vf, name, None)):
         return []
-    return [Site(vf, name, "torch._VF", False)]
+    return [Site(vf, name, torch_private.VF_LABEL, False)]
 
 
 class Resolver:
@@ -333,8 +333,8 @@ BOUND, NO_PYTHON, UNKNOWN = "bound", "no-python", "unknown"
 # private ones included (F.cross_entropy looks up
 # torch._C._nn.cross_entropy_loss at call time). torch._C._VariableFunctions
 # is left out: torch.X is the public name of each of its builtins.
-ATEN_HOMES = ("torch", "torch.nn.functional", "torch._C._nn", "torch._C._linalg", "torch._C._special",
-              "torch._C._fft", "torch.linalg", "torch.special", "torch.fft")
+ATEN_HOMES = ("torch", "torch.nn.functional", *torch_private.ATEN_PRIVATE_HOMES, "torch.linalg", "torch.special",
+              "torch.fft")
 
 def aten_op(name):
     """``torch.ops.aten.<name>`` (an OpOverloadPacket) when torch's operator
@@ -345,7 +345,7 @@ def aten_op(name):
         packet = getattr(torch.ops.aten, name)
     except (AttributeError, RuntimeError):
         return None
-    return packet if isinstance(packet, torch._ops.OpOverloadPacket) else None
+    return packet if isinstance(packet, torch_private.OpOverloadPacket) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -368,8 +368,5 @@ def aten_entry_points():
 
 def _aten_names():
     """Every aten operator name the registry reports, for suggestions only."""
-    try:
-        schemas = torch._C._jit_get_all_schemas()
-    except Exception:  # a private API: suggestions are a nicety, not worth failing over
-        return set()
+    schemas = torch_private.all_schemas()  # [] when it fails: suggestions are a nicety
     return {s.name[6:] for s in schemas if s.name.startswith("aten::")}

@@ -11,6 +11,7 @@ get, while casts are on; its shape checks still run.
 
 import torch
 
+from . import torch_private
 from .policy import FLOATS
 from .resolve import ORIGINAL, unwrap
 from .state import tls
@@ -25,15 +26,16 @@ def check_input_patches(effective, lower_modules=False):
     entries (an RNN inside one computes in the lower dtype), else ``[]``."""
     listed = frozenset(mode for mode, kernel in MODES.items() if any(kernel in names for names in effective.values()))
     base = torch.nn.RNNBase
-    original = unwrap(base.__dict__.get("check_input"))
+    name = torch_private.RNN_CHECK_INPUT
+    original = unwrap(base.__dict__.get(name))
     if not (listed or lower_modules) or not callable(original):
         return []
-    empty, meta = torch.empty, torch.device("meta")
+    empty, meta, flat_weights = torch.empty, torch.device("meta"), torch_private.rnn_flat_weights
 
     def check_input(self, input, batch_sizes):
         st = tls
         if not st.off and (self.mode in listed or st.lower_mode is not None):
-            weights = self._flat_weights
+            weights = flat_weights(self)
             w = weights[0] if weights else None
             if w is not None and input.dtype is not w.dtype and input.dtype in FLOATS and w.dtype in FLOATS:
                 # the listed kernel's wrapper (or a BF16 module's mode) gives input
@@ -44,4 +46,4 @@ def check_input_patches(effective, lower_modules=False):
     check_input.__doc__ = original.__doc__
     check_input.__qualname__ = original.__qualname__
     setattr(check_input, ORIGINAL, original)
-    return [(base, "check_input", check_input)]
+    return [(base, name, check_input)]

@@ -1,4 +1,5 @@
-"""Everything hmp keeps between calls, in one place; imports nothing from hmp.
+"""Everything hmp keeps between calls, in one place; imports nothing from hmp
+but torch_private (a leaf too).
 
 - ``tls``: per thread. ``off`` is the only thing the per-call wrapper
   reads: non-zero inside ``disable_casts()``, inside a listed op (so ops it
@@ -16,8 +17,10 @@ import weakref
 
 import torch
 
+from . import torch_private
+
 # -1 outside a backward pass; autograd's device threads run nothing else
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_graph_task_id = torch_private.current_graph_task_id()
 
 
 class ThreadState(threading.local):

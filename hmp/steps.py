@@ -10,19 +10,22 @@ called inside ``disable_casts()``.
 
 An exception inside ``step()`` skips the post hook. torch runs the hooks
 and the step inside one ``torch.autograd.profiler.record_function`` block,
-so hmp installs (through the patch log) a subclass whose ``__exit__``
-unwinds any step level entered inside it that is still open. No optimizer
-object or class is modified.
+so hmp extends (through the patch log) that class's ``__enter__`` and
+``__exit__``: the exit unwinds any step level entered inside the block that
+is still open. The class itself stays torch's (torch.compile knows it by
+identity); no optimizer object or class is modified. A revert() inside a
+step unwinds the calling thread's open steps itself (``forget_open_steps``).
 """
+
+import functools
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .cache import clear_cache
 from .casts import run_as, saved
+from .resolve import ORIGINAL, unwrap
 from .state import tls
-
-_record_function = torch.autograd.profiler.record_function
 
 
 def _pre_hook(optimizer, args, kwargs):
@@ -54,29 +57,48 @@ def _unwind(depth):
         clear_cache()  # the step may have written some weights before it failed
 
 
-class record_function(_record_function):
-    __doc__ = _record_function.__doc__
+_STEPS = "_hmp_steps"  # on a record_function entered while converted: the open steps at its entry
 
+
+def _enter(original):
     def __enter__(self):
-        self._hmp_steps = len(tls.step_levels)
-        return super().__enter__()
+        setattr(self, _STEPS, len(tls.step_levels))
+        return original(self)
 
+    return _finish(__enter__, original)
+
+
+def _exit(original):
     def __exit__(self, exc_type, exc_value, traceback):
         try:
-            return super().__exit__(exc_type, exc_value, traceback)
+            return original(self, exc_type, exc_value, traceback)
         finally:
             # normally the post hook has already left the step; this catches
-            # an exception, and a revert() inside the step (hooks gone)
-            _unwind(getattr(self, "_hmp_steps", 0))
+            # an exception. A block entered before convert() unwinds nothing.
+            depth = getattr(self, _STEPS, None)
+            if depth is not None:
+                _unwind(depth)
+
+    return _finish(__exit__, original)
 
 
-record_function.__name__ = record_function.__qualname__ = _record_function.__name__
-record_function.__module__ = _record_function.__module__
+def _finish(wrapper, original):
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, ORIGINAL, original)
+    return wrapper
+
+
+def forget_open_steps():
+    """revert() in the calling thread: leave every step it is inside (their
+    post hooks and record_function exits are torch's own after revert)."""
+    _unwind(0)
 
 
 def patches():
-    """``[(namespace, attr, value)]``: the record_function that unwinds a failed step."""
-    return [(torch.autograd.profiler, "record_function", record_function)]
+    """``[(namespace, attr, value)]``: record_function's enter and exit, extended to unwind a failed step."""
+    cls = torch.autograd.profiler.record_function
+    return [(cls, "__enter__", _enter(unwrap(cls.__dict__["__enter__"]))),
+            (cls, "__exit__", _exit(unwrap(cls.__dict__["__exit__"])))]
 
 
 def add_hooks():

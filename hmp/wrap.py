@@ -15,9 +15,8 @@ import types
 import weakref
 
 import torch
-from torch.jit import _builtins as _jit_builtins
 
-from . import culprit, fallback, policy
+from . import culprit, fallback, policy, torch_private
 from .errors import About
 from .resolve import ORIGINAL, unwrap
 from .state import tls
@@ -74,8 +73,7 @@ def _finish(wrapper, op):
     return wrapper
 
 
-def _forget_builtin(key):
-    _jit_builtins._get_builtin_table().pop(key, None)
+_forget_builtin = torch_private.jit_forget_builtin
 
 
 def _script_as(wrapper, original):
@@ -88,9 +86,9 @@ def _script_as(wrapper, original):
     wrapper captured by a module stays scriptable after revert()). A Python
     original (``F.relu``) is compiled from its own source and scope through
     the ``__prepare_scriptable__`` hook torch.jit calls on functions."""
-    builtin = _jit_builtins._find_builtin(original)
+    builtin = torch_private.jit_find_builtin(original)
     if builtin is not None:
-        _jit_builtins._register_builtin(wrapper, builtin)
+        torch_private.jit_register_builtin(wrapper, builtin)
         weakref.finalize(wrapper, _forget_builtin, id(wrapper))
     elif isinstance(original, types.FunctionType):
         wrapper.__prepare_scriptable__ = lambda: original

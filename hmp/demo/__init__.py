@@ -16,9 +16,13 @@ import sys
 import time
 
 import torch
-from tqdm import tqdm
 
 import hmp
+
+try:
+    from tqdm import tqdm
+except ImportError:  # the `demo` extra is not installed: a line at the start and end, no bar
+    tqdm = None
 
 from . import data as data_mod
 from .training import (CAST_STEPS, Config, DeviceError, MEMORY_STEPS, count_casts, matmul_time_vs_fp32, model_summary,
@@ -77,22 +81,27 @@ def add_parser(subparsers):
 
 
 class _Progress:
-    """A tqdm bar on a terminal; one line at the start and end otherwise."""
+    """A tqdm bar on a terminal; one line at the start and end otherwise (or without tqdm)."""
 
     def __init__(self, label, steps):
         self.label = label
-        self.bar = tqdm(total=steps, desc=f"{label:<18}", unit="step", disable=None, leave=True,
-                        file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
-        self.quiet = self.bar.disable  # no terminal; tqdm.close() sets .disable, so remember it
+        self.bar = None if tqdm is None else tqdm(
+            total=steps, desc=f"{label:<18}", unit="step", disable=None, leave=True, file=sys.stderr,
+            dynamic_ncols=True, mininterval=0.5)
+        # no tqdm, or no terminal (tqdm.close() sets .disable, so remember it)
+        self.quiet = self.bar is None or self.bar.disable
         if self.quiet:
             _note(f"training {label}: {steps} steps")
 
     def __call__(self, step, loss):
+        if self.bar is None:
+            return
         self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         self.bar.update(1)
 
     def close(self, result=None):
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
         if self.quiet and result is not None:
             _note(f"trained {self.label} in {result['wall_s']:.1f} s, val loss {result['val_loss']:.4f}")
 

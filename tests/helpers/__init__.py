@@ -1,12 +1,22 @@
 """What tests share: namespace snapshots, list-file writing, the devices to run on.
 The worker scripts and models beside this file are run or imported by the tests."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 NAMESPACES = {"torch": torch, "torch.nn.functional": F, "torch.Tensor": torch.Tensor}
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+# the running torch's release, (major, minor, patch), for version-gated skips
+# (docs/reliability.md, "torch releases": each says which feature needs which torch)
+TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:3])
+
+
+def needs_torch(version, why):
+    """Skip below ``version`` (a tuple), saying why; never on a torch that has the feature."""
+    return pytest.mark.skipif(TORCH < version, reason=f"needs torch >= {'.'.join(map(str, version))}: {why}")
 
 
 def snapshot(namespaces=NAMESPACES):

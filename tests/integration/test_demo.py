@@ -187,3 +187,17 @@ def test_json_output_has_the_table_fields(tmp_path):
     for r in (fp32, mixed):
         assert f"{r['val_loss']:.4f}" in proc.stdout and r["configuration"] in proc.stdout
     assert "unigram baseline" in proc.stdout and "casts hmp made per training step" in proc.stdout
+
+
+def test_demo_progress_without_tqdm_prints_start_and_end_lines():
+    # tqdm is the `demo` extra; without it the demo reports with plain lines
+    code = ("import sys; sys.modules['tqdm'] = None\n"
+            "from hmp.demo import _Progress, tqdm\n"
+            "assert tqdm is None\n"
+            "p = _Progress('hmp O1', 3)\n"
+            "p(1, 2.5)\n"
+            "p.close({'wall_s': 1.25, 'val_loss': 2.0})\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "training hmp O1: 3 steps" in res.stderr
+    assert "trained hmp O1 in 1.2 s, val loss 2.0000" in res.stderr

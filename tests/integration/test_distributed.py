@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import hmp
+from helpers import needs_torch
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "helpers" / "ddp_worker.py"
@@ -124,6 +125,7 @@ def test_torchrun_launch(tmp_path):
     check(tmp_path)
 
 
+@needs_torch((2, 6), "FSDP2's fully_shard is public in torch.distributed.fsdp")
 def test_fsdp2_cache_on_equals_cache_off_and_shards_stay_fp32(tmp_path):
     """FSDP2 (fully_shard, gloo): the optimizer step is a plain step() under hmp."""
     run_ranks(tmp_path, FSDP_WORKER)

@@ -20,6 +20,9 @@ MODULES = ["hmp.state"] + [m for m in ALL_MODULES if m not in NOT_PROBED and m !
 PROBE = textwrap.dedent(r"""
     import importlib, logging, sys, threading, warnings
     import torch, torch.nn.functional as F
+    # torch's own import side effects, not hmp's: on torch 2.4 importing
+    # torch.utils.checkpoint imports torch._inductor and adds a warnings filter
+    import torch.utils.checkpoint
 
     def world():
         spaces = {n: dict(vars(ns)) for n, ns in

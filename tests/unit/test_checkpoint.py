@@ -3,6 +3,7 @@ under: gradients equal those of the same model without checkpointing, bit
 for bit, whichever of forward and backward ran inside disable_casts()."""
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
 import hmp
+from hmp import torch_private
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -102,12 +104,50 @@ def test_recompute_restores_the_callers_state(use_reentrant):
 
 
 def test_revert_restores_torch_checkpoint_exactly(pristine):
-    generator = torch_checkpoint.__dict__["_checkpoint_without_reentrant_generator"]
+    name = torch_private.checkpoint_generator()  # the one checkpoint() calls on this torch (2.14: ..._impl)
+    before = dict(vars(torch_checkpoint))
+    generator = before[name]
     forward = torch_checkpoint.CheckpointFunction.__dict__["forward"]
     hmp.convert("O1")
-    assert torch_checkpoint.__dict__["_checkpoint_without_reentrant_generator"] is not generator
+    assert torch_checkpoint.__dict__[name] is not generator
     assert torch_checkpoint.CheckpointFunction.__dict__["forward"] is not forward
     hmp.convert("O2")  # re-configuring wraps the originals, never a wrapper
     hmp.revert()
-    assert torch_checkpoint.__dict__["_checkpoint_without_reentrant_generator"] is generator
+    assert vars(torch_checkpoint) == before
     assert torch_checkpoint.CheckpointFunction.__dict__["forward"] is forward
+
+
+def test_timm_grad_checkpointing_gives_the_same_gradients():
+    # timm's set_grad_checkpointing runs its blocks through torch's checkpoint
+    # (non-reentrant in the timm releases tested): the recompute is cast as the forward was
+    timm = pytest.importorskip("timm", reason="timm is installed on CI's torch-ceiling leg")
+    hmp.convert("O1")
+    grads, losses = [], []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                                  num_classes=4).train()
+        model.set_grad_checkpointing(checkpointing)
+        x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+        loss = F.cross_entropy(model(x), torch.tensor([0, 3]))
+        loss.backward()
+        losses.append(loss)
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert losses[0].dtype == torch.float32 and torch.equal(losses[0], losses[1])
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert grads[1][n].dtype == torch.float32
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+
+
+def test_a_torch_without_the_generator_gets_one_warning_naming_it(monkeypatch):
+    # as on a future torch that renames it again: convert() still works, and says what is not kept cast
+    monkeypatch.setattr(torch_private, "_GENERATORS", ("_no_such_generator",))
+    monkeypatch.setattr(hmp.state, "warned", set())
+    with pytest.warns(RuntimeWarning, match=r"torch \S+ has no non-reentrant checkpoint generator.*please report"):
+        hmp.convert()
+    assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.bfloat16
+    hmp.revert()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hmp.convert()  # once per process

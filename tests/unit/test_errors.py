@@ -348,6 +348,11 @@ def test_what_the_autocast_warning_says_is_true(tmp_path, fresh_autocast_warning
     with torch.autocast("cpu", dtype=BF16):
         assert F.linear(x.bfloat16(), w).dtype == BF16
     # and one in hmp's BF16 list can run in fp32 (autocast's fp32 list has mse_loss)
+    try:
+        with hmp.disable_casts():
+            F.mse_loss(x.bfloat16(), x.bfloat16())
+    except RuntimeError as e:  # hmp would fall back to fp32 outside autocast too: nothing to show
+        pytest.skip(f"torch {torch.__version__} has no bfloat16 CPU kernel for mse_loss ({e})")
     hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "mse_loss\n"))
     assert F.mse_loss(x, x + 1).dtype == BF16
     with torch.autocast("cpu", dtype=BF16):

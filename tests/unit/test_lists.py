@@ -18,7 +18,7 @@ DEFAULT_BF16 = sorted(
 )
 DEFAULT_FP32 = sorted(
     "avg_pool3d binary_cross_entropy binary_cross_entropy_with_logits cross_entropy ctc_loss div divide embedding "
-    "embedding_bag huber_loss log log2 log_softmax multi_margin_loss multilabel_margin_loss nll_loss "
+    "embedding_bag huber_loss log log2 log_softmax mse_loss multi_margin_loss multilabel_margin_loss nll_loss "
     "smooth_l1_loss softmax topk truediv".split()
 )
 PROMOTE_AT_LEAST = set("add sub mul div truediv pow addcmul addcdiv cat stack where index_put scatter_add".split())

@@ -4,6 +4,7 @@ names no public function shadows, and one wrapper body for every kind of
 wrapper."""
 
 import ast
+import re
 import types
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from hmp import wrap
 
 PACKAGE = Path(hmp.__file__).resolve().parent
 # optional or platform-only modules may be imported where they are needed
-LOCAL_IMPORTS_ALLOWED = {"matplotlib", "matplotlib.pyplot", "resource"}
+LOCAL_IMPORTS_ALLOWED = {"matplotlib", "matplotlib.pyplot", "resource", "tqdm"}  # tqdm: the demo extra
 
 
 def module_name(path):
@@ -96,8 +97,11 @@ def test_no_import_cycle_between_hmp_modules():
 
 
 def test_state_is_a_leaf():
-    assert graph()["hmp.state"] == set()
-    assert not [name for _, name, _ in imported("hmp.state", SOURCES["hmp.state"]) if name.startswith("hmp")]
+    # torch_private (a leaf too) is the one module state may use
+    assert graph()["hmp.state"] <= {"hmp.torch_private"}
+    assert graph()["hmp.torch_private"] == set()
+    assert not [name for _, name, _ in imported("hmp.state", SOURCES["hmp.state"])
+                if name.startswith("hmp") and name != "hmp.torch_private"]
 
 
 def test_imports_are_at_module_level():
@@ -160,6 +164,95 @@ def test_every_kind_of_wrapper_runs_one_body():
 @pytest.mark.parametrize("name", sorted(m.rpartition(".")[2] for m in SOURCES if m.count(".") == 1))
 def test_module_is_importable_under_its_name(name):
     assert isinstance(__import__(f"hmp.{name}", fromlist=["_"]), types.ModuleType)
+
+
+# -- private torch names live in hmp/torch_private.py only ------------------------------------------
+
+def _private(name):
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _torch_names(tree):
+    """Names bound to torch or one of its modules/attributes by an import."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "torch"}
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _rooted(node, roots):
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return isinstance(node, ast.Name) and node.id in roots
+
+
+def _owned_private_names():
+    """Private attribute names torch_private reaches (``_version``, ``_enabled``
+    ...): no other module may name them, as attributes or as strings."""
+    owned = set()
+    for node in ast.walk(SOURCES["hmp.torch_private"]):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            owned.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier() \
+                and _private(node.value):
+            owned.add(node.value)
+    return owned
+
+
+def private_torch_accesses(module, tree, owned):
+    roots = _torch_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        where = f"{module}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            parts = (node.module or "").split(".")
+            if parts[0] == "torch" and (any(map(_private, parts)) or any(_private(a.name) for a in node.names)):
+                found.append(f"{where} from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            found += [f"{where} import {a.name}" for a in node.names
+                      if a.name.split(".")[0] == "torch" and any(map(_private, a.name.split(".")))]
+        elif isinstance(node, ast.Attribute) and _private(node.attr) and (_rooted(node.value, roots)
+                                                                            or node.attr in owned):
+            found.append(f"{where} .{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1 \
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str) \
+                and _private(node.args[1].value) and _rooted(node.args[0], roots):
+            found.append(f"{where} {node.func.id}(..., {node.args[1].value!r})")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                node.value in owned or re.fullmatch(r"torch(\.\w+)+", node.value) and any(map(_private, node.value.split(".")))):
+            found.append(f"{where} {node.value!r}")
+    return found
+
+
+def test_private_torch_names_only_in_torch_private():
+    owned = _owned_private_names()
+    assert {"_version", "_enabled", "_flat_weights", "_worker_loop", "_engine_run_backward"} <= owned
+    found = [hit for m, tree in SOURCES.items() if m != "hmp.torch_private"
+             for hit in private_torch_accesses(m, tree, owned)]
+    assert found == []
+
+
+PLANTED = '''
+import torch
+import torch.utils.checkpoint as ckpt
+from torch.utils._pytree import tree_map
+from torch.jit import _builtins
+a = torch._C.TensorBase
+b = ckpt._checkpoint_impl
+c = getattr(torch.autograd, "_engine_run_backward", None)
+d = t._version
+e = "torch._C._nn"
+f = torch.nn.functional.linear
+'''
+
+
+def test_the_private_name_check_finds_planted_accesses():
+    found = private_torch_accesses("planted", ast.parse(PLANTED), _owned_private_names())
+    assert sorted({int(hit.split(" ", 1)[0].split(":")[1]) for hit in found}) == [4, 5, 6, 7, 8, 9, 10], found
 
 
 TESTS = Path(__file__).resolve().parents[1]

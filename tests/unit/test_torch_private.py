@@ -1,0 +1,208 @@
+"""Each private torch name hmp reaches resolves and behaves as hmp expects on
+the running torch: a new release that breaks one fails here, by name."""
+
+import re
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hmp import torch_private as tp
+
+
+def test_tensor_base_has_the_cast_methods():
+    assert issubclass(torch.Tensor, tp.TensorBase)
+    for name in ("half", "bfloat16", "float", "double"):
+        assert getattr(tp.TensorBase, name)(torch.ones(2)).dtype == getattr(torch.ones(2), name)().dtype
+
+
+def test_version_counter_counts_in_place_writes():
+    t = torch.zeros(3)
+    before = tp.version_of(t)
+    t.add_(1)
+    assert tp.version_of(t) == before + 1
+
+
+def test_graph_task_id_is_minus_one_outside_backward_and_not_inside():
+    get = tp.current_graph_task_id()
+    assert get is not None and get() == -1
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(get())
+            return grad
+
+    Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert seen and seen[0] != -1
+
+
+def test_tracing_state_is_set_only_while_tracing():
+    assert tp.tracing_state() is None
+    seen = []
+
+    def f(x):
+        seen.append(tp.tracing_state() is not None)
+        return x * 2
+
+    torch.jit.trace(f, torch.ones(2), check_trace=False)
+    assert seen == [True]
+
+
+def test_functorch_transforms_active_only_under_a_transform():
+    assert tp.functorch_transforms_active() is False
+    seen = []
+
+    def f(x):
+        seen.append(tp.functorch_transforms_active())
+        return x.sin()
+
+    torch.func.vmap(f)(torch.ones(2, 3))
+    assert seen == [True]
+
+
+def test_vf_serves_the_rnn_kernels():
+    for name in ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell"):
+        assert callable(getattr(tp.VF, name))
+
+
+def test_private_aten_homes_hold_aten_builtins():
+    import importlib
+    for home in tp.ATEN_PRIVATE_HOMES:
+        module = importlib.import_module(home)
+        assert any(isinstance(v, type(torch.relu)) for v in vars(module).values()), home
+    assert callable(torch._C._nn.cross_entropy_loss)
+
+
+def test_fused_linear_kernels_exist():
+    for name in tp.FUSED_LINEAR_KERNELS:
+        assert callable(getattr(torch, name)), name
+
+
+def test_op_overload_packet_is_what_torch_ops_gives():
+    assert isinstance(torch.ops.aten.mm, tp.OpOverloadPacket)
+
+
+def test_all_schemas_lists_aten_operators():
+    names = {s.name for s in tp.all_schemas()}
+    assert "aten::mm" in names and "aten::linear" in names
+
+
+def test_jit_builtin_registration_scripts_a_stand_in_as_the_builtin():
+    def stand_in(x):
+        raise AssertionError("scripting should compile the builtin, not this")
+
+    name = tp.jit_find_builtin(torch.relu)
+    assert name is not None and "relu" in name
+    tp.jit_register_builtin(stand_in, name)
+    try:
+        assert tp.jit_find_builtin(stand_in) == name
+
+        def f(x):
+            return stand_in(x)
+
+        assert torch.equal(torch.jit.script(f)(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 2.0]))
+    finally:
+        tp.jit_forget_builtin(id(stand_in))
+    assert tp.jit_find_builtin(stand_in) is None
+
+
+def test_pytree_functions_round_trip():
+    tree = {"a": [torch.ones(1), 2], "b": (torch.zeros(1),)}
+    leaves, spec = tp.tree_flatten(tree)
+    assert tp.tree_unflatten(leaves, spec)["a"][1] == 2
+    assert len(tp.tree_leaves(tree)) == 3
+    doubled = tp.tree_map_only(torch.Tensor, lambda t: t + 1, tree)
+    assert doubled["a"][0].item() == 2 and doubled["a"][1] == 2
+
+
+def test_autocast_enabled_reads_the_region():
+    assert tp.autocast_enabled(torch.autocast("cpu", dtype=torch.bfloat16)) is True
+    assert tp.autocast_enabled(torch.autocast("cpu", enabled=False)) is False
+
+
+def test_engine_run_backward_is_what_backward_calls():
+    homes = tp.engine_run_backward_homes()
+    assert homes and all(callable(getattr(ns, attr)) for ns, attr in homes)
+    namespace, attr = homes[1]
+    original, calls = getattr(namespace, attr), []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(namespace, attr, counting)
+    try:
+        (torch.ones(2, requires_grad=True) * 2).sum().backward()
+    finally:
+        setattr(namespace, attr, original)
+    assert calls == [1]
+
+
+def test_worker_loop_and_single_process_fetch_exist():
+    assert callable(tp.worker_loop())
+    assert getattr(tp.WORKER_MODULE, tp.WORKER_LOOP) is tp.worker_loop()
+    cls, name = tp.single_process_fetch()
+    it = iter(torch.utils.data.DataLoader(list(range(4)), batch_size=2))
+    assert isinstance(it, cls) and callable(getattr(it, name))
+
+
+def test_checkpoint_generator_is_what_non_reentrant_checkpoint_calls():
+    name = tp.checkpoint_generator()
+    assert name is not None and tp.missing() == []
+    module = tp.CHECKPOINT_MODULE
+    original, calls = module.__dict__[name], []
+
+    def counting(fn, *args, **kwargs):
+        calls.append(fn)
+        return original(fn, *args, **kwargs)
+
+    setattr(module, name, counting)
+    try:
+        def body(x):
+            return x.sin()
+        module.checkpoint(body, torch.ones(2, requires_grad=True), use_reentrant=False).sum().backward()
+    finally:
+        setattr(module, name, original)
+    assert calls == [body]
+
+
+def test_checkpoint_function_forward_gets_the_function():
+    function = tp.checkpoint_function()
+    assert isinstance(function.__dict__["forward"], staticmethod)
+
+
+def test_rnn_check_input_and_flat_weights():
+    lstm = torch.nn.LSTM(3, 4)
+    assert callable(getattr(torch.nn.RNNBase, tp.RNN_CHECK_INPUT))
+    weights = tp.rnn_flat_weights(lstm)
+    assert len(weights) == 4 and weights[0] is lstm.weight_ih_l0
+    with pytest.raises((RuntimeError, ValueError)) as info:
+        getattr(lstm, tp.RNN_CHECK_INPUT)(torch.ones(2, 1, 3, dtype=torch.float64), None)
+    assert info.traceback[-1].name == tp.RNN_CHECK_INPUT
+
+
+def test_error_wordings_match_torch_messages():
+    with pytest.raises(RuntimeError) as info:
+        torch.ones(2, dtype=torch.bfloat16) @ torch.ones(2)
+    assert not re.search(tp.NO_KERNEL_MESSAGE, str(info.value))  # a dtype mismatch, not a missing kernel
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: g.double())
+    with pytest.raises(RuntimeError) as info:
+        y.sum().backward()
+    assert re.search(tp.HOOK_CHANGED_TYPE_MESSAGE, str(info.value)), str(info.value)
+    with pytest.raises(RuntimeError) as info:
+        F.layer_norm(torch.ones(2, 3, dtype=torch.bfloat16), (3,), torch.ones(3, dtype=torch.float64))
+    assert re.search(tp.MIXED_DTYPE_MESSAGE, str(info.value)) or "dtype" in str(info.value)
+
+
+def test_missing_is_empty_on_a_tested_release():
+    assert tp.missing() == []
+    assert tp.VERSION == torch.__version__.split("+")[0]
