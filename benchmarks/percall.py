@@ -1,6 +1,6 @@
 """Microseconds each mixed-precision scheme adds to one call, against bare torch.
 
-    python benchmarks/percall.py [--reps 31] [--calls 2000] [--json out.json]
+    python benchmarks/percall.py [--reps 31] [--calls 2000] [--device cpu] [--json out.json]
 
 The table of the per-call issue: ``F.linear`` in a training forward and in
 inference, ``torch.mm`` of two activations, ``torch.softmax`` of float32 (FP32
@@ -40,12 +40,13 @@ TARGETS = {"linear (training)": ("vs autocast", 1.0), "linear (inference)": ("vs
            "cat (one dtype, no cast)": ("vs bare", 0.4)}
 
 
-def cases():
+def cases(device="cpu"):
     """case -> (grad enabled, {mode: callable}); hmp must not be converted yet."""
     torch.manual_seed(0)
-    x, a, b = (torch.randn(SIZE, SIZE) for _ in range(3))
-    h = torch.randn(SIZE, SIZE, requires_grad=True)  # an activation inside a training forward
-    w, bias = nn.Parameter(torch.randn(SIZE, SIZE)), nn.Parameter(torch.randn(SIZE))
+    x, a, b = (torch.randn(SIZE, SIZE, device=device) for _ in range(3))
+    h = torch.randn(SIZE, SIZE, device=device, requires_grad=True)  # an activation inside a training forward
+    w = nn.Parameter(torch.randn(SIZE, SIZE, device=device))
+    bias = nn.Parameter(torch.randn(SIZE, device=device))
     linear, mm, softmax, cat = F.linear, torch.mm, torch.softmax, torch.cat  # the originals
 
     def both(orig, patched):
@@ -61,34 +62,43 @@ def cases():
 
 
 @contextlib.contextmanager
-def mode_context(mode, grad):
+def mode_context(mode, grad, device="cpu"):
     with torch.set_grad_enabled(grad), contextlib.ExitStack() as stack:
         if mode == "autocast":
-            stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+            stack.enter_context(torch.autocast(torch.device(device).type, dtype=torch.bfloat16))
         elif mode == "hmp" and not grad:
             stack.enter_context(hmp.frozen_weights())
         yield
 
 
-def sample(fn, calls):
+def sync(device):
+    """Wait for queued kernels: on CUDA the loop measures what the host adds
+    per launch, and the kernels of 8x8 tensors finish inside it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def sample(fn, calls, device="cpu"):
     keep = fn()  # in training, a live graph holding the weight's cast copy
+    sync(device)
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+    sync(device)
     elapsed = time.perf_counter() - start
     del keep
     return elapsed / calls * 1e6
 
 
-def run(reps, calls, progress=print):
-    table = cases()
+def run(reps, calls, progress=print, device="cpu"):
+    table = cases(device)
     hmp.convert()
     try:
         samples = {c: {m: [] for m in MODES} for c in table}
         dtypes = {}
         for case, (grad, fns) in table.items():  # warm-up, and what each mode returns
             for mode, fn in fns.items():
-                with mode_context(mode, grad):
+                with mode_context(mode, grad, device):
                     for _ in range(200):
                         out = fn()
                 dtypes.setdefault(case, {})[mode] = str(out.dtype).replace("torch.", "")
@@ -96,8 +106,8 @@ def run(reps, calls, progress=print):
             for case, (grad, fns) in table.items():
                 for mode, fn in fns.items():
                     gc.collect()
-                    with mode_context(mode, grad):
-                        samples[case][mode].append(sample(fn, calls))
+                    with mode_context(mode, grad, device):
+                        samples[case][mode].append(sample(fn, calls, device))
             progress(f"  rep {rep + 1}/{reps}")
     finally:
         hmp.revert()
@@ -126,12 +136,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=31)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    result = run(args.reps, args.calls)
-    print(f"torch {torch.__version__}, {SIZE}x{SIZE} tensors, medians of {args.reps} interleaved samples "
-          f"of {args.calls} calls, one thread")
+    result = run(args.reps, args.calls, device=args.device)
+    print(f"torch {torch.__version__}, {SIZE}x{SIZE} tensors on {args.device}, medians of {args.reps} "
+          f"interleaved samples of {args.calls} calls, one thread")
     print(report(result))
     if args.json:
         with open(args.json, "w") as f:
