@@ -6,6 +6,7 @@ Counts of what is tried are in docs/reliability.md.
 """
 
 import os
+import pydoc
 import random
 import re
 import tempfile
@@ -272,7 +273,8 @@ def test_unreadable_file_as_an_unprivileged_user(tmp_path):
 
 _DIR = Path(tempfile.mkdtemp(prefix="hmp-fuzz-"))
 _RESOLVER = Resolver()
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")  # op, or aten op.overload
+# an op, an aten op.overload, or a module class's import path: dotted ASCII identifiers
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def _aten(name):
@@ -287,8 +289,11 @@ def _known(name):
     """A Python-level op name, an aten operator, or an aten operator and
     one of its overloads (straight from torch.ops.aten)."""
     base, dot, overload = name.partition(".")
-    if dot:
-        return _aten(base) is not None and overload in _aten(base).overloads()
+    if dot and "." not in overload and _aten(base) is not None:
+        return overload in _aten(base).overloads()
+    if dot:  # anything else dotted names a module class
+        found = pydoc.locate(name)
+        return isinstance(found, type) and issubclass(found, torch.nn.Module)
     return _RESOLVER.exists(name) or (not name.startswith("__") and _aten(name) is not None)
 
 

@@ -144,8 +144,8 @@ def test_lstm_in_the_fp32_list_fed_bf16_runs_in_fp32(tmp_path):
     with hmp.converted(fp32_file_path=fp32_list_with(tmp_path, "torch.nn.LSTM")):  # lstm itself is BF16-listed
         out, _ = lstm(x)
     assert out.dtype == FP32
-    with torch.no_grad():
-        assert torch.equal(out, lstm(x.float())[0])
+    # the reference with grad on too: CPU LSTMs pick another kernel under no_grad
+    assert torch.equal(out, lstm(x.float())[0])
 
 
 # -- malformed module lines ---------------------------------------------------------------------

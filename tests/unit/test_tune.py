@@ -263,7 +263,7 @@ def test_tune_puts_the_unsafe_module_class_in_fp32_not_its_op(unsafe_lists, tmp_
     assert result.modules_to_fp32 == [planted.Recenter]
     assert result.moved_to_fp32 == [] and "sub" in result.lists["bf16"]  # the common op stays in bf16
     assert result.proposals["sub"]["own_max_rel"] < 0.05 and result.proposals["sub"]["accepted"]
-    assert "module classes to FP32: planted.Recenter" in result.table()
+    assert "module classes to FP32: helpers.planted.Recenter" in result.table()
     v = result.validation
     assert abs(v["tuned lists"] - v["fp32"]) <= 0.02 * v["fp32"]
     assert v["starting lists"] > 1.5 * v["fp32"]
