@@ -13,6 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -46,10 +47,13 @@ def _dtypes(tensors):
 
 def run(rank, world, use_cache):
     model = make_model()
+    # a CPU mesh said outright: by default fully_shard picks the accelerator
+    # when the machine has one, and gloo with CUDA tensors hangs
+    mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     x, y = global_batch()
     shard = GLOBAL_BATCH // world

@@ -108,6 +108,7 @@ def test_ddp_with_a_module_policy(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.torch_internals
 def test_torchrun_launch(tmp_path):
     """The launch line docs/integrations.md shows."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")

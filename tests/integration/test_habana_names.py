@@ -304,6 +304,7 @@ NO_HABANA = pytest.mark.skipif(importlib.util.find_spec("habana_frameworks") is 
 
 
 @pytest.mark.slow
+@pytest.mark.torch_internals
 @NO_HABANA
 def test_habana_style_mnist_runs_under_hmp_run(tmp_path):
     res = _run_mnist(tmp_path, "--hmp", "--hmp-verbose", "--hmp-opt-level", "O1")

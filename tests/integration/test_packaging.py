@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.torch_internals
 def test_installed_wheel_finds_its_lists(tmp_path):
     pytest.importorskip("setuptools")
     wheels, site = tmp_path / "wheels", tmp_path / "site"

@@ -131,6 +131,7 @@ def test_eight_threads_each_see_their_own_state(fast_switching):
 
 
 @pytest.mark.slow  # about 10 s
+@pytest.mark.torch_internals
 def test_convert_and_revert_while_eight_threads_run(fast_switching, pristine):
     stop = threading.Event()
     failures, mismatches, steps = [], [], []

@@ -37,7 +37,7 @@ def inductor_works():
 
 
 BACKENDS = ["aot_eager", pytest.param("inductor", marks=[
-    pytest.mark.slow, pytest.mark.skipif(not inductor_works(), reason="inductor needs a C++ compiler")])]
+    pytest.mark.slow, pytest.mark.torch_internals, pytest.mark.skipif(not inductor_works(), reason="inductor needs a C++ compiler")])]
 
 
 class Block(torch.nn.Module):

@@ -104,6 +104,7 @@ def test_scripted_transformer_layer_while_converted():
 
 
 @pytest.mark.slow
+@pytest.mark.torch_internals
 def test_deberta_v2_imported_while_converted():
     """transformers' DeBERTa-v2 scripts helpers at import time: import it for
     the first time in a process that is already converted."""

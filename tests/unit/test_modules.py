@@ -449,6 +449,7 @@ def test_hf_gradient_checkpointing_with_rmsnorm_in_fp32(reentrant):
 
 
 @pytest.mark.slow
+@pytest.mark.torch_internals
 @needs_torch((2, 6), "dynamo traces hmp's writes to its thread state (a threading.local) without a graph break")
 def test_compile_adds_no_graph_break_for_modules_without_a_policy(fresh_dynamo):
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 8))

@@ -323,7 +323,7 @@ def _load(**kwargs):
     return list(loader)
 
 
-@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])  # spawn imports torch
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=[pytest.mark.slow, pytest.mark.torch_internals])])  # spawn imports torch
 def test_dataloader_workers_never_cast(method):
     if method not in multiprocessing.get_all_start_methods():
         pytest.skip(f"no {method} here")
