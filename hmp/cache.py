@@ -40,6 +40,7 @@ _tracing_state = torch_private.tracing_state
 _transforms_active = torch_private.functorch_transforms_active
 _version = torch_private.version_of
 _Parameter = torch.nn.Parameter
+_Fake = torch_private.FakeTensor
 
 
 class _Frozen:
@@ -90,6 +91,8 @@ def caster(dtype):
                         and entry[3] is t.requires_grad:
                     return copy
             copy = plain(t)
+            if isinstance(t, _Fake):  # no real storage (FakeTensorMode): nothing to cache by
+                return copy
             try:
                 version, ptr = _version(t), t.data_ptr()
             except RuntimeError:  # an inference tensor (no version counter); a fake one (torch < 2.6 compiles eagerly)
@@ -109,6 +112,8 @@ def caster(dtype):
         if entry is not None and entry[1] == _version(t) and entry[2] == t.data_ptr():
             return entry[0]
         copy = plain(t)
+        if isinstance(t, _Fake):
+            return copy
         try:
             version, ptr = _version(t), t.data_ptr()
         except RuntimeError:

@@ -5,7 +5,9 @@ back on every exit path, so blocks nest and exceptions cannot leak a state.
 """
 
 import contextlib
+import functools
 
+from .resolve import ORIGINAL
 from .state import tls
 
 
@@ -79,3 +81,21 @@ def run_as(fn, state):
             st.off, st.module_off, st.lower_mode = before
 
     return run
+
+
+def uncast(fn):
+    """``fn`` run with casts off, as inside ``disable_casts()``: for code
+    hmp runs uncast by itself (weight updates, backward, loss scaling).
+    Carries ``fn``'s metadata and points ``ORIGINAL`` at it."""
+
+    def uncast(*args, **kwargs):
+        st = tls
+        st.off += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            st.off -= 1
+
+    functools.update_wrapper(uncast, fn)
+    setattr(uncast, ORIGINAL, fn)
+    return uncast

@@ -13,11 +13,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import checkpoint, errors, interop, lists, modules, pickling, regions, rnn, steps, wrap
+from . import averaging, buffers, checkpoint, errors, functions, interop, lists, modules, pickling, regions, rnn, steps, wrap
 from .cache import casters, clear_cache
 from .patch import PatchLog
 from .policy import PLAIN_CASTS
-from .resolve import Binding, Resolver, attribute_site, owner_label, unwrap
+from .resolve import Binding, Resolver, attribute_site, owner_label, returns_view, unwrap
 from .state import runtime
 
 log = logging.getLogger("hmp")
@@ -99,14 +99,37 @@ def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=Fals
 @contextlib.contextmanager
 def converted(*args, **kwargs):
     """``convert(*args, **kwargs)`` for a block; on exit, also when the block
-    raises, the configuration in force before it is back (none: reverted)."""
+    raises, the configuration in force before it is back (none: reverted).
+
+    A conversion is process-wide, so blocks in several threads form one
+    stack: the newest open block's configuration is in force, and once
+    every block has exited, the one before the first is back. A block that
+    exits while a newer one is open (thread A's block ends inside B's)
+    changes nothing then; the newer block, on its exit, restores what the
+    older one found.
+    """
     with runtime.lock:
-        saved = current()
+        entry = [current()]  # what this block restores; a list: an older block's exit may hand it its own
         convert(*args, **kwargs)
+        runtime.blocks.append(entry)
     try:
         yield
     finally:
-        restore(saved)
+        with runtime.lock:
+            _leave_block(entry)
+
+
+def _leave_block(entry):
+    blocks = runtime.blocks
+    i = next((i for i, e in enumerate(blocks) if e is entry), None)
+    if i is None:  # not on the stack (cannot happen through converted()): restore as asked
+        restore(entry[0])
+    elif i == len(blocks) - 1:
+        blocks.pop()
+        restore(entry[0])
+    else:  # a newer block is open: it stays in force, and will restore what this one found
+        blocks[i + 1][0] = entry[0]
+        del blocks[i]
 
 
 def _registration(wrappers, owner, name, kind):
@@ -124,15 +147,18 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         effective, options, extra, by_module = conversion
         casts = casters() if options.cache else dict(PLAIN_CASTS)
         wrappers = wrap.Wrappers(options.low, casts, options.verbose, recorder, passthrough)
+        # an op returning a view of its input is never wrapped (see resolve.returns_view)
         patches = [(b.site.namespace, b.site.attr, wrappers.site(b, b.site.original()))
-                   for b in (resolver or Resolver()).bind(effective)]
+                   for b in (resolver or Resolver()).bind(effective) if not returns_view(b.name)]
         patches += [_registration(wrappers, *entry) for entry in runtime.registered]
         if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
             patches += modules.patches(by_module, modules.Forwards(options.low, casts, effective["fp32"]))
             patches += rnn.check_input_patches(effective, lower_modules=bool(by_module["bf16"]))
         patches += checkpoint.patches()  # recomputes run under their forward's hmp state
+        patches += functions.patches()  # custom_fwd/custom_bwd Functions: the author's choice wins
         patches += regions.plan()  # autocast regions, backward, GradScaler, DataLoader: left alone
         patches += steps.patches()
+        patches += averaging.patches()  # weight averaging is a weight update: uncast
         patches += list(extra)
         user = {w: wrappers.user_prepare(kind, w.__qualname__) for w, kind in list(runtime.decorated.items())}
         hooks = errors.excepthook_patches()
@@ -147,7 +173,7 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
                 log_.setattr(namespace, attr, value)
             for namespace, attr, value in hooks:
                 log_.setattr(namespace, attr, value, if_unchanged=True)
-            runtime.step_hooks = steps.add_hooks()
+            runtime.hooks = steps.add_hooks() + [buffers.add_hook()]
         except BaseException:
             _revert_locked()
             raise
@@ -166,6 +192,10 @@ def _log_conversion(patches):
     log.info("hmp: convert opt_level=%s, lower dtype %s", options.opt_level, str(options.low).replace("torch.", ""))
     for kind in lists.KINDS:
         log.info("hmp: %s list: %s", kind, ", ".join(sorted(effective[kind])))
+        views = sorted(n for n in effective[kind] if returns_view(n))
+        if views:
+            log.info("hmp: %s return views of their input: left uncast, so writes through them reach it",
+                     ", ".join(views))
     for kind, targets in runtime.conversion.modules.items():
         if targets:
             log.info("hmp: %s modules: %s", kind, ", ".join(modules.label(t) for t in targets))
@@ -194,9 +224,9 @@ def _revert_locked():
     rt = runtime
     for w in list(rt.decorated):
         wrap.pause(w)
-    for handle in rt.step_hooks:
+    for handle in rt.hooks:
         handle.remove()
-    rt.step_hooks = []
+    rt.hooks = []
     patches = rt.patches
     installed = patches.values() if patches is not None else []
     try:

@@ -182,12 +182,25 @@ def _explain(exc, about):
             "cause (see hmp.effective_lists()).")
 
 
-def annotate(exc, about=None):
+def _explain_backward(exc):
+    """One line for a mismatch raised in a backward pass, where hmp casts nothing."""
+    callee = culprit.callee(exc)
+    op = f"'{callee}'" if callee else "an op"
+    return (f"hmp: {op} got lower-precision and float32 tensors in a backward pass. hmp casts nothing in "
+            f"backward: each op's gradient follows the dtypes its forward ran in, so a hand-written backward (a "
+            f"custom autograd.Function) sees what its forward produced. Decorate the Function with "
+            f"torch.amp.custom_fwd(cast_inputs=torch.float32) and custom_bwd, which hmp honours as torch.autocast "
+            f"does, or cast inside the backward.")
+
+
+def annotate(exc, about=None, in_backward=False):
     """Add the mismatch note to ``exc`` (once); ``about`` describes the hmp
-    wrapper it passed through, if any. Never raises."""
+    wrapper it passed through, if any; ``in_backward``: it was raised in a
+    backward pass. Never raises."""
     try:
         if hasattr(exc, "add_note") and not _noted(exc) and is_mismatch(exc):
-            exc.add_note(_explain(exc, about))
+            hook = _HOOK.search(str(exc.args[0])) if exc.args else None
+            exc.add_note(_explain_backward(exc) if in_backward and hook is None else _explain(exc, about))
     except Exception:  # a note must never replace the user's error
         pass
 

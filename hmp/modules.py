@@ -33,7 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import lists, policy
-from .resolve import ORIGINAL, is_module_path, module_class, unwrap
+from .resolve import ORIGINAL, is_module_path, module_class, returns_view, unwrap
 from .state import tls
 from .torch_private import tree_map_only
 
@@ -70,12 +70,12 @@ class LowerMode(TorchFunctionMode):
         prepare = self._prepares.get(func)
         if prepare is None:
             name = getattr(func, "__name__", "")
-            if name in _UNCAST:
+            op = name[2:-2] if name.startswith("__") and name.endswith("__") else name
+            if name in _UNCAST or returns_view(op) or name == "__getitem__":  # a view must stay a view
                 prepare = policy.cast_nothing
             elif _writes_first(name):
                 prepare = self._into
             else:
-                op = name[2:-2] if name.startswith("__") and name.endswith("__") else name
                 prepare = self._fp32 if op in self._fp32_names else self._lower
             self._prepares[func] = prepare
         return prepare
@@ -141,7 +141,7 @@ class Forwards:
 
         self._fp32_in = policy.fp32(low, casts)
         self._fp32_out = lambda out: tree_map_only(torch.Tensor, up, out)  # any nesting: tuples, ModelOutput
-        self._lower_in = policy.lower(low, casts)
+        self._lower_in = policy.lower_tensors(low, casts)
         self._mode = LowerMode(low, casts, fp32_names)
 
     def forward(self, kind, original):
@@ -171,9 +171,51 @@ def patches(modules, forwards):
                         original = unwrap(inspect.getattr_static(cls, "forward"))
                         out.append((cls, "forward", forwards.forward(kind, original)))
             else:
-                out.append((target, "forward", types.MethodType(forwards.forward(kind, _instance_forward(target)),
-                                                                 target)))
+                fn = forwards.forward(kind, _instance_forward(target))
+                setattr(fn, _OWN, _own_forward(target))
+                out.append((target, "forward", types.MethodType(fn, target)))
+    if any(not isinstance(t, type) for targets in modules.values() for t in targets):
+        out.append((Module, "__getstate__", _getstate(unwrap(Module.__dict__["__getstate__"]))))
     return out
+
+
+# on an instance entry's function: the forward the instance held in its own
+# __dict__ before hmp (None: none)
+_OWN = "__hmp_own_forward__"
+
+
+def _is_entry(value, module):
+    return isinstance(value, types.MethodType) and value.__self__ is module and hasattr(value.__func__, _OWN)
+
+
+def _own_forward(module):
+    own = module.__dict__.get("forward")
+    return getattr(own.__func__, _OWN) if _is_entry(own, module) else own
+
+
+def _getstate(original):
+    """Module.__getstate__ while instance entries are in place: a copy or a
+    pickle of a module (``copy.deepcopy``, ``torch.save(model)``) gets the
+    module as it is without hmp. The entry names one object, so a copy runs
+    as any other module of its class; after revert() nothing of hmp is in
+    it."""
+
+    def __getstate__(self):
+        state = original(self)
+        entry = state.get("forward")
+        if _is_entry(entry, self):
+            state = dict(state)
+            own = getattr(entry.__func__, _OWN)
+            if own is None:
+                del state["forward"]
+            else:
+                state["forward"] = own
+        return state
+
+    __getstate__.__qualname__ = original.__qualname__
+    __getstate__.__doc__ = original.__doc__
+    setattr(__getstate__, ORIGINAL, original)
+    return __getstate__
 
 
 def _classes_under(cls, listed):

@@ -9,9 +9,11 @@ calls: the list's rule, with the in-place rule for calls that write a
 tensor (``out=``, ``inplace=True``) checked inside it.
 """
 
+import warnings
+
 import torch
 
-from . import torch_private
+from . import state, torch_private
 
 Tensor = torch.Tensor
 FP16, BF16, FP32, FP64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -86,9 +88,104 @@ def to_dtype(src, cast, out=None):
     return prepare
 
 
-def lower(low, casts, out=None):
-    """BF16 list: float32 tensors go to the lower dtype; nothing else is touched."""
-    return to_dtype(frozenset((FP32,)), casts[low], out)
+def overflow_limit(low):
+    """Numbers beyond this magnitude are not finite values of ``low``. (The
+    exact point where rounding reaches inf lies a little above it, and
+    moves when a kernel rounds through float32 first: the largest finite
+    value is the bound that holds for every kernel.)"""
+    return torch.finfo(low).max
+
+
+_INF = float("inf")
+
+
+def _lower_seq(seq, cast, limit, factor=None):
+    """``cast_seq`` of float32 tensors for the BF16 rule, or None when a
+    Python number in ``seq`` is finite but would be inf in the lower dtype.
+    One pass: a tensor costs what it costs in cast_seq, a number two
+    comparisons. ``factor``: (low, high, warn) for a multiplication, which
+    warns once about a number so close to 1 that the lower dtype loses it."""
+    out = None
+    for i, a in enumerate(seq):
+        if isinstance(a, Tensor):
+            if a.dtype is FP32:
+                if out is None:
+                    out = list(seq)
+                out[i] = cast(a)
+        elif type(a) is float or type(a) is int:
+            if (a > limit or a < -limit) and a != _INF and a != -_INF:
+                return None
+            if factor is not None and factor[0] < a < factor[1] and a != 1:
+                factor[2](a)
+        elif type(a) is list or type(a) is tuple:
+            b = cast_seq(a, _FP32_ONLY, cast)
+            if b is not a:
+                if out is None:
+                    out = list(seq)
+                out[i] = b
+    if out is None:
+        return seq
+    return out if type(seq) is list else tuple(out)
+
+
+_FP32_ONLY = frozenset((FP32,))
+
+
+MULTIPLICATIONS = frozenset(("mul", "multiply"))
+
+
+def _near_one(low, name):
+    """(low, high, warn) for ``_lower_seq``: numbers within half the lower
+    dtype's epsilon of 1, where a product rounds back to (about) the value
+    multiplied, so a decay applied step after step never moves it."""
+    half = torch.finfo(low).eps / 2
+    dtype = str(low).replace("torch.", "")
+
+    def warn(number):
+        if state.first_time(("factor near one", name)):
+            warnings.warn(f"hmp: {name} by {number!r} runs in {dtype} (BF16 list), where multiplying by a number "
+                          f"this close to 1 changes a value by at most its rounding step: a decay or moving "
+                          f"average computed this way stalls. Update it in place (ema.lerp_(x, 1 - decay)) or "
+                          f"inside hmp.disable_casts() (docs/never-changes.md). (hmp warns about this once.)",
+                          UserWarning, stacklevel=state.user_stacklevel())
+
+    return 1 - half, 1 + half, warn
+
+
+def lower(low, casts, out=None, name=None):
+    """BF16 list: float32 tensors go to the lower dtype; nothing else is
+    touched. A call given a Python number that the lower dtype cannot hold
+    as a finite value (``torch.finfo(torch.float32).min``, the usual
+    attention-mask fill, is -inf in bfloat16) runs under the FP32 rule
+    instead: a finite value never turns inf (docs/never-changes.md).
+    ``name``: the op, so a multiplication can warn about a factor near 1."""
+    cast, limit = casts[low], overflow_limit(low)
+    factor = _near_one(low, name) if name in MULTIPLICATIONS else None
+    up = fp32(low, casts, out)
+
+    def prepare(args, kwargs):
+        cast_kw = kwargs
+        if kwargs:
+            if out is not None and kwargs.get("out") is not None:
+                return out(args, kwargs)
+            values = tuple(kwargs.values())
+            cast_values = _lower_seq(values, cast, limit, factor)
+            if cast_values is None:
+                return up(args, kwargs)
+            if cast_values is not values:
+                cast_kw = dict(zip(kwargs, cast_values))
+        cast_args = _lower_seq(args, cast, limit, factor)
+        if cast_args is None:
+            return up(args, kwargs)
+        return cast_args, cast_kw
+
+    return prepare
+
+
+def lower_tensors(low, casts):
+    """float32 tensors to the lower dtype, numbers unchecked: a module's
+    inputs (a BF16 module's ops check their own numbers)."""
+    return to_dtype(_FP32_ONLY, casts[low])
 
 
 def fp32(low, casts, out=None):
@@ -269,8 +366,11 @@ def for_site(kind, name, site, low, casts):
     entry ``name`` of list ``kind``."""
     if site.inplace:
         return inplace_self(casts)
-    rule = lower_input_only if kind == "bf16" and name in NORM_OPS else RULES[kind]
-    main = rule(low, casts, inplace_out(casts))
+    if kind == "bf16":
+        main = (lower_input_only(low, casts, inplace_out(casts)) if name in NORM_OPS
+                else lower(low, casts, inplace_out(casts), name))
+    else:
+        main = RULES[kind](low, casts, inplace_out(casts))
     if site.inplace_param is None:
         return main
     return _checking_inplace(main, inplace_input(casts), site.inplace_param)

@@ -24,7 +24,8 @@ import warnings
 import torch
 from torch.amp.autocast_mode import autocast
 
-from . import state, torch_private
+from . import errors, state, torch_private
+from .casts import uncast
 from .resolve import ORIGINAL, unwrap
 from .state import tls
 
@@ -88,14 +89,18 @@ def forget_open_regions():
         counts.clear()
 
 
-def _uncast(original):
-    """``original`` with casts off for its duration, in the calling thread."""
+def _uncast_backward(original):
+    """``casts.uncast`` for a backward pass; an error raised in it gets the note
+    for errors in backward (hmp/errors.py)."""
 
     def uncast(*args, **kwargs):
         st = tls
         st.off += 1
         try:
             return original(*args, **kwargs)
+        except Exception as e:
+            errors.annotate(e, in_backward=True)
+            raise
         finally:
             st.off -= 1
 
@@ -136,17 +141,17 @@ def plan():
         # time, also when imported by name before convert(); graph's is
         # patched too because torch.compiler's export tracing copies it
         # back over torch.autograd's when it is done
-        run = _uncast(unwrap(getattr(*homes[0])))
+        run = _uncast_backward(unwrap(getattr(*homes[0])))
         patches += [(namespace, attr, run) for namespace, attr in homes]
     else:  # older torch
-        patches += [(autograd, name, _uncast(unwrap(getattr(autograd, name)))) for name in ("backward", "grad")]
+        patches += [(autograd, name, _uncast_backward(unwrap(getattr(autograd, name)))) for name in ("backward", "grad")]
     for cls in _subclasses(torch.amp.GradScaler):  # subclasses defined later are not reached
         for name in _GRAD_SCALER_METHODS:
             if name in cls.__dict__:
-                patches.append((cls, name, _uncast(_own(cls, name))))
+                patches.append((cls, name, uncast(_own(cls, name))))
     worker_loop.__dict__[ORIGINAL] = unwrap(torch_private.worker_loop())
     patches.append((torch_private.WORKER_MODULE, torch_private.WORKER_LOOP, worker_loop))
     fetch = torch_private.single_process_fetch()
     if fetch is not None:
-        patches.append((*fetch, _uncast(_own(*fetch))))
+        patches.append((*fetch, uncast(_own(*fetch))))
     return patches

@@ -349,6 +349,24 @@ def aten_op(name):
 
 
 @functools.lru_cache(maxsize=None)
+def returns_view(name):
+    """True when ``aten::name`` returns a view of an input (by its schema:
+    a result that aliases an argument without writing it, as ``t``,
+    ``transpose``, ``view``, ``reshape``, ``split``, ``to``). Such an op is
+    never cast: its result must be a view of the tensor it was given, so
+    writes through it reach that tensor (docs/never-changes.md)."""
+    packet = aten_op(name)
+    if packet is None:
+        return False
+    for overload in packet.overloads():
+        for ret in getattr(packet, overload)._schema.returns:
+            alias = ret.alias_info
+            if alias is not None and not alias.is_write:
+                return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
 def aten_entry_points():
     """``{aten op name: [(owner, module, attr), ...]}`` for every builtin in
     ATEN_HOMES whose name is an aten operator; built once (a namespace entry

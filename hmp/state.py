@@ -12,6 +12,8 @@ but torch_private (a leaf too).
 - ``warned``: keys of the warn-once messages already given.
 """
 
+import os
+import sys
 import threading
 import weakref
 
@@ -52,9 +54,10 @@ class Runtime:
         self.patches = None  # patch.PatchLog, made by the first convert(); kept for retries of a failed undo
         self.conversion = None  # conversion.Conversion in force; None: not converted
         self.wrappers = None  # wrap.Wrappers of this conversion, for register() while converted
-        self.step_hooks = []  # handles of the optimizer step hooks
+        self.hooks = []  # handles of torch's global hooks hmp registered (optimizer steps, buffers)
         self.pickle_names = {}  # id(function) -> (function, "module:attr") (pickling.py)
         self.log_restore = None  # puts the "hmp" logger back after a verbose conversion
+        self.blocks = []  # open converted() blocks, oldest first: [configuration to restore] each
         # kept across conversions
         self.registered = []  # (owner, name, kind) from hmp.register()
         self.decorated = weakref.WeakKeyDictionary()  # @hmp.*_function wrapper -> kind
@@ -84,3 +87,15 @@ def first_time(key):
         return False
     warned.add(key)
     return True
+
+
+_OUTSIDE_USER_CODE = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+
+
+def user_stacklevel():
+    """``stacklevel`` for a warning raised inside hmp: the first frame
+    outside hmp and torch, so the warning shows the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_OUTSIDE_USER_CODE):
+        frame, level = frame.f_back, level + 1
+    return level

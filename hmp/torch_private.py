@@ -53,6 +53,59 @@ tracing_state = getattr(torch._C, "_get_tracing_state", None) or _none
 # True under vmap/grad/jvp: their tensors have no storage to cache by.
 functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None) or _false
 
+# Parameters made under FakeTensorMode: they have no real storage, and
+# torch warns (later: raises) when asked for their data pointer.
+try:
+    from torch._subclasses.fake_tensor import FakeTensor
+except ImportError:  # pragma: no cover - every tested release has it
+    class FakeTensor:  # nothing is an instance
+        pass
+
+# -- custom autograd Functions ----------------------------------------------------------------
+
+# torch.amp.custom_fwd / custom_bwd mark nothing on what they decorate: a
+# decorated forward or backward is told by its code object (one per
+# decorator), and custom_fwd's ``cast_inputs`` is read from its closure.
+# 2.4 to 2.14: torch.cuda.amp's deprecated decorators call torch.amp's.
+
+
+def _decorated_code(decorator, **kwargs):
+    try:
+        return decorator(lambda *args: None, **kwargs).__code__
+    except Exception:  # a torch without it: nothing is ever recognised
+        return None
+
+
+_CUSTOM_FWD = _decorated_code(torch.amp.custom_fwd, device_type="cpu", cast_inputs=torch.float32)
+_CUSTOM_BWD = _decorated_code(torch.amp.custom_bwd, device_type="cpu")
+
+
+def _closure_value(fn, name):
+    code = fn.__code__
+    return fn.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def custom_fwd_cast(fn):
+    """For a forward decorated with ``torch.amp.custom_fwd``: its
+    ``cast_inputs`` dtype, or None when it has none; False when ``fn`` is
+    not such a forward."""
+    if _CUSTOM_FWD is None or getattr(fn, "__code__", None) is not _CUSTOM_FWD:
+        return False
+    return _closure_value(fn, "cast_inputs")
+
+
+def custom_bwd_inner(fn):
+    """The backward ``torch.amp.custom_bwd`` decorated, or None when ``fn``
+    is not a decorated backward."""
+    if _CUSTOM_BWD is None or getattr(fn, "__code__", None) is not _CUSTOM_BWD:
+        return None
+    return _closure_value(fn, "bwd")
+
+
+# What autograd calls to run a custom Function's backward: its ``apply``
+# gets the Function's ctx (the outputs' grad_fn) as ``self``.
+BackwardCFunction = torch.autograd.function.BackwardCFunction
+
 # -- ops and their namespaces -----------------------------------------------------------------
 
 # nn.RNN/LSTM/GRU call their kernels as torch._VF.X (a module serving
@@ -193,8 +246,9 @@ def rnn_flat_weights(module):
 
 # -- wordings of torch's error messages (errors.py, fallback.py) -------------------------------
 
-# a kernel that has no lower-precision implementation
-NO_KERNEL_MESSAGE = r"not implemented for '(BFloat16|Half)'"
+# a kernel that has no lower-precision implementation; oneDNN's wording for
+# one it cannot build on this CPU (2.4's bf16 LSTM without AVX-512 BF16)
+NO_KERNEL_MESSAGE = r"not implemented for '(BFloat16|Half)'|could not create a primitive descriptor"
 # ops that reject mixed input dtypes say so
 MIXED_DTYPE_MESSAGE = r"mixed dtype"
 # a backward hook returned a gradient of another dtype

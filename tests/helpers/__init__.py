@@ -9,6 +9,24 @@ NAMESPACES = {"torch": torch, "torch.nn.functional": F, "torch.Tensor": torch.Te
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
+def _bf16_lstm_missing():
+    """Why this torch cannot run nn.LSTM in bfloat16 on this CPU by itself, or None
+    (torch 2.4's oneDNN LSTM needs AVX-512 BF16; hmp then runs it as given, with a warning)."""
+    try:
+        torch.nn.LSTM(2, 2).bfloat16()(torch.ones(1, 1, 2, dtype=torch.bfloat16))
+    except RuntimeError as e:
+        return f"torch {torch.__version__} itself cannot run a bfloat16 nn.LSTM on this CPU: {str(e)[:80]}"
+    return None
+
+
+NO_BF16_LSTM = _bf16_lstm_missing()
+
+
+def skip_without_bf16_lstm():
+    if NO_BF16_LSTM:
+        pytest.skip(NO_BF16_LSTM)
+
+
 # the running torch's release, (major, minor, patch), for version-gated skips
 # (docs/reliability.md, "torch releases": each says which feature needs which torch)
 TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:3])

@@ -233,11 +233,11 @@ def test_temporary_list_files_are_removed(tmp_path, monkeypatch, pristine):
 def test_module_fields(pristine):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     config = {"use_habana_mixed_precision": True, "hmp_fp32_modules": ["1"],
-              "hmp_bf16_modules": ["torch.nn.LSTM"]}
+              "hmp_bf16_modules": ["torch.nn.GRU"]}
     assert hmp.convert_from_config(config, model=model)
     assert model(torch.randn(2, 4)).dtype == torch.float32  # the LayerNorm ran under the FP32 module rule
-    lstm = torch.nn.LSTM(4, 4)
-    assert lstm(torch.randn(3, 2, 4))[0].dtype == torch.bfloat16
+    gru = torch.nn.GRU(4, 4)
+    assert gru(torch.randn(3, 2, 4))[0].dtype == torch.bfloat16
     hmp.revert()
     with pytest.raises(ValueError, match=r"gaudi config \(mapping\):\n  hmp_fp32_modules\[0\]: '9' matches no module"):
         hmp.convert_from_config(dict(config, hmp_fp32_modules=["9"]), model=model)

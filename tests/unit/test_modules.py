@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from helpers import assert_same, needs_torch, snapshot, write
+from helpers import assert_same, needs_torch, skip_without_bf16_lstm, snapshot, write
 from hmp.lists import default_path
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -126,6 +126,7 @@ def test_the_same_from_python_by_class_and_by_name(tmp_path):
 
 
 def test_lstm_in_the_bf16_list_runs_as_a_bf16_lstm(tmp_path):
+    skip_without_bf16_lstm()
     torch.manual_seed(0)
     lstm, x = nn.LSTM(8, 16, 2), torch.randn(5, 3, 8)
     as_bf16 = copy.deepcopy(lstm).bfloat16()

@@ -272,3 +272,47 @@ def test_every_module_class_has_a_spec_or_a_reason():
     covered = {name.split("+")[0] for name in SPECS}
     missing = classes - covered - set(NOT_RUN)
     assert not missing, f"torch.nn classes with no spec and no reason: {sorted(missing)}"
+
+
+# -- parametrizations -------------------------------------------------------------------------------
+
+P = torch.nn.utils.parametrizations
+PARAMETRIZATIONS = {
+    "orthogonal": P.orthogonal,
+    "spectral_norm": P.spectral_norm,
+    "weight_norm": P.weight_norm,
+    "torch.nn.utils.spectral_norm": torch.nn.utils.spectral_norm,  # the older hook-based forms
+    "torch.nn.utils.weight_norm": torch.nn.utils.weight_norm,
+}
+
+
+def _parametrized(apply):
+    torch.manual_seed(0)
+    with hmp.disable_casts():  # building them runs ops too; what is tested is the training forward
+        return nn.Sequential(apply(nn.Linear(C, C)), nn.ReLU(), apply(nn.Linear(C, 3)))
+
+
+@pytest.mark.parametrize("name", sorted(PARAMETRIZATIONS))
+def test_parametrization_forward_backward_under_default_lists(name, one_intra_op_thread):
+    for opt_level in ("O1", "O2"):
+        hmp.convert(opt_level=opt_level)
+        try:
+            model = _parametrized(PARAMETRIZATIONS[name])
+            for fed in (False, True):
+                for train in (True, False):  # spectral norm's power iteration runs in training only
+                    leaf, value = make(x(N, C), fed)
+                    model.train(train)
+                    out = model(value)
+                    assert out.dtype == torch.bfloat16  # the Linear layers ran under the BF16 rule
+                    out.float().sum().backward()
+                    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+            assert {p.dtype for p in model.parameters()} == {torch.float32}
+            assert {b.dtype for b in model.buffers()} <= {torch.float32}  # power-iteration vectors keep theirs
+        finally:
+            hmp.revert()
+
+
+def test_every_parametrization_is_swept():
+    public = {n for n in getattr(P, "__all__", dir(P)) if callable(getattr(P, n)) and not n.startswith("_")
+              and not inspect.isclass(getattr(P, n))}
+    assert public <= set(PARAMETRIZATIONS), sorted(public - set(PARAMETRIZATIONS))

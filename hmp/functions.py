@@ -1,0 +1,100 @@
+"""Custom autograd Functions made AMP-safe the documented way
+(``torch.amp.custom_fwd`` / ``custom_bwd``): hmp honours the author's
+decorators as torch.autocast does, instead of casting inside them.
+
+- ``custom_fwd(cast_inputs=dtype)``: while hmp casts, the Function's
+  floating tensor inputs (float64 aside, as in torch) go to ``dtype`` and
+  its forward runs with casts off. Its backward is uncast, like all of
+  backward, so both compute in ``dtype``.
+- ``custom_bwd`` (forward without ``cast_inputs``): the backward runs in the
+  cast state its forward ran in, instead of uncast like the rest of
+  backward, so it computes in the dtypes its forward's ops gave.
+
+What a Function class declares is read once per class; a Function without
+the decorators costs one dictionary lookup per ``apply``.
+"""
+
+import functools
+import weakref
+
+import torch
+
+from . import torch_private
+from .casts import run_as, saved
+from .policy import FP64, FLOATS, PLAIN_CASTS, cast_kwargs, cast_seq
+from .resolve import ORIGINAL, unwrap
+from .state import tls
+
+_Function = torch.autograd.Function
+_Backward = torch_private.BackwardCFunction
+_FORWARD_STATE = "_hmp_forward_state"  # on a ctx: (cast state of its forward, undecorated backward)
+
+_plans = weakref.WeakKeyDictionary()  # Function class -> (cast_inputs dtype or None, custom_bwd's backward)
+
+
+def _plan(cls):
+    plan = _plans.get(cls)
+    if plan is None:
+        cast = torch_private.custom_fwd_cast(getattr(cls, "forward", None))
+        backward = torch_private.custom_bwd_inner(getattr(cls, "backward", None))
+        plan = (cast or None, None if cast else backward)
+        _plans[cls] = plan
+    return plan
+
+
+def _mark(out, state, backward):
+    """Give the Function's ctx (its outputs' grad_fn) what its backward needs."""
+    for t in out if isinstance(out, tuple) else (out,):
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            setattr(t.grad_fn, _FORWARD_STATE, (state, backward))
+            return
+
+
+def _apply(original):
+    def apply(cls, *args, **kwargs):
+        st = tls
+        if st.off:
+            return original(cls, *args, **kwargs)
+        cast, backward = _plan(cls)
+        if cast is not None:
+            src, to = FLOATS - {cast, FP64}, PLAIN_CASTS[cast]
+            args = cast_seq(args, src, to)
+            if kwargs:
+                kwargs = cast_kwargs(kwargs, src, to)
+            st.off += 1
+            try:
+                return original(cls, *args, **kwargs)
+            finally:
+                st.off -= 1
+        out = original(cls, *args, **kwargs)
+        if backward is not None:
+            _mark(out, saved(), backward)
+        return out
+
+    return _finish(apply, original)
+
+
+def _backward_apply(original):
+    def apply(self, *args):
+        marked = getattr(self, _FORWARD_STATE, None)
+        if marked is None:
+            return original(self, *args)
+        state, backward = marked
+        # custom_bwd's own wrapper only enters an autocast region, disabled
+        # here: hmp's forward ran outside any, so it is skipped
+        return run_as(backward, state)(self, *args)
+
+    return _finish(apply, original)
+
+
+def _finish(wrapper, original):
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, ORIGINAL, original)
+    return wrapper
+
+
+def patches():
+    """``[(namespace, attr, value)]``: Function.apply and the backward's apply."""
+    apply = unwrap(_Function.__dict__["apply"].__func__)
+    return [(_Function, "apply", classmethod(_apply(apply))),
+            (_Backward, "apply", _backward_apply(unwrap(_Backward.__dict__["apply"])))]
