@@ -50,7 +50,13 @@ def _mark(out, state, backward):
             return
 
 
-def _apply(original):
+def _apply(descriptor):
+    """``Function.apply`` honouring the decorators; ``descriptor`` is torch's
+    own (a Python classmethod up to 2.13, a C classmethod descriptor in 2.14)."""
+
+    def original(cls, *args, **kwargs):
+        return descriptor.__get__(None, cls)(*args, **kwargs)
+
     def apply(cls, *args, **kwargs):
         st = tls
         if st.off:
@@ -71,7 +77,10 @@ def _apply(original):
             _mark(out, saved(), backward)
         return out
 
-    return _finish(apply, original)
+    apply.__name__ = apply.__qualname__ = "apply"
+    apply.__doc__ = getattr(descriptor, "__doc__", None)
+    setattr(apply, ORIGINAL, descriptor)
+    return apply
 
 
 def _backward_apply(original):
@@ -95,6 +104,8 @@ def _finish(wrapper, original):
 
 def patches():
     """``[(namespace, attr, value)]``: Function.apply and the backward's apply."""
-    apply = unwrap(_Function.__dict__["apply"].__func__)
-    return [(_Function, "apply", classmethod(_apply(apply))),
+    own = _Function.__dict__["apply"]
+    installed = getattr(own, "__func__", None)  # hmp's classmethod, from a conversion still in place
+    descriptor = getattr(installed, ORIGINAL, own)
+    return [(_Function, "apply", classmethod(_apply(descriptor))),
             (_Backward, "apply", _backward_apply(unwrap(_Backward.__dict__["apply"])))]

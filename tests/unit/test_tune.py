@@ -150,7 +150,7 @@ def test_audit_flags_the_planted_op_and_restores_state(unsafe_lists):
     assert rows["sub"]["own_max_rel"] > 0.5
     assert rows["linear"]["own_max_rel"] < 0.05 and not rows["linear"]["flagged"]
     assert_same_state(before, model, opt)
-    assert hmp.effective_lists()["bf16"][-2:] == ["sub", "t"]  # configuration restored
+    assert "sub" in hmp.effective_lists()["bf16"]  # configuration restored
 
 
 def test_audit_counts_inf_introduced(tmp_path):
