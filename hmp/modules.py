@@ -174,14 +174,13 @@ def patches(modules, forwards):
                 fn = forwards.forward(kind, _instance_forward(target))
                 setattr(fn, _OWN, _own_forward(target))
                 out.append((target, "forward", types.MethodType(fn, target)))
-    if any(not isinstance(t, type) for targets in modules.values() for t in targets):
-        out.append((Module, "__getstate__", _getstate(unwrap(Module.__dict__["__getstate__"]))))
+                out.append((target, "__getstate__", types.MethodType(_getstate(_own_getstate(target)), target)))
     return out
 
 
-# on an instance entry's function: the forward the instance held in its own
-# __dict__ before hmp (None: none)
-_OWN = "__hmp_own_forward__"
+# on an instance entry's functions: what the instance held in its own
+# __dict__ under that name before hmp (None: nothing)
+_OWN = "__hmp_own__"
 
 
 def _is_entry(value, module):
@@ -193,28 +192,33 @@ def _own_forward(module):
     return getattr(own.__func__, _OWN) if _is_entry(own, module) else own
 
 
-def _getstate(original):
-    """Module.__getstate__ while instance entries are in place: a copy or a
-    pickle of a module (``copy.deepcopy``, ``torch.save(model)``) gets the
-    module as it is without hmp. The entry names one object, so a copy runs
-    as any other module of its class; after revert() nothing of hmp is in
-    it."""
+def _own_getstate(module):
+    own = module.__dict__.get("__getstate__")
+    return getattr(own.__func__, _OWN) if _is_entry(own, module) else own
+
+
+def _getstate(own):
+    """``__getstate__`` of a module with an instance entry: a copy or a
+    pickle of it (``copy.deepcopy``, ``torch.save(model)``) gets the module
+    as it is without hmp. The entry names one object: a copy runs as any
+    other module of its class, and nothing of hmp outlives revert() in it.
+    Set on the instance (the copy protocol looks it up there), so classes
+    without a policy stay untouched."""
 
     def __getstate__(self):
-        state = original(self)
-        entry = state.get("forward")
-        if _is_entry(entry, self):
-            state = dict(state)
-            own = getattr(entry.__func__, _OWN)
-            if own is None:
-                del state["forward"]
-            else:
-                state["forward"] = own
+        state = own() if own is not None else type(self).__getstate__(self)
+        state = dict(state)
+        for name in ("forward", "__getstate__"):
+            value = state.get(name)
+            if _is_entry(value, self):
+                previous = getattr(value.__func__, _OWN)
+                if previous is None:
+                    del state[name]
+                else:
+                    state[name] = previous
         return state
 
-    __getstate__.__qualname__ = original.__qualname__
-    __getstate__.__doc__ = original.__doc__
-    setattr(__getstate__, ORIGINAL, original)
+    setattr(__getstate__, _OWN, own)
     return __getstate__
 
 

@@ -15,6 +15,7 @@ import operator
 
 import torch
 import torch.utils.checkpoint as _checkpoint
+from torch._subclasses import fake_tensor as _fake_tensor
 from torch.jit import _builtins as _jit_builtins
 from torch.utils import _pytree
 from torch.utils.data import dataloader as _dataloader
@@ -54,12 +55,9 @@ tracing_state = getattr(torch._C, "_get_tracing_state", None) or _none
 functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None) or _false
 
 # Parameters made under FakeTensorMode: they have no real storage, and
-# torch warns (later: raises) when asked for their data pointer.
-try:
-    from torch._subclasses.fake_tensor import FakeTensor
-except ImportError:  # pragma: no cover - every tested release has it
-    class FakeTensor:  # nothing is an instance
-        pass
+# torch warns (later: raises) when asked for their data pointer. torch
+# imports this module itself (2.4 to 2.14).
+FakeTensor = _fake_tensor.FakeTensor
 
 # -- custom autograd Functions ----------------------------------------------------------------
 

@@ -69,7 +69,7 @@ def test_o2_lists(tmp_path):
     hmp.convert(opt_level="O2")
     lists = hmp.effective_lists()
     assert lists["bf16"] == sorted("addmm baddbmm bilinear bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d "
-                                   "conv_transpose3d dot linear matmul mm mv "
+                                   "conv_transpose3d dot vdot linear matmul mm mv "
                                    "lstm gru rnn_tanh rnn_relu lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell".split())
     assert {"relu", "mul", "softmax", "layer_norm", "dropout", "t"} <= set(lists["fp32"])
     x = torch.randn(4, 4)

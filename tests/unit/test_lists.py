@@ -11,7 +11,7 @@ import hmp
 from helpers import assert_same, snapshot, write
 
 DEFAULT_BF16 = sorted(
-    "addmm baddbmm batch_norm bilinear bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d dot "
+    "addmm baddbmm batch_norm bilinear bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d dot vdot "
     "dropout dropout1d dropout2d dropout3d group_norm instance_norm layer_norm leaky_relu linear matmul "
     "mm mul mv prelu relu t "
     "lstm gru rnn_tanh rnn_relu lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell".split()  # benchmarks/rnn_precision.py

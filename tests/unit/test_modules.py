@@ -375,19 +375,31 @@ def test_a_subclass_listed_itself_keeps_its_own_rule():
         assert OwnNorm(4)(torch.randn(2, 4)).dtype == BF16
 
 
-def test_a_model_copied_or_saved_while_converted_stays_itself():
+def test_a_copy_made_while_converted_is_a_plain_module_of_its_class():
+    """An instance entry names one object: a deep copy or a saved model made
+    while converted runs as any other module of its class (LayerNorm's op is
+    BF16-listed), with its own weights, and holds nothing of hmp."""
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    x = torch.randn(2, 4)
     with hmp.converted(fp32_modules=[model[1]]):
         twin = copy.deepcopy(model)
+        shallow = copy.copy(model[1])
         with torch.no_grad():
             twin[1].weight.fill_(2.0)
-        x = torch.randn(2, 4)
-        doubled, plain = twin(x), model(x)
+        entry, copied = model(x), twin(x)
         buffer = io.BytesIO()
         torch.save(model, buffer)
-    assert doubled.dtype == FP32 and torch.allclose(doubled, 2 * plain, atol=1e-6)  # the copy runs its own weights
+        assert "forward" not in vars(twin[1]) and "forward" not in vars(shallow)
+    assert entry.dtype == FP32 and copied.dtype == BF16
+    assert torch.allclose(copied.float(), 2 * model(x), atol=0.1)  # the copy runs its own weights
     loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
-    assert loaded(x).dtype == FP32 and "forward" not in vars(model[1])
+    assert not {"forward", "__getstate__"} & (set(vars(loaded[1])) | set(vars(model[1])) | set(vars(twin[1])))
+    assert loaded(x).dtype == FP32 and torch.equal(loaded(x), model(x))
+    hmp.convert()  # a later conversion without entries: the copy follows the lists like its class
+    try:
+        assert twin(x).dtype == BF16 and loaded(x).dtype == BF16
+    finally:
+        hmp.revert()
 
 
 # -- training stacks ------------------------------------------------------------------------------------
