@@ -11,66 +11,21 @@ too, and each op call is attributed to the innermost module it ran in, so
 the ops' own errors add up per module and per module class.
 """
 
-import copy
-import random
-import sys
-
 import torch
 
 from .conversion import applied, current, plan
+from .guard import StateGuard
 from .lists import KINDS, class_path
-from .record import ModuleHooks, Recorder, module_paths, snapshot
+from .loss import step_loss
+from .record import ModuleHooks, Recorder, module_paths
 
 TINY = 1e-30
 TOP = 10  # module rows table() shows; all are in AuditReport.modules / .module_classes
 
 
-class StateGuard:
-    """Saves and restores parameters, buffers, gradients, optimizer and
-    learning-rate scheduler state, and RNG."""
-
-    def __init__(self, objects):
-        self.modules = [o for o in objects if isinstance(o, torch.nn.Module)]
-        schedulers = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
-        self.optimizers = [o for o in objects if isinstance(o, schedulers)]
-        self.saved = self._save()
-
-    def _save(self):
-        modules = [{k: v.detach().clone() for k, v in m.state_dict(keep_vars=True).items()} for m in self.modules]
-        grads = [[None if p.grad is None else p.grad.detach().clone() for p in m.parameters()] for m in self.modules]
-        optimizers = [copy.deepcopy(o.state_dict()) for o in self.optimizers]
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        if "numpy" in sys.modules:
-            rng["numpy"] = sys.modules["numpy"].random.get_state()
-        return modules, grads, optimizers, rng
-
-    def restore(self):
-        modules, grads, optimizers, rng = self.saved
-        with torch.no_grad():
-            for m, state in zip(self.modules, modules):
-                own = m.state_dict(keep_vars=True)
-                for k, v in state.items():
-                    own[k].copy_(v)
-            for m, saved_grads in zip(self.modules, grads):
-                for p, g in zip(m.parameters(), saved_grads):
-                    p.grad = None if g is None else g.clone()
-        for o, state in zip(self.optimizers, optimizers):
-            o.load_state_dict(copy.deepcopy(state))
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if "cuda" in rng:
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        if "numpy" in rng:
-            sys.modules["numpy"].random.set_state(rng["numpy"])
-
-
-def _final(value):
-    out = snapshot(value)
-    if not out and isinstance(value, (int, float)):
-        out = (torch.tensor(float(value), dtype=torch.float64),)
-    return out
+def _final(value, tool):
+    """What a run's errors are measured on: the step's loss (loss.step_loss)."""
+    return (step_loss(value, tool).detach().clone(),)
 
 
 def compare(ref, got):
@@ -218,20 +173,22 @@ def run_step(fn, args, kwargs, guard, conversion=None, passthrough=False, keep_o
     plain torch), recorded (see record.Recorder for the options), with the
     guarded modules hooked when outputs are kept; the configuration in force
     is back afterwards."""
-    guard.restore()
     recorder = Recorder(keep_outputs, restore_dtype, forced, module_outputs)
     hooks = ModuleHooks(recorder, module_paths(guard.modules) if keep_outputs else {})
-    with applied(conversion, recorder=recorder, passthrough=passthrough), hooks:
+    with guard.running(), applied(conversion, recorder=recorder, passthrough=passthrough), hooks:
         value = fn(*args, **kwargs)
-    return _final(value), recorder
+    return _final(value, guard.tool), recorder
 
 
 def audit(fn, *args, state=(), threshold=0.05, loss_threshold=2e-3, **kwargs):
     """Compare ``fn(*args, **kwargs)`` in fp32 and under hmp, op by op.
 
-    ``state``: modules and optimizers ``fn`` changes (those among ``args``
-    are found by themselves); they, their gradients and the RNG are the same
-    after the audit as before. An op is flagged when its own bf16 error
+    ``fn`` returns its loss (loss.step_loss: a tensor, a number, a dict with
+    "loss", an object with .loss). ``state``: the modules, optimizers,
+    schedulers and tensors ``fn`` changes (those among the arguments are
+    found by themselves); everything guard.StateGuard saves is as before
+    after the audit, also when ``fn`` raises, and what it cannot put back
+    is refused. An op is flagged when its own bf16 error
     (measured with only it cast) exceeds ``threshold``, when it introduces
     inf/NaN, or when the error it alone passes on to ``fn``'s output exceeds
     ``loss_threshold``. The modules among ``state`` and the arguments get
@@ -240,50 +197,55 @@ def audit(fn, *args, state=(), threshold=0.05, loss_threshold=2e-3, **kwargs):
     class is flagged when that exceeds ``threshold``. The configuration in
     force before is restored.
     """
-    conversion = current_or_default()
-    lists = conversion.lists
-    guard = StateGuard(list(state) + list(args) + list(kwargs.values()))
+    guard = StateGuard("hmp.audit", state, args, kwargs, fn)
     try:
-        ref_final, ref = run_step(fn, args, kwargs, guard, conversion, passthrough=True, keep_outputs=True,
-                                  module_outputs=True)
-        hmp_final, full = run_step(fn, args, kwargs, guard, conversion, keep_outputs=True, module_outputs=True)
-        output_error = compare(ref_final, hmp_final)[0]
-        by_op_ref, by_op_hmp = by_op(ref.outputs), by_op(full.outputs)
-        rows = []
-        for name, stats in full.stats.items():
-            max_rel, mean_rel, nonfinite = worst(pairs(by_op_ref, by_op_hmp, name))
-            row = {"op": name, "list": kind_of(name, lists), "calls": stats.calls, "casts": stats.casts,
-                   "max_rel": max_rel, "mean_rel": mean_rel, "nonfinite": nonfinite,
-                   "own_max_rel": 0.0, "loss_error": 0.0, "own_by_module": {}}
-            if stats.casts:
-                only = {k: ({name} if name in lists[k] else set()) for k in KINDS}
-                own_final, own = run_step(fn, args, kwargs, guard, conversion._replace(lists=only),
-                                          keep_outputs=True, restore_dtype=True)
-                own_pairs = pairs(by_op_ref, by_op(own.outputs), name)
-                row["own_max_rel"], _, own_nonfinite = worst(own_pairs)
-                row["own_by_module"] = worst_by_module(own_pairs)
-                if row["own_max_rel"] > threshold and len(row["own_by_module"]) > 1:
-                    # which module's calls introduce it: once more, each call from the fp32 run's
-                    # inputs, so the error of the op's earlier calls does not count in later ones
-                    _, forced = run_step(fn, args, kwargs, guard, conversion._replace(lists=only),
-                                         keep_outputs=True, restore_dtype=True, forced=by_op_ref)
-                    row["own_by_module"] = worst_by_module(pairs(by_op_ref, by_op(forced.outputs), name))
-                row["nonfinite"] = max(nonfinite, own_nonfinite)
-                row["loss_error"], _, final_nonfinite = compare(ref_final, own_final)
-                row["nonfinite"] += final_nonfinite
-            reasons = []
-            if row["own_max_rel"] > threshold:
-                reasons.append(f"error {row['own_max_rel']:.2g} > {threshold:g}")
-            if row["nonfinite"]:
-                reasons.append("introduces inf/NaN")
-            if row["loss_error"] > loss_threshold:
-                reasons.append(f"loss error {row['loss_error']:.2g} > {loss_threshold:g}")
-            row["reason"] = "; ".join(reasons)
-            row["flagged"] = bool(reasons)
-            rows.append(row)
-        modules = _module_rows(module_paths(guard.modules), ref, full, rows)
+        return audit_with(guard, fn, args, kwargs, threshold, loss_threshold)
     finally:
         guard.restore()
+
+
+def audit_with(guard, fn, args, kwargs, threshold, loss_threshold):
+    """audit() from the state ``guard`` holds (tune shares its guard)."""
+    conversion = current_or_default()
+    lists = conversion.lists
+    ref_final, ref = run_step(fn, args, kwargs, guard, conversion, passthrough=True, keep_outputs=True,
+                              module_outputs=True)
+    hmp_final, full = run_step(fn, args, kwargs, guard, conversion, keep_outputs=True, module_outputs=True)
+    output_error = compare(ref_final, hmp_final)[0]
+    by_op_ref, by_op_hmp = by_op(ref.outputs), by_op(full.outputs)
+    rows = []
+    for name, stats in full.stats.items():
+        max_rel, mean_rel, nonfinite = worst(pairs(by_op_ref, by_op_hmp, name))
+        row = {"op": name, "list": kind_of(name, lists), "calls": stats.calls, "casts": stats.casts,
+               "max_rel": max_rel, "mean_rel": mean_rel, "nonfinite": nonfinite,
+               "own_max_rel": 0.0, "loss_error": 0.0, "own_by_module": {}}
+        if stats.casts:
+            only = {k: ({name} if name in lists[k] else set()) for k in KINDS}
+            own_final, own = run_step(fn, args, kwargs, guard, conversion._replace(lists=only),
+                                      keep_outputs=True, restore_dtype=True)
+            own_pairs = pairs(by_op_ref, by_op(own.outputs), name)
+            row["own_max_rel"], _, own_nonfinite = worst(own_pairs)
+            row["own_by_module"] = worst_by_module(own_pairs)
+            if row["own_max_rel"] > threshold and len(row["own_by_module"]) > 1:
+                # which module's calls introduce it: once more, each call from the fp32 run's
+                # inputs, so the error of the op's earlier calls does not count in later ones
+                _, forced = run_step(fn, args, kwargs, guard, conversion._replace(lists=only),
+                                     keep_outputs=True, restore_dtype=True, forced=by_op_ref)
+                row["own_by_module"] = worst_by_module(pairs(by_op_ref, by_op(forced.outputs), name))
+            row["nonfinite"] = max(nonfinite, own_nonfinite)
+            row["loss_error"], _, final_nonfinite = compare(ref_final, own_final)
+            row["nonfinite"] += final_nonfinite
+        reasons = []
+        if row["own_max_rel"] > threshold:
+            reasons.append(f"error {row['own_max_rel']:.2g} > {threshold:g}")
+        if row["nonfinite"]:
+            reasons.append("introduces inf/NaN")
+        if row["loss_error"] > loss_threshold:
+            reasons.append(f"loss error {row['loss_error']:.2g} > {loss_threshold:g}")
+        row["reason"] = "; ".join(reasons)
+        row["flagged"] = bool(reasons)
+        rows.append(row)
+    modules = _module_rows(module_paths(guard.modules), ref, full, rows)
     return AuditReport(rows, output_error, threshold, loss_threshold, modules)
 
 

@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .auditing import StateGuard, audit, by_op, compare, current_or_default, kind_of, pairs, run_step, worst
+from .auditing import audit_with, by_op, compare, current_or_default, kind_of, pairs, run_step, worst
 from .casts import casts_enabled
 from .conversion import applied
+from .guard import StateGuard
 from .lists import KINDS, class_path
+from .loss import step_loss
 from .modules import label
 from .resolve import Resolver, module_class
 
@@ -169,17 +171,14 @@ def _as_sets(lists):
 
 
 def _as_float(value):
-    if isinstance(value, torch.Tensor):
-        return float(value.detach().float().mean())
-    return float(value)
+    return float(step_loss(value, "hmp.tune").detach().double().mean())
 
 
 def _train(fn, args, kwargs, guard, steps, conversion):
     """fn's value after ``steps`` calls from the guarded state under
     ``conversion`` (None: plain torch), and the step times."""
-    guard.restore()
     times, value = [], None
-    with applied(conversion):
+    with guard.running(), applied(conversion):
         for _ in range(steps):
             start = time.perf_counter()
             value = fn(*args, **kwargs)
@@ -240,9 +239,9 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         fp32 = tuple(dict.fromkeys(start.modules["fp32"] + tuple(fp32_modules)))
         return start._replace(lists=lists, modules={"bf16": start.modules["bf16"], "fp32": fp32})
 
-    guard = StateGuard(list(state) + list(args) + list(kwargs.values()))
+    guard = StateGuard("hmp.tune", state, args, kwargs, step_fn)
     try:
-        report = audit(step_fn, *args, state=state, threshold=threshold, loss_threshold=loss_threshold, **kwargs)
+        report = audit_with(guard, step_fn, args, kwargs, threshold, loss_threshold)
         lists = _as_sets(start_lists)
         for op in report.flagged:
             for k in KINDS:
@@ -251,9 +250,8 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         confined = {op: cls for op in report.flagged if (cls := confined_to(report, op, guard.modules)) is not None}
 
         # what still computes in fp32 under the lists so far, and its share of the step's op time
-        guard.restore()
         times = _OpTimes()
-        with applied(under(lists)), times:
+        with guard.running(), applied(under(lists)), times:
             step_fn(*args, **kwargs)
         total = sum(times.seconds.values()) or 1.0
         resolver = Resolver()

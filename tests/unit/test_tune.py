@@ -114,7 +114,7 @@ def test_profile_reports_per_op_and_leaves_nothing_behind(tmp_path):
     model, opt, step, x, y = problem()
     hmp.convert()
     before = F.linear
-    report = hmp.profile(step, x, y)
+    report = hmp.profile(step, x, y, state=(model, opt))
     assert F.linear.__hmp_original__ is before.__hmp_original__  # converted as before
     rows = {r["op"]: r for r in report.rows()}
     assert rows["linear"]["calls"] == 2 and rows["linear"]["ran_in"] == "bfloat16,bfloat16,bfloat16"
@@ -125,13 +125,13 @@ def test_profile_reports_per_op_and_leaves_nothing_behind(tmp_path):
     assert json.loads((tmp_path / "p.json").read_text())["ops"][0]["op"] in rows
     with pytest.raises(RuntimeError, match="convert"):
         hmp.revert()
-        hmp.profile(step, x, y)
+        hmp.profile(step, x, y, state=(model, opt))
 
 
 def test_recorder_is_gone_after_profile():
     model, opt, step, x, y = problem()
     hmp.convert()
-    hmp.profile(step, x, y)
+    hmp.profile(step, x, y, state=(model, opt))
     # an ordinary wrapper: no recorder closure anywhere in the live conversion
     from hmp.state import runtime
 
