@@ -15,7 +15,6 @@
 import statistics
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -23,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from .auditing import audit_with, by_op, compare, current_or_default, kind_of, pairs, run_step, worst
 from .casts import casts_enabled
 from .conversion import applied
+from .files import write_all
 from .guard import StateGuard
 from .lists import KINDS, class_path
 from .loss import step_loss
@@ -131,8 +131,10 @@ class TuneResult:
 
     def write(self, bf16_path, fp32_path, promote_path=None):
         """Write list files that hmp.convert() loads; module classes as
-        their import paths. Raises ValueError, writing nothing, when a class
-        does not load by its import path."""
+        their import paths. All or nothing (files.write_all): raises
+        ValueError, writing nothing, when a class does not load by its
+        import path, when two paths are the same file, or when a path
+        cannot be written."""
         classes = {kind: [importable(t) for t in targets if isinstance(t, type)]
                    for kind, targets in self.modules.items()}
         instances = [label(t) for targets in self.modules.values() for t in targets if not isinstance(t, type)]
@@ -146,8 +148,8 @@ class TuneResult:
         if instances:
             header += f"# not in these files, give them to convert() again: module instances {', '.join(instances)}\n"
         targets = [("bf16", bf16_path), ("fp32", fp32_path)] + ([("promote", promote_path)] if promote_path else [])
-        for kind, path in targets:
-            Path(path).write_text(header + "\n".join(self.lists[kind] + classes.get(kind, [])) + "\n")
+        write_all([(path, header + "\n".join(self.lists[kind] + classes.get(kind, [])) + "\n") for kind, path in targets],
+                  "hmp.tune")
 
 
 def importable(cls):
