@@ -17,7 +17,7 @@ from .conversion import applied, current, plan
 from .guard import StateGuard
 from .lists import KINDS, class_path
 from .loss import step_loss
-from .record import ModuleHooks, Recorder, module_paths
+from .record import Boundary, ModuleHooks, Recorder, module_paths
 
 TINY = 1e-30
 TOP = 10  # module rows table() shows; all are in AuditReport.modules / .module_classes
@@ -99,6 +99,7 @@ MODULE_COLUMNS = (
     ("calls", "---:", lambda r: str(r["calls"])),
     ("output max rel err", "---:", lambda r: f"{r['max_rel']:.3g}"),
     ("output mean rel err", "---:", lambda r: f"{r['mean_rel']:.3g}"),
+    ("error made in it", "---:", lambda r: f"{r['made_max_rel']:.3g}"),
     ("largest own op error in it", "---:", _own),
 )
 CLASS_COLUMNS = (
@@ -106,24 +107,27 @@ CLASS_COLUMNS = (
     ("instances", "---:", lambda r: str(r["instances"])),
     ("calls", "---:", lambda r: str(r["calls"])),
     ("output max rel err", "---:", lambda r: f"{r['max_rel']:.3g}"),
+    ("error made in it", "---:", lambda r: f"{r['made_max_rel']:.3g}"),
     ("largest own op error in it", "---:", _own),
     ("flagged", "---", lambda r: r["reason"]),
 )
 
 
 def _heading(what, count):
-    shown = f"the {TOP} with the largest own op error" if count > TOP else "by own op error"
-    return f"{what} ({count}; {shown}; own op error: of ops called directly in the module):"
+    shown = f"the {TOP} with the largest error made in it" if count > TOP else "by error made in it"
+    return (f"{what} ({count}; {shown}; error made in it: at its outputs, when only the ops called directly in it "
+            f"cast, from fp32 inputs; own op error: of one op called directly in it, cast alone):")
 
 
 def _by_error(rows):
-    return sorted(rows, key=lambda r: (-r["own_max_rel"], -r["max_rel"]))
+    return sorted(rows, key=lambda r: (-max(r["made_max_rel"], r["own_max_rel"]), -r["max_rel"]))
 
 
-def _module_rows(paths, ref, full, ops):
+def _module_rows(paths, ref, full, ops, made):
     """One row per hooked module that ran under hmp: its outputs against the
-    fp32 run's, and the largest own error (``ops``' ``own_by_module``) of
-    the ops called directly in it."""
+    fp32 run's, the error its own code makes (``made``, from made_by_class()),
+    and the largest own error (``ops``' ``own_by_module``) of the ops called
+    directly in it."""
     ref_outputs, full_outputs = by_op(ref.module_outputs), by_op(full.module_outputs)
     rows = []
     for path, module in paths.items():
@@ -134,27 +138,35 @@ def _module_rows(paths, ref, full, ops):
         own_op = max(own, key=own.get, default=None)
         rows.append({"path": path, "class": class_path(type(module)), "type": type(module),
                      "calls": len(full_outputs[path][None]), "max_rel": max_rel, "mean_rel": mean_rel,
-                     "nonfinite": nonfinite, "own_max_rel": own.get(own_op, 0.0), "own_op": own_op})
+                     "nonfinite": nonfinite, "own_max_rel": own.get(own_op, 0.0), "own_op": own_op,
+                     "made_max_rel": made.get(path, (0.0,))[0]})
     return rows
 
 
 def _class_rows(module_rows, threshold):
     """``module_rows`` aggregated per class: the largest errors of its
-    instances; flagged when an op's own error in one exceeds ``threshold``."""
+    instances; flagged when an op's own error in one, or the error one's
+    own code makes, exceeds ``threshold``."""
     by_class = {}
     for r in module_rows:
         by_class.setdefault(r["type"], []).append(r)
     rows = []
     for cls, instances in by_class.items():
         top = max(instances, key=lambda r: r["own_max_rel"])
-        flagged = top["own_max_rel"] > threshold
+        made = max(r["made_max_rel"] for r in instances)
+        if top["own_max_rel"] > threshold:
+            reason = f"{top['own_op']} error {top['own_max_rel']:.2g} > {threshold:g}"
+        elif made > threshold:
+            reason = f"error made in it {made:.2g} > {threshold:g}"
+        else:
+            reason = ""
         rows.append({"class": class_path(cls), "type": cls, "instances": len(instances),
                      "paths": [r["path"] for r in instances], "calls": sum(r["calls"] for r in instances),
                      "max_rel": max(r["max_rel"] for r in instances),
                      "mean_rel": max(r["mean_rel"] for r in instances),
                      "nonfinite": sum(r["nonfinite"] for r in instances),
-                     "own_max_rel": top["own_max_rel"], "own_op": top["own_op"], "flagged": flagged,
-                     "reason": f"{top['own_op']} error {top['own_max_rel']:.2g} > {threshold:g}" if flagged else ""})
+                     "own_max_rel": top["own_max_rel"], "own_op": top["own_op"], "made_max_rel": made,
+                     "flagged": bool(reason), "reason": reason})
     return rows
 
 
@@ -168,16 +180,44 @@ def kind_of(name, lists):
 
 
 def run_step(fn, args, kwargs, guard, conversion=None, passthrough=False, keep_outputs=False, restore_dtype=False,
-             forced=None, module_outputs=False):
+             forced=None, module_outputs=False, cast_only_in=None):
     """One run of ``fn`` from the guarded state under ``conversion`` (None:
     plain torch), recorded (see record.Recorder for the options), with the
-    guarded modules hooked when outputs are kept; the configuration in force
-    is back afterwards."""
-    recorder = Recorder(keep_outputs, restore_dtype, forced, module_outputs)
-    hooks = ModuleHooks(recorder, module_paths(guard.modules) if keep_outputs else {})
-    with guard.running(), applied(conversion, recorder=recorder, passthrough=passthrough), hooks:
+    guarded modules hooked when outputs are kept (and, with ``cast_only_in``,
+    a record.Boundary around those modules); the configuration in force is
+    back afterwards."""
+    recorder = Recorder(keep_outputs, restore_dtype, forced, module_outputs, cast_only_in)
+    paths = module_paths(guard.modules) if keep_outputs else {}
+    boundary = Boundary(paths, cast_only_in or ())
+    with guard.running(), applied(conversion, recorder=recorder, passthrough=passthrough), ModuleHooks(recorder, paths), \
+            boundary:
         value = fn(*args, **kwargs)
     return _final(value, guard.tool), recorder
+
+
+def made_in(fn, args, kwargs, guard, conversion, ref, inside):
+    """The errors of the modules at ``inside`` (paths) made by their own code:
+    ``{path: (max_rel, mean_rel, nonfinite)}`` of their outputs against the
+    fp32 run ``ref``, from a run in which only ops called directly in them
+    cast, and only what they round leaves them (record.Boundary)."""
+    _, run = run_step(fn, args, kwargs, guard, conversion, keep_outputs=True, module_outputs=True,
+                      cast_only_in=set(inside))
+    ref_outputs, got = by_op(ref.module_outputs), by_op(run.module_outputs)
+    return {path: worst(pairs(ref_outputs, got, path)) for path in inside if path in got}
+
+
+def made_by_class(fn, args, kwargs, guard, conversion, ref, full):
+    """made_in() for the modules in which the run ``full`` called an op that
+    casts, one run per module class: ``{path: (max_rel, mean_rel, nonfinite)}``."""
+    paths = module_paths(guard.modules)
+    casting = {name for name, stats in full.stats.items() if stats.casts}
+    by_class = {}
+    for path in dict.fromkeys(o.module for o in full.outputs if o.name in casting and o.module is not None):
+        by_class.setdefault(type(paths[path]), []).append(path)
+    made = {}
+    for inside in by_class.values():
+        made.update(made_in(fn, args, kwargs, guard, conversion, ref, inside))
+    return made
 
 
 def audit(fn, *args, state=(), threshold=0.05, loss_threshold=2e-3, **kwargs):
@@ -245,7 +285,8 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold):
         row["reason"] = "; ".join(reasons)
         row["flagged"] = bool(reasons)
         rows.append(row)
-    modules = _module_rows(module_paths(guard.modules), ref, full, rows)
+    made = made_by_class(fn, args, kwargs, guard, conversion, ref, full)
+    modules = _module_rows(module_paths(guard.modules), ref, full, rows, made)
     return AuditReport(rows, output_error, threshold, loss_threshold, modules)
 
 

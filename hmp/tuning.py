@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .auditing import audit_with, by_op, compare, current_or_default, kind_of, pairs, run_step, worst
+from .auditing import audit_with, by_op, compare, current_or_default, kind_of, made_in, pairs, run_step, worst
 from .casts import casts_enabled
 from .conversion import applied
 from .files import write_all
@@ -78,7 +78,8 @@ class _OpTimes(TorchFunctionMode):
 
 
 class TuneResult:
-    def __init__(self, lists, before, audit_report, trials, validation, timings, modules=None, proposals=None):
+    def __init__(self, lists, before, audit_report, trials, validation, timings, modules=None, proposals=None,
+                 module_proposals=None):
         self.lists = lists  # {"bf16", "fp32", "promote"} -> sorted names
         self.before = before
         self.audit = audit_report
@@ -89,6 +90,10 @@ class TuneResult:
         # op -> {"class", "type", "own_max_rel", "loss_error", "nonfinite", "accepted"}: the module
         # class its error is confined to, and the op's errors with that class in FP32
         self.proposals = proposals or {}
+        # class path -> {"class", "type", "made_max_rel", "loss_error", "nonfinite", "accepted"}: a module
+        # class whose own code makes too much error (with the flagged ops moved), and the loss error with it
+        # in FP32
+        self.module_proposals = module_proposals or {}
 
     @property
     def moved_to_fp32(self):
@@ -101,7 +106,8 @@ class TuneResult:
     @property
     def modules_to_fp32(self):
         """The module classes tune put under the FP32 rule."""
-        return list(dict.fromkeys(p["type"] for p in self.proposals.values() if p["accepted"]))
+        proposed = list(self.proposals.values()) + list(self.module_proposals.values())
+        return list(dict.fromkeys(p["type"] for p in proposed if p["accepted"]))
 
     def table(self):
         lines = ["## audit of the starting lists", "", self.audit.table(), "", "## ops tried in bf16", "",
@@ -117,6 +123,13 @@ class TuneResult:
             for op, p in self.proposals.items():
                 lines.append(f"| {op} | {p['class']} | {p['own_max_rel']:.3g} | {p['loss_error']:.3g} | "
                              f"{p['nonfinite']} | {'yes' if p['accepted'] else 'no'} |")
+        if self.module_proposals:
+            lines += ["", "## module classes whose own code makes too much error", "",
+                      "| module class | error made in it | error passed to loss, class in FP32 | inf/NaN | to FP32 |",
+                      "|---|---:|---:|---:|---|"]
+            for p in self.module_proposals.values():
+                lines.append(f"| {p['class']} | {p['made_max_rel']:.3g} | {p['loss_error']:.3g} | {p['nonfinite']} | "
+                             f"{'yes' if p['accepted'] else 'no'} |")
         lines += ["", "## validation", "", "| lists | final loss | step ms (median) |", "|---|---:|---:|"]
         for name in self.validation:
             ms = self.timings.get(name)
@@ -262,7 +275,8 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
                       and resolver.exists(op)]
         # the fp32 reference, recording the candidates' and the confined ops' outputs without casting
         watch = {"bf16": set(candidates) | set(confined), "fp32": set(), "promote": set()}
-        ref_final, ref = run_step(step_fn, args, kwargs, guard, under(watch), passthrough=True, keep_outputs=True)
+        ref_final, ref = run_step(step_fn, args, kwargs, guard, under(watch), passthrough=True, keep_outputs=True,
+                                  module_outputs=True)
         ref_outputs = by_op(ref.outputs)
 
         def alone(op, only, fp32_modules=()):
@@ -285,6 +299,20 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         for op, cls in confined.items():
             only = {k: ({op} if op in start_lists[k] else set()) for k in KINDS}
             proposals[op] = {"class": class_path(cls), "type": cls, **alone(op, only, [cls])}
+        # module classes whose own code makes too much error (audit's "error made in it"), measured
+        # again with the flagged ops moved: a class that still makes it goes to FP32
+        module_proposals = {}
+        for row in report.module_classes:
+            cls = row["type"]
+            if row["made_max_rel"] <= threshold or cls in confined.values() or any(isinstance(r, cls) for r in guard.modules):
+                continue
+            made = made_in(step_fn, args, kwargs, guard, under(lists), ref, row["paths"])
+            made_max_rel = max((m[0] for m in made.values()), default=0.0)
+            fp32_final, _ = run_step(step_fn, args, kwargs, guard, under(lists, [cls]))
+            loss_error, _, nonfinite = compare(ref_final, fp32_final)
+            module_proposals[row["class"]] = {"class": row["class"], "type": cls, "made_max_rel": made_max_rel,
+                                              "loss_error": loss_error, "nonfinite": nonfinite,
+                                              "accepted": made_max_rel > threshold and not nonfinite}
         candidate = _as_sets(lists)
         for op, t in trials.items():
             if t["accepted"]:
@@ -297,7 +325,7 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
                     candidate[k].discard(op)
                     if op in start_lists[k]:
                         candidate[k].add(op)
-        to_fp32 = [p["type"] for p in proposals.values() if p["accepted"]]
+        to_fp32 = [p["type"] for p in list(proposals.values()) + list(module_proposals.values()) if p["accepted"]]
 
         configs = {"fp32": None, "starting lists": under(start_lists), "tuned lists": under(candidate, to_fp32)}
         validation = {name: _train(step_fn, args, kwargs, guard, steps, conversion)[0]
@@ -309,7 +337,7 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
             return gap <= tolerance * abs(validation["fp32"]) or gap <= abs(validation["starting lists"] - validation["fp32"])
 
         if not acceptable("tuned lists") and (candidate != lists or to_fp32):
-            for t in list(trials.values()) + list(proposals.values()):
+            for t in list(trials.values()) + list(proposals.values()) + list(module_proposals.values()):
                 t["accepted"] = False
             candidate, to_fp32 = lists, []
             configs["tuned lists"] = under(candidate)
@@ -320,4 +348,4 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
     final = {k: sorted(v) for k, v in candidate.items()}
     final["promote"] = sorted(candidate["promote"] - candidate["bf16"] - candidate["fp32"])
     return TuneResult(final, {k: sorted(v) for k, v in start_lists.items()}, report, trials, validation, timings,
-                      configs["tuned lists"].modules, proposals)
+                      configs["tuned lists"].modules, proposals, module_proposals)
