@@ -21,7 +21,8 @@ def check_outputs(paths, tool):
         if real.is_dir():
             raise ValueError(f"{tool}: cannot write {os.fspath(given)!r}: it is a directory")
         if not folder.is_dir():
-            raise ValueError(f"{tool}: cannot write {os.fspath(given)!r}: the directory {str(folder)!r} does not exist")
+            why = "is not a directory" if folder.exists() else "does not exist"
+            raise ValueError(f"{tool}: cannot write {os.fspath(given)!r}: {str(folder)!r} {why}")
         if not os.access(folder, os.W_OK | os.X_OK):
             raise ValueError(f"{tool}: cannot write {os.fspath(given)!r}: the directory {str(folder)!r} is not writable")
         if real.exists() and not os.access(real, os.W_OK):
