@@ -30,9 +30,11 @@ from .modules import label
 from .resolve import Resolver, module_class
 
 
-# calls a step makes that are not math to run in another dtype
+# calls a step makes that are not math to run in another dtype (indexing only moves values: in the
+# BF16 list it would only round them)
 NOT_CANDIDATES = frozenset(("backward", "to", "type", "float", "double", "half", "bfloat16", "detach", "clone",
-                            "copy_", "item", "tolist", "numpy", "contiguous", "view", "reshape", "size", "dim"))
+                            "copy_", "item", "tolist", "numpy", "contiguous", "view", "reshape", "size", "dim",
+                            "getitem"))
 
 
 def _floating(value):
@@ -65,14 +67,16 @@ class _OpTimes(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if not casts_enabled():  # the optimizer step under disable_casts(), not the model
             return out
-        if name in NOT_CANDIDATES or name.endswith("_") and not name.endswith("__"):
-            return out
-        if not (_floating(out) and (_has_fp32(list(args)) or _has_fp32(list(kwargs.values())))):
+        if name.endswith("_") and not name.endswith("__"):
             return out
         if name.startswith("__") and name.endswith("__"):
             name = name[2:-2]
             if name[:1] in ("r", "i") and name[1:] in ("add", "sub", "mul", "matmul", "truediv", "pow", "div"):
                 name = name[1:]
+        if name in NOT_CANDIDATES:
+            return out
+        if not (_floating(out) and (_has_fp32(list(args)) or _has_fp32(list(kwargs.values())))):
+            return out
         self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
         return out
 

@@ -339,6 +339,7 @@ def test_tune_proposes_the_sinusoidal_embedding_for_fp32(tmp_path):
     result = hmp.tune(step, *batch, state=(model, opt), steps=5, rounds=1)
     assert result.modules_to_fp32 == [planted.TimestepEmbedding]
     assert result.moved_to_fp32 == [] and "mul" in result.lists["bf16"]
+    assert "getitem" not in result.trials  # t[:, None] only moves values: no candidate for bf16
     proposal = result.module_proposals["helpers.planted.TimestepEmbedding"]
     assert proposal["made_max_rel"] > 0.5 and proposal["accepted"]
     assert proposal["loss_error"] < result.audit.output_error
