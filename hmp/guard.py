@@ -107,6 +107,10 @@ class StateGuard:
             return False
         if not any(o is obj for o in target):
             target.append(obj)
+        for name in ("optimizer", "_optimizer"):  # a wrapper (accelerate, Lightning) steps the optimizer it wraps
+            inner = getattr(obj, name, None) if target is self.optimizers else None
+            if isinstance(inner, torch.optim.Optimizer) and inner is not obj:
+                self._add(inner, loose)
         return True
 
     def _add_schedulers_of_optimizers(self):
