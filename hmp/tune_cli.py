@@ -100,7 +100,8 @@ def run(args):
         with open(args.json, "w") as f:
             json.dump({"lists": result.lists, "modules_to_fp32": [class_path(c) for c in result.modules_to_fp32],
                        "validation": result.validation, "timings": result.timings, "trials": result.trials,
-                       "module_proposals": result.proposals, "audit": result.audit.rows,
+                       "module_proposals": result.proposals, "module_class_proposals": result.module_proposals,
+                       "audit": result.audit.rows,
                        "audit_modules": result.audit.modules, "audit_module_classes": result.audit.module_classes},
                       f, indent=2, default=str)
     return 0

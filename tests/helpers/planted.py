@@ -9,6 +9,10 @@ timestamps or un-normalised sensor values) with ``sub``. With ``sub`` in
 the BF16 list its input is rounded to bf16 first (spacing 4 near 1000) and
 the signal is gone. ``Center`` uses the same ``sub`` on values of order 1,
 where bf16 costs nothing that matters.
+
+``TimestepEmbedding`` (in ``Denoiser``) is a diffusion model's sinusoidal
+embedding: no listed op's own error is large, the module's own code still
+ruins its output (docs/modules.md, "Sinusoidal embeddings").
 """
 
 import math
