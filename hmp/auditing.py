@@ -3,12 +3,15 @@
 Runs a step in fp32 and under hmp from the same state and RNG, pairs each
 listed op's outputs by call order, and for every op that casts, runs once
 more with only that op cast to see the error it alone passes on to the
-step's output (the loss). Model state is restored after every run.
+step's output (the loss). Everything the step changes is put back before
+every run and at the end (hmp/guard.py).
 
 The recorded runs also hook the modules among the step's state and
 arguments (hmp/record.py): each module's outputs are paired by call order
 too, and each op call is attributed to the innermost module it ran in, so
-the ops' own errors add up per module and per module class.
+the ops' own errors add up per module and per module class. One more run
+per module class measures the error its instances' own code makes: only
+the ops called directly in them cast (record.Boundary).
 """
 
 import torch
@@ -233,9 +236,10 @@ def audit(fn, *args, state=(), threshold=0.05, loss_threshold=2e-3, **kwargs):
     inf/NaN, or when the error it alone passes on to ``fn``'s output exceeds
     ``loss_threshold``. The modules among ``state`` and the arguments get
     rows too (``report.modules``, ``report.module_classes``): their outputs'
-    error, and the largest own error of an op called directly in them; a
-    class is flagged when that exceeds ``threshold``. The configuration in
-    force before is restored.
+    error, the error their own code makes (made_in()), and the largest own
+    error of an op called directly in them; a class is flagged when either
+    of the last two exceeds ``threshold``. The configuration in force before
+    is restored.
     """
     guard = StateGuard("hmp.audit", state, args, kwargs, fn)
     try:

@@ -3,7 +3,8 @@
 1. audit the current lists; flagged ops move to the FP32 list, except where
    an op's error is confined to one module class: that class is proposed
    for the FP32 list instead (checked by a run with the op cast everywhere
-   else), and the op keeps its list;
+   else), and the op keeps its list; a module class whose own code makes
+   too much error, still with the flagged ops moved, is proposed too;
 2. find the ops the step runs that are expensive and not in the BF16 list
    (unlisted or FP32-listed), try each alone in bf16, and keep those whose
    own error and the error they pass on to the loss stay under the bounds;
@@ -240,9 +241,10 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
     """Tune the lists for ``step_fn(*args, **kwargs)``, a training step that
     returns the loss.
 
-    ``state``: the modules and optimizers the step changes (those among the
-    arguments are found by themselves); they are as before when tune returns,
-    and so is hmp's configuration. ``threshold``/``loss_threshold``: bounds
+    ``state``: the modules, optimizers, schedulers and tensors the step
+    changes, as for audit (guard.StateGuard); they are as before when tune
+    returns, also when it raises, and so is hmp's configuration. The step
+    returns its loss (loss.step_loss). ``threshold``/``loss_threshold``: bounds
     on an op's own relative error and on the relative loss error it alone
     causes; ``tolerance``: how far the tuned lists' loss after ``steps``
     steps may be from fp32's; ``min_share``: the share of fp32 op time an op
@@ -250,6 +252,8 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
     A flagged op whose error is confined to the instances of one module
     class (confined_to()) keeps its list, and that class goes to the FP32
     list instead, when the op cast everywhere else stays within the bounds.
+    A class whose own code makes an error above ``threshold`` (the audit's
+    made_max_rel), still with the flagged ops moved, goes to FP32 too.
     """
     start = current_or_default()
     start_lists = _as_sets(start.lists)
