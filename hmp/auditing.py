@@ -3,74 +3,32 @@
 Runs a step in fp32 and under hmp from the same state and RNG, pairs each
 listed op's outputs by call order, and for every op that casts, runs once
 more with only that op cast to see the error it alone passes on to the
-step's output (the loss). Model state is restored after every run.
+step's output (the loss). Everything the step changes is put back before
+every run and at the end (hmp/guard.py).
 
 The recorded runs also hook the modules among the step's state and
 arguments (hmp/record.py): each module's outputs are paired by call order
 too, and each op call is attributed to the innermost module it ran in, so
-the ops' own errors add up per module and per module class.
+the ops' own errors add up per module and per module class. One more run
+per module class measures the error its instances' own code makes: only
+the ops called directly in them cast (record.Boundary).
 """
-
-import copy
-import random
-import sys
 
 import torch
 
 from .conversion import applied, current, plan
+from .guard import StateGuard
 from .lists import KINDS, class_path
-from .record import ModuleHooks, Recorder, module_paths, snapshot
+from .loss import step_loss
+from .record import Boundary, ModuleHooks, Recorder, module_paths
 
 TINY = 1e-30
 TOP = 10  # module rows table() shows; all are in AuditReport.modules / .module_classes
 
 
-class StateGuard:
-    """Saves and restores parameters, buffers, gradients, optimizer and
-    learning-rate scheduler state, and RNG."""
-
-    def __init__(self, objects):
-        self.modules = [o for o in objects if isinstance(o, torch.nn.Module)]
-        schedulers = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
-        self.optimizers = [o for o in objects if isinstance(o, schedulers)]
-        self.saved = self._save()
-
-    def _save(self):
-        modules = [{k: v.detach().clone() for k, v in m.state_dict(keep_vars=True).items()} for m in self.modules]
-        grads = [[None if p.grad is None else p.grad.detach().clone() for p in m.parameters()] for m in self.modules]
-        optimizers = [copy.deepcopy(o.state_dict()) for o in self.optimizers]
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        if "numpy" in sys.modules:
-            rng["numpy"] = sys.modules["numpy"].random.get_state()
-        return modules, grads, optimizers, rng
-
-    def restore(self):
-        modules, grads, optimizers, rng = self.saved
-        with torch.no_grad():
-            for m, state in zip(self.modules, modules):
-                own = m.state_dict(keep_vars=True)
-                for k, v in state.items():
-                    own[k].copy_(v)
-            for m, saved_grads in zip(self.modules, grads):
-                for p, g in zip(m.parameters(), saved_grads):
-                    p.grad = None if g is None else g.clone()
-        for o, state in zip(self.optimizers, optimizers):
-            o.load_state_dict(copy.deepcopy(state))
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if "cuda" in rng:
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        if "numpy" in rng:
-            sys.modules["numpy"].random.set_state(rng["numpy"])
-
-
-def _final(value):
-    out = snapshot(value)
-    if not out and isinstance(value, (int, float)):
-        out = (torch.tensor(float(value), dtype=torch.float64),)
-    return out
+def _final(value, tool):
+    """What a run's errors are measured on: the step's loss (loss.step_loss)."""
+    return (step_loss(value, tool).detach().clone(),)
 
 
 def compare(ref, got):
@@ -144,6 +102,7 @@ MODULE_COLUMNS = (
     ("calls", "---:", lambda r: str(r["calls"])),
     ("output max rel err", "---:", lambda r: f"{r['max_rel']:.3g}"),
     ("output mean rel err", "---:", lambda r: f"{r['mean_rel']:.3g}"),
+    ("error made in it", "---:", lambda r: f"{r['made_max_rel']:.3g}"),
     ("largest own op error in it", "---:", _own),
 )
 CLASS_COLUMNS = (
@@ -151,24 +110,27 @@ CLASS_COLUMNS = (
     ("instances", "---:", lambda r: str(r["instances"])),
     ("calls", "---:", lambda r: str(r["calls"])),
     ("output max rel err", "---:", lambda r: f"{r['max_rel']:.3g}"),
+    ("error made in it", "---:", lambda r: f"{r['made_max_rel']:.3g}"),
     ("largest own op error in it", "---:", _own),
     ("flagged", "---", lambda r: r["reason"]),
 )
 
 
 def _heading(what, count):
-    shown = f"the {TOP} with the largest own op error" if count > TOP else "by own op error"
-    return f"{what} ({count}; {shown}; own op error: of ops called directly in the module):"
+    shown = f"the {TOP} with the largest error made in it" if count > TOP else "by error made in it"
+    return (f"{what} ({count}; {shown}; error made in it: at its outputs, when only the ops called directly in it "
+            f"cast, from fp32 inputs; own op error: of one op called directly in it, cast alone):")
 
 
 def _by_error(rows):
-    return sorted(rows, key=lambda r: (-r["own_max_rel"], -r["max_rel"]))
+    return sorted(rows, key=lambda r: (-max(r["made_max_rel"], r["own_max_rel"]), -r["max_rel"]))
 
 
-def _module_rows(paths, ref, full, ops):
+def _module_rows(paths, ref, full, ops, made):
     """One row per hooked module that ran under hmp: its outputs against the
-    fp32 run's, and the largest own error (``ops``' ``own_by_module``) of
-    the ops called directly in it."""
+    fp32 run's, the error its own code makes (``made``, from made_by_class()),
+    and the largest own error (``ops``' ``own_by_module``) of the ops called
+    directly in it."""
     ref_outputs, full_outputs = by_op(ref.module_outputs), by_op(full.module_outputs)
     rows = []
     for path, module in paths.items():
@@ -179,27 +141,35 @@ def _module_rows(paths, ref, full, ops):
         own_op = max(own, key=own.get, default=None)
         rows.append({"path": path, "class": class_path(type(module)), "type": type(module),
                      "calls": len(full_outputs[path][None]), "max_rel": max_rel, "mean_rel": mean_rel,
-                     "nonfinite": nonfinite, "own_max_rel": own.get(own_op, 0.0), "own_op": own_op})
+                     "nonfinite": nonfinite, "own_max_rel": own.get(own_op, 0.0), "own_op": own_op,
+                     "made_max_rel": made.get(path, (0.0,))[0]})
     return rows
 
 
 def _class_rows(module_rows, threshold):
     """``module_rows`` aggregated per class: the largest errors of its
-    instances; flagged when an op's own error in one exceeds ``threshold``."""
+    instances; flagged when an op's own error in one, or the error one's
+    own code makes, exceeds ``threshold``."""
     by_class = {}
     for r in module_rows:
         by_class.setdefault(r["type"], []).append(r)
     rows = []
     for cls, instances in by_class.items():
         top = max(instances, key=lambda r: r["own_max_rel"])
-        flagged = top["own_max_rel"] > threshold
+        made = max(r["made_max_rel"] for r in instances)
+        if top["own_max_rel"] > threshold:
+            reason = f"{top['own_op']} error {top['own_max_rel']:.2g} > {threshold:g}"
+        elif made > threshold:
+            reason = f"error made in it {made:.2g} > {threshold:g}"
+        else:
+            reason = ""
         rows.append({"class": class_path(cls), "type": cls, "instances": len(instances),
                      "paths": [r["path"] for r in instances], "calls": sum(r["calls"] for r in instances),
                      "max_rel": max(r["max_rel"] for r in instances),
                      "mean_rel": max(r["mean_rel"] for r in instances),
                      "nonfinite": sum(r["nonfinite"] for r in instances),
-                     "own_max_rel": top["own_max_rel"], "own_op": top["own_op"], "flagged": flagged,
-                     "reason": f"{top['own_op']} error {top['own_max_rel']:.2g} > {threshold:g}" if flagged else ""})
+                     "own_max_rel": top["own_max_rel"], "own_op": top["own_op"], "made_max_rel": made,
+                     "flagged": bool(reason), "reason": reason})
     return rows
 
 
@@ -213,77 +183,114 @@ def kind_of(name, lists):
 
 
 def run_step(fn, args, kwargs, guard, conversion=None, passthrough=False, keep_outputs=False, restore_dtype=False,
-             forced=None, module_outputs=False):
+             forced=None, module_outputs=False, cast_only_in=None):
     """One run of ``fn`` from the guarded state under ``conversion`` (None:
     plain torch), recorded (see record.Recorder for the options), with the
-    guarded modules hooked when outputs are kept; the configuration in force
-    is back afterwards."""
-    guard.restore()
-    recorder = Recorder(keep_outputs, restore_dtype, forced, module_outputs)
-    hooks = ModuleHooks(recorder, module_paths(guard.modules) if keep_outputs else {})
-    with applied(conversion, recorder=recorder, passthrough=passthrough), hooks:
+    guarded modules hooked when outputs are kept (and, with ``cast_only_in``,
+    a record.Boundary around those modules); the configuration in force is
+    back afterwards."""
+    recorder = Recorder(keep_outputs, restore_dtype, forced, module_outputs, cast_only_in)
+    paths = module_paths(guard.modules) if keep_outputs else {}
+    boundary = Boundary(paths, cast_only_in or ())
+    with guard.running(), applied(conversion, recorder=recorder, passthrough=passthrough), ModuleHooks(recorder, paths), \
+            boundary:
         value = fn(*args, **kwargs)
-    return _final(value), recorder
+    return _final(value, guard.tool), recorder
+
+
+def made_in(fn, args, kwargs, guard, conversion, ref, inside):
+    """The errors of the modules at ``inside`` (paths) made by their own code:
+    ``{path: (max_rel, mean_rel, nonfinite)}`` of their outputs against the
+    fp32 run ``ref``, from a run in which only ops called directly in them
+    cast, and only what they round leaves them (record.Boundary)."""
+    _, run = run_step(fn, args, kwargs, guard, conversion, keep_outputs=True, module_outputs=True,
+                      cast_only_in=set(inside))
+    ref_outputs, got = by_op(ref.module_outputs), by_op(run.module_outputs)
+    return {path: worst(pairs(ref_outputs, got, path)) for path in inside if path in got}
+
+
+def made_by_class(fn, args, kwargs, guard, conversion, ref, full):
+    """made_in() for the modules in which the run ``full`` called an op that
+    casts, one run per module class: ``{path: (max_rel, mean_rel, nonfinite)}``."""
+    paths = module_paths(guard.modules)
+    casting = {name for name, stats in full.stats.items() if stats.casts}
+    by_class = {}
+    for path in dict.fromkeys(o.module for o in full.outputs if o.name in casting and o.module is not None):
+        by_class.setdefault(type(paths[path]), []).append(path)
+    made = {}
+    for inside in by_class.values():
+        made.update(made_in(fn, args, kwargs, guard, conversion, ref, inside))
+    return made
 
 
 def audit(fn, *args, state=(), threshold=0.05, loss_threshold=2e-3, **kwargs):
     """Compare ``fn(*args, **kwargs)`` in fp32 and under hmp, op by op.
 
-    ``state``: modules and optimizers ``fn`` changes (those among ``args``
-    are found by themselves); they, their gradients and the RNG are the same
-    after the audit as before. An op is flagged when its own bf16 error
+    ``fn`` returns its loss (loss.step_loss: a tensor, a number, a dict with
+    "loss", an object with .loss). ``state``: the modules, optimizers,
+    schedulers and tensors ``fn`` changes (those among the arguments are
+    found by themselves); everything guard.StateGuard saves is as before
+    after the audit, also when ``fn`` raises, and what it cannot put back
+    is refused. An op is flagged when its own bf16 error
     (measured with only it cast) exceeds ``threshold``, when it introduces
     inf/NaN, or when the error it alone passes on to ``fn``'s output exceeds
     ``loss_threshold``. The modules among ``state`` and the arguments get
     rows too (``report.modules``, ``report.module_classes``): their outputs'
-    error, and the largest own error of an op called directly in them; a
-    class is flagged when that exceeds ``threshold``. The configuration in
-    force before is restored.
+    error, the error their own code makes (made_in()), and the largest own
+    error of an op called directly in them; a class is flagged when either
+    of the last two exceeds ``threshold``. The configuration in force before
+    is restored.
     """
-    conversion = current_or_default()
-    lists = conversion.lists
-    guard = StateGuard(list(state) + list(args) + list(kwargs.values()))
+    guard = StateGuard("hmp.audit", state, args, kwargs, fn)
     try:
-        ref_final, ref = run_step(fn, args, kwargs, guard, conversion, passthrough=True, keep_outputs=True,
-                                  module_outputs=True)
-        hmp_final, full = run_step(fn, args, kwargs, guard, conversion, keep_outputs=True, module_outputs=True)
-        output_error = compare(ref_final, hmp_final)[0]
-        by_op_ref, by_op_hmp = by_op(ref.outputs), by_op(full.outputs)
-        rows = []
-        for name, stats in full.stats.items():
-            max_rel, mean_rel, nonfinite = worst(pairs(by_op_ref, by_op_hmp, name))
-            row = {"op": name, "list": kind_of(name, lists), "calls": stats.calls, "casts": stats.casts,
-                   "max_rel": max_rel, "mean_rel": mean_rel, "nonfinite": nonfinite,
-                   "own_max_rel": 0.0, "loss_error": 0.0, "own_by_module": {}}
-            if stats.casts:
-                only = {k: ({name} if name in lists[k] else set()) for k in KINDS}
-                own_final, own = run_step(fn, args, kwargs, guard, conversion._replace(lists=only),
-                                          keep_outputs=True, restore_dtype=True)
-                own_pairs = pairs(by_op_ref, by_op(own.outputs), name)
-                row["own_max_rel"], _, own_nonfinite = worst(own_pairs)
-                row["own_by_module"] = worst_by_module(own_pairs)
-                if row["own_max_rel"] > threshold and len(row["own_by_module"]) > 1:
-                    # which module's calls introduce it: once more, each call from the fp32 run's
-                    # inputs, so the error of the op's earlier calls does not count in later ones
-                    _, forced = run_step(fn, args, kwargs, guard, conversion._replace(lists=only),
-                                         keep_outputs=True, restore_dtype=True, forced=by_op_ref)
-                    row["own_by_module"] = worst_by_module(pairs(by_op_ref, by_op(forced.outputs), name))
-                row["nonfinite"] = max(nonfinite, own_nonfinite)
-                row["loss_error"], _, final_nonfinite = compare(ref_final, own_final)
-                row["nonfinite"] += final_nonfinite
-            reasons = []
-            if row["own_max_rel"] > threshold:
-                reasons.append(f"error {row['own_max_rel']:.2g} > {threshold:g}")
-            if row["nonfinite"]:
-                reasons.append("introduces inf/NaN")
-            if row["loss_error"] > loss_threshold:
-                reasons.append(f"loss error {row['loss_error']:.2g} > {loss_threshold:g}")
-            row["reason"] = "; ".join(reasons)
-            row["flagged"] = bool(reasons)
-            rows.append(row)
-        modules = _module_rows(module_paths(guard.modules), ref, full, rows)
+        return audit_with(guard, fn, args, kwargs, threshold, loss_threshold)
     finally:
         guard.restore()
+
+
+def audit_with(guard, fn, args, kwargs, threshold, loss_threshold):
+    """audit() from the state ``guard`` holds (tune shares its guard)."""
+    conversion = current_or_default()
+    lists = conversion.lists
+    ref_final, ref = run_step(fn, args, kwargs, guard, conversion, passthrough=True, keep_outputs=True,
+                              module_outputs=True)
+    hmp_final, full = run_step(fn, args, kwargs, guard, conversion, keep_outputs=True, module_outputs=True)
+    output_error = compare(ref_final, hmp_final)[0]
+    by_op_ref, by_op_hmp = by_op(ref.outputs), by_op(full.outputs)
+    rows = []
+    for name, stats in full.stats.items():
+        max_rel, mean_rel, nonfinite = worst(pairs(by_op_ref, by_op_hmp, name))
+        row = {"op": name, "list": kind_of(name, lists), "calls": stats.calls, "casts": stats.casts,
+               "max_rel": max_rel, "mean_rel": mean_rel, "nonfinite": nonfinite,
+               "own_max_rel": 0.0, "loss_error": 0.0, "own_by_module": {}}
+        if stats.casts:
+            only = {k: ({name} if name in lists[k] else set()) for k in KINDS}
+            own_final, own = run_step(fn, args, kwargs, guard, conversion._replace(lists=only),
+                                      keep_outputs=True, restore_dtype=True)
+            own_pairs = pairs(by_op_ref, by_op(own.outputs), name)
+            row["own_max_rel"], _, own_nonfinite = worst(own_pairs)
+            row["own_by_module"] = worst_by_module(own_pairs)
+            if row["own_max_rel"] > threshold and len(row["own_by_module"]) > 1:
+                # which module's calls introduce it: once more, each call from the fp32 run's
+                # inputs, so the error of the op's earlier calls does not count in later ones
+                _, forced = run_step(fn, args, kwargs, guard, conversion._replace(lists=only),
+                                     keep_outputs=True, restore_dtype=True, forced=by_op_ref)
+                row["own_by_module"] = worst_by_module(pairs(by_op_ref, by_op(forced.outputs), name))
+            row["nonfinite"] = max(nonfinite, own_nonfinite)
+            row["loss_error"], _, final_nonfinite = compare(ref_final, own_final)
+            row["nonfinite"] += final_nonfinite
+        reasons = []
+        if row["own_max_rel"] > threshold:
+            reasons.append(f"error {row['own_max_rel']:.2g} > {threshold:g}")
+        if row["nonfinite"]:
+            reasons.append("introduces inf/NaN")
+        if row["loss_error"] > loss_threshold:
+            reasons.append(f"loss error {row['loss_error']:.2g} > {loss_threshold:g}")
+        row["reason"] = "; ".join(reasons)
+        row["flagged"] = bool(reasons)
+        rows.append(row)
+    made = made_by_class(fn, args, kwargs, guard, conversion, ref, full)
+    modules = _module_rows(module_paths(guard.modules), ref, full, rows, made)
     return AuditReport(rows, output_error, threshold, loss_threshold, modules)
 
 

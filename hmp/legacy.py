@@ -24,12 +24,16 @@ written to site-packages):
 """
 
 import argparse
+import builtins
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import io
 import os
 import runpy
 import sys
+import types
+import zipfile
 
 import hmp
 
@@ -178,9 +182,10 @@ def uninstall():
 
 def run(script, args=()):
     """Run ``script`` as ``python script [args]`` would, with the hook installed:
-    ``__name__ == "__main__"``, ``sys.argv == [script, *args]`` and
-    ``sys.path[0]`` the script's directory. A SystemExit from the script
-    propagates."""
+    ``__name__ == "__main__"`` in a fresh module that is ``sys.modules["__main__"]``
+    while it runs, an absolute ``__file__``, ``sys.argv == [script, *args]`` and
+    ``sys.path[0]`` the script's directory. A directory or zip file runs its
+    ``__main__.py``, as python does. A SystemExit from the script propagates."""
     script = os.fspath(script)
     install()
     sys.argv = [script, *args]
@@ -191,7 +196,30 @@ def run(script, args=()):
         sys.path[0] = directory
     else:
         sys.path.insert(0, directory)
-    runpy.run_path(script, run_name="__main__")
+    if os.path.isdir(script) or zipfile.is_zipfile(script):
+        runpy.run_path(script, run_name="__main__")
+        return
+    path = os.path.abspath(script)  # python gives __main__ an absolute __file__ since 3.9
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path), __builtins__=builtins)
+    previous = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if previous is not None:
+            sys.modules["__main__"] = previous
+
+
+def script_traceback(tb, path):
+    """``tb`` from the script's first frame on (python shows none of its own
+    frames above a script's); None when no frame is the script's."""
+    while tb is not None and tb.tb_frame.f_code.co_filename != path:
+        tb = tb.tb_next
+    return tb
 
 
 def add_parser(subparsers):
@@ -211,5 +239,14 @@ def _cli(args):
     if not os.path.isfile(args.script) and not os.path.isdir(args.script):
         print(f"hmp run: can't open file {args.script!r}: no such file", file=sys.stderr)
         return 2  # what python itself returns for a missing script
-    run(args.script, args.args)
+    path = os.path.abspath(args.script)  # before the script can change directory
+    try:
+        run(args.script, args.args)
+    except Exception as e:  # SystemExit and KeyboardInterrupt propagate, as from python
+        if os.path.isdir(path) or zipfile.is_zipfile(path):
+            raise
+        # reported as python reports it, without hmp's and runpy's frames above the script's
+        tb = script_traceback(e.__traceback__, path)
+        sys.excepthook(type(e), e.with_traceback(tb), tb)
+        return 1
     return 0

@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 
 from .conversion import applied, current
+from .guard import StateGuard
+from .loss import step_loss
 from .record import Recorder
 
 
@@ -63,14 +65,22 @@ class ProfileReport:
         return self.table()
 
 
-def profile(fn, *args, **kwargs):
+def profile(fn, *args, state=(), **kwargs):
     """Run ``fn(*args, **kwargs)`` once with instrumented wrappers and return
     a ProfileReport. hmp must be converted; its configuration is restored
-    afterwards, with no instrumentation left behind."""
+    afterwards, with no instrumentation left behind. ``fn`` returns its loss
+    (loss.step_loss), as for audit and tune. ``state``: the modules,
+    optimizers, schedulers and tensors ``fn`` changes, as for audit: they
+    are put back afterwards (guard.StateGuard), also when ``fn`` raises."""
     conversion = current()
     if conversion is None:
         raise RuntimeError("hmp.profile: call hmp.convert() first; profile reports on the current configuration")
+    guard = StateGuard("hmp.profile", state, args, kwargs, fn)
     recorder = Recorder()
-    with applied(conversion, recorder=recorder):
-        fn(*args, **kwargs)
+    try:
+        with guard.running(), applied(conversion, recorder=recorder):
+            value = fn(*args, **kwargs)
+        step_loss(value, "hmp.profile")
+    finally:
+        guard.restore()
     return ProfileReport(recorder.stats)

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .torch_private import tree_flatten, tree_leaves, tree_unflatten
+from .torch_private import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
 _Tensor = torch.Tensor
 
@@ -75,7 +75,7 @@ class Recorder:
     """Collects per-op statistics and, when asked, each call's output (and
     each hooked module call's output, see ModuleHooks)."""
 
-    def __init__(self, keep_outputs=False, restore_dtype=False, forced=None, module_outputs=False):
+    def __init__(self, keep_outputs=False, restore_dtype=False, forced=None, module_outputs=False, cast_only_in=None):
         # restore_dtype: cast an op's floating outputs back to the dtype of its
         # first floating input, so only this op's rounding reaches the rest
         # of the model (used to measure one op at a time).
@@ -84,6 +84,9 @@ class Recorder:
         # call instead of its own (gradients flow through its own), so no
         # call's error reaches the next: each call's error is its own.
         # module_outputs: keep each hooked module call's output too
+        # cast_only_in: module paths; an op called directly in another (or in
+        # none) casts nothing, as in the fp32 run (see Boundary)
+        self.cast_only_in = cast_only_in
         self.keep_outputs, self.restore_dtype, self.forced = keep_outputs, restore_dtype, forced
         self.keep_module_outputs = module_outputs
         self._forced_calls = Counter()  # (op, module path) -> calls forced so far
@@ -97,6 +100,10 @@ class Recorder:
         if stack is None:
             stack = self._tls.modules = []
         return stack
+
+    def _inside(self):
+        stack = self._stack()
+        return bool(stack) and stack[-1] in self.cast_only_in
 
     def entering(self, path):
         """A forward pre-hook: ``path``'s module starts running."""
@@ -123,7 +130,10 @@ class Recorder:
             before = _tensors(args, kwargs)
             _synchronize(before)
             start = time.perf_counter()
-            new_args, new_kwargs = prepare(args, kwargs)
+            if self.cast_only_in is None or self._inside():
+                new_args, new_kwargs = prepare(args, kwargs)
+            else:
+                new_args, new_kwargs = args, kwargs
             after = _tensors(new_args, new_kwargs)
             _synchronize(after)
             seconds = time.perf_counter() - start
@@ -258,3 +268,40 @@ class ModuleHooks:
             handle.remove()
         self.handles = []
 
+
+
+def _float32(value):
+    return tree_map_only(_Tensor, lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t, value)
+
+
+def _within(path, outer):
+    return outer == "" or path == outer or path.startswith(outer + ".")
+
+
+class Boundary:
+    """For one run with ``Recorder(cast_only_in=inside)``: the modules at
+    ``inside`` pass their outputs on in float32, and the hooked modules
+    within them that are not themselves inside take their inputs in
+    float32, so only the code of the modules at ``inside`` computes in the
+    lower dtype and what it rounds is all that reaches the rest."""
+
+    def __init__(self, paths, inside):
+        self.paths, self.inside, self.handles = paths, set(inside), []
+
+    def __enter__(self):
+        try:
+            for path, module in self.paths.items():
+                if path in self.inside:
+                    self.handles.append(module.register_forward_hook(lambda m, args, out: _float32(out)))
+                elif any(_within(path, outer) for outer in self.inside):
+                    self.handles.append(module.register_forward_pre_hook(
+                        lambda m, args, kwargs: _float32((args, kwargs)), with_kwargs=True))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

@@ -10,6 +10,7 @@ import sys
 import torch
 
 from . import tuning
+from .files import check_outputs
 from .lists import class_path
 from .demo import data as demo_data
 from .demo.training import Config, build, train_step
@@ -68,6 +69,11 @@ def run(args):
             import matplotlib  # noqa: F401
         except ImportError:
             return _fail('--plot needs matplotlib: pip install "hmp[plot]"')
+    outputs = [args.bf16_out, args.fp32_out] + [p for p in (args.plot, args.json) if p]
+    try:  # before tuning, which takes minutes
+        check_outputs(outputs, PROG)
+    except ValueError as e:
+        return _fail(str(e).removeprefix(f"{PROG}: "))
     cfg = Config(batch_size=args.batch_size, seed=args.seed)
     corpus = demo_data.load()
     model, opt, sched = build(cfg)
@@ -83,7 +89,7 @@ def run(args):
         print(f"\nproposed for the FP32 list, instead of moving their ops: module classes {classes}")
     try:
         result.write(args.bf16_out, args.fp32_out)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         return _fail(str(e))
     print(f"\nwrote {args.bf16_out} and {args.fp32_out}; use them with "
           f"hmp.convert(bf16_file_path={args.bf16_out!r}, fp32_file_path={args.fp32_out!r})")
@@ -94,7 +100,8 @@ def run(args):
         with open(args.json, "w") as f:
             json.dump({"lists": result.lists, "modules_to_fp32": [class_path(c) for c in result.modules_to_fp32],
                        "validation": result.validation, "timings": result.timings, "trials": result.trials,
-                       "module_proposals": result.proposals, "audit": result.audit.rows,
+                       "module_proposals": result.proposals, "module_class_proposals": result.module_proposals,
+                       "audit": result.audit.rows,
                        "audit_modules": result.audit.modules, "audit_module_classes": result.audit.module_classes},
                       f, indent=2, default=str)
     return 0

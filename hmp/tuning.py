@@ -3,7 +3,8 @@
 1. audit the current lists; flagged ops move to the FP32 list, except where
    an op's error is confined to one module class: that class is proposed
    for the FP32 list instead (checked by a run with the op cast everywhere
-   else), and the op keeps its list;
+   else), and the op keeps its list; a module class whose own code makes
+   too much error, still with the flagged ops moved, is proposed too;
 2. find the ops the step runs that are expensive and not in the BF16 list
    (unlisted or FP32-listed), try each alone in bf16, and keep those whose
    own error and the error they pass on to the loss stay under the bounds;
@@ -15,22 +16,26 @@
 import statistics
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .auditing import StateGuard, audit, by_op, compare, current_or_default, kind_of, pairs, run_step, worst
+from .auditing import audit_with, by_op, compare, current_or_default, kind_of, made_in, pairs, run_step, worst
 from .casts import casts_enabled
 from .conversion import applied
+from .files import write_all
+from .guard import StateGuard
 from .lists import KINDS, class_path
+from .loss import step_loss
 from .modules import label
 from .resolve import Resolver, module_class
 
 
-# calls a step makes that are not math to run in another dtype
+# calls a step makes that are not math to run in another dtype (indexing only moves values: in the
+# BF16 list it would only round them)
 NOT_CANDIDATES = frozenset(("backward", "to", "type", "float", "double", "half", "bfloat16", "detach", "clone",
-                            "copy_", "item", "tolist", "numpy", "contiguous", "view", "reshape", "size", "dim"))
+                            "copy_", "item", "tolist", "numpy", "contiguous", "view", "reshape", "size", "dim",
+                            "getitem"))
 
 
 def _floating(value):
@@ -63,20 +68,23 @@ class _OpTimes(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if not casts_enabled():  # the optimizer step under disable_casts(), not the model
             return out
-        if name in NOT_CANDIDATES or name.endswith("_") and not name.endswith("__"):
-            return out
-        if not (_floating(out) and (_has_fp32(list(args)) or _has_fp32(list(kwargs.values())))):
+        if name.endswith("_") and not name.endswith("__"):
             return out
         if name.startswith("__") and name.endswith("__"):
             name = name[2:-2]
             if name[:1] in ("r", "i") and name[1:] in ("add", "sub", "mul", "matmul", "truediv", "pow", "div"):
                 name = name[1:]
+        if name in NOT_CANDIDATES:
+            return out
+        if not (_floating(out) and (_has_fp32(list(args)) or _has_fp32(list(kwargs.values())))):
+            return out
         self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
         return out
 
 
 class TuneResult:
-    def __init__(self, lists, before, audit_report, trials, validation, timings, modules=None, proposals=None):
+    def __init__(self, lists, before, audit_report, trials, validation, timings, modules=None, proposals=None,
+                 module_proposals=None):
         self.lists = lists  # {"bf16", "fp32", "promote"} -> sorted names
         self.before = before
         self.audit = audit_report
@@ -87,6 +95,10 @@ class TuneResult:
         # op -> {"class", "type", "own_max_rel", "loss_error", "nonfinite", "accepted"}: the module
         # class its error is confined to, and the op's errors with that class in FP32
         self.proposals = proposals or {}
+        # class path -> {"class", "type", "made_max_rel", "loss_error", "nonfinite", "accepted"}: a module
+        # class whose own code makes too much error (with the flagged ops moved), and the loss error with it
+        # in FP32
+        self.module_proposals = module_proposals or {}
 
     @property
     def moved_to_fp32(self):
@@ -99,7 +111,8 @@ class TuneResult:
     @property
     def modules_to_fp32(self):
         """The module classes tune put under the FP32 rule."""
-        return list(dict.fromkeys(p["type"] for p in self.proposals.values() if p["accepted"]))
+        proposed = list(self.proposals.values()) + list(self.module_proposals.values())
+        return list(dict.fromkeys(p["type"] for p in proposed if p["accepted"]))
 
     def table(self):
         lines = ["## audit of the starting lists", "", self.audit.table(), "", "## ops tried in bf16", "",
@@ -115,6 +128,13 @@ class TuneResult:
             for op, p in self.proposals.items():
                 lines.append(f"| {op} | {p['class']} | {p['own_max_rel']:.3g} | {p['loss_error']:.3g} | "
                              f"{p['nonfinite']} | {'yes' if p['accepted'] else 'no'} |")
+        if self.module_proposals:
+            lines += ["", "## module classes whose own code makes too much error", "",
+                      "| module class | error made in it | error passed to loss, class in FP32 | inf/NaN | to FP32 |",
+                      "|---|---:|---:|---:|---|"]
+            for p in self.module_proposals.values():
+                lines.append(f"| {p['class']} | {p['made_max_rel']:.3g} | {p['loss_error']:.3g} | {p['nonfinite']} | "
+                             f"{'yes' if p['accepted'] else 'no'} |")
         lines += ["", "## validation", "", "| lists | final loss | step ms (median) |", "|---|---:|---:|"]
         for name in self.validation:
             ms = self.timings.get(name)
@@ -129,8 +149,10 @@ class TuneResult:
 
     def write(self, bf16_path, fp32_path, promote_path=None):
         """Write list files that hmp.convert() loads; module classes as
-        their import paths. Raises ValueError, writing nothing, when a class
-        does not load by its import path."""
+        their import paths. All or nothing (files.write_all): raises
+        ValueError, writing nothing, when a class does not load by its
+        import path, when two paths are the same file, or when a path
+        cannot be written."""
         classes = {kind: [importable(t) for t in targets if isinstance(t, type)]
                    for kind, targets in self.modules.items()}
         instances = [label(t) for targets in self.modules.values() for t in targets if not isinstance(t, type)]
@@ -144,8 +166,8 @@ class TuneResult:
         if instances:
             header += f"# not in these files, give them to convert() again: module instances {', '.join(instances)}\n"
         targets = [("bf16", bf16_path), ("fp32", fp32_path)] + ([("promote", promote_path)] if promote_path else [])
-        for kind, path in targets:
-            Path(path).write_text(header + "\n".join(self.lists[kind] + classes.get(kind, [])) + "\n")
+        write_all([(path, header + "\n".join(self.lists[kind] + classes.get(kind, [])) + "\n") for kind, path in targets],
+                  "hmp.tune")
 
 
 def importable(cls):
@@ -169,17 +191,14 @@ def _as_sets(lists):
 
 
 def _as_float(value):
-    if isinstance(value, torch.Tensor):
-        return float(value.detach().float().mean())
-    return float(value)
+    return float(step_loss(value, "hmp.tune").detach().double().mean())
 
 
 def _train(fn, args, kwargs, guard, steps, conversion):
     """fn's value after ``steps`` calls from the guarded state under
     ``conversion`` (None: plain torch), and the step times."""
-    guard.restore()
     times, value = [], None
-    with applied(conversion):
+    with guard.running(), applied(conversion):
         for _ in range(steps):
             start = time.perf_counter()
             value = fn(*args, **kwargs)
@@ -222,9 +241,10 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
     """Tune the lists for ``step_fn(*args, **kwargs)``, a training step that
     returns the loss.
 
-    ``state``: the modules and optimizers the step changes (those among the
-    arguments are found by themselves); they are as before when tune returns,
-    and so is hmp's configuration. ``threshold``/``loss_threshold``: bounds
+    ``state``: the modules, optimizers, schedulers and tensors the step
+    changes, as for audit (guard.StateGuard); they are as before when tune
+    returns, also when it raises, and so is hmp's configuration. The step
+    returns its loss (loss.step_loss). ``threshold``/``loss_threshold``: bounds
     on an op's own relative error and on the relative loss error it alone
     causes; ``tolerance``: how far the tuned lists' loss after ``steps``
     steps may be from fp32's; ``min_share``: the share of fp32 op time an op
@@ -232,6 +252,8 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
     A flagged op whose error is confined to the instances of one module
     class (confined_to()) keeps its list, and that class goes to the FP32
     list instead, when the op cast everywhere else stays within the bounds.
+    A class whose own code makes an error above ``threshold`` (the audit's
+    made_max_rel), still with the flagged ops moved, goes to FP32 too.
     """
     start = current_or_default()
     start_lists = _as_sets(start.lists)
@@ -240,9 +262,9 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         fp32 = tuple(dict.fromkeys(start.modules["fp32"] + tuple(fp32_modules)))
         return start._replace(lists=lists, modules={"bf16": start.modules["bf16"], "fp32": fp32})
 
-    guard = StateGuard(list(state) + list(args) + list(kwargs.values()))
+    guard = StateGuard("hmp.tune", state, args, kwargs, step_fn)
     try:
-        report = audit(step_fn, *args, state=state, threshold=threshold, loss_threshold=loss_threshold, **kwargs)
+        report = audit_with(guard, step_fn, args, kwargs, threshold, loss_threshold)
         lists = _as_sets(start_lists)
         for op in report.flagged:
             for k in KINDS:
@@ -251,9 +273,8 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         confined = {op: cls for op in report.flagged if (cls := confined_to(report, op, guard.modules)) is not None}
 
         # what still computes in fp32 under the lists so far, and its share of the step's op time
-        guard.restore()
         times = _OpTimes()
-        with applied(under(lists)), times:
+        with guard.running(), applied(under(lists)), times:
             step_fn(*args, **kwargs)
         total = sum(times.seconds.values()) or 1.0
         resolver = Resolver()
@@ -262,7 +283,8 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
                       and resolver.exists(op)]
         # the fp32 reference, recording the candidates' and the confined ops' outputs without casting
         watch = {"bf16": set(candidates) | set(confined), "fp32": set(), "promote": set()}
-        ref_final, ref = run_step(step_fn, args, kwargs, guard, under(watch), passthrough=True, keep_outputs=True)
+        ref_final, ref = run_step(step_fn, args, kwargs, guard, under(watch), passthrough=True, keep_outputs=True,
+                                  module_outputs=True)
         ref_outputs = by_op(ref.outputs)
 
         def alone(op, only, fp32_modules=()):
@@ -285,6 +307,20 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         for op, cls in confined.items():
             only = {k: ({op} if op in start_lists[k] else set()) for k in KINDS}
             proposals[op] = {"class": class_path(cls), "type": cls, **alone(op, only, [cls])}
+        # module classes whose own code makes too much error (audit's "error made in it"), measured
+        # again with the flagged ops moved: a class that still makes it goes to FP32
+        module_proposals = {}
+        for row in report.module_classes:
+            cls = row["type"]
+            if row["made_max_rel"] <= threshold or cls in confined.values() or any(isinstance(r, cls) for r in guard.modules):
+                continue
+            made = made_in(step_fn, args, kwargs, guard, under(lists), ref, row["paths"])
+            made_max_rel = max((m[0] for m in made.values()), default=0.0)
+            fp32_final, _ = run_step(step_fn, args, kwargs, guard, under(lists, [cls]))
+            loss_error, _, nonfinite = compare(ref_final, fp32_final)
+            module_proposals[row["class"]] = {"class": row["class"], "type": cls, "made_max_rel": made_max_rel,
+                                              "loss_error": loss_error, "nonfinite": nonfinite,
+                                              "accepted": made_max_rel > threshold and not nonfinite}
         candidate = _as_sets(lists)
         for op, t in trials.items():
             if t["accepted"]:
@@ -297,7 +333,7 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
                     candidate[k].discard(op)
                     if op in start_lists[k]:
                         candidate[k].add(op)
-        to_fp32 = [p["type"] for p in proposals.values() if p["accepted"]]
+        to_fp32 = [p["type"] for p in list(proposals.values()) + list(module_proposals.values()) if p["accepted"]]
 
         configs = {"fp32": None, "starting lists": under(start_lists), "tuned lists": under(candidate, to_fp32)}
         validation = {name: _train(step_fn, args, kwargs, guard, steps, conversion)[0]
@@ -309,7 +345,7 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
             return gap <= tolerance * abs(validation["fp32"]) or gap <= abs(validation["starting lists"] - validation["fp32"])
 
         if not acceptable("tuned lists") and (candidate != lists or to_fp32):
-            for t in list(trials.values()) + list(proposals.values()):
+            for t in list(trials.values()) + list(proposals.values()) + list(module_proposals.values()):
                 t["accepted"] = False
             candidate, to_fp32 = lists, []
             configs["tuned lists"] = under(candidate)
@@ -320,4 +356,4 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
     final = {k: sorted(v) for k, v in candidate.items()}
     final["promote"] = sorted(candidate["promote"] - candidate["bf16"] - candidate["fp32"])
     return TuneResult(final, {k: sorted(v) for k, v in start_lists.items()}, report, trials, validation, timings,
-                      configs["tuned lists"].modules, proposals)
+                      configs["tuned lists"].modules, proposals, module_proposals)

@@ -204,10 +204,11 @@ def count_casts(cfg, corpus, hmp_options, steps=CAST_STEPS):
     def steps_fn():
         for _ in range(steps):
             x, y = next(batches)
-            train_step(model, opt, sched, x.to(cfg.device), y.to(cfg.device), cfg)
+            loss = train_step(model, opt, sched, x.to(cfg.device), y.to(cfg.device), cfg)
+        return loss
 
     with hmp.converted(**hmp_options):
-        report = hmp.profile(steps_fn)
+        report = hmp.profile(steps_fn, state=(model, opt, sched))
     rows = report.rows()
     per_op = {r["op"]: {d: n / steps for d, n in r["cast_to"].items()} for r in rows if r["casts"]}
     per_op = dict(sorted(per_op.items(), key=lambda kv: (-sum(kv[1].values()), kv[0])))

@@ -141,6 +141,64 @@ def test_relative_path_and_script_directory_first_on_sys_path(tmp_path):
     assert out["argv"] == repr(["proj/main.py", "a", "--b"])
 
 
+SIBLING_SCRIPT = """\
+import os
+import pickle
+import sys
+
+here = os.path.dirname(__file__)
+os.chdir(os.path.dirname(here))  # the script moves away, then reads the file next to itself
+with open(os.path.join(here, "settings.txt")) as f:
+    print("settings", f.read().strip())
+print("file", __file__)
+print("main", sys.modules["__main__"].__dict__ is globals())
+
+
+class Point:  # pickles as __main__.Point, as under python
+    pass
+
+
+print("pickled", type(pickle.loads(pickle.dumps(Point()))).__qualname__)
+
+
+def fail():
+    raise ValueError("from the script")
+
+
+if sys.argv[1:] == ["--fail"]:
+    fail()
+"""
+
+
+def test_script_finds_its_sibling_file_after_changing_directory(tmp_path):
+    folder = tmp_path / "proj"
+    folder.mkdir()
+    (folder / "settings.txt").write_text("lr=0.1\n")
+    (folder / "main.py").write_text(SIBLING_SCRIPT)
+    res = run_hmp(["run", "proj/main.py"], cwd=tmp_path)  # a relative path, as users type it
+    assert res.returncode == 0, res.stderr
+    out = lines(res.stdout)
+    assert out["settings"] == "lr=0.1"
+    assert os.path.isabs(out["file"]) and os.path.samefile(out["file"], folder / "main.py")
+    assert out["main"] == "True" and out["pickled"] == "Point"
+
+
+def test_traceback_starts_at_the_script_as_under_python(tmp_path):
+    folder = tmp_path / "proj"
+    folder.mkdir()
+    (folder / "settings.txt").write_text("lr=0.1\n")
+    (folder / "main.py").write_text(SIBLING_SCRIPT)
+    res = run_hmp(["run", "proj/main.py", "--fail"], cwd=tmp_path)
+    python = subprocess.run([sys.executable, "proj/main.py", "--fail"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert res.returncode == python.returncode == 1
+    tb = res.stderr.splitlines()
+    assert tb[0] == "Traceback (most recent call last):"
+    assert tb[1].startswith(f'  File "{folder / "main.py"}", line ') and tb[1].endswith("in <module>")
+    assert not [line for line in tb if "legacy.py" in line or "runpy" in line or "__main__.py" in line]
+    assert tb[1:] == python.stderr.splitlines()[1:]  # the same frames and message as python's
+
+
 def test_missing_script(elsewhere):
     res = run_hmp(["run", "no_such_script.py"], cwd=elsewhere)
     assert res.returncode == 2

@@ -114,7 +114,7 @@ def test_profile_reports_per_op_and_leaves_nothing_behind(tmp_path):
     model, opt, step, x, y = problem()
     hmp.convert()
     before = F.linear
-    report = hmp.profile(step, x, y)
+    report = hmp.profile(step, x, y, state=(model, opt))
     assert F.linear.__hmp_original__ is before.__hmp_original__  # converted as before
     rows = {r["op"]: r for r in report.rows()}
     assert rows["linear"]["calls"] == 2 and rows["linear"]["ran_in"] == "bfloat16,bfloat16,bfloat16"
@@ -125,13 +125,13 @@ def test_profile_reports_per_op_and_leaves_nothing_behind(tmp_path):
     assert json.loads((tmp_path / "p.json").read_text())["ops"][0]["op"] in rows
     with pytest.raises(RuntimeError, match="convert"):
         hmp.revert()
-        hmp.profile(step, x, y)
+        hmp.profile(step, x, y, state=(model, opt))
 
 
 def test_recorder_is_gone_after_profile():
     model, opt, step, x, y = problem()
     hmp.convert()
-    hmp.profile(step, x, y)
+    hmp.profile(step, x, y, state=(model, opt))
     # an ordinary wrapper: no recorder closure anywhere in the live conversion
     from hmp.state import runtime
 
@@ -275,3 +275,74 @@ def test_tune_puts_the_unsafe_module_class_in_fp32_not_its_op(unsafe_lists, tmp_
     losses = losses_after(module_problem, unsafe_lists, tmp_path / "b.txt", tmp_path / "f.txt")
     assert abs(losses["tuned"] - losses["fp32"]) <= 0.02 * losses["fp32"]
     assert losses["unsafe"] > 1.5 * losses["fp32"]
+
+
+@hmp.disable_casts()
+def diffusion_problem(seed=0):
+    """planted.Denoiser learning to predict the noise, timesteps up to 1000."""
+    g = torch.Generator().manual_seed(seed)
+    x, noise = torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g)
+    t = torch.randint(0, 1000, (64,), generator=g)
+    torch.manual_seed(seed)
+    model = planted.Denoiser()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(x, t, noise):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x, t), noise)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return model, opt, step, (x, t, noise)
+
+
+def test_audit_names_the_sinusoidal_embedding_as_the_module_making_the_error():
+    """No listed op's own error is large (mul: 0.2 %), yet the embedding's
+    output is off by 1.7 relative to its scale: sin/cos of the rounded
+    product. The error its own code makes names it."""
+    model, opt, step, batch = diffusion_problem()
+    hmp.convert()
+    before = snapshot(model, opt)
+    report = hmp.audit(step, *batch, state=(model, opt))
+    assert report.flagged == []
+    assert {r["op"]: r for r in report.rows}["mul"]["own_max_rel"] < 0.05
+    assert report.flagged_modules == ["helpers.planted.TimestepEmbedding"]
+    modules = {r["path"]: r for r in report.modules}
+    assert modules["embed"]["made_max_rel"] > 0.5
+    assert modules["mlp.0"]["made_max_rel"] < 0.05 and modules["mlp.2"]["made_max_rel"] < 0.05
+    assert modules[""]["made_max_rel"] < 0.05  # the model's own cat: the error is not the root's own
+    lines = report.table().splitlines()
+    _, top_module, top_class = [lines[i + 1] for i, line in enumerate(lines) if line.startswith("|---")]
+    assert top_module.startswith("| embed | helpers.planted.TimestepEmbedding |")
+    assert top_class.startswith("| helpers.planted.TimestepEmbedding |") and "error made in it" in top_class
+    assert_same_state(before, model, opt)
+
+
+def test_fp32_entry_for_the_embedding_keeps_timesteps_apart():
+    model, opt, step, (x, t, noise) = diffusion_problem()
+    ts = torch.tensor([998, 999])
+    reference = model.embed(ts)
+    with hmp.converted():
+        rounded = model.embed(ts)
+    assert torch.equal(rounded[0], rounded[1])  # the symptom: two timesteps, one embedding
+    hmp.convert(fp32_modules=[planted.TimestepEmbedding])
+    assert torch.equal(model.embed(ts), reference)
+    report = hmp.audit(step, x, t, noise, state=(model, opt))
+    modules = {r["path"]: r for r in report.modules}
+    assert modules["embed"]["max_rel"] == 0.0 and report.flagged_modules == []
+
+
+def test_tune_proposes_the_sinusoidal_embedding_for_fp32(tmp_path):
+    model, opt, step, batch = diffusion_problem()
+    hmp.convert()
+    result = hmp.tune(step, *batch, state=(model, opt), steps=5, rounds=1)
+    assert result.modules_to_fp32 == [planted.TimestepEmbedding]
+    assert result.moved_to_fp32 == [] and "mul" in result.lists["bf16"]
+    assert "getitem" not in result.trials  # t[:, None] only moves values: no candidate for bf16
+    proposal = result.module_proposals["helpers.planted.TimestepEmbedding"]
+    assert proposal["made_max_rel"] > 0.5 and proposal["accepted"]
+    assert proposal["loss_error"] < result.audit.output_error
+    assert "module classes to FP32: helpers.planted.TimestepEmbedding" in result.table()
+    result.write(tmp_path / "b.txt", tmp_path / "f.txt")
+    assert "helpers.planted.TimestepEmbedding" in (tmp_path / "f.txt").read_text().splitlines()
