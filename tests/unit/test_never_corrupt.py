@@ -1,0 +1,430 @@
+"""What hmp never changes (docs/never-changes.md): each departure from the
+seed's rule, and the rule itself where no departure applies."""
+
+import math
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
+
+import hmp
+from hmp.conversion import current
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+# -- the seed's rule still holds ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_listed_ops_on_float32_inputs_run_in_their_lists_dtype(opt_level):
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    with hmp.converted(opt_level=opt_level):
+        lists = hmp.effective_lists()
+        calls = {"mm": lambda: torch.mm(x, w), "linear": lambda: F.linear(x, w), "matmul": lambda: x @ w,
+                 "relu": lambda: F.relu(x), "mul": lambda: x * w, "softmax": lambda: F.softmax(x.bfloat16(), -1),
+                 "log_softmax": lambda: F.log_softmax(x.bfloat16(), -1), "dropout": lambda: F.dropout(x, 0.5)}
+        for name, call in calls.items():
+            kind = "bf16" if name in lists["bf16"] else "fp32" if name in lists["fp32"] else None
+            assert kind, name
+            assert call().dtype == (BF16 if kind == "bf16" else FP32), (opt_level, name)
+
+
+# -- no silent overflow ------------------------------------------------------------------------
+
+
+def test_float32_minimum_as_a_mask_fill_stays_finite():
+    mask = torch.tensor([1.0, 0.0])
+    plain = (1.0 - mask) * torch.finfo(torch.float32).min
+    with hmp.converted():
+        out = (1.0 - mask) * torch.finfo(torch.float32).min
+        ordinary = (1.0 - mask) * -1e4
+    assert torch.isfinite(out).all() and out.dtype == FP32 and torch.equal(out, plain)
+    assert ordinary.dtype == BF16  # an ordinary number: the BF16 rule
+
+
+def test_a_number_given_by_keyword_is_checked_too():
+    a, b, c = torch.zeros(2, 2), torch.full((2, 2), 0.25), torch.full((2, 2), 0.25)
+    with hmp.converted():
+        big = torch.addmm(a, b, c, alpha=3.4e38)  # beyond bfloat16's largest, not float32's
+        small = torch.addmm(a, b, c, alpha=2.0)
+    assert big.dtype == FP32 and torch.isfinite(big).all()
+    assert small.dtype == BF16
+
+
+_finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
+
+
+@settings(max_examples=200, deadline=None)
+@given(number=st.one_of(_finite, st.sampled_from([3.3895e38, 3.3896e38, 3.4e38, -3.4e38, 65504.0, 1e39])),
+       low=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_a_bf16_listed_call_never_turns_a_finite_number_inf(number, low):
+    """Oracle, from the dtypes' definitions: a number the lower dtype holds as
+    a finite value (|x| <= its largest) keeps the BF16 rule; any other finite
+    number runs the call in float32, whose result is then what plain torch gives."""
+    x = torch.tensor([1.0, -0.5])
+    low_max = torch.finfo(low).max
+    with hmp.converted(low_precision_type=low):
+        out = torch.mul(x, number)
+    if abs(number) <= low_max:
+        assert out.dtype == low
+    else:
+        assert out.dtype == FP32 and torch.equal(out, x * number)
+
+
+def test_bert_with_a_fully_padded_row_trains_like_fp32():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=16, num_labels=2,
+                                     attn_implementation="eager")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (4, 8), generator=g)
+    mask = torch.ones(4, 8, dtype=torch.long)
+    mask[0] = 0  # an empty example: every position padded
+    labels = torch.tensor([0, 1, 1, 0])
+
+    def train(convert):
+        torch.manual_seed(0)
+        model = transformers.BertForSequenceClassification(config)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        if convert:
+            hmp.convert()
+        try:
+            for _ in range(10):
+                opt.zero_grad()
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                loss.backward()
+                assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+                opt.step()
+                losses.append(loss.item())
+        finally:
+            hmp.revert()
+        return losses
+
+    fp32, mixed = train(False), train(True)
+    assert all(math.isfinite(v) for v in mixed)
+    assert abs(mixed[-1] - fp32[-1]) <= 0.01 * abs(fp32[-1]), (fp32, mixed)
+
+
+# -- views stay views --------------------------------------------------------------------------
+
+
+def test_writes_through_a_view_of_a_listed_view_op_reach_the_tensor():
+    a = torch.zeros(2, 3)
+    lin = nn.Linear(3, 2)
+    with hmp.converted():
+        early = a.t()
+        a.t()[0] = 1.0
+        with torch.no_grad():
+            lin.weight.t().copy_(torch.ones(3, 2))  # an (in, out) checkpoint loaded through a transpose
+        a[1, 2] = 5.0
+        assert early._base is a and early.dtype == FP32
+    assert a[:, 0].tolist() == [1.0, 1.0] and early[2, 1].item() == 5.0
+    assert torch.equal(lin.weight, torch.ones(2, 3))
+
+
+def test_a_users_list_of_view_ops_casts_none_of_them(tmp_path):
+    path = tmp_path / "bf16.txt"
+    path.write_text("view\nreshape\ntranspose\nnarrow\nmm\n")
+    x = torch.randn(4, 4)
+    with hmp.converted(bf16_file_path=path):
+        views = [x.view(16), x.reshape(2, 8), x.transpose(0, 1), x.narrow(0, 1, 2)]
+        assert torch.mm(x, x).dtype == BF16
+    assert all(v._base is x and v.dtype == FP32 for v in views)
+
+
+def test_views_inside_a_bf16_module_stay_views():
+    class Writer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("state", torch.zeros(2, 3))
+
+        def forward(self, x):
+            self.state.t()[0] += 1.0  # in place through a view of a float32 buffer
+            self.state[1][2] = 7.0  # and through indexing
+            return x @ self.state.t()
+
+    m = Writer()
+    with hmp.converted(bf16_modules=[Writer]):
+        out = m(torch.ones(1, 3))
+    assert out.dtype == BF16 and m.state.dtype == FP32
+    assert m.state[:, 0].tolist() == [1.0, 1.0] and m.state[1, 2].item() == 7.0
+
+
+# -- weight averaging is a weight update -------------------------------------------------------
+
+
+def _averaged(convert, **fn):
+    torch.manual_seed(0)
+    net = nn.Linear(4, 4)
+    with torch.no_grad():
+        net.weight.zero_()
+    ema = AveragedModel(net, **fn)
+    ema.update_parameters(net)
+    with torch.no_grad():
+        net.weight.fill_(1.0)
+    if convert:
+        hmp.convert()
+    try:
+        for _ in range(2000):
+            ema.update_parameters(net)
+    finally:
+        hmp.revert()
+    return ema.module.weight
+
+
+@pytest.mark.parametrize("fn", [{"avg_fn": get_ema_avg_fn(0.999)}, {"multi_avg_fn": get_ema_multi_avg_fn(0.999)},
+                                {}], ids=["avg_fn", "multi_avg_fn", "swa"])
+def test_averaged_model_matches_plain_torch(fn):
+    plain, mixed = _averaged(False, **fn), _averaged(True, **fn)
+    assert mixed.dtype == FP32
+    torch.testing.assert_close(mixed, plain, atol=1e-3, rtol=0)
+    assert plain[0, 0].item() > 0.8  # moved well away from where bf16 would stall (0.5)
+
+
+def test_timm_ema_helpers_match_plain_torch():
+    pytest.importorskip("timm", reason="timm imports on CI's torch-ceiling leg (with torchvision)")
+    from timm.utils import model_ema
+
+    for name in ("ModelEma", "ModelEmaV2", "ModelEmaV3"):
+        cls = getattr(model_ema, name, None)
+        if cls is None:
+            continue
+
+        def run(convert):
+            torch.manual_seed(0)
+            net = nn.Linear(4, 4)
+            with torch.no_grad():
+                net.weight.zero_()
+            ema = cls(net, decay=0.999)
+            with torch.no_grad():
+                net.weight.fill_(1.0)
+            if convert:
+                hmp.convert()
+            try:
+                for _ in range(500):
+                    ema.update(net)
+            finally:
+                hmp.revert()
+            return ema.module.weight
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # ModelEma is deprecated in timm
+            plain, mixed = run(False), run(True)
+        torch.testing.assert_close(mixed, plain, atol=1e-3, rtol=0, msg=name)
+
+
+def test_lightning_swa_update_runs_uncast():
+    callbacks = pytest.importorskip("lightning.pytorch.callbacks")
+    swa = callbacks.StochasticWeightAveraging
+    net, avg = nn.Linear(4, 4), nn.Linear(4, 4)
+    seen = []
+    n = torch.tensor(1)
+
+    def avg_fn(averaged, current, count):
+        seen.append(hmp.casts_enabled())
+        return averaged + (current - averaged) / (count + 1)
+
+    with hmp.converted():
+        swa.update_parameters(avg, net, n, avg_fn)
+    assert seen and not any(seen)
+
+
+def test_a_hand_written_ema_warns_once_and_in_place_updates_are_exact():
+    ema, p = torch.zeros(4), torch.ones(4)
+    with hmp.converted():
+        with pytest.warns(UserWarning, match=r"mul by 0\.999 runs in bfloat16"):
+            with torch.no_grad():
+                stalled = 0.999 * ema.bfloat16().float() + 0.001 * p
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            exact = ema.clone()
+            for _ in range(10):
+                exact.lerp_(p, 0.001)  # in place: the dtype of what it writes
+    assert stalled.dtype == BF16
+    assert exact.dtype == FP32 and torch.allclose(exact, torch.full((4,), 1 - 0.999 ** 10))
+
+
+# -- buffers keep their dtype ------------------------------------------------------------------
+
+
+class RunningMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.mean = 0.99 * self.mean + 0.01 * x.mean(0)
+        self.steps = self.steps + 1
+        return x - self.mean
+
+
+def test_a_buffer_reassigned_while_converted_keeps_its_dtype():
+    m = RunningMean()
+    with hmp.converted():
+        with pytest.warns(UserWarning, match="buffer 'mean' of RunningMean"):
+            m(torch.ones(3, 4))
+        m(torch.ones(3, 4))
+    state = m.state_dict()
+    assert state["mean"].dtype == FP32 and state["steps"].dtype == torch.long and state["steps"].item() == 2
+    m.mean = m.mean.bfloat16()  # not converted: the author's choice
+    assert m.mean.dtype == BF16
+
+
+# -- custom autograd Functions -----------------------------------------------------------------
+
+
+class MyMM(torch.autograd.Function):
+    """torch's "Extending autograd" example made AMP-safe with cast_inputs."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a.mm(b)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad.mm(b.t()), a.t().mm(grad)
+
+
+class FollowsForward(torch.autograd.Function):
+    """custom_fwd without cast_inputs: the backward runs as its forward did."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a.mm(b)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        seen.append(hmp.casts_enabled())
+        return grad.mm(b.t()), a.t().mm(grad)
+
+
+seen = []
+
+
+def _grads(fn, convert):
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(4, 2, requires_grad=True)
+    if convert:
+        hmp.convert()
+    try:
+        out = fn.apply(torch.mm(a, torch.eye(4)) if convert else a, b)  # a bf16 input, as after a listed op
+        out.float().sum().backward()
+    finally:
+        hmp.revert()
+    return out, a.grad, b.grad
+
+
+def test_custom_fwd_cast_inputs_runs_the_function_in_that_dtype():
+    plain, mixed = _grads(MyMM, False), _grads(MyMM, True)
+    assert mixed[0].dtype == FP32
+    torch.testing.assert_close(mixed[2], plain[2], atol=0.05, rtol=0.02)  # the input itself came through bf16
+    a = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(4, 2, requires_grad=True)
+    ref = MyMM.apply(a, b)
+    ref.sum().backward()
+    ga, gb = a.grad.clone(), b.grad.clone()
+    a.grad = b.grad = None
+    with hmp.converted():
+        out = MyMM.apply(a, b)
+        out.sum().backward()
+    assert torch.equal(out, ref) and torch.equal(a.grad, ga) and torch.equal(b.grad, gb)
+
+
+def test_custom_bwd_without_cast_inputs_runs_backward_as_its_forward_ran():
+    seen.clear()
+    out, ga, gb = _grads(FollowsForward, True)
+    assert out.dtype == BF16 and seen == [True]
+    assert ga.dtype == gb.dtype == FP32
+    with hmp.converted(), hmp.disable_casts():
+        x = torch.randn(2, 2, requires_grad=True)
+        FollowsForward.apply(x, x).sum().backward()
+    assert seen == [True, False]
+
+
+def test_a_mismatch_in_a_hand_written_backward_is_noted_as_backward():
+    class Plain(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return a.mm(b)
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, b = ctx.saved_tensors
+            return grad.mm(b.t()), a.t().mm(grad)
+
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(4, 2, requires_grad=True)
+    with hmp.converted():
+        with pytest.raises(RuntimeError) as info:
+            Plain.apply(a, b).float().sum().backward()
+    note = " ".join(getattr(info.value, "__notes__", []))
+    assert "in a backward pass" in note and "custom_fwd" in note and "disable_casts" not in note
+
+
+# -- threads and fake tensors ------------------------------------------------------------------
+
+
+def test_converted_blocks_in_two_threads_leave_nothing_converted():
+    a_in, b_in, a_out, b_out = (threading.Event() for _ in range(4))
+    levels = []
+
+    def thread_a():
+        with hmp.converted(opt_level="O1"):
+            a_in.set()
+            a_out.wait()
+
+    def thread_b():
+        a_in.wait()
+        with hmp.converted(opt_level="O2"):
+            b_in.set()
+            b_out.wait()
+
+    ta, tb = threading.Thread(target=thread_a), threading.Thread(target=thread_b)
+    ta.start()
+    tb.start()
+    b_in.wait()
+    levels.append(current().options.opt_level)
+    a_out.set()
+    ta.join()
+    levels.append(current().options.opt_level)  # B's block is still open: its configuration stays
+    b_out.set()
+    tb.join()
+    assert levels == ["O2", "O2"]
+    assert not hmp.is_converted() and torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == FP32
+
+
+def test_nested_blocks_in_one_thread_restore_in_order():
+    with hmp.converted(opt_level="O1"):
+        with hmp.converted(opt_level="O2"):
+            assert current().options.opt_level == "O2"
+        assert current().options.opt_level == "O1"
+    assert not hmp.is_converted()
+
+
+def test_parameters_under_fake_tensor_mode_raise_no_data_pointer_warning():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        lin = nn.Linear(4, 4)
+        x = torch.randn(2, 4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with hmp.converted():
+                out = lin(x)
+    assert out.dtype == BF16
