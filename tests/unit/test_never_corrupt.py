@@ -212,7 +212,7 @@ def test_timm_ema_helpers_match_plain_torch():
                     ema.update(net)
             finally:
                 hmp.revert()
-            return ema.module.weight
+            return (ema.module if hasattr(ema, "module") else ema.ema).weight  # ModelEma keeps it as .ema
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # ModelEma is deprecated in timm
@@ -237,6 +237,7 @@ def test_lightning_swa_update_runs_uncast():
 
 
 def test_a_hand_written_ema_warns_once_and_in_place_updates_are_exact():
+    hmp.state.warned.discard(("factor near one", "mul"))  # another test's number may have warned already
     ema, p = torch.zeros(4), torch.ones(4)
     with hmp.converted():
         with pytest.warns(UserWarning, match=r"mul by 0\.999 runs in bfloat16"):
