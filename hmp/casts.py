@@ -5,9 +5,8 @@ back on every exit path, so blocks nest and exceptions cannot leak a state.
 """
 
 import contextlib
-import functools
 
-from .resolve import ORIGINAL
+from .resolve import stand_in
 from .state import tls
 
 
@@ -96,6 +95,4 @@ def uncast(fn):
         finally:
             st.off -= 1
 
-    functools.update_wrapper(uncast, fn)
-    setattr(uncast, ORIGINAL, fn)
-    return uncast
+    return stand_in(uncast, fn)

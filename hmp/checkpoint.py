@@ -26,13 +26,7 @@ import warnings
 
 from . import state, torch_private
 from .casts import run_as, saved
-from .resolve import ORIGINAL, unwrap
-
-
-def _mark(wrapper, original):
-    wrapper.__doc__, wrapper.__qualname__ = original.__doc__, original.__qualname__
-    setattr(wrapper, ORIGINAL, original)
-    return wrapper
+from .resolve import stand_in, unwrap
 
 
 def patches():
@@ -50,7 +44,7 @@ def patches():
         def without_reentrant(fn, *args, **kwargs):
             return generator(run_as(fn, saved()), *args, **kwargs)
 
-        out.append((torch_checkpoint, name, _mark(without_reentrant, generator)))
+        out.append((torch_checkpoint, name, stand_in(without_reentrant, generator)))
     function = torch_private.checkpoint_function()
     forward = function.__dict__.get("forward") if function is not None else None
     if isinstance(forward, staticmethod):
@@ -59,5 +53,5 @@ def patches():
         def reentrant_forward(ctx, run_function, preserve_rng_state, *args):
             return original(ctx, run_as(run_function, saved()), preserve_rng_state, *args)
 
-        out.append((function, "forward", staticmethod(_mark(reentrant_forward, original))))
+        out.append((function, "forward", staticmethod(stand_in(reentrant_forward, original))))
     return out

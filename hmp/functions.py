@@ -14,7 +14,6 @@ What a Function class declares is read once per class; a Function without
 the decorators costs one dictionary lookup per ``apply``.
 """
 
-import functools
 import weakref
 
 import torch
@@ -22,7 +21,7 @@ import torch
 from . import torch_private
 from .casts import run_as, saved
 from .policy import FP64, FLOATS, PLAIN_CASTS, cast_kwargs, cast_seq
-from .resolve import ORIGINAL, unwrap
+from .resolve import ORIGINAL, stand_in, unwrap
 from .state import tls
 
 _Function = torch.autograd.Function
@@ -93,13 +92,7 @@ def _backward_apply(original):
         # here: hmp's forward ran outside any, so it is skipped
         return run_as(backward, state)(self, *args)
 
-    return _finish(apply, original)
-
-
-def _finish(wrapper, original):
-    functools.update_wrapper(wrapper, original)
-    setattr(wrapper, ORIGINAL, original)
-    return wrapper
+    return stand_in(apply, original)
 
 
 def patches():

@@ -38,11 +38,13 @@ NORM_OPS = frozenset((
 AFFINE_ONLY_NORMS = frozenset(("layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm"))
 
 
-def cast_seq(seq, src, cast):
+def cast_seq(seq, src, cast, refuse=None):
     """``seq`` with every tensor whose dtype is in ``src`` passed through ``cast``.
 
     Looks into list/tuple items, at any depth (``torch.cat([a, b])``).
-    Returns ``seq`` itself when nothing was cast.
+    Returns ``seq`` itself when nothing was cast. ``refuse``: a check of
+    the Python numbers directly in ``seq``; when it says True, the result
+    is None (the BF16 rule's overflow check: see ``lower``).
     """
     out = None
     for i, a in enumerate(seq):
@@ -57,6 +59,8 @@ def cast_seq(seq, src, cast):
                 if out is None:
                     out = list(seq)
                 out[i] = b
+        elif refuse is not None and (type(a) is float or type(a) is int) and refuse(a):
+            return None
     if out is None:
         return seq
     return out if type(seq) is list else tuple(out)
@@ -99,57 +103,34 @@ def overflow_limit(low):
 _INF = float("inf")
 
 
-def _lower_seq(seq, cast, limit, factor=None):
-    """``cast_seq`` of float32 tensors for the BF16 rule, or None when a
-    Python number in ``seq`` is finite but would be inf in the lower dtype.
-    One pass: a tensor costs what it costs in cast_seq, a number two
-    comparisons. ``factor``: (low, high, warn) for a multiplication, which
-    warns once about a number so close to 1 that the lower dtype loses it."""
-    out = None
-    for i, a in enumerate(seq):
-        if isinstance(a, Tensor):
-            if a.dtype is FP32:
-                if out is None:
-                    out = list(seq)
-                out[i] = cast(a)
-        elif type(a) is float or type(a) is int:
-            if (a > limit or a < -limit) and a != _INF and a != -_INF:
-                return None
-            if factor is not None and factor[0] < a < factor[1] and a != 1:
-                factor[2](a)
-        elif type(a) is list or type(a) is tuple:
-            b = cast_seq(a, _FP32_ONLY, cast)
-            if b is not a:
-                if out is None:
-                    out = list(seq)
-                out[i] = b
-    if out is None:
-        return seq
-    return out if type(seq) is list else tuple(out)
-
-
 _FP32_ONLY = frozenset((FP32,))
 
 
 MULTIPLICATIONS = frozenset(("mul", "multiply"))
 
 
-def _near_one(low, name):
-    """(low, high, warn) for ``_lower_seq``: numbers within half the lower
-    dtype's epsilon of 1, where a product rounds back to (about) the value
-    multiplied, so a decay applied step after step never moves it."""
+def _numbers_check(low, name):
+    """The BF16 rule's check of a Python number: True (refuse the rule) for
+    a finite number beyond the lower dtype's largest value. A multiplication
+    also warns once about a factor within half the lower dtype's epsilon of
+    1: the product rounds back to (about) the value multiplied, so a decay
+    applied step after step never moves it."""
+    limit = overflow_limit(low)
     half = torch.finfo(low).eps / 2
+    near, far = 1 - half, 1 + half
+    factor = name in MULTIPLICATIONS
     dtype = str(low).replace("torch.", "")
 
-    def warn(number):
-        if state.first_time(("factor near one", name)):
-            warnings.warn(f"hmp: {name} by {number!r} runs in {dtype} (BF16 list), where multiplying by a number "
+    def refuse(a):
+        if factor and near < a < far and a != 1 and state.first_time(("factor near one", name)):
+            warnings.warn(f"hmp: {name} by {a!r} runs in {dtype} (BF16 list), where multiplying by a number "
                           f"this close to 1 changes a value by at most its rounding step: a decay or moving "
                           f"average computed this way stalls. Update it in place (ema.lerp_(x, 1 - decay)) or "
                           f"inside hmp.disable_casts() (docs/never-changes.md). (hmp warns about this once.)",
                           UserWarning, stacklevel=state.user_stacklevel())
+        return (a > limit or a < -limit) and a != _INF and a != -_INF
 
-    return 1 - half, 1 + half, warn
+    return refuse
 
 
 def lower(low, casts, out=None, name=None):
@@ -159,8 +140,7 @@ def lower(low, casts, out=None, name=None):
     attention-mask fill, is -inf in bfloat16) runs under the FP32 rule
     instead: a finite value never turns inf (docs/never-changes.md).
     ``name``: the op, so a multiplication can warn about a factor near 1."""
-    cast, limit = casts[low], overflow_limit(low)
-    factor = _near_one(low, name) if name in MULTIPLICATIONS else None
+    cast, refuse = casts[low], _numbers_check(low, name)
     up = fp32(low, casts, out)
 
     def prepare(args, kwargs):
@@ -169,12 +149,12 @@ def lower(low, casts, out=None, name=None):
             if out is not None and kwargs.get("out") is not None:
                 return out(args, kwargs)
             values = tuple(kwargs.values())
-            cast_values = _lower_seq(values, cast, limit, factor)
+            cast_values = cast_seq(values, _FP32_ONLY, cast, refuse)
             if cast_values is None:
                 return up(args, kwargs)
             if cast_values is not values:
                 cast_kw = dict(zip(kwargs, cast_values))
-        cast_args = _lower_seq(args, cast, limit, factor)
+        cast_args = cast_seq(args, _FP32_ONLY, cast, refuse)
         if cast_args is None:
             return up(args, kwargs)
         return cast_args, cast_kw

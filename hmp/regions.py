@@ -18,7 +18,6 @@ the per-call wrapper keeps reading one integer and pays nothing for them:
 patches go through convert()'s patch log, so revert() undoes them.
 """
 
-import functools
 import warnings
 
 import torch
@@ -26,16 +25,10 @@ from torch.amp.autocast_mode import autocast
 
 from . import errors, state, torch_private
 from .casts import uncast
-from .resolve import ORIGINAL, unwrap
+from .resolve import ORIGINAL, stand_in, unwrap
 from .state import tls
 
 _GRAD_SCALER_METHODS = ("scale", "unscale_", "step", "update")
-
-
-def _finish(wrapper, original):
-    functools.update_wrapper(wrapper, original)
-    setattr(wrapper, ORIGINAL, original)
-    return wrapper
 
 
 def _warn_enabled_region(region):
@@ -57,7 +50,7 @@ def _autocast_enter(original):
         counts[key] = counts.get(key, 0) + 1
         return result
 
-    return _finish(__enter__, original)
+    return stand_in(__enter__, original)
 
 
 def _autocast_exit(original):
@@ -77,7 +70,7 @@ def _autocast_exit(original):
                     counts[key] = n - 1
                 tls.off -= 1
 
-    return _finish(__exit__, original)
+    return stand_in(__exit__, original)
 
 
 def forget_open_regions():
@@ -104,7 +97,7 @@ def _uncast_backward(original):
         finally:
             st.off -= 1
 
-    return _finish(uncast, original)
+    return stand_in(uncast, original)
 
 
 def worker_loop(*args, **kwargs):

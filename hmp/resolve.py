@@ -50,6 +50,18 @@ def unwrap(obj):
     return getattr(obj, ORIGINAL, obj)
 
 
+def stand_in(wrapper, original):
+    """Make ``wrapper`` stand in for ``original``: its name, docstring and
+    ``__wrapped__``, and ``ORIGINAL`` pointing at it (what revert and a
+    later convert unwrap to). Returns ``wrapper``."""
+    try:
+        functools.update_wrapper(wrapper, original)
+    except (AttributeError, TypeError):  # a builtin without some of the names
+        wrapper.__wrapped__ = original
+    setattr(wrapper, ORIGINAL, original)
+    return wrapper
+
+
 @dataclass(frozen=True)
 class Site:
     """One attribute that a list name binds."""

@@ -13,7 +13,7 @@ import torch
 
 from . import torch_private
 from .policy import FLOATS
-from .resolve import ORIGINAL, unwrap
+from .resolve import stand_in, unwrap
 from .state import tls
 
 # nn.RNNBase.mode -> the kernel that module calls
@@ -43,7 +43,4 @@ def check_input_patches(effective, lower_modules=False):
                 input = empty(input.shape, dtype=w.dtype, device=meta)
         return original(self, input, batch_sizes)
 
-    check_input.__doc__ = original.__doc__
-    check_input.__qualname__ = original.__qualname__
-    setattr(check_input, ORIGINAL, original)
-    return [(base, name, check_input)]
+    return [(base, name, stand_in(check_input, original))]

@@ -17,14 +17,12 @@ identity); no optimizer object or class is modified. A revert() inside a
 step unwinds the calling thread's open steps itself (``forget_open_steps``).
 """
 
-import functools
-
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .cache import clear_cache
 from .casts import run_as, saved
-from .resolve import ORIGINAL, unwrap
+from .resolve import stand_in, unwrap
 from .state import tls
 
 
@@ -65,7 +63,7 @@ def _enter(original):
         setattr(self, _STEPS, len(tls.step_levels))
         return original(self)
 
-    return _finish(__enter__, original)
+    return stand_in(__enter__, original)
 
 
 def _exit(original):
@@ -79,13 +77,7 @@ def _exit(original):
             if depth is not None:
                 _unwind(depth)
 
-    return _finish(__exit__, original)
-
-
-def _finish(wrapper, original):
-    functools.update_wrapper(wrapper, original)
-    setattr(wrapper, ORIGINAL, original)
-    return wrapper
+    return stand_in(__exit__, original)
 
 
 def forget_open_steps():

@@ -27,7 +27,6 @@ Needs ``lightning`` (``pip install hmp[lightning]``); importing ``hmp`` or
 """
 
 import contextlib
-import functools
 import logging
 import warnings
 
@@ -37,7 +36,7 @@ from lightning.pytorch.plugins import Precision
 
 import hmp
 from hmp import conversion
-from hmp.resolve import ORIGINAL, unwrap
+from hmp.resolve import stand_in, unwrap
 
 log = logging.getLogger("hmp")
 
@@ -53,9 +52,7 @@ def _uncast_log(log_method):
         with hmp.disable_casts():
             return log_method(*args, **kwargs)
 
-    functools.update_wrapper(log, log_method)
-    setattr(log, ORIGINAL, log_method)
-    return log
+    return stand_in(log, log_method)
 
 
 class HMPPrecision(Precision):

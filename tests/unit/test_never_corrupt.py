@@ -160,29 +160,37 @@ def test_views_inside_a_bf16_module_stay_views():
 # -- weight averaging is a weight update -------------------------------------------------------
 
 
-def _averaged(convert, **fn):
+def _average(make, update, convert, steps):
+    """An average of a Linear's weight, made at 0 and updated ``steps`` times
+    towards 1, with hmp converted or not; the averaged weight."""
     torch.manual_seed(0)
     net = nn.Linear(4, 4)
     with torch.no_grad():
         net.weight.zero_()
-    ema = AveragedModel(net, **fn)
-    ema.update_parameters(net)
+    average = make(net)
     with torch.no_grad():
         net.weight.fill_(1.0)
     if convert:
         hmp.convert()
     try:
-        for _ in range(2000):
-            ema.update_parameters(net)
+        for _ in range(steps):
+            update(average, net)
     finally:
         hmp.revert()
-    return ema.module.weight
+    return (average.module if hasattr(average, "module") else average.ema).weight  # timm's ModelEma: .ema
+
+
+def _averaged_model(net, **fn):
+    model = AveragedModel(net, **fn)
+    model.update_parameters(net)  # the first update copies
+    return model
 
 
 @pytest.mark.parametrize("fn", [{"avg_fn": get_ema_avg_fn(0.999)}, {"multi_avg_fn": get_ema_multi_avg_fn(0.999)},
                                 {}], ids=["avg_fn", "multi_avg_fn", "swa"])
 def test_averaged_model_matches_plain_torch(fn):
-    plain, mixed = _averaged(False, **fn), _averaged(True, **fn)
+    plain, mixed = (_average(lambda net: _averaged_model(net, **fn), lambda avg, net: avg.update_parameters(net),
+                             convert, 2000) for convert in (False, True))
     assert mixed.dtype == FP32
     torch.testing.assert_close(mixed, plain, atol=1e-3, rtol=0)
     assert plain[0, 0].item() > 0.8  # moved well away from where bf16 would stall (0.5)
@@ -196,27 +204,10 @@ def test_timm_ema_helpers_match_plain_torch():
         cls = getattr(model_ema, name, None)
         if cls is None:
             continue
-
-        def run(convert):
-            torch.manual_seed(0)
-            net = nn.Linear(4, 4)
-            with torch.no_grad():
-                net.weight.zero_()
-            ema = cls(net, decay=0.999)
-            with torch.no_grad():
-                net.weight.fill_(1.0)
-            if convert:
-                hmp.convert()
-            try:
-                for _ in range(500):
-                    ema.update(net)
-            finally:
-                hmp.revert()
-            return (ema.module if hasattr(ema, "module") else ema.ema).weight  # ModelEma keeps it as .ema
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # ModelEma is deprecated in timm
-            plain, mixed = run(False), run(True)
+            plain, mixed = (_average(lambda net: cls(net, decay=0.999), lambda ema, net: ema.update(net), convert, 500)
+                            for convert in (False, True))
         torch.testing.assert_close(mixed, plain, atol=1e-3, rtol=0, msg=name)
 
 
@@ -282,38 +273,31 @@ def test_a_buffer_reassigned_while_converted_keeps_its_dtype():
 # -- custom autograd Functions -----------------------------------------------------------------
 
 
-class MyMM(torch.autograd.Function):
-    """torch's "Extending autograd" example made AMP-safe with cast_inputs."""
+def _mm_function(cast_inputs, doc):
+    """torch's "Extending autograd" example (a matmul) made AMP-safe with
+    custom_fwd/custom_bwd; its backward records whether hmp casts there."""
 
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return a.mm(b)
+    class MM(torch.autograd.Function):
+        __doc__ = doc
 
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cpu")
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        return grad.mm(b.t()), a.t().mm(grad)
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu", cast_inputs=cast_inputs)
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return a.mm(b)
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cpu")
+        def backward(ctx, grad):
+            a, b = ctx.saved_tensors
+            seen.append(hmp.casts_enabled())
+            return grad.mm(b.t()), a.t().mm(grad)
+
+    return MM
 
 
-class FollowsForward(torch.autograd.Function):
-    """custom_fwd without cast_inputs: the backward runs as its forward did."""
-
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu")
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return a.mm(b)
-
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cpu")
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        seen.append(hmp.casts_enabled())
-        return grad.mm(b.t()), a.t().mm(grad)
-
+MyMM = _mm_function(torch.float32, "cast_inputs=float32: the whole Function in float32")
+FollowsForward = _mm_function(None, "custom_fwd without cast_inputs: the backward runs as its forward did")
 
 seen = []
 

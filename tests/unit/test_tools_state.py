@@ -92,14 +92,7 @@ def audit_running_norm(persistent):
     torch.manual_seed(0)
     model = RunningNorm(persistent)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = mse_step(model, opt)
     buffers = dict(model.named_buffers())
     before = copies(buffers.values())
     hmp.convert()
@@ -118,11 +111,8 @@ def test_non_persistent_buffers_are_restored():
     assert report.output_error < 0.05
 
 
-def momentum_problem(seed=0):
-    x, y = data(seed)
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+def mse_step(model, opt):
+    """One plain training step of ``model`` (an MSE loss)."""
 
     def step(x, y):
         opt.zero_grad()
@@ -131,7 +121,15 @@ def momentum_problem(seed=0):
         opt.step()
         return loss
 
-    return model, opt, step, x, y
+    return step
+
+
+def momentum_problem(seed=0):
+    x, y = data(seed)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, opt, mse_step(model, opt), x, y
 
 
 def test_kept_param_group_still_controls_the_optimizer():
