@@ -133,12 +133,15 @@ def _explain_hook(match):
             f"it used to be float32, so return a value of the dtype given (`return result.to(grad.dtype)`).")
 
 
-def _explain(exc, about):
+def _explain(exc, about, in_backward=False):
     """One line for a dtype mismatch. ``about`` is the About of the hmp
-    wrapper the exception passed through, or None."""
+    wrapper the exception passed through, or None; ``in_backward``: raised
+    in a backward pass."""
     hook = _HOOK.search(str(exc.args[0])) if exc.args else None
     if hook is not None:
         return _explain_hook(hook)
+    if in_backward:
+        return _explain_backward(exc)
     callee = culprit.callee(exc)
     label, name, kind = about[:3] if about is not None else (None, None, None)
     if callee is not None and label is not None and callee != name:
@@ -199,8 +202,7 @@ def annotate(exc, about=None, in_backward=False):
     backward pass. Never raises."""
     try:
         if hasattr(exc, "add_note") and not _noted(exc) and is_mismatch(exc):
-            hook = _HOOK.search(str(exc.args[0])) if exc.args else None
-            exc.add_note(_explain_backward(exc) if in_backward and hook is None else _explain(exc, about))
+            exc.add_note(_explain(exc, about, in_backward))
     except Exception:  # a note must never replace the user's error
         pass
 

@@ -28,15 +28,18 @@ _Function = torch.autograd.Function
 _Backward = torch_private.BackwardCFunction
 _FORWARD_STATE = "_hmp_forward_state"  # on a ctx: (cast state of its forward, undecorated backward)
 
-_plans = weakref.WeakKeyDictionary()  # Function class -> (cast_inputs dtype or None, custom_bwd's backward)
+# Function class -> (dtypes cast_inputs casts, its cast; or None, None), custom_bwd's backward or None
+_plans = weakref.WeakKeyDictionary()
 
 
 def _plan(cls):
     plan = _plans.get(cls)
     if plan is None:
         cast = torch_private.custom_fwd_cast(getattr(cls, "forward", None))
-        backward = torch_private.custom_bwd_inner(getattr(cls, "backward", None))
-        plan = (cast or None, None if cast else backward)
+        if cast:
+            plan = (FLOATS - {cast, FP64}, PLAIN_CASTS[cast], None)
+        else:
+            plan = (None, None, torch_private.custom_bwd_inner(getattr(cls, "backward", None)))
         _plans[cls] = plan
     return plan
 
@@ -60,9 +63,8 @@ def _apply(descriptor):
         st = tls
         if st.off:
             return original(cls, *args, **kwargs)
-        cast, backward = _plan(cls)
-        if cast is not None:
-            src, to = FLOATS - {cast, FP64}, PLAIN_CASTS[cast]
+        src, to, backward = _plan(cls)
+        if src is not None:
             args = cast_seq(args, src, to)
             if kwargs:
                 kwargs = cast_kwargs(kwargs, src, to)

@@ -7,13 +7,13 @@ argument, the environment (ENV_LISTS), the shipped default (DEFAULT_FILES).
 
 import logging
 import os
-import sys
 import warnings
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from . import state
 from .resolve import NO_PYTHON, UNKNOWN, is_module_path, module_class
 
 log = logging.getLogger("hmp")
@@ -195,24 +195,7 @@ def warn_unreachable(where):
     """The one warning for real aten operators that hmp cannot bind."""
     warnings.warn(f"hmp: {where}: nothing to bind in Python; calls reach it from C++, so hmp skips it "
                   f"(list the Python-level op that calls it instead, such as conv2d for convolutions)",
-                  UserWarning, stacklevel=caller_level())
-
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _inside_hmp(filename):
-    folder = os.path.dirname(os.path.abspath(filename))
-    return folder == _HERE or folder.startswith(_HERE + os.sep)
-
-
-def caller_level():
-    """stacklevel pointing at the first frame outside hmp (the user's
-    convert() call), so the warning shows the user's line."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and _inside_hmp(frame.f_code.co_filename):
-        frame, level = frame.f_back, level + 1
-    return level
+                  UserWarning, stacklevel=state.user_stacklevel())
 
 
 def combine(bf16, fp32, promote, bf16_from_user, fp32_from_user, sources):
@@ -263,11 +246,11 @@ def _low_list(bf16, fp16, low):
         return bf16, TITLES["bf16"]
     if low != torch.float16:
         warnings.warn(f"hmp: fp16_file_path {fp16!r} is ignored: it names the list for "
-                      f"low_precision_type=torch.float16, and the lower dtype is {low}", stacklevel=caller_level())
+                      f"low_precision_type=torch.float16, and the lower dtype is {low}", stacklevel=state.user_stacklevel())
         return bf16, TITLES["bf16"]
     if given(bf16):
         warnings.warn(f"hmp: bf16_file_path {bf16!r} is ignored: with low_precision_type=torch.float16 "
-                      f"the lower-precision list is fp16_file_path {fp16!r}", stacklevel=caller_level())
+                      f"the lower-precision list is fp16_file_path {fp16!r}", stacklevel=state.user_stacklevel())
     return fp16, FP16_TITLE
 
 
@@ -300,7 +283,7 @@ def effective(resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16=""
         ignored = [titles[k] for k in ("bf16", "fp32") if given(sources[k])]
         if ignored:
             warnings.warn(f"hmp: opt_level O2 uses its own lists; ignoring the given {' and '.join(ignored)}",
-                          stacklevel=caller_level())
+                          stacklevel=state.user_stacklevel())
         sources["bf16"] = sources["fp32"] = ""
     from_user = {k: given(v) for k, v in sources.items()}
     loaded, printable = {}, {}

@@ -172,9 +172,9 @@ def patches(modules, forwards):
                         out.append((cls, "forward", forwards.forward(kind, original)))
             else:
                 fn = forwards.forward(kind, _instance_forward(target))
-                setattr(fn, _OWN, _own_forward(target))
+                setattr(fn, _OWN, _own(target, "forward"))
                 out.append((target, "forward", types.MethodType(fn, target)))
-                out.append((target, "__getstate__", types.MethodType(_getstate(_own_getstate(target)), target)))
+                out.append((target, "__getstate__", types.MethodType(_getstate(_own(target, "__getstate__")), target)))
     return out
 
 
@@ -187,13 +187,10 @@ def _is_entry(value, module):
     return isinstance(value, types.MethodType) and value.__self__ is module and hasattr(value.__func__, _OWN)
 
 
-def _own_forward(module):
-    own = module.__dict__.get("forward")
-    return getattr(own.__func__, _OWN) if _is_entry(own, module) else own
-
-
-def _own_getstate(module):
-    own = module.__dict__.get("__getstate__")
+def _own(module, name):
+    """What ``module`` holds in its own __dict__ under ``name`` without hmp
+    (an entry of a conversion still in place is looked through)."""
+    own = module.__dict__.get(name)
     return getattr(own.__func__, _OWN) if _is_entry(own, module) else own
 
 
@@ -238,11 +235,11 @@ def _classes_under(cls, listed):
 
 def _instance_forward(module):
     """What ``module.forward`` runs without hmp, as ``f(self, ...)``."""
-    own = module.__dict__.get("forward")
+    own = _own(module, "forward")
     if own is None:
         return unwrap(inspect.getattr_static(type(module), "forward"))
     if isinstance(own, types.MethodType) and own.__self__ is module:
-        return unwrap(own.__func__)  # a conversion's own entry, still in place: what it wraps
+        return unwrap(own.__func__)
     return lambda self, *args, **kwargs: own(*args, **kwargs)  # someone's own per-instance forward
 
 

@@ -101,11 +101,7 @@ def overflow_limit(low):
 
 
 _INF = float("inf")
-
-
 _FP32_ONLY = frozenset((FP32,))
-
-
 MULTIPLICATIONS = frozenset(("mul", "multiply"))
 
 

@@ -86,18 +86,14 @@ def _uncast_backward(original):
     """``casts.uncast`` for a backward pass; an error raised in it gets the note
     for errors in backward (hmp/errors.py)."""
 
-    def uncast(*args, **kwargs):
-        st = tls
-        st.off += 1
+    def backward(*args, **kwargs):
         try:
             return original(*args, **kwargs)
         except Exception as e:
             errors.annotate(e, in_backward=True)
             raise
-        finally:
-            st.off -= 1
 
-    return stand_in(uncast, original)
+    return uncast(stand_in(backward, original))
 
 
 def worker_loop(*args, **kwargs):

@@ -52,13 +52,14 @@ def unwrap(obj):
 
 def stand_in(wrapper, original):
     """Make ``wrapper`` stand in for ``original``: its name, docstring and
-    ``__wrapped__``, and ``ORIGINAL`` pointing at it (what revert and a
-    later convert unwrap to). Returns ``wrapper``."""
+    ``__wrapped__``, and ``ORIGINAL`` pointing at torch's own (what revert
+    and a later convert unwrap to; through a stand-in of a stand-in too).
+    Returns ``wrapper``."""
     try:
         functools.update_wrapper(wrapper, original)
     except (AttributeError, TypeError):  # a builtin without some of the names
         wrapper.__wrapped__ = original
-    setattr(wrapper, ORIGINAL, original)
+    setattr(wrapper, ORIGINAL, unwrap(original))
     return wrapper
 
 

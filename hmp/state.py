@@ -89,13 +89,18 @@ def first_time(key):
     return True
 
 
-_OUTSIDE_USER_CODE = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+_NOT_THE_USERS = tuple(os.path.dirname(os.path.abspath(f)) for f in (__file__, torch.__file__))  # hmp, torch
+
+
+def _not_the_users(filename):
+    folder = os.path.dirname(os.path.abspath(filename))
+    return any(folder == top or folder.startswith(top + os.sep) for top in _NOT_THE_USERS)
 
 
 def user_stacklevel():
     """``stacklevel`` for a warning raised inside hmp: the first frame
     outside hmp and torch, so the warning shows the user's line."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_OUTSIDE_USER_CODE):
+    while frame is not None and _not_the_users(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     return level
