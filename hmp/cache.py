@@ -51,13 +51,46 @@ class _Frozen:
         self.stores = {d: {} for d in copies.dtypes}
 
 
+class _Entry:
+    """A cached copy and what it was cast from. ``copy``: a weak reference to
+    the copy (grad mode) or the copy itself (frozen_weights); ``version``,
+    ``ptr``, ``grad``: the source's version counter, data pointer and
+    requires_grad at the cast; ``storage`` holds the source storage so its
+    address cannot be reused; ``source``: a weak reference to the source
+    that drops the entry with it."""
+    __slots__ = ("copy", "version", "ptr", "grad", "storage", "source")
+
+
 def _forget(store, key):
     return lambda _ref: store.pop(key, None)
 
 
+def _keep(store, t, copy, old, weak):
+    """Record ``copy`` of ``t`` in ``store`` (replacing ``old``), unless
+    ``t`` has nothing stable to check a later call against."""
+    if isinstance(t, _Fake):  # no real storage (FakeTensorMode)
+        return
+    try:
+        version, ptr = _version(t), t.data_ptr()
+    except RuntimeError:  # an inference tensor (no version counter); a fake one (torch < 2.6 compiles eagerly)
+        return
+    if _transforms_active():  # the copy is wrapped at the transform's level: it must not escape
+        return
+    e = _Entry()  # a new entry, stored in one step: a thread reading the old one never sees a mix
+    if weak:
+        copy._hmp_cast = True  # a Python attribute: torch keeps the object alive while the graph saves it
+        e.copy = weakref.ref(copy)
+    else:
+        e.copy = copy
+    e.version, e.ptr, e.grad, e.storage = version, ptr, t.requires_grad, t.untyped_storage()
+    key = id(t)
+    e.source = old.source if old is not None else weakref.ref(t, _forget(store, key))
+    store[key] = e
+
+
 def size():
     """Usable entries: live grad-mode copies and this thread's frozen ones."""
-    n = sum(1 for s in copies.live.values() for e in list(s.values()) if e[0]() is not None)
+    n = sum(1 for s in copies.live.values() for e in list(s.values()) if e.copy() is not None)
     frozen = tls.frozen
     return n + (sum(len(s) for s in frozen.stores.values()) if frozen is not None else 0)
 
@@ -73,7 +106,8 @@ def clear_cache():
 
 def caster(dtype):
     """A one-argument cast to ``dtype`` that goes through the cache for
-    parameters and other leaf tensors that require grad."""
+    parameters and other leaf tensors that require grad. A hit is one
+    dictionary lookup and a check of the entry's named fields."""
     plain = PLAIN_CASTS[dtype]
     live = copies.live[dtype]
 
@@ -83,45 +117,24 @@ def caster(dtype):
         if _is_compiling() or _tracing_state() is not None:
             return plain(t)  # compile: fake tensors; jit.trace: a cached copy would become a constant
         if _grad_enabled():
-            key = id(t)
-            entry = live.get(key)
-            if entry is not None:
-                copy = entry[0]()
-                if copy is not None and entry[1] == _version(t) and entry[2] == t.data_ptr() \
-                        and entry[3] is t.requires_grad:
+            e = live.get(id(t))
+            if e is not None:
+                copy = e.copy()
+                if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr() \
+                        and e.grad is t.requires_grad:
                     return copy
             copy = plain(t)
-            if isinstance(t, _Fake):  # no real storage (FakeTensorMode): nothing to cache by
-                return copy
-            try:
-                version, ptr = _version(t), t.data_ptr()
-            except RuntimeError:  # an inference tensor (no version counter); a fake one (torch < 2.6 compiles eagerly)
-                return copy
-            if _transforms_active():  # the copy is wrapped at the transform's level: it must not escape
-                return copy
-            copy._hmp_cast = True  # a Python attribute: torch keeps the object alive while the graph saves it
-            ref = entry[5] if entry is not None else weakref.ref(t, _forget(live, key))
-            live[key] = (weakref.ref(copy), version, ptr, t.requires_grad, t.untyped_storage(), ref)
+            _keep(live, t, copy, e, True)
             return copy
         frozen = tls.frozen
         if frozen is None:
             return plain(t)
         store = frozen.stores[dtype]
-        key = id(t)
-        entry = store.get(key)
-        if entry is not None and entry[1] == _version(t) and entry[2] == t.data_ptr():
-            return entry[0]
+        e = store.get(id(t))
+        if e is not None and e.version == _version(t) and e.ptr == t.data_ptr():
+            return e.copy
         copy = plain(t)
-        if isinstance(t, _Fake):
-            return copy
-        try:
-            version, ptr = _version(t), t.data_ptr()
-        except RuntimeError:
-            return copy
-        if _transforms_active():
-            return copy
-        ref = entry[4] if entry is not None else weakref.ref(t, _forget(store, key))
-        store[key] = (copy, version, ptr, t.untyped_storage(), ref)
+        _keep(store, t, copy, e, False)
         return copy
 
     return cast

@@ -5,9 +5,10 @@ back on every exit path, so blocks nest and exceptions cannot leak a state.
 """
 
 import contextlib
+import threading
 
 from .resolve import stand_in
-from .state import tls
+from .state import OFF, current, enter, leave, tls
 
 
 def casts_enabled():
@@ -15,49 +16,50 @@ def casts_enabled():
     return tls.off == 0
 
 
-class disable_casts(contextlib.ContextDecorator):
+class _Switch(contextlib.ContextDecorator):
+    """A block that sets the thread's ``off`` to ``_to`` and puts back what
+    it found on every exit path. One instance may be entered nested or from
+    several threads: what each entry found is kept per thread."""
+
+    _to = OFF
+
+    def __init__(self):
+        self._found = {}  # thread id -> [what enter() returned], innermost last
+
+    def _recreate_cm(self):
+        return type(self)()  # as a decorator: a fresh instance per call
+
+    def __enter__(self):
+        self._found.setdefault(threading.get_ident(), []).append(enter(self._to))
+        return self
+
+    def __exit__(self, *exc):
+        thread = threading.get_ident()
+        found = self._found[thread]
+        leave(found.pop())
+        if not found:
+            del self._found[thread]
+        return False
+
+
+class disable_casts(_Switch):
     """Turn hmp casting off for a block or a function, in this thread only.
 
     Nestable and exception-safe: leaving an inner block keeps the outer one
     disabled, and the previous state is restored on every exit path.
     """
 
-    def __enter__(self):
-        tls.off += 1
-        return self
 
-    def __exit__(self, *exc):
-        tls.off -= 1
-        return False
-
-
-class enable_casts(contextlib.ContextDecorator):
+class enable_casts(_Switch):
     """Turn hmp casting on for a block or a function, in this thread only:
     the counterpart of :class:`disable_casts`, for code that runs inside a
     disabled block but should cast (a training step called from a loop
     that runs with casts off). Restores the previous state on exit."""
 
-    _saved = None
-
-    def _recreate_cm(self):
-        return type(self)()  # as a decorator: a fresh instance per call, so threads never share one
-
-    def __enter__(self):
-        if self._saved is not None:
-            raise RuntimeError("hmp: an enable_casts() instance is already in use; enter a new one")
-        self._saved = tls.off
-        tls.off = 0
-        return self
-
-    def __exit__(self, *exc):
-        tls.off, self._saved = self._saved, None
-        return False
+    _to = 0
 
 
-def saved():
-    """The calling thread's cast state, for ``run_as``."""
-    st = tls
-    return st.off, st.module_off, st.lower_mode
+saved = current  # the state some code ran in, for ``run_as``
 
 
 def run_as(fn, state):
@@ -65,19 +67,17 @@ def run_as(fn, state):
     earlier code ran in: a checkpointed forward, the code that asked for an
     optimizer step), a BF16 module's mode pushed again if it was on; the
     caller's state is back afterwards."""
-    mode = state[2]
+    off, mode = state
 
     def run(*args, **kwargs):
-        st = tls
-        before = st.off, st.module_off, st.lower_mode
-        st.off, st.module_off, st.lower_mode = state
+        found = enter(off, mode)
         try:
-            if mode is not None and before[2] is not mode:  # its forward ran inside a BF16 module
+            if mode is not None and found[1] is not mode:  # its forward ran inside a BF16 module
                 with mode:
                     return fn(*args, **kwargs)
             return fn(*args, **kwargs)
         finally:
-            st.off, st.module_off, st.lower_mode = before
+            leave(found)
 
     return run
 
@@ -88,11 +88,10 @@ def uncast(fn):
     Carries ``fn``'s metadata and points ``ORIGINAL`` at it."""
 
     def uncast(*args, **kwargs):
-        st = tls
-        st.off += 1
+        found = enter(OFF)
         try:
             return fn(*args, **kwargs)
         finally:
-            st.off -= 1
+            leave(found)
 
     return stand_in(uncast, fn)

@@ -22,7 +22,7 @@ from . import torch_private
 from .casts import run_as, saved
 from .policy import FP64, FLOATS, PLAIN_CASTS, cast_kwargs, cast_seq
 from .resolve import ORIGINAL, stand_in, unwrap
-from .state import tls
+from .state import OFF, enter, leave, tls
 
 _Function = torch.autograd.Function
 _Backward = torch_private.BackwardCFunction
@@ -68,11 +68,11 @@ def _apply(descriptor):
             args = cast_seq(args, src, to)
             if kwargs:
                 kwargs = cast_kwargs(kwargs, src, to)
-            st.off += 1
+            found = enter(OFF)
             try:
                 return original(cls, *args, **kwargs)
             finally:
-                st.off -= 1
+                leave(found)
         out = original(cls, *args, **kwargs)
         if backward is not None:
             _mark(out, saved(), backward)

@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import lists, policy
 from .resolve import ORIGINAL, is_module_path, module_class, returns_view, unwrap
-from .state import tls
+from .state import MODULE, OFF, enter, leave, tls
 from .torch_private import tree_map_only
 
 Module = torch.nn.Module
@@ -86,7 +86,7 @@ class LowerMode(TorchFunctionMode):
         if st.off:  # a listed op, an FP32 module, disable_casts(): they decided
             return func(*args, **kwargs)
         a, k = self._prepare(func)(args, kwargs)
-        st.off = 1  # the outermost op decides, as with the wrappers
+        st.off = OFF  # the outermost op decides: state.enter/leave, inlined as in wrap.py
         try:
             return func(*a, **k)
         finally:
@@ -95,16 +95,14 @@ class LowerMode(TorchFunctionMode):
 
 def _fp32_forward(original, cast_in, cast_out):
     def forward(self, *args, **kwargs):
-        st = tls
-        off, module_off = st.off, st.module_off
-        if off and off != module_off:  # casts are off for another reason: it wins
+        if tls.off == OFF:  # casts are off for another reason than a module: it wins
             return original(self, *args, **kwargs)
         args, kwargs = cast_in(args, kwargs)
-        st.off = st.module_off = off or 1
+        found = enter(MODULE)
         try:
             out = original(self, *args, **kwargs)
         finally:
-            st.off, st.module_off = off, module_off
+            leave(found)
         return cast_out(out)
 
     return forward
@@ -112,20 +110,17 @@ def _fp32_forward(original, cast_in, cast_out):
 
 def _lower_forward(original, cast_in, mode):
     def forward(self, *args, **kwargs):
-        st = tls
-        off, module_off, outer = st.off, st.module_off, st.lower_mode
-        if off and off != module_off:
+        if tls.off == OFF:
             return original(self, *args, **kwargs)
         args, kwargs = cast_in(args, kwargs)
-        st.off = st.module_off = 0
-        st.lower_mode = mode
+        found = enter(0, mode)
         try:
-            if outer is mode:  # already pushed by an enclosing BF16 module
+            if found[1] is mode:  # already pushed by an enclosing BF16 module
                 return original(self, *args, **kwargs)
             with mode:
                 return original(self, *args, **kwargs)
         finally:
-            st.off, st.module_off, st.lower_mode = off, module_off, outer
+            leave(found)
 
     return forward
 

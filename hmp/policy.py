@@ -101,11 +101,12 @@ def overflow_limit(low):
 
 
 _INF = float("inf")
-_FP32_ONLY = frozenset((FP32,))
+FP32_ONLY = frozenset((FP32,))
+HALVES = frozenset((BF16, FP16))
 MULTIPLICATIONS = frozenset(("mul", "multiply"))
 
 
-def _numbers_check(low, name):
+def numbers_check(low, name):
     """The BF16 rule's check of a Python number: True (refuse the rule) for
     a finite number beyond the lower dtype's largest value. A multiplication
     also warns once about a factor within half the lower dtype's epsilon of
@@ -136,7 +137,7 @@ def lower(low, casts, out=None, name=None):
     attention-mask fill, is -inf in bfloat16) runs under the FP32 rule
     instead: a finite value never turns inf (docs/never-changes.md).
     ``name``: the op, so a multiplication can warn about a factor near 1."""
-    cast, refuse = casts[low], _numbers_check(low, name)
+    cast, refuse = casts[low], numbers_check(low, name)
     up = fp32(low, casts, out)
 
     def prepare(args, kwargs):
@@ -145,12 +146,12 @@ def lower(low, casts, out=None, name=None):
             if out is not None and kwargs.get("out") is not None:
                 return out(args, kwargs)
             values = tuple(kwargs.values())
-            cast_values = cast_seq(values, _FP32_ONLY, cast, refuse)
+            cast_values = cast_seq(values, FP32_ONLY, cast, refuse)
             if cast_values is None:
                 return up(args, kwargs)
             if cast_values is not values:
                 cast_kw = dict(zip(kwargs, cast_values))
-        cast_args = cast_seq(args, _FP32_ONLY, cast, refuse)
+        cast_args = cast_seq(args, FP32_ONLY, cast, refuse)
         if cast_args is None:
             return up(args, kwargs)
         return cast_args, cast_kw
@@ -161,12 +162,12 @@ def lower(low, casts, out=None, name=None):
 def lower_tensors(low, casts):
     """float32 tensors to the lower dtype, numbers unchecked: a module's
     inputs (a BF16 module's ops check their own numbers)."""
-    return to_dtype(_FP32_ONLY, casts[low])
+    return to_dtype(FP32_ONLY, casts[low])
 
 
 def fp32(low, casts, out=None):
     """FP32 list: bfloat16 and float16 tensors go to float32."""
-    return to_dtype(frozenset((BF16, FP16)), casts[FP32], out)
+    return to_dtype(HALVES, casts[FP32], out)
 
 
 def lower_input_only(low, casts, out=None):
@@ -209,6 +210,25 @@ def _dimensioned_dtypes(seq, seen):
                 seen.add(d)
         elif type(a) is list or type(a) is tuple:
             _dimensioned_dtypes(a, seen)
+    return seen
+
+
+def one_dtype(seq, seen):
+    """The one floating dtype of the tensors in ``seq`` (at any depth) and
+    ``seen`` (a dtype or None), None when there is none, False when there
+    are two or more."""
+    for a in seq:
+        if isinstance(a, Tensor):
+            d = a.dtype
+            if d in FLOATS:
+                if seen is None:
+                    seen = d
+                elif d is not seen:
+                    return False
+        elif type(a) is list or type(a) is tuple:
+            seen = one_dtype(a, seen)
+            if seen is False:
+                return False
     return seen
 
 

@@ -1,6 +1,7 @@
 """Regions of a program where hmp casts nothing (docs/leaves-alone.md).
 
-Each region switches the thread's ``tls.off`` where it starts and ends, so
+Each region switches the thread's cast state where it starts and ends
+(``state.enter``/``leave``), so
 the per-call wrapper keeps reading one integer and pays nothing for them:
 
 - **torch.autocast regions**, enabled or not (context manager, decorator,
@@ -26,7 +27,7 @@ from torch.amp.autocast_mode import autocast
 from . import errors, state, torch_private
 from .casts import uncast
 from .resolve import ORIGINAL, stand_in, unwrap
-from .state import tls
+from .state import OFF, enter, leave, tls
 
 _GRAD_SCALER_METHODS = ("scale", "unscale_", "step", "update")
 
@@ -44,10 +45,7 @@ def _autocast_enter(original):
         if torch_private.autocast_enabled(self) and state.first_time("autocast region entered"):
             _warn_enabled_region(self)  # first: a warnings filter set to "error" changes nothing
         result = original(self)
-        tls.off += 1  # after torch's own __enter__, which can raise
-        counts = tls.regions
-        key = id(self)
-        counts[key] = counts.get(key, 0) + 1
+        tls.regions.append((id(self), enter(OFF)))  # after torch's own __enter__, which can raise
         return result
 
     return stand_in(__enter__, original)
@@ -58,17 +56,13 @@ def _autocast_exit(original):
         try:
             return original(self, *exc)
         finally:
-            # only a region this thread entered under hmp counts: one entered
-            # before convert() leaves the thread's state as it found it
-            counts = tls.regions
-            key = id(self)
-            n = counts.get(key, 0)
-            if n:
-                if n == 1:
-                    del counts[key]
-                else:
-                    counts[key] = n - 1
-                tls.off -= 1
+            # only a region this thread entered under hmp puts a state back:
+            # one entered before convert() leaves the thread's state as it is
+            regions, key = tls.regions, id(self)
+            for i in range(len(regions) - 1, -1, -1):
+                if regions[i][0] == key:
+                    leave(regions.pop(i)[1])
+                    break
 
     return stand_in(__exit__, original)
 
@@ -76,10 +70,11 @@ def _autocast_exit(original):
 def forget_open_regions():
     """revert() in the calling thread: regions it is inside stop counting,
     so their exits (by torch's own code after revert) leave no casts off."""
-    counts = tls.regions
-    if counts:
-        tls.off -= sum(counts.values())
-        counts.clear()
+    regions = tls.regions
+    if regions:
+        for _, frame in reversed(regions):
+            leave(frame)
+        regions.clear()
 
 
 def _uncast_backward(original):
@@ -101,7 +96,7 @@ def worker_loop(*args, **kwargs):
     process casts nothing, however it was started. A module-level function,
     so ``spawn`` and ``forkserver`` pickle it by name and the worker runs it
     too, converted or not."""
-    tls.off += 1  # for the worker's life: it does nothing but load data
+    enter(OFF)  # for the worker's life (never left): it does nothing but load data
     return unwrap(torch_private.worker_loop())(*args, **kwargs)
 
 

@@ -2,10 +2,12 @@
 but torch_private (a leaf too).
 
 - ``tls``: per thread. ``off`` is the only thing the per-call wrapper
-  reads: non-zero inside ``disable_casts()``, inside a listed op (so ops it
-  calls are not cast again: the outermost op decides), inside an FP32
-  module, in backward and in the other regions hmp leaves alone. The rest
-  is bookkeeping of those regions, written where a region starts and ends.
+  reads: ``OFF`` inside ``disable_casts()``, inside a listed op (so ops it
+  calls are not cast again: the outermost op decides), in backward and in
+  the other regions hmp leaves alone; ``MODULE`` inside an FP32 module
+  (a BF16 module inside it casts again); 0 where hmp casts. Every writer
+  follows one rule, ``enter()`` where its region starts and ``leave()``
+  with what enter returned where it ends, on every exit path.
 - ``runtime``: the process-wide conversion. Only hmp/conversion.py writes
   it, under ``runtime.lock``.
 - ``copies``: the weight-cast cache's stores (hmp/cache.py writes them).
@@ -25,10 +27,13 @@ from . import torch_private
 _graph_task_id = torch_private.current_graph_task_id()
 
 
+OFF = 1  # casts off: disable_casts(), an op in progress, backward, a step, a region hmp leaves alone
+MODULE = 2  # casts off for an FP32 module's forward (modules.py): a BF16 module inside turns them on
+
+
 class ThreadState(threading.local):
     # class attributes: every new thread starts with casting on ...
     off = 0
-    module_off = 0  # the ``off`` an enclosing FP32 module set (modules.py); 0 outside one
     lower_mode = None  # the TorchFunctionMode of an enclosing BF16 module (modules.py), while pushed
 
     def __init__(self):
@@ -36,14 +41,56 @@ class ThreadState(threading.local):
         # device thread (CUDA runs backward there), which only ever runs
         # backward, where hmp casts nothing. Runs once per thread.
         if _graph_task_id is not None and _graph_task_id() != -1:
-            self.off = 1
-        self.regions = {}  # id(autocast region) -> times this thread entered it under hmp (regions.py)
-        self.step_levels = []  # ``off`` at the entry of each optimizer step in progress (steps.py)
+            self.off = OFF
+        self.frames = []  # open regions' frames (enter/leave), oldest first
+        self.regions = []  # [(id(autocast region), what enter() returned)] entered under hmp (regions.py)
+        self.steps = []  # what enter() returned at each optimizer step in progress (steps.py)
         self.frozen_depth = 0  # frozen_weights() nesting (cache.py)
         self.frozen = None  # that block's stores, {dtype: {id(tensor): entry}}
 
 
 tls = ThreadState()
+_KEEP = object()
+
+
+def enter(off, lower_mode=_KEEP):
+    """Set the calling thread's cast state where a region starts: ``off``
+    (0, OFF or MODULE) and, for a BF16 module, its mode. Returns the
+    region's frame (the state it found), for ``leave()`` where it ends.
+    (The per-call wrappers inline the pair: they run only where ``off`` is
+    0, and nothing they call outlives them.)"""
+    st = tls
+    frame = [st.off, st.lower_mode]
+    st.frames.append(frame)
+    st.off = off
+    if lower_mode is not _KEEP:
+        st.lower_mode = lower_mode
+    return frame
+
+
+def leave(frame):
+    """End the region ``enter()`` returned ``frame`` for. The innermost
+    region puts back the state it found. One left out of order (a generator
+    closed inside a block it did not open) changes nothing now and hands
+    what it found to the region entered after it, as converted() blocks do.
+    A frame already left (by revert()'s unwinding) is ignored."""
+    st = tls
+    frames = st.frames
+    if frames and frames[-1] is frame:
+        frames.pop()
+        st.off, st.lower_mode = frame
+        return
+    for i in range(len(frames) - 2, -1, -1):
+        if frames[i] is frame:
+            frames[i + 1][:] = frame
+            del frames[i]
+            return
+
+
+def current():
+    """The calling thread's cast state ``(off, lower_mode)``, for ``casts.run_as``."""
+    st = tls
+    return st.off, st.lower_mode
 
 
 class Runtime:

@@ -2,16 +2,16 @@
 without the user writing it; and every step drops the weight-cast cache.
 
 torch's global optimizer step hooks do the work: the pre hook turns casts
-off in the stepping thread (remembering the level it found) and the post
-hook puts that level back and empties the cache. A closure (LBFGS) runs
+off in the stepping thread (remembering the state it found) and the post
+hook puts that state back and empties the cache. A closure (LBFGS) runs
 the forward and backward pass inside ``step()``, so it is wrapped to run
-at the level found at step entry: casts on, unless the step itself was
+in the state found at step entry: casts on, unless the step itself was
 called inside ``disable_casts()``.
 
 An exception inside ``step()`` skips the post hook. torch runs the hooks
 and the step inside one ``torch.autograd.profiler.record_function`` block,
 so hmp extends (through the patch log) that class's ``__enter__`` and
-``__exit__``: the exit unwinds any step level entered inside the block that
+``__exit__``: the exit unwinds any step entered inside the block that
 is still open. The class itself stays torch's (torch.compile knows it by
 identity); no optimizer object or class is modified. A revert() inside a
 step unwinds the calling thread's open steps itself (``forget_open_steps``).
@@ -23,14 +23,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .cache import clear_cache
 from .casts import run_as, saved
 from .resolve import stand_in, unwrap
-from .state import tls
+from .state import OFF, enter, leave, tls
 
 
 def _pre_hook(optimizer, args, kwargs):
-    st = tls
     caller = saved()
-    st.step_levels.append(st.off)
-    st.off += 1
+    tls.steps.append(enter(OFF))
     # the closure (LBFGS) passes its arguments on, for optimizers that give any
     if kwargs and kwargs.get("closure") is not None:
         return args, dict(kwargs, closure=run_as(kwargs["closure"], caller))
@@ -40,18 +38,19 @@ def _pre_hook(optimizer, args, kwargs):
 
 
 def _post_hook(optimizer, args, kwargs):
-    levels = tls.step_levels
-    if levels:
-        tls.off = levels.pop()
+    steps = tls.steps
+    if steps:
+        leave(steps.pop())
     clear_cache()
 
 
 def _unwind(depth):
     """Leave every step entered since ``depth`` steps were in progress."""
-    levels = tls.step_levels
-    if len(levels) > depth:
-        tls.off = levels[depth]
-        del levels[depth:]
+    steps = tls.steps
+    if len(steps) > depth:
+        for frame in reversed(steps[depth:]):
+            leave(frame)
+        del steps[depth:]
         clear_cache()  # the step may have written some weights before it failed
 
 
@@ -60,7 +59,7 @@ _STEPS = "_hmp_steps"  # on a record_function entered while converted: the open 
 
 def _enter(original):
     def __enter__(self):
-        setattr(self, _STEPS, len(tls.step_levels))
+        setattr(self, _STEPS, len(tls.steps))
         return original(self)
 
     return stand_in(__enter__, original)

@@ -1,12 +1,19 @@
-"""The wrapper: one body for every call hmp casts (listed ops, registered
-functions, ``@hmp.*_function`` decorators, ``op_wrap``), and ``Wrappers``,
-the one place where what a site's wrapper does is decided.
+"""The wrappers: small bodies for every call hmp casts (listed ops,
+registered functions, ``@hmp.*_function`` decorators, ``op_wrap``), and
+``Wrappers``, the one place where a site's body and policy are chosen.
 
-Per call the body reads the thread's ``off``; when it is 0 it calls
-``prepare`` (the site's policy, chosen at convert time), turns casts off
-for the op's duration (the outermost op decides), and on an exception hands
-over to hmp/fallback.py. Everything else was decided when the wrapper was
-made.
+Per call a body reads the thread's ``off``; when it is 0 it casts the
+arguments by the site's policy (chosen at convert time), turns casts off
+for the op's duration (the outermost op decides: hmp/state.py's
+``enter``/``leave``, inlined, since a body only gets there when ``off`` is
+0) and on an exception hands over to hmp/fallback.py.
+
+The general body calls the site's ``prepare`` (hmp/policy.py). The lean
+bodies (BF16, FP32 and promote rules) apply the same rule inline to a call
+without keyword arguments, the common case, and call ``prepare`` for the
+rest: one function call less per call, and a call with nothing to cast
+leaves after one dtype check per tensor argument. ``prepare`` is None in a
+paused or retired wrapper: a plain call of ``op``.
 """
 
 import functools
@@ -19,16 +26,18 @@ import torch
 from . import culprit, fallback, policy, torch_private
 from .errors import About
 from .resolve import ORIGINAL, unwrap
-from .state import tls
+from .state import OFF, tls
 
 log = logging.getLogger("hmp")
 
 _to_bf16 = policy.PLAIN_CASTS[torch.bfloat16]
 _to_fp32 = policy.PLAIN_CASTS[torch.float32]
+_Tensor, _FP32, _FLOATS = torch.Tensor, policy.FP32, policy.FLOATS
+_NEVER = 1 << 62  # inplace_at of a site without an ``inplace`` parameter
 
 
 def make(op, prepare, about, original=None):
-    """The wrapper of ``op``: casts through ``prepare``; ``about`` (an
+    """The general wrapper of ``op``: casts through ``prepare``; ``about`` (an
     errors.About) describes it for the error path. ``original``: what ``op``
     adapts, when it is an adapter (wrapper attributes come from it)."""
     return _finish(_body(op, prepare, about), op if original is None else original)
@@ -37,13 +46,136 @@ def make(op, prepare, about, original=None):
 def _body(op, prepare, about):
     def wrapper(*args, **kwargs):
         st = tls
-        if st.off:
+        if st.off or prepare is None:
             return op(*args, **kwargs)
         a, k = prepare(args, kwargs)
-        st.off = 1
+        st.off = OFF
         try:
             return op(*a, **k)
         except Exception as e:  # costs nothing unless the op raises
+            result = fallback.rescue(e, op, about, args, kwargs, a, k)
+            if result is fallback.RAISE:
+                raise
+            return result
+        finally:
+            st.off = 0
+
+    return wrapper
+
+
+def _lower_body(op, prepare, about, cast, refuse, inplace_at):
+    """The BF16 rule (policy.lower) inline: float32 tensors to the lower
+    dtype; a number ``refuse`` rejects sends the call to ``prepare``."""
+
+    def wrapper(*args, **kwargs):
+        st = tls
+        if st.off or prepare is None:
+            return op(*args, **kwargs)
+        if kwargs or len(args) > inplace_at and args[inplace_at]:
+            a, k = prepare(args, kwargs)
+        else:
+            a, k = args, kwargs
+            for i, v in enumerate(args):
+                if isinstance(v, _Tensor):
+                    if v.dtype is _FP32:
+                        if a is args:
+                            a = list(args)
+                        a[i] = cast(v)
+                elif type(v) is float or type(v) is int:
+                    if refuse(v):
+                        a, k = prepare(args, kwargs)
+                        break
+                elif type(v) is list or type(v) is tuple:
+                    b = policy.cast_seq(v, policy.FP32_ONLY, cast)
+                    if b is not v:
+                        if a is args:
+                            a = list(args)
+                        a[i] = b
+        st.off = OFF
+        try:
+            return op(*a, **k)
+        except Exception as e:
+            result = fallback.rescue(e, op, about, args, kwargs, a, k)
+            if result is fallback.RAISE:
+                raise
+            return result
+        finally:
+            st.off = 0
+
+    return wrapper
+
+
+def _upper_body(op, prepare, about, cast, inplace_at):
+    """The FP32 rule (policy.fp32) inline: bfloat16 and float16 tensors to float32."""
+    src = policy.HALVES
+
+    def wrapper(*args, **kwargs):
+        st = tls
+        if st.off or prepare is None:
+            return op(*args, **kwargs)
+        if kwargs or len(args) > inplace_at and args[inplace_at]:
+            a, k = prepare(args, kwargs)
+        else:
+            a, k = args, kwargs
+            for i, v in enumerate(args):
+                if isinstance(v, _Tensor):
+                    if v.dtype in src:
+                        if a is args:
+                            a = list(args)
+                        a[i] = cast(v)
+                elif type(v) is list or type(v) is tuple:
+                    b = policy.cast_seq(v, src, cast)
+                    if b is not v:
+                        if a is args:
+                            a = list(args)
+                        a[i] = b
+        st.off = OFF
+        try:
+            return op(*a, **k)
+        except Exception as e:
+            result = fallback.rescue(e, op, about, args, kwargs, a, k)
+            if result is fallback.RAISE:
+                raise
+            return result
+        finally:
+            st.off = 0
+
+    return wrapper
+
+
+def _promote_body(op, prepare, about, inplace_at):
+    """The promote rule (policy.promote) with its common case inline: the
+    floating tensors (top level, or in a list/tuple argument) share one
+    dtype, so nothing is cast; any other call goes to ``prepare``."""
+
+    def wrapper(*args, **kwargs):
+        st = tls
+        if st.off or prepare is None:
+            return op(*args, **kwargs)
+        a, k = args, kwargs
+        if kwargs or len(args) > inplace_at and args[inplace_at]:
+            a, k = prepare(args, kwargs)
+        else:
+            seen = None
+            for v in args:
+                if isinstance(v, _Tensor):
+                    d = v.dtype
+                    if d in _FLOATS:
+                        if seen is None:
+                            seen = d
+                        elif d is not seen:
+                            a, k = prepare(args, kwargs)
+                            break
+                elif type(v) is list or type(v) is tuple:
+                    d = policy.one_dtype(v, seen)
+                    if d is False:
+                        a, k = prepare(args, kwargs)
+                        break
+                    seen = d
+        st.off = OFF
+        try:
+            return op(*a, **k)
+        except Exception as e:
             result = fallback.rescue(e, op, about, args, kwargs, a, k)
             if result is fallback.RAISE:
                 raise
@@ -58,8 +190,11 @@ def _op_of(frame):
     return frame.f_locals.get("op")
 
 
-_BODY = _body(None, None, None).__code__
-culprit.register_wrapper(_BODY, _op_of)
+BODIES = frozenset(f.__code__ for f in (
+    _body(None, None, None), _lower_body(None, None, None, None, None, None),
+    _upper_body(None, None, None, None, None), _promote_body(None, None, None, None)))
+for _code in BODIES:
+    culprit.register_wrapper(_code, _op_of)
 
 
 def _finish(wrapper, op):
@@ -94,47 +229,29 @@ def _script_as(wrapper, original):
         wrapper.__prepare_scriptable__ = lambda: original
 
 
-def _passthrough_code():
-    """Code of ``wrapper(*args, **kwargs): return op(*args, **kwargs)`` with
-    the body's free variables (a function's code can only be swapped for
-    code with the same free variables)."""
-    names = ", ".join(_BODY.co_freevars)
-    src = (f"def make({names}):\n    def wrapper(*args, **kwargs):\n        {names}\n"
-           f"        return op(*args, **kwargs)\n    return wrapper\n")
-    scope = {}
-    exec(compile(src, "<hmp wrapper, not casting>", "exec"), scope)
-    code = scope["make"](*_BODY.co_freevars).__code__
-    assert code.co_freevars == _BODY.co_freevars
-    return code
-
-
-_PASSTHROUGH = _passthrough_code()
-
-
 def _cell(wrapper, name):
     return wrapper.__closure__[wrapper.__code__.co_freevars.index(name)]
 
 
 def is_wrapper(obj):
-    return getattr(obj, "__code__", None) in (_BODY, _PASSTHROUGH)
+    return getattr(obj, "__code__", None) in BODIES
 
 
 def pause(wrapper):
-    """Make a wrapper a plain call of what it wraps, at no per-call cost."""
-    wrapper.__code__ = _PASSTHROUGH
+    """Make a wrapper a plain call of what it wraps (its ``prepare`` None)."""
+    _cell(wrapper, "prepare").cell_contents = None
 
 
 def resume(wrapper, prepare):
-    """Make a paused wrapper cast again, through ``prepare``."""
+    """Make a paused general wrapper cast again, through ``prepare``."""
     _cell(wrapper, "prepare").cell_contents = prepare
-    wrapper.__code__ = _BODY
 
 
 def retire(wrapper):
     """Turn a wrapper that revert() took out of torch into a plain call of
     the original: references captured while converted (``self.act =
-    F.relu``) then behave as the original, at no per-call cost to live
-    wrappers. Objects that are not hmp wrappers are left alone."""
+    F.relu``) then behave as the original. Objects that are not hmp
+    wrappers are left alone."""
     original = getattr(wrapper, ORIGINAL, None)
     if original is None or not is_wrapper(wrapper):
         return
@@ -241,12 +358,24 @@ class Wrappers:
     def site(self, binding, original):
         """The wrapper of ``original`` for a resolve.Binding."""
         site, kind, name = binding
-        prepare = self._prepare(policy.for_site(kind, name, site, self.low, self.casts), site.label, name)
+        prepare = policy.for_site(kind, name, site, self.low, self.casts)
         op = original
         if policy.rejects_mixed(kind, name) and not self.passthrough:
             op = mixed_or_lower(op, policy.lower(self.low, self.casts))
         about = About(site.label, name, kind, site.inplace, site.inplace_param)
-        return make(self._op(op), prepare, about, original)
+        op = self._op(op)
+        if self.passthrough or self.verbose or self.recorder is not None or site.inplace \
+                or name in policy.NORM_OPS and kind == "bf16":
+            return make(op, self._prepare(prepare, site.label, name), about, original)
+        # a lean body: the same rule as ``prepare``, inline for calls without keywords
+        at = _NEVER if site.inplace_param is None else site.inplace_param
+        if kind == "bf16":
+            body = _lower_body(op, prepare, about, self.casts[self.low], policy.numbers_check(self.low, name), at)
+        elif kind == "fp32":
+            body = _upper_body(op, prepare, about, self.casts[_FP32], at)
+        else:
+            body = _promote_body(op, prepare, about, at)
+        return _finish(body, original)
 
     def user_prepare(self, kind, label):
         """The prepare of a user function (``@hmp.*_function``) of list ``kind``."""
@@ -257,9 +386,7 @@ def user_function(fn, kind):
     """The wrapper ``@hmp.{kind}_function`` returns; paused until convert()
     resumes it with that conversion's prepare."""
     label = getattr(fn, "__qualname__", None) or repr(fn)
-    wrapper = make(fn, policy.cast_nothing, About(label, None, kind))
-    pause(wrapper)
-    return wrapper
+    return make(fn, None, About(label, None, kind))  # paused: prepare None
 
 
 def op_wrap(op, cast_fn):

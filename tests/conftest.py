@@ -32,7 +32,9 @@ def pytest_runtest_call(item):
     tests after it start clean."""
     result = yield
     if not hmp.casts_enabled():
-        state.tls.off = 0
+        st = state.tls
+        st.frames.clear()
+        st.off, st.lower_mode = 0, None
         pytest.fail("the test left hmp.disable_casts() active (casts are still off when it returned)",
                     pytrace=False)
     return result

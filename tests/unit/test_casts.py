@@ -110,10 +110,18 @@ def test_enable_casts_as_a_decorator_in_two_threads():
     for t in threads:
         t.join(10)
     assert out == [(BF16, False), (BF16, False)]
+    # one instance entered nested: each entry puts back what it found
     block = hmp.enable_casts()
-    with block, pytest.raises(RuntimeError, match="already in use"):
+    with hmp.disable_casts():
         with block:
-            pass
+            assert hmp.casts_enabled()
+            with hmp.disable_casts():
+                with block:
+                    assert hmp.casts_enabled()
+                assert not hmp.casts_enabled()
+            assert hmp.casts_enabled()
+        assert not hmp.casts_enabled()
+    assert hmp.casts_enabled()
 
 
 def test_new_thread_starts_enabled_while_parent_disabled():
