@@ -5,6 +5,7 @@ and a per-call cost breakdown.
     python benchmarks/profile_hmp.py cprofile -w mlp -c hmp-O1 --steps 300
     python benchmarks/profile_hmp.py loop -w mlp -c hmp-O1 --seconds 20   # under py-spy record
     python benchmarks/profile_hmp.py percall
+    python benchmarks/profile_hmp.py lines    # F.linear's added time, line by line of hmp's path
 
 ``casts`` logs every aten op one step dispatches (forward, loss, backward,
 optimizer) with a TorchDispatchMode, which sits below autocast and below
@@ -223,6 +224,73 @@ def cmd_percall(args):
         print(f"{v:8.2f} us  {k}")
 
 
+def _ns(stmt, env, number=20000, reps=21):
+    """Median ns of ``stmt`` minus an empty statement, interleaved."""
+    import timeit
+    base, cost = [], []
+    for _ in range(reps):
+        base.append(timeit.timeit("pass", globals=env, number=number))
+        cost.append(timeit.timeit(stmt, globals=env, number=number))
+    return (statistics.median(cost) - statistics.median(base)) / number * 1e9
+
+
+def cmd_lines(args):
+    """Where the time hmp adds to one ``F.linear(x, w, b)`` goes (8x8, one
+    thread): each line of the wrapper and of a weight-cache hit timed on its
+    own, against hmp's whole call and autocast's added time."""
+    from hmp import cache, state
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    w, b = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8))
+    bf = torch.bfloat16
+    linear = F.linear
+
+    def passthrough(*args, **kwargs):
+        return linear(*args, **kwargs)
+
+    with hmp.converted():
+        caster = hmp.cache.caster(bf)
+        keep = caster(w)  # a live copy: the next casts of w are hits
+        env = dict(torch=torch, x=x, w=w, b=b, bf=bf, linear=linear, passthrough=passthrough, F=F, hmp=hmp,
+                   st=state.tls, cast=caster, plain=torch.Tensor.bfloat16, live=state.copies.live[bf], cache=cache,
+                   Tensor=torch.Tensor, FP32=torch.float32, P=nn.Parameter)
+        e = env["live"][id(w)]
+        env["e"] = e
+        rows = [
+            ("wrapper: a Python function between caller and op (*args, **kwargs)",
+             _ns("passthrough(x, w, b)", env) - _ns("linear(x, w, b)", env)),
+            ("wrapper: read the thread's state (st.off)", _ns("st.off", env)),
+            ("wrapper: set and reset it around the op", _ns("st.off = 1; st.off = 0", env)),
+            ("rule: isinstance + dtype check, per tensor argument (x3)",
+             3 * _ns("isinstance(x, Tensor) and x.dtype is FP32", env)),
+            ("rule: the activation cast x.bfloat16() (autocast casts in C++)", _ns("plain(x)", env)),
+            ("cache hit, whole (per weight, x2)", 2 * _ns("cast(w)", env)),
+            ("  hit: type(w) is Parameter", _ns("type(w) is P", env)),
+            ("  hit: torch.compiler.is_compiling()", _ns("cache._is_compiling()", env)),
+            ("  hit: jit tracing state", _ns("cache._tracing_state()", env)),
+            ("  hit: torch.is_grad_enabled()", _ns("cache._grad_enabled()", env)),
+            ("  hit: live.get(id(w))", _ns("live.get(id(w))", env)),
+            ("  hit: the weak reference to the copy", _ns("e.copy()", env)),
+            ("  hit: version counter compared", _ns("e.version == cache._version(w)", env)),
+            ("  hit: data pointer compared", _ns("e.ptr == w.data_ptr()", env)),
+            ("  hit: requires_grad compared", _ns("e.grad is w.requires_grad", env)),
+        ]
+        del keep
+        # the whole call, each weight's copy kept alive by a live graph as in training
+        h = torch.randn(8, 8, requires_grad=True)
+        out = F.linear(h, w, b)
+        env.update(h=h)
+        whole = _ns("F.linear(h, w, b)", env, number=2000)
+        del out
+    bare = _ns("linear(h, w, b)", env, number=2000)
+    with torch.autocast("cpu", dtype=bf):
+        auto = _ns("linear(h, w, b)", env, number=2000)
+    for label, ns in rows:
+        print(f"{ns:8.0f} ns  {label}")
+    print(f"{whole - bare:8.0f} ns  hmp's F.linear(h, w, b) in training, added over bare torch")
+    print(f"{auto - bare:8.0f} ns  autocast's, in one region")
+
+
 def _workload(name):
     by = {w.name: w for w in all_workloads()}
     if name not in by:
@@ -236,7 +304,7 @@ def _configs(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=["casts", "trace", "cprofile", "loop", "percall"])
+    ap.add_argument("cmd", choices=["casts", "trace", "cprofile", "loop", "percall", "lines"])
     ap.add_argument("-w", "--workload", default="mlp")
     ap.add_argument("-c", "--config", action="append")
     ap.add_argument("--quick", action="store_true")
@@ -248,7 +316,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    {"casts": cmd_casts, "trace": cmd_trace, "cprofile": cmd_cprofile, "loop": cmd_loop, "percall": cmd_percall}[args.cmd](args)
+    {"casts": cmd_casts, "trace": cmd_trace, "cprofile": cmd_cprofile, "loop": cmd_loop, "percall": cmd_percall,
+     "lines": cmd_lines}[args.cmd](args)
 
 
 if __name__ == "__main__":
