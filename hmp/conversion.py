@@ -1,4 +1,5 @@
-"""convert() and revert(): the pipeline, and the only writer of hmp's state.
+"""convert() and revert(): the pipeline, and the only writer of ``state.runtime``
+(the conversion in force; threads' cast state goes through ``state.enter``/``leave``).
 
 convert() validates its options, loads the lists (lists.py), resolves their
 names to the sites they bind (resolve.py), builds each site's wrapper with
@@ -13,8 +14,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import averaging, buffers, checkpoint, errors, functions, interop, lists, modules, pickling, regions, rnn, steps, wrap
-from .cache import casters, clear_cache
+from . import (averaging, buffers, cache, checkpoint, errors, functions, interop, lists, modules, pickling, regions, rnn,
+               steps, wrap)
+from .cache import clear_cache
 from .patch import PatchLog
 from .policy import PLAIN_CASTS
 from .resolve import Binding, Resolver, attribute_site, owner_label, returns_view, unwrap
@@ -145,18 +147,18 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
     and ``passthrough``."""
     with runtime.lock:
         effective, options, extra, by_module = conversion
-        casts = casters() if options.cache else dict(PLAIN_CASTS)
-        wrappers = wrap.Wrappers(options.low, casts, options.verbose, recorder, passthrough)
+        casters = cache.casters() if options.cache else dict(PLAIN_CASTS)
+        wrappers = wrap.Wrappers(options.low, casters, options.verbose, recorder, passthrough)
         # an op returning a view of its input is never wrapped (see resolve.returns_view)
         patches = [(b.site.namespace, b.site.attr, wrappers.site(b, b.site.original()))
                    for b in (resolver or Resolver()).bind(effective) if not returns_view(b.name)]
         patches += [_registration(wrappers, *entry) for entry in runtime.registered]
         if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
-            patches += modules.patches(by_module, modules.Forwards(options.low, casts, effective["fp32"]))
+            patches += modules.patches(by_module, modules.Forwards(options.low, casters, effective["fp32"]))
             patches += rnn.check_input_patches(effective, lower_modules=bool(by_module["bf16"]))
         patches += checkpoint.patches()  # recomputes run under their forward's hmp state
         patches += functions.patches()  # custom_fwd/custom_bwd Functions: the author's choice wins
-        patches += regions.plan()  # autocast regions, backward, GradScaler, DataLoader: left alone
+        patches += regions.patches()  # autocast regions, backward, GradScaler, DataLoader: left alone
         patches += steps.patches()
         patches += averaging.patches()  # weight averaging is a weight update: uncast
         patches += list(extra)

@@ -25,14 +25,21 @@ from .policy import NORM_OPS
 from .rnn import MODES
 
 
-class About(NamedTuple):
-    """What a wrapper's error path needs to know about its entry point."""
+class Wrapped(NamedTuple):
+    """What the error path knows of the callable a wrapper wraps: a listed
+    site (``of(binding)``), a user function or an ``op_wrap``."""
 
     label: str  # torch.nn.functional.layer_norm
     name: Optional[str] = None  # the list name, layer_norm (None for op_wrap and user functions)
     kind: Optional[str] = None  # "bf16", "fp32" or "promote" (None for op_wrap)
     inplace: bool = False  # X_ / __iX__: the first argument is written
     inplace_param: Optional[int] = None  # position of an inplace= parameter
+
+    @classmethod
+    def of(cls, binding):
+        """The Wrapped of a resolve.Binding (a site a list name binds)."""
+        site, kind, name = binding
+        return cls(site.label, name, kind, site.inplace, site.inplace_param)
 
     def writes(self, args, kwargs):
         """True when this call writes one of its arguments."""
@@ -119,7 +126,7 @@ def _explain_python_check(frame):
                 f"'{kernel}' is in no hmp list. List '{kernel}' (BF16 or FP32 list) and hmp runs the whole {name} "
                 f"in that dtype, input, hidden state and weights.")
     return (f"hmp: {name} checks in Python that its input and weights share a dtype ({where}); '{kernel}' is in "
-            f"the {lists.TITLE[listed]} list, but this call ran with hmp's casts off (hmp.disable_casts()), so nothing "
+            f"the {lists.LIST_TITLE[listed]} list, but this call ran with hmp's casts off (hmp.disable_casts()), so nothing "
             f"gave them one dtype.")
 
 
@@ -133,8 +140,8 @@ def _explain_hook(match):
             f"it used to be float32, so return a value of the dtype given (`return result.to(grad.dtype)`).")
 
 
-def _explain(exc, about, in_backward=False):
-    """One line for a dtype mismatch. ``about`` is the About of the hmp
+def _explain(exc, wrapped, in_backward=False):
+    """One line for a dtype mismatch. ``wrapped`` is the Wrapped of the hmp
     wrapper the exception passed through, or None; ``in_backward``: raised
     in a backward pass."""
     hook = _HOOK.search(str(exc.args[0])) if exc.args else None
@@ -143,12 +150,12 @@ def _explain(exc, about, in_backward=False):
     if in_backward:
         return _explain_backward(exc)
     callee = culprit.callee(exc)
-    label, name, kind = about[:3] if about is not None else (None, None, None)
+    label, name, kind = wrapped[:3] if wrapped is not None else (None, None, None)
     if callee is not None and label is not None and callee != name:
         if name:
-            where = f"{label} ({lists.TITLE[kind]} list)"
+            where = f"{label} ({lists.LIST_TITLE[kind]} list)"
             fix = (f"take '{name}' out of the lists and list the ops it calls ('{callee}' probably belongs in the "
-                   f"{lists.TITLE[probable_list(callee)]} list)")
+                   f"{lists.LIST_TITLE[probable_list(callee)]} list)")
         elif kind:
             where, fix = f"{label} (@hmp.{kind}_function)", "cast their inputs inside it"
         else:
@@ -160,9 +167,9 @@ def _explain(exc, about, in_backward=False):
         if listed is None:
             advice = probable_list(callee)
             return (f"hmp: {callee} got lower-precision and float32 tensors and is in no hmp list; it probably "
-                    f"belongs in the {lists.TITLE[advice]} list (add '{callee}' to the file you pass as {lists.PARAMS[advice]}).")
+                    f"belongs in the {lists.LIST_TITLE[advice]} list (add '{callee}' to the file you pass as {lists.PARAMS[advice]}).")
         if label is None:
-            return (f"hmp: '{callee}' is in the {lists.TITLE[listed]} list but this call was not cast: it ran inside "
+            return (f"hmp: '{callee}' is in the {lists.LIST_TITLE[listed]} list but this call was not cast: it ran inside "
                     f"hmp.disable_casts(), or through a reference taken before hmp.convert() "
                     f"(`from torch import {callee}`).")
     if label is not None and name is not None:
@@ -170,7 +177,7 @@ def _explain(exc, about, in_backward=False):
             return (f"hmp: {label} (BF16 list) got lower-precision and float32 tensors: hmp casts only the input "
                     f"of normalization ops, so its weight, bias and statistics keep their dtypes; give them one "
                     f"dtype, or move '{name}' to the FP32 list.")
-        return (f"hmp: {label} ({lists.TITLE.get(kind, kind)} list) got lower-precision and float32 tensors after hmp's "
+        return (f"hmp: {label} ({lists.LIST_TITLE.get(kind, kind)} list) got lower-precision and float32 tensors after hmp's "
                 f"casts (hmp casts tensor arguments and tensors inside a list/tuple argument); the promote list "
                 f"would give all its floating inputs one dtype.")
     if label is not None and kind:
@@ -196,13 +203,13 @@ def _explain_backward(exc):
             f"does, or cast inside the backward.")
 
 
-def annotate(exc, about=None, in_backward=False):
-    """Add the mismatch note to ``exc`` (once); ``about`` describes the hmp
+def annotate(exc, wrapped=None, in_backward=False):
+    """Add the mismatch note to ``exc`` (once); ``wrapped`` describes the hmp
     wrapper it passed through, if any; ``in_backward``: it was raised in a
     backward pass. Never raises."""
     try:
         if hasattr(exc, "add_note") and not _noted(exc) and is_mismatch(exc):
-            exc.add_note(_explain(exc, about, in_backward))
+            exc.add_note(_explain(exc, wrapped, in_backward))
     except Exception:  # a note must never replace the user's error
         pass
 

@@ -26,7 +26,7 @@ _NO_KERNEL = re.compile(torch_private.NO_KERNEL_MESSAGE)
 _to_fp32 = fp32(None, PLAIN_CASTS)
 
 
-def rescue(exc, op, about, args, kwargs, cast_args, cast_kwargs):
+def rescue(exc, op, wrapped, args, kwargs, cast_args, cast_kwargs):
     """A result for a call whose op raised ``exc``, or RAISE (after noting
     ``exc``). ``args``/``kwargs`` are the call as given, ``cast_*`` as hmp
     changed it; casting is still off in this thread."""
@@ -34,9 +34,9 @@ def rescue(exc, op, about, args, kwargs, cast_args, cast_kwargs):
         cast_something = cast_args is not args or cast_kwargs is not kwargs
         if (cast_something and isinstance(exc, (NotImplementedError, RuntimeError)) and exc.args
                 and _NO_KERNEL.search(str(exc.args[0])) and culprit.raised_by_the_op(exc)):
-            result, how = _without_the_cast(op, about, args, kwargs)
+            result, how = _without_the_cast(op, wrapped, args, kwargs)
             if how is not None:
-                label = about.label if about else getattr(op, "__name__", repr(op))
+                label = wrapped.label if wrapped else getattr(op, "__name__", repr(op))
                 if state.first_time(("no kernel", label)):
                     first = str(exc.args[0]).splitlines()[0]
                     warnings.warn(f"hmp: {label} has no kernel for the dtype hmp cast its inputs to ({first}); "
@@ -45,11 +45,11 @@ def rescue(exc, op, about, args, kwargs, cast_args, cast_kwargs):
                 return result
     except Exception:
         pass
-    errors.annotate(exc, about)
+    errors.annotate(exc, wrapped)
     return RAISE
 
 
-def _without_the_cast(op, about, args, kwargs):
+def _without_the_cast(op, wrapped, args, kwargs):
     """Run the op with its arguments as given, or else (when it writes none
     of them) with its lower-precision arguments in float32. Returns
     ``(result, how)``; ``how`` is None when both fail."""
@@ -57,7 +57,7 @@ def _without_the_cast(op, about, args, kwargs):
         return op(*args, **kwargs), "with its inputs as given"
     except Exception:
         pass
-    if about is None or about.writes(args, kwargs):
+    if wrapped is None or wrapped.writes(args, kwargs):
         return None, None  # a written tensor is never replaced by a copy
     up_args, up_kwargs = _to_fp32(args, kwargs)
     if up_args is args and up_kwargs is kwargs:

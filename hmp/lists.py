@@ -19,9 +19,9 @@ from .resolve import NO_PYTHON, UNKNOWN, is_module_path, module_class
 log = logging.getLogger("hmp")
 
 KINDS = ("bf16", "fp32", "promote")
-TITLES = {"bf16": "BF16 list file", "fp32": "FP32 list file", "promote": "promote list file"}
-FP16_TITLE = "FP16 list file"
-TITLE = {"bf16": "BF16", "fp32": "FP32", "promote": "promote"}  # the list itself, in messages
+FILE_TITLE = {"bf16": "BF16 list file", "fp32": "FP32 list file", "promote": "promote list file"}
+FP16_FILE_TITLE = "FP16 list file"
+LIST_TITLE = {"bf16": "BF16", "fp32": "FP32", "promote": "promote"}  # the list itself, in messages
 PARAMS = {"bf16": "bf16_file_path", "fp32": "fp32_file_path", "promote": "promote_file_path"}
 DEFAULT_FILES = {
     "O1": {"bf16": "bf16.txt", "fp32": "fp32.txt", "promote": "promote.txt"},
@@ -243,15 +243,15 @@ def _low_list(bf16, fp16, low):
     is ignored (with a warning) under bfloat16. hmp also lets
     bf16_file_path name it under float16 when no fp16_file_path is given."""
     if not given(fp16):
-        return bf16, TITLES["bf16"]
+        return bf16, FILE_TITLE["bf16"]
     if low != torch.float16:
         warnings.warn(f"hmp: fp16_file_path {fp16!r} is ignored: it names the list for "
                       f"low_precision_type=torch.float16, and the lower dtype is {low}", stacklevel=state.user_stacklevel())
-        return bf16, TITLES["bf16"]
+        return bf16, FILE_TITLE["bf16"]
     if given(bf16):
         warnings.warn(f"hmp: bf16_file_path {bf16!r} is ignored: with low_precision_type=torch.float16 "
                       f"the lower-precision list is fp16_file_path {fp16!r}", stacklevel=state.user_stacklevel())
-    return fp16, FP16_TITLE
+    return fp16, FP16_FILE_TITLE
 
 
 def _load_one(source, resolver, title, kind):
@@ -270,14 +270,14 @@ def effective(resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16=""
     lower-precision list under ``low=torch.float16``. Raises before anything
     changes."""
     environ = os.environ if environ is None else environ
-    titles = dict(TITLES)
+    titles = dict(FILE_TITLE)
     bf16, titles["bf16"] = _low_list(bf16, fp16, low)
     sources = {"bf16": bf16, "fp32": fp32, "promote": promote}
     for kind in ("bf16", "fp32"):
         if not given(sources[kind]):
             sources[kind], var = _env_path(kind, environ)
             if var:
-                titles[kind] = f"{TITLES[kind]} (from ${var})"
+                titles[kind] = f"{FILE_TITLE[kind]} (from ${var})"
                 log.info("hmp: %s list from $%s: %s", kind, var, sources[kind])
     if opt_level == "O2":
         ignored = [titles[k] for k in ("bf16", "fp32") if given(sources[k])]

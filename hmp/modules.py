@@ -58,11 +58,11 @@ class LowerMode(TorchFunctionMode):
     arguments to the lower dtype first (the FP32 list's ops to float32, an
     in-place op's arguments to the dtype of the tensor it writes)."""
 
-    def __init__(self, low, casts, fp32_names):
+    def __init__(self, low, casters, fp32_names):
         super().__init__()
-        self._lower = policy.lower(low, casts, policy.inplace_out(casts))
-        self._fp32 = policy.fp32(low, casts, policy.inplace_out(casts))
-        self._into = policy.inplace_self(casts)
+        self._lower = policy.lower(low, casters, policy.inplace_out(casters))
+        self._fp32 = policy.fp32(low, casters, policy.inplace_out(casters))
+        self._into = policy.inplace_self(casters)
         self._fp32_names = fp32_names
         self._prepares = {}
 
@@ -128,16 +128,16 @@ def _lower_forward(original, cast_in, mode):
 class Forwards:
     """The forward replacements of one conversion."""
 
-    def __init__(self, low, casts, fp32_names):
-        to_fp32, lower = casts[torch.float32], (torch.bfloat16, torch.float16)
+    def __init__(self, low, casters, fp32_names):
+        to_fp32, lower = casters[torch.float32], (torch.bfloat16, torch.float16)
 
         def up(t):
             return to_fp32(t) if t.dtype in lower else t
 
-        self._fp32_in = policy.fp32(low, casts)
+        self._fp32_in = policy.fp32(low, casters)
         self._fp32_out = lambda out: tree_map_only(torch.Tensor, up, out)  # any nesting: tuples, ModelOutput
-        self._lower_in = policy.lower_tensors(low, casts)
-        self._mode = LowerMode(low, casts, fp32_names)
+        self._lower_in = policy.lower_tensors(low, casters)
+        self._mode = LowerMode(low, casters, fp32_names)
 
     def forward(self, kind, original):
         """``forward(self, ...)`` running ``original`` under ``kind``'s rule."""

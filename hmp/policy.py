@@ -2,7 +2,7 @@
 
 Each policy is a small factory returning ``prepare(args, kwargs) ->
 (args, kwargs)``. ``prepare`` returns its inputs unchanged (the same
-objects) when nothing needs a cast, and never mutates them. ``casts`` maps a
+objects) when nothing needs a cast, and never mutates them. ``casters`` maps a
 dtype to a one-argument cast function; it is chosen at convert time (plain,
 or through the weight cache). ``for_site`` picks the one prepare a wrapper
 calls: the list's rule, with the in-place rule for calls that write a
@@ -130,15 +130,15 @@ def numbers_check(low, name):
     return refuse
 
 
-def lower(low, casts, out=None, name=None):
+def lower(low, casters, out=None, name=None):
     """BF16 list: float32 tensors go to the lower dtype; nothing else is
     touched. A call given a Python number that the lower dtype cannot hold
     as a finite value (``torch.finfo(torch.float32).min``, the usual
     attention-mask fill, is -inf in bfloat16) runs under the FP32 rule
     instead: a finite value never turns inf (docs/never-changes.md).
     ``name``: the op, so a multiplication can warn about a factor near 1."""
-    cast, refuse = casts[low], numbers_check(low, name)
-    up = fp32(low, casts, out)
+    cast, refuse = casters[low], numbers_check(low, name)
+    up = fp32(low, casters, out)
 
     def prepare(args, kwargs):
         cast_kw = kwargs
@@ -159,21 +159,21 @@ def lower(low, casts, out=None, name=None):
     return prepare
 
 
-def lower_tensors(low, casts):
+def lower_tensors(low, casters):
     """float32 tensors to the lower dtype, numbers unchecked: a module's
     inputs (a BF16 module's ops check their own numbers)."""
-    return to_dtype(FP32_ONLY, casts[low])
+    return to_dtype(FP32_ONLY, casters[low])
 
 
-def fp32(low, casts, out=None):
+def fp32(low, casters, out=None):
     """FP32 list: bfloat16 and float16 tensors go to float32."""
-    return to_dtype(HALVES, casts[FP32], out)
+    return to_dtype(HALVES, casters[FP32], out)
 
 
-def lower_input_only(low, casts, out=None):
+def lower_input_only(low, casters, out=None):
     """Normalization ops: only the input is cast; weight, bias and running
     statistics keep their dtype (BatchNorm's running stats stay fp32)."""
-    cast = casts[low]
+    cast = casters[low]
 
     def prepare(args, kwargs):
         if kwargs and out is not None and kwargs.get("out") is not None:
@@ -257,7 +257,7 @@ def widest(args, kwargs):
     return dt
 
 
-def promote(low, casts, out=None):
+def promote(low, casters, out=None):
     """Promote list: every floating tensor goes to the dtype torch's type
     promotion gives them (``widest``); 0-dim ones are cast too, so ops that
     insist on one dtype (index_put, lerp) get it."""
@@ -268,7 +268,7 @@ def promote(low, casts, out=None):
         dt = widest(args, kwargs)
         if dt is None:  # one floating dtype or none: the common case, one pass
             return args, kwargs
-        src, cast = OTHER_FLOATS[dt], casts[dt]
+        src, cast = OTHER_FLOATS[dt], casters[dt]
         args = cast_seq(args, src, cast)
         if kwargs:
             kwargs = cast_kwargs(kwargs, src, cast)
@@ -287,12 +287,12 @@ def _first_tensor(value):
     return None
 
 
-def _into(target, args, kwargs, casts):
+def _into(target, args, kwargs, casters):
     """Cast every floating argument except ``target`` to ``target``'s dtype."""
     if target is None or target.dtype not in FLOATS:
         return args, kwargs
     dst = target.dtype
-    src, cast = OTHER_FLOATS[dst], casts[dst]
+    src, cast = OTHER_FLOATS[dst], casters[dst]
     # target already has dtype dst, so it is never in src and never copied
     args = cast_seq(args, src, cast)
     if kwargs:
@@ -306,31 +306,31 @@ def _into(target, args, kwargs, casts):
     return args, kwargs
 
 
-def inplace_self(casts):
+def inplace_self(casters):
     """``X_`` and ``__iX__``: the first argument is written."""
 
     def prepare(args, kwargs):
         target = args[0] if args else None
-        return _into(target if isinstance(target, Tensor) else None, args, kwargs, casts)
+        return _into(target if isinstance(target, Tensor) else None, args, kwargs, casters)
 
     return prepare
 
 
-def inplace_out(casts):
+def inplace_out(casters):
     """A call with ``out=``: the out tensor is written."""
 
     def prepare(args, kwargs):
-        return _into(_first_tensor(kwargs["out"]), args, kwargs, casts)
+        return _into(_first_tensor(kwargs["out"]), args, kwargs, casters)
 
     return prepare
 
 
-def inplace_input(casts):
+def inplace_input(casters):
     """A call with ``inplace=True``: the input (first argument) is written."""
 
     def prepare(args, kwargs):
         target = args[0] if args else kwargs.get("input")
-        return _into(target if isinstance(target, Tensor) else None, args, kwargs, casts)
+        return _into(target if isinstance(target, Tensor) else None, args, kwargs, casters)
 
     return prepare
 
@@ -352,24 +352,24 @@ def _checking_inplace(main, into, position):
 RULES = {"bf16": lower, "fp32": fp32, "promote": promote}  # list kind -> policy factory
 
 
-def for_kind(kind, low, casts):
+def for_kind(kind, low, casters):
     """The rule of list ``kind`` for a whole call (user functions, registered ops)."""
-    return RULES[kind](low, casts, inplace_out(casts))
+    return RULES[kind](low, casters, inplace_out(casters))
 
 
-def for_site(kind, name, site, low, casts):
+def for_site(kind, name, site, low, casters):
     """The one prepare for calls of ``site`` (a resolve.Site) bound by list
     entry ``name`` of list ``kind``."""
     if site.inplace:
-        return inplace_self(casts)
+        return inplace_self(casters)
     if kind == "bf16":
-        main = (lower_input_only(low, casts, inplace_out(casts)) if name in NORM_OPS
-                else lower(low, casts, inplace_out(casts), name))
+        main = (lower_input_only(low, casters, inplace_out(casters)) if name in NORM_OPS
+                else lower(low, casters, inplace_out(casters), name))
     else:
-        main = RULES[kind](low, casts, inplace_out(casts))
+        main = RULES[kind](low, casters, inplace_out(casters))
     if site.inplace_param is None:
         return main
-    return _checking_inplace(main, inplace_input(casts), site.inplace_param)
+    return _checking_inplace(main, inplace_input(casters), site.inplace_param)
 
 
 def rejects_mixed(kind, name):

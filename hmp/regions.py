@@ -15,7 +15,7 @@ the per-call wrapper keeps reading one integer and pays nothing for them:
 - **DataLoader** data loading: worker processes (any start method) and the
   in-process loader (``num_workers=0``) load data as without hmp.
 
-``plan()`` builds every patch before convert() changes anything; the
+``patches()`` builds every patch before convert() changes anything; the
 patches go through convert()'s patch log, so revert() undoes them.
 """
 
@@ -113,7 +113,7 @@ def _subclasses(cls):
     return found
 
 
-def plan():
+def patches():
     """``[(namespace, attr, new value)]`` for every region hmp leaves alone.
     Builds everything and changes nothing."""
     patches = [(autocast, "__enter__", _autocast_enter(_own(autocast, "__enter__"))),

@@ -25,7 +25,7 @@ def _decorator(kind):
         return wrapper
 
     decorate.__name__ = decorate.__qualname__ = f"{kind}_function"
-    decorate.__doc__ = f"Run the decorated function under the {lists.TITLE[kind]} list's rule while hmp is converted."
+    decorate.__doc__ = f"Run the decorated function under the {lists.LIST_TITLE[kind]} list's rule while hmp is converted."
     return decorate
 
 

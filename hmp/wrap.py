@@ -24,7 +24,7 @@ import weakref
 import torch
 
 from . import culprit, fallback, policy, torch_private
-from .errors import About
+from .errors import Wrapped
 from .resolve import ORIGINAL, unwrap
 from .state import OFF, tls
 
@@ -36,14 +36,14 @@ _Tensor, _FP32, _FLOATS = torch.Tensor, policy.FP32, policy.FLOATS
 _NEVER = 1 << 62  # inplace_at of a site without an ``inplace`` parameter
 
 
-def make(op, prepare, about, original=None):
-    """The general wrapper of ``op``: casts through ``prepare``; ``about`` (an
-    errors.About) describes it for the error path. ``original``: what ``op``
+def make(op, prepare, wrapped, original=None):
+    """The general wrapper of ``op``: casts through ``prepare``; ``wrapped`` (an
+    errors.Wrapped) describes it for the error path. ``original``: what ``op``
     adapts, when it is an adapter (wrapper attributes come from it)."""
-    return _finish(_body(op, prepare, about), op if original is None else original)
+    return _finish(_body(op, prepare, wrapped), op if original is None else original)
 
 
-def _body(op, prepare, about):
+def _body(op, prepare, wrapped):
     def wrapper(*args, **kwargs):
         st = tls
         if st.off or prepare is None:
@@ -53,7 +53,7 @@ def _body(op, prepare, about):
         try:
             return op(*a, **k)
         except Exception as e:  # costs nothing unless the op raises
-            result = fallback.rescue(e, op, about, args, kwargs, a, k)
+            result = fallback.rescue(e, op, wrapped, args, kwargs, a, k)
             if result is fallback.RAISE:
                 raise
             return result
@@ -63,7 +63,7 @@ def _body(op, prepare, about):
     return wrapper
 
 
-def _lower_body(op, prepare, about, cast, refuse, inplace_at):
+def _lower_body(op, prepare, wrapped, cast, refuse, inplace_at):
     """The BF16 rule (policy.lower) inline: float32 tensors to the lower
     dtype; a number ``refuse`` rejects sends the call to ``prepare``."""
 
@@ -95,7 +95,7 @@ def _lower_body(op, prepare, about, cast, refuse, inplace_at):
         try:
             return op(*a, **k)
         except Exception as e:
-            result = fallback.rescue(e, op, about, args, kwargs, a, k)
+            result = fallback.rescue(e, op, wrapped, args, kwargs, a, k)
             if result is fallback.RAISE:
                 raise
             return result
@@ -105,7 +105,7 @@ def _lower_body(op, prepare, about, cast, refuse, inplace_at):
     return wrapper
 
 
-def _upper_body(op, prepare, about, cast, inplace_at):
+def _upper_body(op, prepare, wrapped, cast, inplace_at):
     """The FP32 rule (policy.fp32) inline: bfloat16 and float16 tensors to float32."""
     src = policy.HALVES
 
@@ -133,7 +133,7 @@ def _upper_body(op, prepare, about, cast, inplace_at):
         try:
             return op(*a, **k)
         except Exception as e:
-            result = fallback.rescue(e, op, about, args, kwargs, a, k)
+            result = fallback.rescue(e, op, wrapped, args, kwargs, a, k)
             if result is fallback.RAISE:
                 raise
             return result
@@ -143,7 +143,7 @@ def _upper_body(op, prepare, about, cast, inplace_at):
     return wrapper
 
 
-def _promote_body(op, prepare, about, inplace_at):
+def _promote_body(op, prepare, wrapped, inplace_at):
     """The promote rule (policy.promote) with its common case inline: the
     floating tensors (top level, or in a list/tuple argument) share one
     dtype, so nothing is cast; any other call goes to ``prepare``."""
@@ -176,7 +176,7 @@ def _promote_body(op, prepare, about, inplace_at):
         try:
             return op(*a, **k)
         except Exception as e:
-            result = fallback.rescue(e, op, about, args, kwargs, a, k)
+            result = fallback.rescue(e, op, wrapped, args, kwargs, a, k)
             if result is fallback.RAISE:
                 raise
             return result
@@ -334,14 +334,14 @@ def logged(prepare, label):
 class Wrappers:
     """What every wrapper of one conversion does, decided per site.
 
-    ``casts``: dtype -> cast function (plain or through the weight cache);
+    ``casters``: dtype -> cast function (plain or through the weight cache);
     ``verbose`` logs every cast call; ``recorder`` (hmp/record.py)
     instruments the wrappers for profile/audit/tune; ``passthrough`` makes
     them cast nothing while still recording (an audit's fp32 reference).
     """
 
-    def __init__(self, low, casts, verbose=False, recorder=None, passthrough=False):
-        self.low, self.casts, self.verbose, self.recorder, self.passthrough = low, casts, verbose, recorder, passthrough
+    def __init__(self, low, casters, verbose=False, recorder=None, passthrough=False):
+        self.low, self.casters, self.verbose, self.recorder, self.passthrough = low, casters, verbose, recorder, passthrough
 
     def _prepare(self, prepare, label, name):
         if self.passthrough:
@@ -358,35 +358,35 @@ class Wrappers:
     def site(self, binding, original):
         """The wrapper of ``original`` for a resolve.Binding."""
         site, kind, name = binding
-        prepare = policy.for_site(kind, name, site, self.low, self.casts)
+        prepare = policy.for_site(kind, name, site, self.low, self.casters)
         op = original
         if policy.rejects_mixed(kind, name) and not self.passthrough:
-            op = mixed_or_lower(op, policy.lower(self.low, self.casts))
-        about = About(site.label, name, kind, site.inplace, site.inplace_param)
+            op = mixed_or_lower(op, policy.lower(self.low, self.casters))
+        wrapped = Wrapped.of(binding)
         op = self._op(op)
         if self.passthrough or self.verbose or self.recorder is not None or site.inplace \
                 or name in policy.NORM_OPS and kind == "bf16":
-            return make(op, self._prepare(prepare, site.label, name), about, original)
+            return make(op, self._prepare(prepare, site.label, name), wrapped, original)
         # a lean body: the same rule as ``prepare``, inline for calls without keywords
         at = _NEVER if site.inplace_param is None else site.inplace_param
         if kind == "bf16":
-            body = _lower_body(op, prepare, about, self.casts[self.low], policy.numbers_check(self.low, name), at)
+            body = _lower_body(op, prepare, wrapped, self.casters[self.low], policy.numbers_check(self.low, name), at)
         elif kind == "fp32":
-            body = _upper_body(op, prepare, about, self.casts[_FP32], at)
+            body = _upper_body(op, prepare, wrapped, self.casters[_FP32], at)
         else:
-            body = _promote_body(op, prepare, about, at)
+            body = _promote_body(op, prepare, wrapped, at)
         return _finish(body, original)
 
     def user_prepare(self, kind, label):
         """The prepare of a user function (``@hmp.*_function``) of list ``kind``."""
-        return self._prepare(policy.for_kind(kind, self.low, self.casts), label, f"user_{kind}_function")
+        return self._prepare(policy.for_kind(kind, self.low, self.casters), label, f"user_{kind}_function")
 
 
 def user_function(fn, kind):
     """The wrapper ``@hmp.{kind}_function`` returns; paused until convert()
     resumes it with that conversion's prepare."""
     label = getattr(fn, "__qualname__", None) or repr(fn)
-    return make(fn, None, About(label, None, kind))  # paused: prepare None
+    return make(fn, None, Wrapped(label, None, kind))  # paused: prepare None
 
 
 def op_wrap(op, cast_fn):
@@ -405,7 +405,7 @@ def op_wrap(op, cast_fn):
     def prepare(args, kwargs):
         return tuple(cast_value(a) for a in args), {k: cast_value(v) for k, v in kwargs.items()}
 
-    return make(op, prepare, About(getattr(op, "__qualname__", None) or repr(op)))
+    return make(op, prepare, Wrapped(getattr(op, "__qualname__", None) or repr(op)))
 
 
 def to_bf16(t):

@@ -174,7 +174,7 @@ def test_mismatch_inside_a_listed_python_op_says_to_list_what_it_calls():
         return torch.baddbmm(scale[None], q[None], k[None].transpose(1, 2))
 
     casts = dict(policy.PLAIN_CASTS)
-    about = errors.About("torch.nn.functional.attention", "attention", "bf16")
+    about = errors.Wrapped("torch.nn.functional.attention", "attention", "bf16")
     wrapped = wrap.make(attention, policy.lower(BF16, casts), about)
     with pytest.raises(RuntimeError) as info:
         wrapped(torch.randn(3, 2), torch.randn(3, 2))

@@ -277,13 +277,13 @@ def test_no_kernel_falls_back_to_fp32_when_an_input_was_already_lowered(fresh_no
 
 
 def test_the_fp32_fallback_never_replaces_a_written_tensor():
-    from hmp.errors import About
+    from hmp.errors import Wrapped
 
-    assert About("torch.Tensor.mul_", "mul", "bf16", inplace=True).writes((1, 2), {})
-    assert About("torch.mm", "mm", "bf16").writes((1, 2), {"out": 3})
-    relu = About("torch.nn.functional.relu", "relu", "bf16", inplace_param=1)
+    assert Wrapped("torch.Tensor.mul_", "mul", "bf16", inplace=True).writes((1, 2), {})
+    assert Wrapped("torch.mm", "mm", "bf16").writes((1, 2), {"out": 3})
+    relu = Wrapped("torch.nn.functional.relu", "relu", "bf16", inplace_param=1)
     assert relu.writes((1, True), {}) and relu.writes((1,), {"inplace": True}) and not relu.writes((1,), {})
-    assert not About("torch.mm", "mm", "bf16").writes((1, 2), {})
+    assert not Wrapped("torch.mm", "mm", "bf16").writes((1, 2), {})
 
 
 def test_no_kernel_fallback_does_not_hide_errors_torch_also_raises():
