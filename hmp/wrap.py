@@ -1,19 +1,19 @@
-"""The wrappers: small bodies for every call hmp casts (listed ops,
-registered functions, ``@hmp.*_function`` decorators, ``op_wrap``), and
-``Wrappers``, the one place where a site's body and policy are chosen.
+"""The wrapper: one body for every call hmp casts (listed ops, registered
+functions, ``@hmp.*_function`` decorators, ``op_wrap``), and ``Wrappers``,
+the one place where what a site's wrapper does is decided.
 
-Per call a body reads the thread's ``off``; when it is 0 it casts the
-arguments by the site's policy (chosen at convert time), turns casts off
-for the op's duration (the outermost op decides: hmp/state.py's
-``enter``/``leave``, inlined, since a body only gets there when ``off`` is
-0) and on an exception hands over to hmp/fallback.py.
+Per call the body reads the thread's ``off``; when it is 0 it casts the
+arguments by the site's rule (chosen at convert time), turns casts off for
+the op's duration (the outermost op decides: hmp/state.py's
+``enter``/``leave``, inlined, since the body only gets there when ``off``
+is 0) and on an exception hands over to hmp/fallback.py.
 
-The general body calls the site's ``prepare`` (hmp/policy.py). The lean
-bodies (BF16, FP32 and promote rules) apply the same rule inline to a call
-without keyword arguments, the common case, and call ``prepare`` for the
-rest: one function call less per call, and a call with nothing to cast
-leaves after one dtype check per tensor argument. ``prepare`` is None in a
-paused or retired wrapper: a plain call of ``op``.
+A listed site's wrapper is lean: a call without keyword arguments (the
+common case) goes straight to the rule's casts (``policy.cast_seq``, or the
+promote rule's one-dtype check), one function call less than through the
+site's ``prepare``, which takes every other call. A call with nothing to
+cast leaves after one dtype check per tensor argument. ``prepare`` is None
+in a paused or retired wrapper: a plain call of ``op``.
 """
 
 import functools
@@ -32,23 +32,42 @@ log = logging.getLogger("hmp")
 
 _to_bf16 = policy.PLAIN_CASTS[torch.bfloat16]
 _to_fp32 = policy.PLAIN_CASTS[torch.float32]
-_Tensor, _FP32, _FLOATS = torch.Tensor, policy.FP32, policy.FLOATS
+_FP32 = policy.FP32
 _NEVER = 1 << 62  # inplace_at of a site without an ``inplace`` parameter
 
 
-def make(op, prepare, wrapped, original=None):
-    """The general wrapper of ``op``: casts through ``prepare``; ``wrapped`` (an
-    errors.Wrapped) describes it for the error path. ``original``: what ``op``
-    adapts, when it is an adapter (wrapper attributes come from it)."""
-    return _finish(_body(op, prepare, wrapped), op if original is None else original)
+def make(op, prepare, wrapped, original=None, src=None, cast=None, refuse=None, inplace_at=_NEVER):
+    """The wrapper of ``op``: casts through ``prepare``; ``wrapped`` (an
+    errors.Wrapped) describes it for the error path. ``original``: what
+    ``op`` adapts, when it is an adapter (wrapper attributes come from it).
+
+    ``src`` makes it lean for calls without keywords (and without a true
+    ``inplace`` at position ``inplace_at``): tensors whose dtype is in
+    ``src`` go through ``cast`` directly (policy.cast_seq, a number
+    ``refuse`` rejects sends the call to ``prepare``), or, with
+    ``src=PROMOTE``, a call whose floating tensors share one dtype runs as
+    given. ``prepare`` applies the same rule to every other call."""
+    body = _body(op, prepare, wrapped, src, cast, refuse, inplace_at)
+    return _finish(body, op if original is None else original)
 
 
-def _body(op, prepare, wrapped):
+PROMOTE = object()  # make(src=PROMOTE): the promote rule's common case
+_cast_seq, _one_dtype = policy.cast_seq, policy.one_dtype
+
+
+def _body(op, prepare, wrapped, src, cast, refuse, inplace_at):
     def wrapper(*args, **kwargs):
         st = tls
         if st.off or prepare is None:
             return op(*args, **kwargs)
-        a, k = prepare(args, kwargs)
+        if src is None or kwargs or len(args) > inplace_at and args[inplace_at]:
+            a, k = prepare(args, kwargs)
+        elif src is PROMOTE:
+            a, k = (args, kwargs) if _one_dtype(args, None) is not False else prepare(args, kwargs)
+        else:
+            a, k = _cast_seq(args, src, cast, refuse), kwargs
+            if a is None:  # a number the lower dtype cannot hold: prepare runs the FP32 rule
+                a, k = prepare(args, kwargs)
         st.off = OFF
         try:
             return op(*a, **k)
@@ -63,138 +82,12 @@ def _body(op, prepare, wrapped):
     return wrapper
 
 
-def _lower_body(op, prepare, wrapped, cast, refuse, inplace_at):
-    """The BF16 rule (policy.lower) inline: float32 tensors to the lower
-    dtype; a number ``refuse`` rejects sends the call to ``prepare``."""
-
-    def wrapper(*args, **kwargs):
-        st = tls
-        if st.off or prepare is None:
-            return op(*args, **kwargs)
-        if kwargs or len(args) > inplace_at and args[inplace_at]:
-            a, k = prepare(args, kwargs)
-        else:
-            a, k = args, kwargs
-            for i, v in enumerate(args):
-                if isinstance(v, _Tensor):
-                    if v.dtype is _FP32:
-                        if a is args:
-                            a = list(args)
-                        a[i] = cast(v)
-                elif type(v) is float or type(v) is int:
-                    if refuse(v):
-                        a, k = prepare(args, kwargs)
-                        break
-                elif type(v) is list or type(v) is tuple:
-                    b = policy.cast_seq(v, policy.FP32_ONLY, cast)
-                    if b is not v:
-                        if a is args:
-                            a = list(args)
-                        a[i] = b
-        st.off = OFF
-        try:
-            return op(*a, **k)
-        except Exception as e:
-            result = fallback.rescue(e, op, wrapped, args, kwargs, a, k)
-            if result is fallback.RAISE:
-                raise
-            return result
-        finally:
-            st.off = 0
-
-    return wrapper
-
-
-def _upper_body(op, prepare, wrapped, cast, inplace_at):
-    """The FP32 rule (policy.fp32) inline: bfloat16 and float16 tensors to float32."""
-    src = policy.HALVES
-
-    def wrapper(*args, **kwargs):
-        st = tls
-        if st.off or prepare is None:
-            return op(*args, **kwargs)
-        if kwargs or len(args) > inplace_at and args[inplace_at]:
-            a, k = prepare(args, kwargs)
-        else:
-            a, k = args, kwargs
-            for i, v in enumerate(args):
-                if isinstance(v, _Tensor):
-                    if v.dtype in src:
-                        if a is args:
-                            a = list(args)
-                        a[i] = cast(v)
-                elif type(v) is list or type(v) is tuple:
-                    b = policy.cast_seq(v, src, cast)
-                    if b is not v:
-                        if a is args:
-                            a = list(args)
-                        a[i] = b
-        st.off = OFF
-        try:
-            return op(*a, **k)
-        except Exception as e:
-            result = fallback.rescue(e, op, wrapped, args, kwargs, a, k)
-            if result is fallback.RAISE:
-                raise
-            return result
-        finally:
-            st.off = 0
-
-    return wrapper
-
-
-def _promote_body(op, prepare, wrapped, inplace_at):
-    """The promote rule (policy.promote) with its common case inline: the
-    floating tensors (top level, or in a list/tuple argument) share one
-    dtype, so nothing is cast; any other call goes to ``prepare``."""
-
-    def wrapper(*args, **kwargs):
-        st = tls
-        if st.off or prepare is None:
-            return op(*args, **kwargs)
-        a, k = args, kwargs
-        if kwargs or len(args) > inplace_at and args[inplace_at]:
-            a, k = prepare(args, kwargs)
-        else:
-            seen = None
-            for v in args:
-                if isinstance(v, _Tensor):
-                    d = v.dtype
-                    if d in _FLOATS:
-                        if seen is None:
-                            seen = d
-                        elif d is not seen:
-                            a, k = prepare(args, kwargs)
-                            break
-                elif type(v) is list or type(v) is tuple:
-                    d = policy.one_dtype(v, seen)
-                    if d is False:
-                        a, k = prepare(args, kwargs)
-                        break
-                    seen = d
-        st.off = OFF
-        try:
-            return op(*a, **k)
-        except Exception as e:
-            result = fallback.rescue(e, op, wrapped, args, kwargs, a, k)
-            if result is fallback.RAISE:
-                raise
-            return result
-        finally:
-            st.off = 0
-
-    return wrapper
-
-
 def _op_of(frame):
     return frame.f_locals.get("op")
 
 
-BODIES = frozenset(f.__code__ for f in (
-    _body(None, None, None), _lower_body(None, None, None, None, None, None),
-    _upper_body(None, None, None, None, None), _promote_body(None, None, None, None)))
-for _code in BODIES:
-    culprit.register_wrapper(_code, _op_of)
+_BODY = _body(None, None, None, None, None, None, None).__code__
+culprit.register_wrapper(_BODY, _op_of)
 
 
 def _finish(wrapper, op):
@@ -234,7 +127,7 @@ def _cell(wrapper, name):
 
 
 def is_wrapper(obj):
-    return getattr(obj, "__code__", None) in BODIES
+    return getattr(obj, "__code__", None) is _BODY
 
 
 def pause(wrapper):
@@ -243,7 +136,7 @@ def pause(wrapper):
 
 
 def resume(wrapper, prepare):
-    """Make a paused general wrapper cast again, through ``prepare``."""
+    """Make a paused wrapper cast again, through ``prepare``."""
     _cell(wrapper, "prepare").cell_contents = prepare
 
 
@@ -367,15 +260,15 @@ class Wrappers:
         if self.passthrough or self.verbose or self.recorder is not None or site.inplace \
                 or name in policy.NORM_OPS and kind == "bf16":
             return make(op, self._prepare(prepare, site.label, name), wrapped, original)
-        # a lean body: the same rule as ``prepare``, inline for calls without keywords
+        # lean for calls without keywords: the rule's casts without the prepare call
         at = _NEVER if site.inplace_param is None else site.inplace_param
         if kind == "bf16":
-            body = _lower_body(op, prepare, wrapped, self.casters[self.low], policy.numbers_check(self.low, name), at)
+            src, cast, refuse = policy.FP32_ONLY, self.casters[self.low], policy.numbers_check(self.low, name)
         elif kind == "fp32":
-            body = _upper_body(op, prepare, wrapped, self.casters[_FP32], at)
+            src, cast, refuse = policy.HALVES, self.casters[_FP32], None
         else:
-            body = _promote_body(op, prepare, wrapped, at)
-        return _finish(body, original)
+            src, cast, refuse = PROMOTE, None, None
+        return make(op, prepare, wrapped, original, src, cast, refuse, at)
 
     def user_prepare(self, kind, label):
         """The prepare of a user function (``@hmp.*_function``) of list ``kind``."""

@@ -57,3 +57,20 @@ def write(tmp_path, name, text, mode="w"):
     else:
         path.write_text(text)
     return path
+
+
+def clone_with_backward(backward):
+    """An autograd Function whose forward clones its input and whose backward
+    calls ``backward(grad)`` (which may raise) and passes the gradient on."""
+
+    class CloneWithBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            backward(grad)
+            return grad
+
+    return CloneWithBackward

@@ -13,16 +13,15 @@ GEMMS = {"addmm", "mm", "bmm", "linear", "matmul", "_transformer_encoder_layer_f
 class AtenDtypes(TorchDispatchMode):
     """Records the floating input dtypes of every aten op that runs."""
 
-    def __init__(self):
-        super().__init__()
-        self.seen = []
+    def __enter__(self):
+        self.seen = []  # (aten op name, its floating input dtypes), in the order they ran
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        flat = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-        dtypes = {a.dtype for a in flat if a.is_floating_point()}
-        self.seen.append((func.overloadpacket.__name__, dtypes))
-        return func(*args, **kwargs)
+        inputs = list(args) + list((kwargs or {}).values())
+        self.seen.append((func.overloadpacket.__name__,
+                          {a.dtype for a in inputs if isinstance(a, torch.Tensor) and a.is_floating_point()}))
+        return func(*args, **(kwargs or {}))
 
 
 def encoder():

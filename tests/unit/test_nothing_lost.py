@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import hmp
+from helpers import clone_with_backward
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -203,15 +204,11 @@ def test_crash_inside_a_forward_hook_mid_model():
 
 
 def test_crash_inside_a_wrapped_op_during_backward():
-    class Fails(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
+    def fail(g):
+        torch.mm(g, g.t())  # a wrapped op, run by autograd
+        raise Crash("backward")
 
-        @staticmethod
-        def backward(ctx, g):
-            torch.mm(g, g.t())  # a wrapped op, run by autograd
-            raise Crash("backward")
+    Fails = clone_with_backward(fail)
 
     hmp.convert()
     model, (x, y) = make_model(), data()

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hmp import torch_private as tp
+from helpers import clone_with_backward
 
 
 def test_tensor_base_has_the_cast_methods():
@@ -29,16 +30,7 @@ def test_graph_task_id_is_minus_one_outside_backward_and_not_inside():
     assert get is not None and get() == -1
     seen = []
 
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            seen.append(get())
-            return grad
-
+    Probe = clone_with_backward(lambda grad: seen.append(get()))
     Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
     assert seen and seen[0] != -1
 
