@@ -3,9 +3,9 @@
 Correct by construction: no copy outlives the reason it was made.
 
 - Grad mode: a copy is held only through a weak reference. torch keeps a
-  tensor's Python object alive while the autograd graph saves it (once the
-  object carries an attribute), so the copy lives exactly as long as the
-  graph that uses it: backward, or dropping the output, frees it. A weight
+  tensor's Python object alive while the autograd graph saves it, so the
+  copy lives exactly as long as the graph that uses it: backward, or
+  dropping the output, frees it. A weight
   used several times in one forward (tied embeddings, an RNN cell) is cast
   once; the next step casts again.
 - No grad: copies are not kept across calls, except inside
@@ -14,9 +14,10 @@ Correct by construction: no copy outlives the reason it was made.
 - Every optimizer step (torch's global step post hook, see hmp/steps.py)
   and ``clear_cache()`` drop every copy.
 
-Within those lifetimes an entry is also checked against what can change
-cheaply (version counter, data pointer, requires_grad), and it holds the
-source storage so its address cannot be reused. A write through the
+Within those lifetimes an entry (named fields, see ``_Entry``) is also
+checked against what can change cheaply (version counter, data pointer,
+requires_grad), and it holds the source storage so its address cannot be
+reused. A write through the
 ``p.data`` alias bumps no counter: it is invisible only while a graph that
 saved the old copy is still alive (``retain_graph=True``) or inside
 ``frozen_weights()``. The cache steps aside for inference tensors (no
@@ -77,11 +78,9 @@ def _keep(store, t, copy, old, weak):
     if _transforms_active():  # the copy is wrapped at the transform's level: it must not escape
         return
     e = _Entry()  # a new entry, stored in one step: a thread reading the old one never sees a mix
-    if weak:
-        copy._hmp_cast = True  # a Python attribute: torch keeps the object alive while the graph saves it
-        e.copy = weakref.ref(copy)
-    else:
-        e.copy = copy
+    # torch keeps a tensor's Python object alive while C++ (a graph's saved
+    # tensors) holds it, so the weak reference lives as long as that (2.4 to 2.14)
+    e.copy = weakref.ref(copy) if weak else copy
     e.version, e.ptr, e.grad, e.storage = version, ptr, t.requires_grad, t.untyped_storage()
     key = id(t)
     e.source = old.source if old is not None else weakref.ref(t, _forget(store, key))
@@ -95,10 +94,17 @@ def size():
     return n + (sum(len(s) for s in frozen.stores.values()) if frozen is not None else 0)
 
 
+def _dead():
+    return None
+
+
 def clear_cache():
-    """Drop every cached lower-precision copy."""
+    """Drop every cached lower-precision copy. A grad-mode entry stays as an
+    empty one, so the weight's next cast (each training step) reuses its
+    weak reference to the weight instead of making another."""
     for store in copies.live.values():
-        store.clear()
+        for e in list(store.values()):
+            e.copy, e.storage = _dead, None
     for frozen in list(copies.frozen):
         for store in frozen.stores.values():
             store.clear()
