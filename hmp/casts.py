@@ -35,10 +35,11 @@ class _Switch(contextlib.ContextDecorator):
 
     def __exit__(self, *exc):
         thread = threading.get_ident()
-        found = self._found[thread]
-        leave(found.pop())
-        if not found:
-            del self._found[thread]
+        found = self._found.get(thread)
+        if found:  # none: entered in another thread, whose state it switched
+            leave(found.pop())
+            if not found:
+                del self._found[thread]
         return False
 
 
