@@ -21,6 +21,7 @@ import pstats
 import statistics
 import sys
 import time
+import timeit
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -226,7 +227,6 @@ def cmd_percall(args):
 
 def _ns(stmt, env, number=20000, reps=21):
     """Median ns of ``stmt`` minus an empty statement, interleaved."""
-    import timeit
     base, cost = [], []
     for _ in range(reps):
         base.append(timeit.timeit("pass", globals=env, number=number))

@@ -8,7 +8,7 @@ import contextlib
 import threading
 
 from .resolve import stand_in
-from .state import OFF, current, enter, leave, tls
+from .state import OFF, enter, leave, tls
 
 
 def casts_enabled():
@@ -60,11 +60,8 @@ class enable_casts(_Switch):
     _to = 0
 
 
-saved = current  # the state some code ran in, for ``run_as``
-
-
 def run_as(fn, state):
-    """``fn`` run in the cast state ``saved()`` returned (the state some
+    """``fn`` run in the cast state ``state.current()`` returned (the state some
     earlier code ran in: a checkpointed forward, the code that asked for an
     optimizer step), a BF16 module's mode pushed again if it was on; the
     caller's state is back afterwards."""

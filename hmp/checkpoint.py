@@ -2,7 +2,7 @@
 
 torch.utils.checkpoint reruns a function's forward during backward. torch
 saves autocast's state at the forward and re-enters it around the rerun;
-hmp's cast state (``casts.saved()``: casts on or off, and the module policy
+hmp's cast state (``state.current()``: casts on or off, and the module policy
 in force) must travel the same way, or the rerun computes in other dtypes
 than the forward did (CheckpointError, or wrong gradients). Both
 modes are covered by wrapping the user's function where torch's checkpoint
@@ -25,7 +25,7 @@ turned casts off around the backward.
 import warnings
 
 from . import state, torch_private
-from .casts import run_as, saved
+from .casts import run_as
 from .resolve import stand_in, unwrap
 
 
@@ -42,7 +42,7 @@ def patches():
     if callable(generator):
 
         def without_reentrant(fn, *args, **kwargs):
-            return generator(run_as(fn, saved()), *args, **kwargs)
+            return generator(run_as(fn, state.current()), *args, **kwargs)
 
         out.append((torch_checkpoint, name, stand_in(without_reentrant, generator)))
     function = torch_private.checkpoint_function()
@@ -51,7 +51,7 @@ def patches():
         original = unwrap(forward.__func__)
 
         def reentrant_forward(ctx, run_function, preserve_rng_state, *args):
-            return original(ctx, run_as(run_function, saved()), preserve_rng_state, *args)
+            return original(ctx, run_as(run_function, state.current()), preserve_rng_state, *args)
 
         out.append((function, "forward", staticmethod(stand_in(reentrant_forward, original))))
     return out

@@ -20,7 +20,7 @@ from .cache import clear_cache
 from .patch import PatchLog
 from .policy import PLAIN_CASTS
 from .resolve import Binding, Resolver, attribute_site, owner_label, returns_view, unwrap
-from .state import runtime
+from .state import close_block, runtime
 
 log = logging.getLogger("hmp")
 
@@ -122,16 +122,9 @@ def converted(*args, **kwargs):
 
 
 def _leave_block(entry):
-    blocks = runtime.blocks
-    i = next((i for i, e in enumerate(blocks) if e is entry), None)
-    if i is None:  # not on the stack (cannot happen through converted()): restore as asked
+    # not on the stack (cannot happen through converted()): restore as asked
+    if close_block(runtime.blocks, entry) is not False:
         restore(entry[0])
-    elif i == len(blocks) - 1:
-        blocks.pop()
-        restore(entry[0])
-    else:  # a newer block is open: it stays in force, and will restore what this one found
-        blocks[i + 1][0] = entry[0]
-        del blocks[i]
 
 
 def _registration(wrappers, owner, name, kind):

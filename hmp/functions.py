@@ -19,10 +19,10 @@ import weakref
 import torch
 
 from . import torch_private
-from .casts import run_as, saved
+from .casts import run_as
 from .policy import FP64, FLOATS, PLAIN_CASTS, cast_kwargs, cast_seq
 from .resolve import ORIGINAL, stand_in, unwrap
-from .state import OFF, enter, leave, tls
+from .state import OFF, current, enter, leave, tls
 
 _Function = torch.autograd.Function
 _Backward = torch_private.BackwardCFunction
@@ -75,7 +75,7 @@ def _apply(descriptor):
                 leave(found)
         out = original(cls, *args, **kwargs)
         if backward is not None:
-            _mark(out, saved(), backward)
+            _mark(out, current(), backward)
         return out
 
     apply.__name__ = apply.__qualname__ = "apply"

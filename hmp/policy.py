@@ -191,25 +191,16 @@ def lower_input_only(low, casters, out=None):
     return prepare
 
 
-def _floating_dtypes(seq, seen):
+def _floating_dtypes(seq, seen, dimensioned=False):
+    """``seen`` with the floating dtypes of the tensors in ``seq`` (at any
+    depth) added; ``dimensioned``: of tensors with at least one dimension."""
     for a in seq:
         if isinstance(a, Tensor):
             d = a.dtype
-            if d in FLOATS:
+            if d in FLOATS and (not dimensioned or a.dim()):
                 seen.add(d)
         elif type(a) is list or type(a) is tuple:
-            _floating_dtypes(a, seen)
-    return seen
-
-
-def _dimensioned_dtypes(seq, seen):
-    for a in seq:
-        if isinstance(a, Tensor):
-            d = a.dtype
-            if d in FLOATS and a.dim():
-                seen.add(d)
-        elif type(a) is list or type(a) is tuple:
-            _dimensioned_dtypes(a, seen)
+            _floating_dtypes(a, seen, dimensioned)
     return seen
 
 
@@ -241,16 +232,14 @@ def widest(args, kwargs):
     torch.tensor(0.5, dtype=torch.float64)`` stays in ``x``'s dtype, and
     only when no dimensioned tensor is floating do 0-dim ones decide.
     Python scalars are not tensors and never count."""
-    seen = _floating_dtypes(args, set())
-    if kwargs:
-        _floating_dtypes(kwargs.values(), seen)
-    if len(seen) < 2:
+    one = one_dtype(args, None)
+    if one is not False and kwargs:
+        one = one_dtype(kwargs.values(), one)
+    if one is not False:  # one floating dtype or none: the common case, one pass
         return None
-    # mixed dtypes (rare): a second pass sorts out what counts
-    dims = _dimensioned_dtypes(args, set())
-    if kwargs:
-        _dimensioned_dtypes(kwargs.values(), dims)
-    dims = iter(dims or seen)
+    # mixed dtypes (rare): dimensioned tensors decide, else every floating one
+    values = (args, tuple(kwargs.values())) if kwargs else (args,)
+    dims = iter(_floating_dtypes(values, set(), True) or _floating_dtypes(values, set()))
     dt = next(dims)
     for d in dims:
         dt = _promote_types(dt, d)

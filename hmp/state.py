@@ -69,22 +69,29 @@ def enter(off, lower_mode=_KEEP):
 
 
 def leave(frame):
-    """End the region ``enter()`` returned ``frame`` for. The innermost
-    region puts back the state it found. One left out of order (a generator
-    closed inside a block it did not open) changes nothing now and hands
-    what it found to the region entered after it, as converted() blocks do.
-    A frame already left (by revert()'s unwinding) is ignored."""
-    st = tls
-    frames = st.frames
-    if frames and frames[-1] is frame:
-        frames.pop()
-        st.off, st.lower_mode = frame
-        return
-    for i in range(len(frames) - 2, -1, -1):
-        if frames[i] is frame:
-            frames[i + 1][:] = frame
-            del frames[i]
-            return
+    """End the region ``enter()`` returned ``frame`` for (``close_block``'s
+    rule). A frame already left (by revert()'s unwinding) is ignored."""
+    if close_block(tls.frames, frame):
+        tls.off, tls.lower_mode = frame
+
+
+def close_block(stack, block):
+    """Take ``block`` (a list of what it found when it opened) off ``stack``
+    (oldest first), the one rule of hmp's nested blocks: thread cast-state
+    regions and converted() blocks. True: it was the innermost, and the
+    caller puts back what it found. False: a newer block is open (a
+    generator closed inside a block it did not open); it stays in force and
+    now holds what this one found, to put back when it closes. None: not on
+    the stack."""
+    if stack and stack[-1] is block:
+        stack.pop()
+        return True
+    for i in range(len(stack) - 2, -1, -1):
+        if stack[i] is block:
+            stack[i + 1][:] = block
+            del stack[i]
+            return False
+    return None
 
 
 def current():

@@ -21,13 +21,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .cache import clear_cache
-from .casts import run_as, saved
+from .casts import run_as
 from .resolve import stand_in, unwrap
-from .state import OFF, enter, leave, tls
+from .state import OFF, current, enter, leave, tls
 
 
 def _pre_hook(optimizer, args, kwargs):
-    caller = saved()
+    caller = current()
     tls.steps.append(enter(OFF))
     # the closure (LBFGS) passes its arguments on, for optimizers that give any
     if kwargs and kwargs.get("closure") is not None:
