@@ -5,7 +5,10 @@ back on every exit path, so blocks nest and exceptions cannot leak a state.
 """
 
 import contextlib
+import functools
+import inspect
 import threading
+import types
 
 from .resolve import stand_in
 from .state import OFF, enter, leave, tls
@@ -29,6 +32,44 @@ class _Switch(contextlib.ContextDecorator):
     def _recreate_cm(self):
         return type(self)()  # as a decorator: a fresh instance per call
 
+    def __call__(self, func):
+        # A generator's or coroutine's body runs in steps, after the call has
+        # returned: the switch is on for each step only, so the caller's code
+        # between steps (other asyncio tasks during an await) keeps its state.
+        # The wrapper is of func's kind, so decorators stacked above it (a
+        # torch.no_grad()) still see a generator or coroutine function.
+        if inspect.isasyncgenfunction(func):
+
+            @functools.wraps(func)
+            async def switched(*args, **kwargs):
+                switch, agen = self._recreate_cm(), func(*args, **kwargs)
+                step, arg = agen.asend, None
+                while True:
+                    try:
+                        value = await _steps(switch, step(arg))
+                    except StopAsyncIteration:
+                        return
+                    try:
+                        arg, step = (yield value), agen.asend
+                    except BaseException as exc:  # athrow(), aclose(): into the body
+                        arg, step = exc, agen.athrow
+
+        elif inspect.isgeneratorfunction(func):
+
+            @functools.wraps(func)
+            def switched(*args, **kwargs):
+                return (yield from _steps(self._recreate_cm(), func(*args, **kwargs)))
+
+        elif inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def switched(*args, **kwargs):
+                return await _steps(self._recreate_cm(), func(*args, **kwargs).__await__())
+
+        else:
+            return super().__call__(func)
+        return switched
+
     def __enter__(self):
         self._found.setdefault(threading.get_ident(), []).append(enter(self._to))
         return self
@@ -43,11 +84,33 @@ class _Switch(contextlib.ContextDecorator):
         return False
 
 
+@types.coroutine  # awaitable too: a coroutine's steps are driven the same way
+def _steps(switch, gen):
+    """Runs ``gen`` (a generator, or a coroutine's ``__await__()``) to its
+    end, each resumption (send, throw, close) inside ``switch``; what it
+    yields and returns passes through unchanged."""
+    step, arg = gen.send, None
+    while True:
+        try:
+            with switch:
+                value = step(arg)
+        except StopIteration as stop:
+            return stop.value
+        try:
+            arg, step = (yield value), gen.send
+        except BaseException as exc:  # throw(), close() (GeneratorExit): into the body
+            arg, step = exc, gen.throw
+
+
 class disable_casts(_Switch):
     """Turn hmp casting off for a block or a function, in this thread only.
 
     Nestable and exception-safe: leaving an inner block keeps the outer one
     disabled, and the previous state is restored on every exit path.
+
+    As a decorator it covers a function's call, and each step of a
+    generator, coroutine or async generator function's body (between steps,
+    other code and other asyncio tasks run in the caller's state).
     """
 
 
@@ -55,7 +118,8 @@ class enable_casts(_Switch):
     """Turn hmp casting on for a block or a function, in this thread only:
     the counterpart of :class:`disable_casts`, for code that runs inside a
     disabled block but should cast (a training step called from a loop
-    that runs with casts off). Restores the previous state on exit."""
+    that runs with casts off). Restores the previous state on exit. As a
+    decorator it covers what :class:`disable_casts` covers."""
 
     _to = 0
 
