@@ -18,6 +18,7 @@ from .cache import clear_cache, frozen_weights
 from .casts import casts_enabled, disable_casts, enable_casts
 from .config import convert_from_config
 from .conversion import convert, converted, effective_lists, is_converted, revert
+from .lists import list_path
 from .profiling import profile
 from .tuning import tune
 from .user import bf16_function, fp32_function, promote_function, register, unregister
@@ -37,6 +38,7 @@ __all__ = [
     "is_converted",
     "casts_enabled",
     "effective_lists",
+    "list_path",
     "clear_cache",
     "frozen_weights",
     "bf16_function",

@@ -32,7 +32,7 @@ import weakref
 import torch
 
 from . import torch_private
-from .policy import PLAIN_CASTS
+from .policy import CASTS
 from .state import copies, tls
 
 _grad_enabled = torch.is_grad_enabled
@@ -114,7 +114,7 @@ def caster(dtype):
     """A one-argument cast to ``dtype`` that goes through the cache for
     parameters and other leaf tensors that require grad. A hit is one
     dictionary lookup and a check of the entry's named fields."""
-    plain = PLAIN_CASTS[dtype]
+    plain = CASTS[dtype]
     live = copies.live[dtype]
 
     def cast(t):
@@ -148,7 +148,7 @@ def caster(dtype):
 
 def casters():
     """dtype -> cast through the cache, for every dtype hmp casts to."""
-    return {dtype: caster(dtype) for dtype in PLAIN_CASTS}
+    return {dtype: caster(dtype) for dtype in CASTS}
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from . import (averaging, buffers, cache, checkpoint, errors, functions, interop
                steps, wrap)
 from .cache import clear_cache
 from .patch import PatchLog
-from .policy import PLAIN_CASTS
+from .policy import CASTS
 from .resolve import Binding, Resolver, attribute_site, owner_label, returns_view, unwrap
 from .state import close_block, runtime
 
@@ -91,11 +91,12 @@ def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=Fals
     module entries of the list files do.
     """
     with runtime.lock:
+        resolver = Resolver()  # one for checking the lists and binding them: names resolve once
         wanted = plan(opt_level, bf16_file_path, fp32_file_path, isVerbose, low_precision_type,
                       promote_file_path=promote_file_path, cache=cache, fp16_file_path=fp16_file_path,
-                      fp32_modules=fp32_modules, bf16_modules=bf16_modules, model=model)
+                      fp32_modules=fp32_modules, bf16_modules=bf16_modules, model=model, resolver=resolver)
         interop.warn_inside_autocast()  # before patching: a warnings filter set to "error" patches nothing
-        apply(wanted)
+        apply(wanted, resolver)
 
 
 @contextlib.contextmanager
@@ -140,14 +141,18 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
     and ``passthrough``."""
     with runtime.lock:
         effective, options, extra, by_module = conversion
-        casters = cache.casters() if options.cache else dict(PLAIN_CASTS)
+        casters = cache.casters() if options.cache else dict(CASTS)
         wrappers = wrap.Wrappers(options.low, casters, options.verbose, recorder, passthrough)
-        # an op returning a view of its input is never wrapped (see resolve.returns_view)
+        # an op returning a view of its input is never wrapped (see resolve.returns_view); ops in no list
+        # that have no kernel for the lower dtype or need one dtype run as they would without hmp's casts
+        fallback = lists.fallback_names(options.low)
         patches = [(b.site.namespace, b.site.attr, wrappers.site(b, b.site.original()))
-                   for b in (resolver or Resolver()).bind(effective) if not returns_view(b.name)]
+                   for b in (resolver or Resolver()).bind(effective, fallback) if not returns_view(b.name)]
         patches += [_registration(wrappers, *entry) for entry in runtime.registered]
         if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
-            patches += modules.patches(by_module, modules.Forwards(options.low, casters, effective["fp32"]))
+            no_kernel = dict(fallback).get("fp32", ())
+            fp32_names = set(effective["fp32"]).union(n for n in no_kernel if not _listed(n, effective))
+            patches += modules.patches(by_module, modules.Forwards(options.low, casters, fp32_names))
             patches += rnn.check_input_patches(effective, lower_modules=bool(by_module["bf16"]))
         patches += checkpoint.patches()  # recomputes run under their forward's hmp state
         patches += functions.patches()  # custom_fwd/custom_bwd Functions: the author's choice wins
@@ -179,6 +184,10 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         runtime.wrappers = wrappers
         if options.verbose:
             _log_conversion(log_)
+
+
+def _listed(name, effective):
+    return any(name in names for names in effective.values())
 
 
 def _log_conversion(patches):

@@ -34,16 +34,19 @@ class Wrapped(NamedTuple):
     kind: Optional[str] = None  # "bf16", "fp32" or "promote" (None for op_wrap)
     inplace: bool = False  # X_ / __iX__: the first argument is written
     inplace_param: Optional[int] = None  # position of an inplace= parameter
+    written: tuple = ()  # positions of other arguments the op's schema marks written
 
     @classmethod
     def of(cls, binding):
         """The Wrapped of a resolve.Binding (a site a list name binds)."""
-        site, kind, name = binding
-        return cls(site.label, name, kind, site.inplace, site.inplace_param)
+        site, kind, name = binding[:3]
+        return cls(site.label, name, kind, site.inplace, site.inplace_param, site.written)
 
     def writes(self, args, kwargs):
         """True when this call writes one of its arguments."""
         if self.inplace or (kwargs and (kwargs.get("out") is not None or kwargs.get("inplace"))):
+            return True
+        if any(i < len(args) and args[i] is not None for i in self.written):
             return True
         i = self.inplace_param
         return i is not None and len(args) > i and bool(args[i])
@@ -123,8 +126,8 @@ def _explain_python_check(frame):
     listed = _kind_of(kernel)
     if listed is None:
         return (f"hmp: {name} checks in Python that its input and weights share a dtype ({where}); its kernel "
-                f"'{kernel}' is in no hmp list. List '{kernel}' (BF16 or FP32 list) and hmp runs the whole {name} "
-                f"in that dtype, input, hidden state and weights.")
+                f"'{kernel}' is in no hmp list. List '{kernel}' in the BF16 or FP32 list and hmp runs the whole "
+                f"{name} in that dtype, input, hidden state and weights ({lists.how_to_add(kernel, 'fp32')}).")
     return (f"hmp: {name} checks in Python that its input and weights share a dtype ({where}); '{kernel}' is in "
             f"the {lists.LIST_TITLE[listed]} list, but this call ran with hmp's casts off (hmp.disable_casts()), so nothing "
             f"gave them one dtype.")
@@ -167,7 +170,7 @@ def _explain(exc, wrapped, in_backward=False):
         if listed is None:
             advice = probable_list(callee)
             return (f"hmp: {callee} got lower-precision and float32 tensors and is in no hmp list; it probably "
-                    f"belongs in the {lists.LIST_TITLE[advice]} list (add '{callee}' to the file you pass as {lists.PARAMS[advice]}).")
+                    f"belongs in the {lists.LIST_TITLE[advice]} list ({lists.how_to_add(callee, advice)}).")
         if label is None:
             return (f"hmp: '{callee}' is in the {lists.LIST_TITLE[listed]} list but this call was not cast: it ran inside "
                     f"hmp.disable_casts(), or through a reference taken before hmp.convert() "
@@ -176,7 +179,7 @@ def _explain(exc, wrapped, in_backward=False):
         if kind == "bf16" and name in NORM_OPS:
             return (f"hmp: {label} (BF16 list) got lower-precision and float32 tensors: hmp casts only the input "
                     f"of normalization ops, so its weight, bias and statistics keep their dtypes; give them one "
-                    f"dtype, or move '{name}' to the FP32 list.")
+                    f"dtype, or move '{name}' to the FP32 list ({lists.how_to_add(name, 'fp32')}).")
         return (f"hmp: {label} ({lists.LIST_TITLE.get(kind, kind)} list) got lower-precision and float32 tensors after hmp's "
                 f"casts (hmp casts tensor arguments and tensors inside a list/tuple argument); the promote list "
                 f"would give all its floating inputs one dtype.")

@@ -2,9 +2,17 @@
 
 Everything here runs before anything is patched, so a bad file raises with
 torch untouched. Which file each list comes from, first match wins: the
-argument, the environment (ENV_LISTS), the shipped default (DEFAULT_FILES).
+argument, the environment (ENV_LISTS), the shipped default (``default_file``).
+
+Besides op names and module paths, a line may be ``include default`` (the
+default list of the file's kind), ``include <name>`` (a shipped list,
+``list_path(name)``) or ``-name`` (take ``name`` out of what the file
+holds), so a file can extend a default list instead of replacing it. A list
+holds precision choices only: names of ops that alias, copy, move or only
+write data are refused (``refusal``).
 """
 
+import functools
 import logging
 import os
 import warnings
@@ -14,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from . import state
-from .resolve import NO_PYTHON, UNKNOWN, is_module_path, module_class
+from .resolve import BOUND, NO_PYTHON, UNKNOWN, is_module_path, module_class, returns_view
 
 log = logging.getLogger("hmp")
 
@@ -28,6 +36,10 @@ DEFAULT_FILES = {
     "O2": {"bf16": "o2_bf16.txt", "fp32": "o2_fp32.txt", "promote": "promote.txt"},
 }
 OPT_LEVELS = tuple(DEFAULT_FILES)
+# float16 overflows above 65504: its O1 lower list is the GEMM/convolution
+# family, as torch.autocast's and apex O1's float16 lists (the seed's BF16
+# list stays available: ``include bf16``). O2's lower list already is.
+FP16_LOWER_FILE = "fp16.txt"
 # Environment variables naming list files when convert() gets no path, in
 # order of precedence: the names Lightning's HPU docs use, then the names
 # Habana's autocast reads.
@@ -60,6 +72,44 @@ def default_path(name):
     return list_dir() / name
 
 
+# Ops in no list that fail when a lower-precision tensor reaches them (no
+# kernel for its dtype, or they need one dtype), found from torch itself by
+# benchmarks/kernel_lists.py: they run as they would without hmp's cast.
+NO_KERNEL_FILES = {torch.bfloat16: "no_kernel_bf16.txt", torch.float16: "no_kernel_fp16.txt"}
+ONE_DTYPE_FILE = "one_dtype.txt"
+
+
+@functools.lru_cache(maxsize=None)
+def fallback_names(low):
+    """``(("fp32", names), ("promote", names))``: the ops that get the FP32
+    rule (no kernel for ``low``) and the promote rule (they need one dtype)
+    when they are in no list. Shipped and checked by the test suite, so
+    read without checking each name again."""
+    return (("fp32", tuple(n for _, n in read_names(default_path(NO_KERNEL_FILES[low])))),
+            ("promote", tuple(n for _, n in read_names(default_path(ONE_DTYPE_FILE)))))
+
+
+def default_file(opt_level, kind, low=torch.bfloat16):
+    """The shipped file of ``kind``'s default list."""
+    if kind == "bf16" and low == torch.float16 and opt_level == "O1":
+        return FP16_LOWER_FILE
+    return DEFAULT_FILES[opt_level][kind]
+
+
+def shipped_names():
+    """The names of the shipped lists (``include <name>``, ``list_path``)."""
+    return sorted(p.stem for p in list_dir().glob("*.txt"))
+
+
+def list_path(name):
+    """The path of the shipped list ``name`` (``"bf16"``, ``"fp32"``,
+    ``"promote"``, ``"fp16"``, ``"o2_bf16"``, ``"autocast_cpu_bf16"``, ...):
+    the file to read, copy or name in ``include``."""
+    if isinstance(name, str) and name.isidentifier() and (list_dir() / f"{name}.txt").is_file():
+        return list_dir() / f"{name}.txt"
+    raise ValueError(f"hmp: no shipped list named {name!r}; the shipped lists are {', '.join(shipped_names())}")
+
+
 def _check_path(path, what):
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"hmp: {what} must be a str or os.PathLike, got {type(path).__name__}: {path!r}")
@@ -70,12 +120,22 @@ MAX_BYTES = 64 << 20  # a list of every op torch has is under 100 KiB
 
 
 def read_names(path, what="list file"):
-    """Return ``[(line_number, name), ...]`` from a list file.
+    """Return ``[(line_number, text), ...]`` from a list file: each text an
+    op name or module path, ``-name`` or ``include <list>``.
 
     Tolerates a UTF-8 BOM, CRLF, blank lines, surrounding whitespace and
     ``#`` comments. Raises OSError naming the path when it cannot be read and
-    ValueError naming the path and line for text that is not a valid name.
+    ValueError naming the path and line for text that is not a valid line.
     """
+    entries, errors = _read_lines(path, what)
+    if errors:
+        raise ValueError(_error_text(_check_path(path, what), what, [e for _, e in errors]))
+    return entries
+
+
+def _read_lines(path, what):
+    """``(entries, errors)``: the lines of a list file, and ``(line number,
+    message)`` for each line that is not a valid one."""
     path = _check_path(path, what)
     try:
         with open(path, "rb") as f:
@@ -96,18 +156,32 @@ def read_names(path, what="list file"):
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            errors.append(f"line {number}: not valid UTF-8 ({e.reason} at byte {e.start})")
+            errors.append((number, f"line {number}: not valid UTF-8 ({e.reason} at byte {e.start})"))
             continue
-        name = text.split("#", 1)[0].strip()
-        if not name:
-            continue
-        if not is_name(name):
-            errors.append(f"line {number}: {_short(name)!r} is not an op name or a module class's import path")
-            continue
-        entries.append((number, name))
-    if errors:
-        raise ValueError(_error_text(path, what, errors))
-    return entries
+        line = _line(text.split("#", 1)[0])
+        if line is None:
+            errors.append((number, f"line {number}: {_short(text.split('#', 1)[0].strip())!r} is not an op name, "
+                                   f"a module class's import path, '-name' or 'include <list>'"))
+        elif line:
+            entries.append((number, line))
+    return entries, errors
+
+
+INCLUDE = "include "
+
+
+def _line(text):
+    """The normalised text of a list line ("" for a blank one), or None
+    when it is not a valid line."""
+    text = text.strip()
+    if not text or is_name(text):
+        return text
+    if text.startswith("-") and is_name(text[1:].strip()):
+        return "-" + text[1:].strip()
+    words = text.split()
+    if len(words) == 2 and words[0] == INCLUDE.strip() and is_name(words[1]):
+        return INCLUDE + words[1]
+    return None
 
 
 def is_name(text):
@@ -133,62 +207,136 @@ def _error_text(path, what, errors, limit=SHOWN):
 
 
 class Entries(NamedTuple):
-    """What one list holds: op names and module classes, in file order."""
+    """What one list holds: op names and module classes, in file order;
+    ``explicit``: the op names the file itself names (not through ``include``)."""
 
     ops: list
     modules: list
+    explicit: frozenset = frozenset()
 
 
-def load(path, known, what, modules=True):
+def load(path, known, what, modules=True, default=None):
     """Read a list file and check every name with ``known.check(name)``
     (hmp.resolve.Resolver.check); a module class's import path is imported
     (the only code a list file can cause to run). ``modules=False``: module
-    entries are an error (the promote list).
+    entries are an error (the promote list). ``default``: the path that
+    ``include default`` reads.
 
     Returns Entries: op names in file order, duplicates dropped, an overload
     qualified name as its op (``pow.Tensor_Scalar`` -> ``pow``), and the
     classes. A real aten operator that no Python name reaches is left out
-    with one warning for the file; bad names raise ValueError naming the
-    file and lines.
+    with one warning for the file; bad lines (syntax, unknown or refused
+    names, all of them at once) raise ValueError naming the file and lines.
     """
-    entries = read_names(path, what)
+    entries, syntax = _read_lines(path, what)
     errors, unreachable = [], []
-    names, classes = {}, {}
+    names, classes, explicit, removed = {}, {}, set(), {}
     for number, name in entries:
-        if name in names or name in classes:
+        if name.startswith(INCLUDE):
+            target = name[len(INCLUDE):]
+            try:
+                source = default if target == "default" else list_path(target)
+                if source is None:
+                    raise ValueError("no default list here")
+                included = load(source, known, f"list {target!r}", modules)
+            except ValueError as e:
+                errors.append((number, f"line {number}: {name!r}: {str(e).replace('hmp: ', '')}"))
+                continue
+            for op in included.ops:
+                names.setdefault(op, number)
+            for cls in included.modules:
+                classes.setdefault(class_path(cls), cls)
+            continue
+        remove = name.startswith("-")
+        name = name[1:] if remove else name
+        if not remove and (name in explicit or name in classes):
             continue
         if is_module_path(name):
             try:
                 if not modules:
                     raise ValueError(f"{name!r}: module entries go in the BF16 or FP32 list")
-                classes[name] = module_class(name)
+                if remove:
+                    removed[class_path(module_class(name))] = number
+                else:
+                    classes[name] = module_class(name)
             except ValueError as e:
                 op = name.rpartition(".")[2]
                 if known.exists(op):  # torch.relu: an op written with its module
                     e = f"unknown op {name!r}; did you mean {op}? (an op is listed by its name alone; {e})"
-                errors.append(f"line {number}: {e}")
+                errors.append((number, f"line {number}: {e}"))
             continue
         # suggestions cost milliseconds each (seconds for a huge name):
         # only for the errors shown, and only for names of a sane length
         sane = len(name) <= _SANE
         op, status, message = known.check(name, hint=sane and len(errors) < SHOWN)
         if status == UNKNOWN:
-            errors.append(f"line {number}: {message if sane else f'unknown op {_short(name)!r}'}")
+            errors.append((number, f"line {number}: {message if sane else f'unknown op {_short(name)!r}'}"))
+            continue
+        reason = refusal(op) if status == BOUND else None  # an unbindable name is skipped below anyway
+        if reason is not None and not remove:
+            errors.append((number, f"line {number}: {op!r} {reason}; a list holds precision choices only, so hmp "
+                                   f"refuses it (docs/lists.md)"))
             continue
         if op != name:
             log.info("hmp: %s %s line %d: %s stands for aten::%s as a whole (hmp binds Python functions, "
                      "which reach every overload)", what, str(path), number, name, op)
+        if remove:
+            removed[op] = number
+            continue
         if status == NO_PYTHON:
             if op not in (o for _, o in unreachable):
                 unreachable.append((number, op))
             continue
         names.setdefault(op, number)
-    if errors:
+        explicit.add(op)
+    both = [(n, op) for op, n in removed.items() if op in explicit]
+    errors += [(n, f"line {n}: {op!r} is both listed (line {names[op]}) and taken out ('-{op}')") for n, op in both]
+    if errors or syntax:
+        errors = [e for _, e in sorted(syntax + errors, key=lambda e: e[0])]
         raise ValueError(_error_text(_check_path(path, what), what, errors))
     if unreachable:
         where = ", ".join(f"line {n}: aten::{op}" for n, op in unreachable)
         warn_unreachable(f"{what} {str(path)!r}: {where}")
-    return Entries(list(names), list(dict.fromkeys(classes.values())))
+    ops = [op for op in names if op not in removed]
+    found = [cls for key, cls in classes.items() if key not in removed and class_path(cls) not in removed]
+    return Entries(ops, list(dict.fromkeys(found)), frozenset(explicit))
+
+
+# Names hmp refuses in a list: calls that alias, copy, move or only write
+# data. A cast there does not choose a precision, it breaks the program:
+# `x[i] = v` writing a cast copy of x, `clone()` making a bf16 copy of a
+# parameter, `x.float()` returning bfloat16. Views (a result that aliases an
+# input, by torch's schema) and the `X_copy` forms of views are found from
+# torch's schemas; these are the rest, which no schema marks.
+MOVES = frozenset((
+    "__getitem__", "__setitem__", "__delitem__",  # indexing: a view or a copy, a write
+    "clone", "copy", "_to_copy", "type", "type_as", "float", "double", "half", "bfloat16", "new_tensor",
+    "to_dense", "to_sparse",  # copies and conversions (`to`, `cpu`, `contiguous` are views by their schemas)
+    "copy_", "fill_", "zero_", "set_", "resize_", "resize_as_", "detach_", "requires_grad_",  # writes only
+))
+# Habana's published default lists name `t` (a view): scripts written for
+# them keep working; a view is never cast, so the line binds nothing.
+SEED_VIEWS = frozenset(("t",))
+
+
+def refusal(op):
+    """Why ``op`` may not be in a list (a phrase), or None when it may."""
+    if op in SEED_VIEWS:
+        return None
+    if op in MOVES:
+        return "copies, moves or writes data rather than computing"
+    if returns_view(op):
+        return "returns a view of its input (a cast copy would not be one)"
+    base = op[:-len("_copy")] if op.endswith("_copy") else None
+    if base and returns_view(base):
+        return f"copies the view {base} returns"
+    return None
+
+
+def how_to_add(name, kind):
+    """Advice that keeps the default list: how to put ``name`` in ``kind``'s list."""
+    return (f"put '{name}' in a file whose first line is 'include default' and pass it as {PARAMS[kind]}, so the "
+            f"default {LIST_TITLE[kind]} list stays in force")
 
 
 def warn_unreachable(where):
@@ -198,30 +346,32 @@ def warn_unreachable(where):
                   UserWarning, stacklevel=state.user_stacklevel())
 
 
-def combine(bf16, fp32, promote, bf16_from_user, fp32_from_user, sources):
-    """Apply the precedence rules and return ``{"bf16", "fp32", "promote"}`` sets.
+def combine(bf16, fp32, promote, sources):
+    """Apply the precedence rules to three Entries and return ``{"bf16",
+    "fp32", "promote"}`` sets.
 
-    Two user files may not share an op. A single user file wins over the
-    other, default list. The BF16 and FP32 lists win over the promote list.
+    An op a file names itself wins over the same op included in the other
+    list (a user BF16 file naming softmax takes it out of the default FP32
+    list); named in both, or included in both, it is an error. The BF16 and
+    FP32 lists win over the promote list.
     """
-    bf16, fp32, promote = set(bf16), set(fp32), set(promote)
-    both = bf16 & fp32
-    if both:
-        if bf16_from_user and fp32_from_user:
-            raise ValueError(
-                f"hmp: ops in both the BF16 list {sources['bf16']!r} and the FP32 list "
-                f"{sources['fp32']!r}: {', '.join(sorted(both))}"
-            )
-        if bf16_from_user:
-            log.info("hmp: BF16 list %s takes %s out of the default FP32 list", sources["bf16"], ", ".join(sorted(both)))
-            fp32 -= both
-        elif fp32_from_user:
-            log.info("hmp: FP32 list %s takes %s out of the default BF16 list", sources["fp32"], ", ".join(sorted(both)))
-            bf16 -= both
-        else:
-            raise ValueError(f"hmp: the default lists overlap: {', '.join(sorted(both))}")
-    promote -= bf16 | fp32
-    return {"bf16": bf16, "fp32": fp32, "promote": promote}
+    low, high = set(bf16.ops), set(fp32.ops)
+    both = low & high
+    clash = sorted(op for op in both if (op in bf16.explicit) == (op in fp32.explicit))
+    if clash:
+        raise ValueError(
+            f"hmp: ops in both the BF16 list {sources['bf16']!r} and the FP32 list "
+            f"{sources['fp32']!r}: {', '.join(clash)}"
+        )
+    moved = {"bf16": sorted(op for op in both if op in bf16.explicit),
+             "fp32": sorted(op for op in both if op in fp32.explicit)}
+    if moved["bf16"]:
+        log.info("hmp: BF16 list %s takes %s out of the FP32 list", sources["bf16"], ", ".join(moved["bf16"]))
+    if moved["fp32"]:
+        log.info("hmp: FP32 list %s takes %s out of the BF16 list", sources["fp32"], ", ".join(moved["fp32"]))
+    high -= set(moved["bf16"])
+    low -= set(moved["fp32"])
+    return {"bf16": low, "fp32": high, "promote": set(promote.ops) - low - high}
 
 
 def given(path):
@@ -254,12 +404,12 @@ def _low_list(bf16, fp16, low):
     return fp16, FP16_FILE_TITLE
 
 
-def _load_one(source, resolver, title, kind):
+def _load_one(source, resolver, title, kind, default):
     """``(Entries, printable source)`` for one list: a path or Names."""
     if isinstance(source, Names):
-        return Entries(list(source.names), []), source.source
+        return Entries(list(source.names), [], frozenset(source.names)), source.source
     printable = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source
-    return load(source, resolver, title, modules=kind != "promote"), printable
+    return load(source, resolver, title, modules=kind != "promote", default=default), printable
 
 
 def effective(resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16="", low=torch.bfloat16, environ=None):
@@ -288,15 +438,51 @@ def effective(resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16=""
     from_user = {k: given(v) for k, v in sources.items()}
     loaded, printable = {}, {}
     for kind in KINDS:
-        source = sources[kind] if from_user[kind] else default_path(DEFAULT_FILES[opt_level][kind])
-        loaded[kind], printable[kind] = _load_one(source, resolver, titles[kind], kind)
-    ops = combine(*(loaded[k].ops for k in KINDS), from_user["bf16"], from_user["fp32"], printable)
+        default = default_path(default_file(opt_level, kind, low))
+        source = sources[kind] if from_user[kind] else default
+        loaded[kind], printable[kind] = _load_one(source, resolver, titles[kind], kind, default)
+        if not from_user[kind]:  # a default list names nothing on the user's behalf
+            loaded[kind] = loaded[kind]._replace(explicit=frozenset())
+    ops = combine(*(loaded[k] for k in KINDS), printable)
+    _warn_dropped(ops, loaded, {k: from_user[k] and not isinstance(sources[k], Names) for k in KINDS}, printable,
+                  titles, opt_level, low, resolver)
     classes = {k: loaded[k].modules for k in ("bf16", "fp32")}
     both = [c for c in classes["bf16"] if c in classes["fp32"]]
     if both:
         raise ValueError(f"hmp: module classes in both the BF16 list {printable['bf16']!r} and the FP32 list "
                          f"{printable['fp32']!r}: {', '.join(class_path(c) for c in both)}")
     return ops, classes
+
+
+# user files that leave out default ops get a warning: the FP32 list keeps
+# losses and softmax out of the lower dtype, the promote list gives mixed
+# inputs one dtype; a BF16 file that leaves some out only runs them in fp32
+_GUARDED = ("fp32", "promote")
+
+
+def _warn_dropped(ops, loaded, from_user, printable, titles, opt_level, low, resolver):
+    """One warning per file for a user list that is empty, or that replaces
+    a default FP32 or promote list and leaves out ops it holds."""
+    for kind in KINDS:
+        if not from_user[kind]:  # a default, or a gaudi config's complete list
+            continue
+        entries = loaded[kind]
+        if not entries.ops and not entries.modules:
+            if state.first_time(("empty list", kind, printable[kind])):
+                warnings.warn(f"hmp: {titles[kind]} {printable[kind]!r} is empty, so the {LIST_TITLE[kind]} list "
+                              f"is empty. To extend the default list instead, start the file with "
+                              f"'include default' (docs/lists.md).", UserWarning, stacklevel=state.user_stacklevel())
+            continue
+        if kind not in _GUARDED:
+            continue
+        default = load(default_path(default_file(opt_level, kind, low)), resolver, "default list").ops
+        elsewhere = set().union(*(ops[k] for k in KINDS if k != kind))
+        dropped = sorted(set(default) - ops[kind] - elsewhere)
+        if dropped and state.first_time(("dropped defaults", kind, printable[kind], tuple(dropped))):
+            warnings.warn(f"hmp: {titles[kind]} {printable[kind]!r} replaces the default {LIST_TITLE[kind]} list and "
+                          f"leaves out {', '.join(dropped)}: they now run in their inputs' dtypes. Start the file "
+                          f"with 'include default' to extend the default list instead (docs/lists.md).",
+                          UserWarning, stacklevel=state.user_stacklevel())
 
 
 def class_path(cls):

@@ -38,6 +38,7 @@ from .state import MODULE, OFF, enter, leave, tls
 from .torch_private import tree_map_only
 
 Module = torch.nn.Module
+_is_compiling = torch.compiler.is_compiling
 
 # calls the lower-precision mode leaves alone: dtype and device conversions
 # (they say what dtype they want), and questions about a tensor
@@ -88,7 +89,10 @@ class LowerMode(TorchFunctionMode):
         a, k = self._prepare(func)(args, kwargs)
         st.off = OFF  # the outermost op decides: state.enter/leave, inlined as in wrap.py
         try:
-            return func(*a, **k)
+            result = func(*a, **k)
+            if not _is_compiling() and (a is not args or k is not kwargs):  # writes reach the caller's tensor
+                policy.write_back(a, args, k, kwargs)
+            return result
         finally:
             st.off = 0
 
@@ -97,10 +101,12 @@ def _fp32_forward(original, cast_in, cast_out):
     def forward(self, *args, **kwargs):
         if tls.off == OFF:  # casts are off for another reason than a module: it wins
             return original(self, *args, **kwargs)
-        args, kwargs = cast_in(args, kwargs)
+        cast_args, cast_kwargs = cast_in(args, kwargs)
         found = enter(MODULE)
         try:
-            out = original(self, *args, **kwargs)
+            out = original(self, *cast_args, **cast_kwargs)
+            if not _is_compiling() and (cast_args is not args or cast_kwargs is not kwargs):  # input writes too
+                policy.write_back(cast_args, args, cast_kwargs, kwargs)
         finally:
             leave(found)
         return cast_out(out)

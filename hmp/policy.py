@@ -9,6 +9,8 @@ calls: the list's rule, with the in-place rule for calls that write a
 tensor (``out=``, ``inplace=True``) checked inside it.
 """
 
+import decimal
+import numbers
 import warnings
 
 import torch
@@ -25,8 +27,46 @@ _promote_types = torch.promote_types  # captured: listing promote_types cannot r
 # Casts go straight to TensorBase's C methods, never through a name hmp may
 # patch (so listing `to` or `float` cannot recurse). The per-dtype methods
 # parse their arguments faster than `to`; all of them are differentiable.
+# PLAIN_CASTS round as torch does (a value beyond the target's range is inf);
+# they are used where torch's own rounding is the contract (custom_fwd's
+# cast_inputs) and for casts that widen.
 _TB = torch_private.TensorBase
 PLAIN_CASTS = {FP16: _TB.half, BF16: _TB.bfloat16, FP32: _TB.float, FP64: _TB.double}
+
+_NAN = float("nan")
+_nan_to_num_, _set_grad, _grad_on = _TB.nan_to_num_, torch_private.set_grad_enabled, torch.is_grad_enabled
+
+
+def _finite(dtype):
+    """The cast to a lower dtype that keeps a finite value finite
+    (docs/never-changes.md): torch's rounding, then a value beyond the
+    dtype's range (inf after rounding) becomes its largest finite value, as
+    saturating conversions do. One in-place pass over the copy, outside
+    autograd (the copy's gradient is the plain cast's), so the copy is the
+    only tensor made; NaN stays NaN. It bumps the copy's version once
+    (``written`` relies on that)."""
+    cast, top = PLAIN_CASTS[dtype], torch.finfo(dtype).max
+
+    def cast_finite(t):
+        y = cast(t)
+        grad = _grad_on() and y.requires_grad
+        if grad:
+            _set_grad(False)
+        try:
+            _nan_to_num_(y, _NAN, top, -top)
+        except (RuntimeError, NotImplementedError):  # a layout without the op (nested): torch's rounding
+            pass
+        finally:
+            if grad:
+                _set_grad(True)
+        return y
+
+    cast_finite.__name__ = cast_finite.__qualname__ = f"to_{str(dtype).replace('torch.', '')}_finite"
+    return cast_finite
+
+
+# The casts hmp makes: to a lower dtype, finite values stay finite.
+CASTS = {FP16: _finite(FP16), BF16: _finite(BF16), FP32: _TB.float, FP64: _TB.double}
 
 NORM_OPS = frozenset((
     "batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm",
@@ -42,28 +82,53 @@ def cast_seq(seq, src, cast, refuse=None):
     """``seq`` with every tensor whose dtype is in ``src`` passed through ``cast``.
 
     Looks into list/tuple items, at any depth (``torch.cat([a, b])``).
-    Returns ``seq`` itself when nothing was cast. ``refuse``: a check of
-    the Python numbers directly in ``seq``; when it says True, the result
-    is None (the BF16 rule's overflow check: see ``lower``).
+    Returns ``seq`` itself when nothing was cast. A tensor subclass whose
+    cast raises (``MaskedTensor`` refuses bfloat16) is left as it is: the op
+    then runs as it would without hmp. ``refuse``: a check of the numbers
+    in ``seq`` (Python, numpy or any other real number, at any depth); when
+    it says True, the result is None (the BF16 rule's overflow check: see
+    ``lower``).
     """
     out = None
     for i, a in enumerate(seq):
         if isinstance(a, Tensor):
             if a.dtype in src:
+                try:
+                    c = cast(a)
+                except Exception:
+                    if type(a) is Tensor or type(a) is _Parameter:
+                        raise
+                    continue  # a subclass that refuses the cast stays uncast
                 if out is None:
                     out = list(seq)
-                out[i] = cast(a)
+                out[i] = c
         elif type(a) is list or type(a) is tuple:
-            b = cast_seq(a, src, cast)
+            b = cast_seq(a, src, cast, refuse)
+            if b is None:
+                return None
             if b is not a:
                 if out is None:
                     out = list(seq)
                 out[i] = b
-        elif refuse is not None and (type(a) is float or type(a) is int) and refuse(a):
+        elif refuse is not None and (type(a) is float or type(a) is int or _is_number(type(a))) and refuse(a):
             return None
     if out is None:
         return seq
     return out if type(seq) is list else tuple(out)
+
+
+_Parameter = torch.nn.Parameter
+_NUMBER_TYPES = {bool: False, type(None): False, str: False}  # type -> a real number other than bool
+
+
+def _is_number(t):
+    """True for a real number type other than float, int and bool: numpy's
+    scalars (``np.float32``, ``np.float64``), ``fractions.Fraction``,
+    ``decimal.Decimal``. Decided once per type."""
+    known = _NUMBER_TYPES.get(t)
+    if known is None:
+        known = _NUMBER_TYPES[t] = issubclass(t, (numbers.Real, decimal.Decimal)) and t is not bool
+    return known
 
 
 def cast_kwargs(kwargs, src, cast):
@@ -181,11 +246,11 @@ def lower_input_only(low, casters, out=None):
         if args:
             x = args[0]
             if isinstance(x, Tensor) and x.dtype is FP32:
-                args = (cast(x),) + args[1:]
+                args = cast_seq(args[:1], FP32_ONLY, cast) + args[1:]
         elif kwargs:
             x = kwargs.get("input")
             if isinstance(x, Tensor) and x.dtype is FP32:
-                kwargs = dict(kwargs, input=cast(x))
+                kwargs = dict(kwargs, input=cast_seq((x,), FP32_ONLY, cast)[0])
         return args, kwargs
 
     return prepare
@@ -276,14 +341,21 @@ def _first_tensor(value):
     return None
 
 
-def _into(target, args, kwargs, casters):
-    """Cast every floating argument except ``target`` to ``target``'s dtype."""
+def _into(target, args, kwargs, casters, keep=()):
+    """Cast every floating argument except ``target`` (and the written ones
+    at the positions in ``keep``) to ``target``'s dtype."""
     if target is None or target.dtype not in FLOATS:
         return args, kwargs
     dst = target.dtype
     src, cast = OTHER_FLOATS[dst], casters[dst]
     # target already has dtype dst, so it is never in src and never copied
-    args = cast_seq(args, src, cast)
+    cast_args = cast_seq(args, src, cast)
+    if keep and cast_args is not args:
+        cast_args = list(cast_args)
+        for i in keep:
+            if i < len(args):
+                cast_args[i] = args[i]
+        cast_args = tuple(cast_args)
     if kwargs:
         out = kwargs.get("out")
         if out is None:
@@ -292,7 +364,7 @@ def _into(target, args, kwargs, casters):
             rest = dict(kwargs)
             del rest["out"]
             kwargs = dict(cast_kwargs(rest, src, cast), out=out)
-    return args, kwargs
+    return cast_args, kwargs
 
 
 def inplace_self(casters):
@@ -338,6 +410,111 @@ def _checking_inplace(main, into, position):
     return prepare
 
 
+def written_into(written, main, casters):
+    """``main``, unless it would replace a tensor the op writes (``written``:
+    ``(position, name)`` pairs, from the op's schema) by a cast copy: such a
+    call runs in the written tensor's dtype instead, every other floating
+    argument cast to it and no written one touched. (A norm's BF16 rule
+    casts only the input, so its running statistics stay as they are.)"""
+    positions = tuple(i for i, _ in written)
+
+    def prepare(args, kwargs):
+        a, k = main(args, kwargs)
+        if a is args and k is kwargs:
+            return a, k
+        for i, name in written:
+            if i < len(args):
+                target, copy = args[i], a[i]
+            elif name in kwargs:
+                target, copy = kwargs[name], k.get(name)
+            else:
+                continue
+            if copy is not target and isinstance(target, Tensor):
+                return _into_written(target, args, kwargs, casters, written, positions)
+        return a, k
+
+    return prepare
+
+
+def _into_written(target, args, kwargs, casters, written, positions):
+    kept = {name: kwargs[name] for i, name in written if i >= len(args) and name in kwargs}
+    a, k = _into(target, args, {n: v for n, v in kwargs.items() if n not in kept} if kept else kwargs, casters,
+                 positions)
+    return a, (dict(k, **kept) if kept else k)
+
+
+_version = torch_private.version_of
+_no_grad = torch.no_grad
+
+
+def write_back(cast_args, args, cast_kwargs, kwargs):
+    """After an op ran on hmp's copies of its arguments: what it wrote into
+    a copy is written into the caller's tensor, element by element (a
+    written argument is the caller's tensor: docs/never-changes.md). This
+    catches writes no schema declares (``F.embedding``'s ``max_norm``
+    renormalises the weight it is given). A copy was written when its
+    version counter moved past the cast's own (``_finite`` bumps it once)."""
+    if cast_args is not args:
+        _back_seq(cast_args, args)
+    if cast_kwargs is not kwargs:
+        for key, original in kwargs.items():
+            copy = cast_kwargs.get(key)
+            if copy is not original:
+                _back_seq((copy,), (original,))
+
+
+_CAST_VERSION = {BF16: 1, FP16: 1, FP32: 0, FP64: 0}  # a fresh copy's version: _finite bumps it once
+
+
+def _back_seq(copies, originals):
+    for c, o in zip(copies, originals):
+        if c is o:
+            continue
+        if isinstance(c, Tensor):
+            try:
+                written = _version(c) > _CAST_VERSION.get(c.dtype, 0)
+            except RuntimeError:  # an inference tensor keeps no version counter
+                continue
+            if written and isinstance(o, Tensor):
+                _write_into(o, c)
+        elif (type(c) is list or type(c) is tuple) and (type(o) is list or type(o) is tuple):
+            _back_seq(c, o)
+
+
+def _write_into(original, copy):
+    """The elements of ``copy`` that differ from a fresh cast of
+    ``original`` go into ``original`` (in its dtype); the others keep their
+    exact value, so a write to a few rows of a cast copy rounds nothing else."""
+    if copy.shape != original.shape:
+        return  # resized by the op: nothing to map back element by element
+    with _no_grad():
+        fresh = CASTS[copy.dtype](original)
+        changed = copy != fresh
+        if changed.any():
+            original.copy_(torch.where(changed, copy.to(original.dtype), original))
+
+
+def _has_dtype(seq, dtypes):
+    for a in seq:
+        if isinstance(a, Tensor):
+            if a.dtype in dtypes:
+                return True
+        elif (type(a) is list or type(a) is tuple) and _has_dtype(a, dtypes):
+            return True
+    return False
+
+
+def needs(kind, low):
+    """``needs(args, kwargs)`` for an op in no list that gets ``kind``'s
+    rule only where it must (lists.fallback_names): under the FP32 rule, a
+    call given a lower-precision tensor; under the promote rule, a call
+    given floating tensors of two dtypes. Any other call runs as if hmp had
+    not wrapped the op."""
+    if kind == "fp32":
+        return lambda args, kwargs: _has_dtype(args, HALVES) or bool(kwargs) and _has_dtype(kwargs.values(), HALVES)
+    return lambda args, kwargs: widest(args, kwargs) is not None
+
+
 RULES = {"bf16": lower, "fp32": fp32, "promote": promote}  # list kind -> policy factory
 
 
@@ -356,6 +533,8 @@ def for_site(kind, name, site, low, casters):
                 else lower(low, casters, inplace_out(casters), name))
     else:
         main = RULES[kind](low, casters, inplace_out(casters))
+    if site.written:
+        main = written_into(site.written, main, casters)
     if site.inplace_param is None:
         return main
     return _checking_inplace(main, inplace_input(casters), site.inplace_param)

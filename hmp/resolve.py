@@ -70,8 +70,9 @@ class Site:
     namespace: object
     attr: str
     owner: str  # printable namespace name
-    inplace: bool  # the op writes its first argument (``X_``, ``__iX__``)
+    inplace: bool  # the op writes its first argument (``X_``, ``__iX__``, or by its schema)
     inplace_param: object = None  # position of an ``inplace=`` parameter, if the function has one
+    written: tuple = ()  # (position, name) of other arguments it writes (``Tensor(a!)``)
 
     @property
     def label(self):
@@ -93,6 +94,56 @@ class Binding(NamedTuple):
     site: Site
     kind: str  # "bf16", "fp32" or "promote"
     name: str  # the list name
+    fallback: bool = False  # an op in no list, bound so a lower-precision input cannot break it
+
+
+def make_site(namespace, attr, owner, inplace, fn, inplace_param=None):
+    """The Site of ``namespace.attr`` (holding ``fn``), with the arguments
+    the op writes (``writes``), so a written tensor is never replaced by a
+    cast copy whatever the op's name says."""
+    written = writes(fn, attr)
+    if any(i == 0 for i, _ in written):
+        inplace, written = True, tuple(w for w in written if w[0])
+    return Site(namespace, attr, owner, inplace, None if inplace else inplace_param, written)
+
+
+BUILTINS = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
+# batch_norm's schema does not mark what it writes (its running statistics,
+# written in C++ without a version bump); the schema of its functional form,
+# _native_batch_norm_legit, marks them. The one rule by function name in
+# here, a last resort: these read those parameters' names from that schema.
+UNMARKED_WRITERS = ("batch_norm", "native_batch_norm", "_batch_norm_impl_index", "instance_norm")
+_MARKED_FORM = "_native_batch_norm_legit"
+
+
+def writes(fn, attr):
+    """``((position, name), ...)``: the positional tensor arguments ``fn``
+    writes, from the aten schema of the op it is (``Tensor(a!)``) and, for
+    UNMARKED_WRITERS, of their functional form: a builtin's by position, a
+    Python function's by parameter name (``F.batch_norm`` orders its
+    parameters its own way). A Python function's other writes are declared
+    nowhere: the wrapper finds them after the call (policy.write_back)."""
+    builtin = isinstance(fn, BUILTINS)
+    own = schema_writes(getattr(fn, "__name__", attr) if builtin else attr)
+    names = {name for _, name in own}
+    if attr in UNMARKED_WRITERS:
+        names |= {name for _, name in schema_writes(_MARKED_FORM)}
+    found = set(own) if builtin else set()
+    if names - {name for _, name in found}:
+        found |= {(i, name) for i, name in enumerate(_parameters(fn, attr)) if name in names}
+    return tuple(sorted(found))
+
+
+def _parameters(fn, attr):
+    """The names of ``fn``'s positional parameters: its signature, else its aten schema's."""
+    try:
+        return [p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        packet = aten_op(getattr(fn, "__name__", attr))
+        if packet is None:
+            return []
+        return [a.name for a in packet.default._schema.arguments if not a.kwarg_only]
 
 
 def owner_label(owner):
@@ -101,7 +152,8 @@ def owner_label(owner):
 
 def attribute_site(owner, name):
     """The Site of ``owner.name`` for ``hmp.register()``."""
-    return Site(owner, name, owner_label(owner), False, _inplace_param(unwrap(getattr(owner, name))))
+    fn = unwrap(getattr(owner, name))
+    return make_site(owner, name, owner_label(owner), False, fn, _inplace_param(fn))
 
 
 def _is_op(raw):
@@ -112,11 +164,14 @@ def _is_op(raw):
 
 
 def _inplace_param(fn):
-    try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):  # builtins carry no signature
+    """The position of ``fn``'s ``inplace`` parameter, or None. Builtins
+    have none (their writes are in their schemas); a Python function's
+    code object names its parameters (cheaper than inspect.signature)."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is None:
         return None
-    return params.index("inplace") if "inplace" in params else None
+    names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    return names.index("inplace") if "inplace" in names else None
 
 
 def _torchvision_ops():
@@ -146,7 +201,7 @@ def _vf_sites(name):
     vf = torch_private.VF
     if name not in RNN_KERNELS or not _is_op(getattr(vf, name, None)):
         return []
-    return [Site(vf, name, torch_private.VF_LABEL, False)]
+    return [make_site(vf, name, torch_private.VF_LABEL, False, getattr(vf, name))]
 
 
 class Resolver:
@@ -201,7 +256,7 @@ class Resolver:
                 fn = self._lookup(module, attr, in_class=False)
                 if fn is not None:
                     inplace = attr is inplace_name or explicit_inplace
-                    found.append(Site(module, attr, owner, inplace, None if inplace else _inplace_param(fn)))
+                    found.append(make_site(module, attr, owner, inplace, fn, _inplace_param(fn)))
         T = torch.Tensor
         attrs = [(name, explicit_inplace), (inplace_name, True)]
         dunder = f"__{name}__"
@@ -211,8 +266,9 @@ class Resolver:
             else:
                 attrs += [(dunder, False), (f"__r{name}__", False), (f"__i{name}__", True)]
         for attr, inplace in attrs:
-            if attr is not None and self._lookup(T, attr, in_class=True) is not None:
-                found.append(Site(T, attr, "torch.Tensor", inplace))
+            fn = None if attr is None else self._lookup(T, attr, in_class=True)
+            if fn is not None:
+                found.append(make_site(T, attr, "torch.Tensor", inplace, fn))
         found += _vf_sites(name)
         found += self._aten_sites(name, found)
         self._cache[name] = found
@@ -221,19 +277,24 @@ class Resolver:
     def exists(self, name):
         return bool(self.sites(name))
 
-    def bind(self, effective):
+    def bind(self, effective, fallback=()):
         """``[Binding]`` for every entry point the effective lists (kind ->
-        names, in the order the kinds bind) bind, each site once: listed names first, so a fused kernel listed by name keeps
-        its own list; then the fused kernels of listed ops (FUSED)."""
+        names, in the order the kinds bind) bind, each site once: listed
+        names first, so a fused kernel listed by name keeps its own list;
+        then the fused kernels of listed ops (FUSED); then ``fallback``
+        (``(kind, names)`` pairs: ops in no list that get a rule anyway)."""
         named = [(kind, name) for kind, names in effective.items() for name in sorted(names)]
         fused = [(kind, f) for kind, name in named for f in FUSED.get(name, ())]
+        listed = {name for _, name in named}
+        extra = [(kind, name) for kind, names in fallback for name in names if name not in listed]
         out, seen = [], set()
-        for kind, name in named + fused:
+        first_extra = len(named) + len(fused)
+        for i, (kind, name) in enumerate(named + fused + extra):
             for site in self.sites(name):
                 key = (id(site.namespace), site.attr)
                 if key not in seen:
                     seen.add(key)
-                    out.append(Binding(site, kind, name))
+                    out.append(Binding(site, kind, name, i >= first_extra))
         return out
 
     def _aten_sites(self, name, found):
@@ -245,7 +306,7 @@ class Resolver:
             for owner, module, attr in aten_entry_points().get(op, ()):
                 if (id(module), attr) not in seen:
                     seen.add((id(module), attr))
-                    extra.append(Site(module, attr, owner, op.endswith("_")))
+                    extra.append(make_site(module, attr, owner, op.endswith("_"), getattr(module, attr)))
         return extra
 
     def check(self, name, hint=True):
@@ -377,6 +438,23 @@ def returns_view(name):
             if alias is not None and not alias.is_write:
                 return True
     return False
+
+
+@functools.lru_cache(maxsize=None)
+def schema_writes(name):
+    """``((position, name), ...)`` of the tensor arguments ``aten::name``
+    writes (``Tensor(a!)``), over all its overloads; keyword-only ones
+    (``out``) are left to the ``out=`` rule."""
+    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None  # dunders too (__iand__)
+    if not isinstance(packet, torch_private.OpOverloadPacket):
+        return ()
+    found = set()
+    for overload in packet.overloads():
+        for i, arg in enumerate(getattr(packet, overload)._schema.arguments):
+            alias = arg.alias_info
+            if alias is not None and alias.is_write and not arg.kwarg_only and "Tensor" in str(arg.type):
+                found.add((i, arg.name))
+    return tuple(sorted(found))
 
 
 @functools.lru_cache(maxsize=None)

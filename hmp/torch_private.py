@@ -33,6 +33,10 @@ TensorBase = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
 # cheap as the attribute on the hot path.
 version_of = operator.attrgetter("_version")
 
+# Grad mode switched without a context manager object: the saturating cast
+# fixes its copy in place outside autograd on every activation cast.
+set_grad_enabled = torch._C._set_grad_enabled
+
 
 def current_graph_task_id():
     """The C function giving -1 outside a backward pass, or None (an autograd

@@ -25,21 +25,28 @@ import torch
 
 from . import culprit, fallback, policy, torch_private
 from .errors import Wrapped
-from .resolve import ORIGINAL, unwrap
+from .resolve import BUILTINS, ORIGINAL, unwrap
 from .state import OFF, tls
 
 log = logging.getLogger("hmp")
 
-_to_bf16 = policy.PLAIN_CASTS[torch.bfloat16]
+_to_bf16 = policy.CASTS[torch.bfloat16]
 _to_fp32 = policy.PLAIN_CASTS[torch.float32]
 _FP32 = policy.FP32
 _NEVER = 1 << 62  # inplace_at of a site without an ``inplace`` parameter
 
 
-def make(op, prepare, wrapped, original=None, src=None, cast=None, refuse=None, inplace_at=_NEVER):
+def make(op, prepare, wrapped, original=None, src=None, cast=None, refuse=None, inplace_at=_NEVER, hidden=True,
+         needs=None):
     """The wrapper of ``op``: casts through ``prepare``; ``wrapped`` (an
     errors.Wrapped) describes it for the error path. ``original``: what
     ``op`` adapts, when it is an adapter (wrapper attributes come from it).
+    ``hidden``: ``op`` may write an argument without declaring it (a Python
+    function; a builtin's writes are in its schema, see resolve.writes), so
+    after a call that cast something, writes into the copies are carried
+    back to the caller's tensors (policy.write_back). ``needs(args,
+    kwargs)``: False for a call the wrapper leaves entirely alone, casts
+    staying on for the ops it calls (an op in no list, see policy.needs).
 
     ``src`` makes it lean for calls without keywords (and without a true
     ``inplace`` at position ``inplace_at``): tensors whose dtype is in
@@ -47,18 +54,19 @@ def make(op, prepare, wrapped, original=None, src=None, cast=None, refuse=None, 
     ``refuse`` rejects sends the call to ``prepare``), or, with
     ``src=PROMOTE``, a call whose floating tensors share one dtype runs as
     given. ``prepare`` applies the same rule to every other call."""
-    body = _body(op, prepare, wrapped, src, cast, refuse, inplace_at)
+    body = _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs)
     return _finish(body, op if original is None else original)
 
 
 PROMOTE = object()  # make(src=PROMOTE): the promote rule's common case
-_cast_seq, _one_dtype = policy.cast_seq, policy.one_dtype
+_cast_seq, _one_dtype, _write_back = policy.cast_seq, policy.one_dtype, policy.write_back
+_is_compiling = torch.compiler.is_compiling
 
 
-def _body(op, prepare, wrapped, src, cast, refuse, inplace_at):
+def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
     def wrapper(*args, **kwargs):
         st = tls
-        if st.off or prepare is None:
+        if st.off or prepare is None or needs is not None and not needs(args, kwargs):
             return op(*args, **kwargs)
         if src is None or kwargs or len(args) > inplace_at and args[inplace_at]:
             a, k = prepare(args, kwargs)
@@ -70,7 +78,11 @@ def _body(op, prepare, wrapped, src, cast, refuse, inplace_at):
                 a, k = prepare(args, kwargs)
         st.off = OFF
         try:
-            return op(*a, **k)
+            result = op(*a, **k)
+            # a write into a copy reaches the caller's tensor (traced code: functionalized)
+            if hidden and not _is_compiling() and (a is not args or k is not kwargs):
+                _write_back(a, args, k, kwargs)
+            return result
         except Exception as e:  # costs nothing unless the op raises
             result = fallback.rescue(e, op, wrapped, args, kwargs, a, k)
             if result is fallback.RAISE:
@@ -86,7 +98,7 @@ def _op_of(frame):
     return frame.f_locals.get("op")
 
 
-_BODY = _body(None, None, None, None, None, None, None).__code__
+_BODY = _body(None, None, None, None, None, None, None, None, None).__code__
 culprit.register_wrapper(_BODY, _op_of)
 
 
@@ -250,16 +262,19 @@ class Wrappers:
 
     def site(self, binding, original):
         """The wrapper of ``original`` for a resolve.Binding."""
-        site, kind, name = binding
+        site, kind, name, fallback = binding
         prepare = policy.for_site(kind, name, site, self.low, self.casters)
         op = original
         if policy.rejects_mixed(kind, name) and not self.passthrough:
             op = mixed_or_lower(op, policy.lower(self.low, self.casters))
         wrapped = Wrapped.of(binding)
+        hidden = not isinstance(original, BUILTINS)
         op = self._op(op)
-        if self.passthrough or self.verbose or self.recorder is not None or site.inplace \
-                or name in policy.NORM_OPS and kind == "bf16":
-            return make(op, self._prepare(prepare, site.label, name), wrapped, original)
+        # an op in no list steps in only for a call that needs it: otherwise the ops it calls cast as usual
+        needs = policy.needs(kind, self.low) if fallback else None
+        if self.passthrough or self.verbose or self.recorder is not None or site.inplace or site.written \
+                or name in policy.NORM_OPS and kind == "bf16" or fallback:
+            return make(op, self._prepare(prepare, site.label, name), wrapped, original, hidden=hidden, needs=needs)
         # lean for calls without keywords: the rule's casts without the prepare call
         at = _NEVER if site.inplace_param is None else site.inplace_param
         if kind == "bf16":
@@ -268,7 +283,7 @@ class Wrappers:
             src, cast, refuse = policy.HALVES, self.casters[_FP32], None
         else:
             src, cast, refuse = PROMOTE, None, None
-        return make(op, prepare, wrapped, original, src, cast, refuse, at)
+        return make(op, prepare, wrapped, original, src, cast, refuse, at, hidden)
 
     def user_prepare(self, kind, label):
         """The prepare of a user function (``@hmp.*_function``) of list ``kind``."""

@@ -297,27 +297,63 @@ def _known(name):
     return _RESOLVER.exists(name) or (not name.startswith("__") and _aten(name) is not None)
 
 
+# an op whose result aliases an input (a view), straight from its schemas;
+# the seed's `t` stays allowed (Habana's published lists name it)
+def _view(name):
+    packet = _aten(name)
+    return packet is not None and name != "t" and any(
+        r.alias_info is not None and not r.alias_info.is_write
+        for o in packet.overloads() for r in getattr(packet, o)._schema.returns)
+
+
+_NOT_PRECISION = {"clone", "__setitem__", "__getitem__", "copy_", "fill_", "zero_", "float", "half"}
+
+
+def _refused(name):
+    """Names a list may not hold (docs/lists.md): views, copies, writes."""
+    base = name.partition(".")[0]
+    return "." not in name and _RESOLVER.exists(name) and (name in _NOT_PRECISION or _view(name)) or (
+        base != name and _aten(base) is not None and _view(base))
+
+
+def _op_of(name):
+    base, dot, rest = name.partition(".")
+    return base if dot and "." not in rest and _aten(base) is not None else name
+
+
 def _expected_bad_lines(data):
     """An oracle for the lines that must be reported, from the documented
-    format: text that is not a name is reported first; unknown names only
-    when every line is a name."""
+    format: a line is a name, '-name' or 'include <shipped list or default>';
+    every bad line is reported, in line order: text that is no such line, an
+    unknown name, a refused one, and a '-name' whose op the file also lists."""
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
-    malformed, unknown = [], []
+    bad, listed, removals = [], set(), []
+    shipped = {p.stem for p in hmp.lists.list_dir().glob("*.txt")} | {"default"}
     for number, raw in enumerate(data.split(b"\n"), start=1):
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
-            malformed.append(number)
+            bad.append(number)
             continue
-        name = text.split("#", 1)[0].strip()
-        if not name:
+        line = text.split("#", 1)[0].strip()
+        if not line:
             continue
-        if not _NAME.fullmatch(name):
-            malformed.append(number)
-        elif not _known(name):
-            unknown.append(number)
-    return malformed or unknown
+        words = line.split()
+        if len(words) == 2 and words[0] == "include" and _NAME.fullmatch(words[1]):
+            if words[1] not in shipped:
+                bad.append(number)
+            continue
+        remove = line.startswith("-")
+        name = line[1:].strip() if remove else line
+        if not _NAME.fullmatch(name) or not _known(name) or (not remove and _refused(name)):
+            bad.append(number)
+        elif remove:
+            removals.append((number, _op_of(name)))
+        else:
+            listed.add(_op_of(name))
+    bad += [n for n, op in removals if op in listed]
+    return sorted(bad)
 
 
 def _check(data, kind):
@@ -348,7 +384,8 @@ def test_random_bytes(data, kind):
 NAMES = ["linear", "mm", "relu", "softmax", "add", "mul", "conv2d", "layer_norm", "cat", "where",
          "_native_multi_head_attention", "relu_", "t", "linaer", "not_an_op", "Linear", "MM", "linear2",
          "cross_entropy_loss", "linalg_multi_dot", "pow.Tensor_Scalar", "_convolution.deprecated", "pow.Foo",
-         "torch.linear", "slice", "embedding_bag_sum_fwd"]
+         "torch.linear", "slice", "embedding_bag_sum_fwd", "clone", "view", "__setitem__", "copy_", "transpose",
+         "-linear", "-mm", "- relu", "-linaer", "include default", "include bf16", "include nothing", "include"]
 _piece = st.one_of(
     st.sampled_from(NAMES),
     st.sampled_from(LOOK_ALIKES),

@@ -59,13 +59,20 @@ def test_non_ops_are_not_ops(name):
     assert not Resolver().exists(name)
 
 
-def test_casts_never_recurse_through_listed_to(tmp_path):
-    hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "to\ntype\nfloat\nlinear\nbfloat16\n"))
-    x = torch.randn(4, 8)
-    lin = torch.nn.Linear(8, 2)
-    assert lin(x).dtype == torch.bfloat16
-    assert x.float().dtype == torch.float32  # x.float() runs as a bf16-listed op on an fp32 input
-    assert x.to(torch.float64).dtype == torch.float64
+def test_casts_never_recurse_through_a_wrapped_to():
+    # a list may not name them (test_lists_hold_precision_choices_only); register() can wrap anything
+    for name in ("to", "type", "float", "bfloat16"):
+        hmp.register(torch.Tensor, name, "bf16")
+    try:
+        hmp.convert()
+        x = torch.randn(4, 8)
+        lin = torch.nn.Linear(8, 2)
+        assert lin(x).dtype == torch.bfloat16
+        assert x.float().dtype == torch.float32  # x.float() runs as a bf16-rule op on an fp32 input
+        assert x.to(torch.float64).dtype == torch.float64
+    finally:
+        for name in ("to", "type", "float", "bfloat16"):
+            hmp.unregister(torch.Tensor, name)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is None, reason="torchvision not installed")

@@ -25,6 +25,16 @@ def test_version_counter_counts_in_place_writes():
     assert tp.version_of(t) == before + 1
 
 
+def test_set_grad_enabled_switches_grad_mode_and_back():
+    assert torch.is_grad_enabled()
+    tp.set_grad_enabled(False)
+    try:
+        assert not torch.is_grad_enabled()
+    finally:
+        tp.set_grad_enabled(True)
+    assert torch.is_grad_enabled()
+
+
 def test_graph_task_id_is_minus_one_outside_backward_and_not_inside():
     get = tp.current_graph_task_id()
     assert get is not None and get() == -1
