@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from . import (averaging, buffers, cache, checkpoint, errors, functions, interop, lists, modules, pickling, regions, rnn,
-               steps, wrap)
+               steps, tested, wrap)
 from .cache import clear_cache
 from .patch import PatchLog
 from .policy import CASTS
@@ -96,6 +96,7 @@ def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=Fals
                       promote_file_path=promote_file_path, cache=cache, fp16_file_path=fp16_file_path,
                       fp32_modules=fp32_modules, bf16_modules=bf16_modules, model=model, resolver=resolver)
         interop.warn_inside_autocast()  # before patching: a warnings filter set to "error" patches nothing
+        tested.warn_if_newer()
         apply(wanted, resolver)
 
 

@@ -68,7 +68,7 @@ def run(args):
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            return _fail('--plot needs matplotlib: pip install "hmp[plot]"')
+            return _fail('--plot needs matplotlib: pip install "torch-hmp[plot]"')
     outputs = [args.bf16_out, args.fp32_out] + [p for p in (args.plot, args.json) if p]
     try:  # before tuning, which takes minutes
         check_outputs(outputs, PROG)

@@ -22,7 +22,7 @@ the loops), the optimizer step and gradient clipping run in the run's
 thread with casts off, so logged values are fp32 arithmetic on the logged
 tensors.
 
-Needs ``lightning`` (``pip install hmp[lightning]``); importing ``hmp`` or
+Needs ``lightning`` (``pip install "torch-hmp[lightning]"``); importing ``hmp`` or
 ``hmp.integrations`` does not import it.
 """
 

@@ -21,7 +21,7 @@ def test_installed_wheel_finds_its_lists(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert build.returncode == 0, build.stderr
-    (wheel,) = wheels.glob("hmp-*.whl")
+    (wheel,) = wheels.glob("torch_hmp-*.whl")  # the distribution's name; the import name is hmp
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
         capture_output=True, text=True, timeout=300,
@@ -48,3 +48,31 @@ def test_installed_wheel_finds_its_lists(tmp_path):
     hmp.revert()
     assert counts == expected and dtype == "torch.bfloat16"
 
+
+def test_requirements_never_cap_torch_and_start_at_the_floor_ci_tests():
+    import re
+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11's")
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (torch_req,) = [d for d in project["dependencies"] if re.match(r"torch\b", d)]
+    assert "<" not in torch_req and "==" not in torch_req and "~=" not in torch_req, torch_req
+    assert re.search(r">=\s*([\d.]+)", torch_req).group(1) == hmp.tested.TESTED_TORCH[0]
+    assert project["name"] != "hmp"  # that name on the package index is another project
+    bare = re.compile(r"(?<![\w-])hmp\[")  # `pip install "hmp[...]"`: the other project
+    assert not [line for f in [*(ROOT / "docs").glob("*.md"), ROOT / "README.md", *(ROOT / "hmp").rglob("*.py")]
+                for line in f.read_text().splitlines() if "pip install" in line and bare.search(line)]
+
+
+def test_a_torch_newer_than_ci_tested_is_said_once(recwarn):
+    from hmp import tested
+
+    newest = tested.TESTED_TORCH[-1]
+    major, minor, _ = tested.release(newest)
+    newer = f"{major}.{minor + 1}.0+cu999"
+    hmp.state.warned.discard(("untested torch", newer))
+    tested.warn_if_newer(newest)
+    tested.warn_if_newer(newer)
+    tested.warn_if_newer(newer)
+    said = [str(w.message) for w in recwarn if "newer than the newest release" in str(w.message)]
+    assert len(said) == 1 and newer in said[0] and newest in said[0]
