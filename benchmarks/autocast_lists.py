@@ -179,14 +179,16 @@ def render(device, kind, names, source):
     if dropped:
         lines.append("# Not bindable by hmp (no Python entry point reaches the aten op in this")
         lines.append("# torch; calls reach it from C++ only), so left out:")
-        lines += _wrap_comment(dropped)
+        lines += wrap_comment(dropped)
     return "\n".join(lines + sorted(kept)) + "\n"
 
 
-def _wrap_comment(names, width=78):
+def wrap_comment(names, width=78):
+    """``names`` as list-file comment lines of at most ``width`` characters
+    (a name longer than that gets a line of its own)."""
     out, line = [], "#  "
     for n in names:
-        if len(line) + len(n) + 1 > width:
+        if len(line) + len(n) + 1 > width and line != "#  ":
             out.append(line)
             line = "#  "
         line += " " + n

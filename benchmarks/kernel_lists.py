@@ -65,6 +65,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling script, also when imported by path
+from autocast_lists import wrap_comment  # noqa: E402
+
 from hmp import lists as hmp_lists  # noqa: E402
 from hmp.resolve import BOUND, Resolver, returns_view, unwrap  # noqa: E402
 
@@ -498,7 +501,7 @@ def render(kind, listed):
         lines += ["# " + s for s in ANNOTATED]
     if listed.dropped:
         lines.append(DROPPED)
-        lines += _wrap_comment(sorted(listed.dropped))
+        lines += wrap_comment(sorted(listed.dropped), 100)
     for name in sorted(listed.names):
         lacking = sorted(listed.names[name], key=_release_key)
         lines.append(f"{name}  # {NOT_IN}{', '.join(lacking)}" if lacking else name)
@@ -507,17 +510,6 @@ def render(kind, listed):
 
 def bound_here(name, resolver):
     return resolver.check(name, hint=False)[1] == BOUND
-
-
-def _wrap_comment(names, width=100):
-    out, line = [], "#  "
-    for n in names:
-        if len(line) + len(n) + 1 > width and line != "#  ":
-            out.append(line)
-            line = "#  "
-        line += " " + n
-    out.append(line)
-    return out
 
 
 def release():

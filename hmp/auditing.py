@@ -51,12 +51,15 @@ def compare(ref, got):
 
 
 class AuditReport:
-    def __init__(self, rows, output_error, threshold, loss_threshold, modules=()):
+    def __init__(self, rows, output_error, threshold, loss_threshold, modules=(), seen=None):
         self.rows = rows  # one dict per op that ran
         self.output_error = output_error  # relative error of fn's output under full hmp
         self.threshold, self.loss_threshold = threshold, loss_threshold
         self.modules = list(modules)  # one dict per hooked module that ran, by path
         self.module_classes = _class_rows(self.modules, threshold)  # the same, per module class
+        # module class -> the largest integer input (position, timestep, id) its instances were given:
+        # an error that grows with positions or timesteps is measured only up to there
+        self.seen = dict(seen or {})
 
     @property
     def flagged(self):
@@ -85,6 +88,13 @@ class AuditReport:
                 lines += ["", _heading(what, len(rows)), "", "| " + " | ".join(title for title, _, _ in columns) + " |",
                           "|" + "|".join(align for _, align, _ in columns) + "|"]
                 lines += ["| " + " | ".join(cell(r) for _, _, cell in columns) + " |" for r in _by_error(rows)[:TOP]]
+        if self.seen:
+            lines += ["", "What this audit could not see: the module classes below were given integer inputs "
+                      "(positions, timesteps, ids) up to the value shown, and an error that grows with position or "
+                      "timestep (rotary or sinusoidal embeddings) is measured only up to there. Audit with inputs "
+                      "that reach the positions and timesteps you run at.", "",
+                      "| class | largest integer input seen |", "|---|---:|"]
+            lines += [f"| {cls} | {value} |" for cls, value in sorted(self.seen.items(), key=lambda kv: -kv[1])[:TOP]]
         return "\n".join(lines)
 
     def __str__(self):
@@ -290,8 +300,13 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold):
         row["flagged"] = bool(reasons)
         rows.append(row)
     made = made_by_class(fn, args, kwargs, guard, conversion, ref, full)
-    modules = _module_rows(module_paths(guard.modules), ref, full, rows, made)
-    return AuditReport(rows, output_error, threshold, loss_threshold, modules)
+    paths = module_paths(guard.modules)
+    modules = _module_rows(paths, ref, full, rows, made)
+    seen = {}
+    for path, value in full.seen.items():
+        cls = class_path(type(paths[path]))
+        seen[cls] = max(seen.get(cls, value), value)
+    return AuditReport(rows, output_error, threshold, loss_threshold, modules, seen)
 
 
 def by_op(outputs):

@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import (averaging, buffers, cache, checkpoint, errors, functions, interop, lists, modules, pickling, regions, rnn,
-               steps, tested, wrap)
+from . import (buffers, cache, checkpoint, errors, functions, imports, interop, lists, modules, pickling,
+               regions, rnn, steps, tested, uncast_calls, weight_writes, wrap)
 from .cache import clear_cache
 from .patch import PatchLog
 from .policy import CASTS
@@ -44,6 +44,7 @@ class Conversion(NamedTuple):
     options: Options
     extra: tuple = ()  # (namespace, attr, value) patched along with it (the Lightning plugin's)
     modules: dict = NO_MODULES  # "bf16", "fp32" -> module classes and instances (hmp/modules.py)
+    uncast: tuple = ()  # uncast_calls.Entry: code that runs with casts off (building, averaging, merging)
 
 
 def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bfloat16, cache=True):
@@ -63,19 +64,19 @@ def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bflo
 
 def plan(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=False, low_precision_type=torch.bfloat16,
          *, promote_file_path="", cache=True, fp16_file_path="", fp32_modules=None, bf16_modules=None, model=None,
-         resolver=None):
+         uncast_file_path="", resolver=None):
     """The Conversion convert() would install, checked; changes nothing."""
     options = check_options(opt_level, isVerbose, low_precision_type, cache)
     effective, classes = lists.effective(resolver or Resolver(), opt_level, bf16_file_path, fp32_file_path,
                                          promote_file_path, fp16=fp16_file_path, low=low_precision_type)
     fp32 = modules.targets(fp32_modules, model, "fp32_modules")
     bf16 = modules.targets(bf16_modules, model, "bf16_modules")
-    return Conversion(effective, options, (), modules.merge(classes, fp32, bf16))
+    return Conversion(effective, options, (), modules.merge(classes, fp32, bf16), uncast_calls.load(uncast_file_path))
 
 
 def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=False,
             low_precision_type=torch.bfloat16, *, promote_file_path="", cache=True, fp16_file_path="",
-            fp32_modules=None, bf16_modules=None, model=None):
+            fp32_modules=None, bf16_modules=None, model=None, uncast_file_path=""):
     """Patch torch so listed ops run in the dtypes their lists say.
 
     ``""`` or ``None`` for a path means the list named by the environment
@@ -88,13 +89,16 @@ def convert(opt_level="O1", bf16_file_path="", fp32_file_path="", isVerbose=Fals
     ``bf16_modules``: module classes, instances, or names matched against
     ``model.named_modules()`` (``"lm_head"``, ``"*.post_attention_layernorm"``)
     whose whole forward runs under that list's rule (hmp/modules.py), as
-    module entries of the list files do.
+    module entries of the list files do. ``uncast_file_path``: the entry
+    points that run with casts off (hmp/uncast_calls.py); ``""`` is the
+    shipped list.
     """
     with runtime.lock:
         resolver = Resolver()  # one for checking the lists and binding them: names resolve once
         wanted = plan(opt_level, bf16_file_path, fp32_file_path, isVerbose, low_precision_type,
                       promote_file_path=promote_file_path, cache=cache, fp16_file_path=fp16_file_path,
-                      fp32_modules=fp32_modules, bf16_modules=bf16_modules, model=model, resolver=resolver)
+                      fp32_modules=fp32_modules, bf16_modules=bf16_modules, model=model,
+                      uncast_file_path=uncast_file_path, resolver=resolver)
         interop.warn_inside_autocast()  # before patching: a warnings filter set to "error" patches nothing
         tested.warn_if_newer()
         apply(wanted, resolver)
@@ -141,8 +145,9 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
     the current one. profile/audit/tune pass a ``recorder`` (hmp/record.py)
     and ``passthrough``."""
     with runtime.lock:
-        effective, options, extra, by_module = conversion
+        effective, options, extra, by_module, uncast = conversion
         casters = cache.casters() if options.cache else dict(CASTS)
+        watch = imports.Watch()  # entries whose module the program imports later
         wrappers = wrap.Wrappers(options.low, casters, options.verbose, recorder, passthrough)
         # an op returning a view of its input is never wrapped (see resolve.returns_view); ops in no list
         # that have no kernel for the lower dtype or need one dtype run as they would without hmp's casts
@@ -153,13 +158,18 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
             no_kernel = dict(fallback).get("fp32", ())
             fp32_names = set(effective["fp32"]).union(n for n in no_kernel if not _listed(n, effective))
-            patches += modules.patches(by_module, modules.Forwards(options.low, casters, fp32_names))
+            forwards = modules.Forwards(options.low, casters, fp32_names)
+            patches += modules.patches(by_module, forwards)
+            modules.watch(by_module, watch, forwards)
             patches += rnn.check_input_patches(effective, lower_modules=bool(by_module["bf16"]))
         patches += checkpoint.patches()  # recomputes run under their forward's hmp state
         patches += functions.patches()  # custom_fwd/custom_bwd Functions: the author's choice wins
         patches += regions.patches()  # autocast regions, backward, GradScaler, DataLoader: left alone
         patches += steps.patches()
-        patches += averaging.patches()  # weight averaging is a weight update: uncast
+        patches += weight_writes.patches()  # lower-precision values loaded into float32 weights: said once
+        calls = uncast_calls.Calls(uncast)
+        patches += calls.patches()  # building, averaging, merging, sampling: what the program keeps, uncast
+        calls.watch(watch)
         patches += list(extra)
         user = {w: wrappers.user_prepare(kind, w.__qualname__) for w, kind in list(runtime.decorated.items())}
         hooks = errors.excepthook_patches()
@@ -174,14 +184,14 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
                 log_.setattr(namespace, attr, value)
             for namespace, attr, value in hooks:
                 log_.setattr(namespace, attr, value, if_unchanged=True)
-            runtime.hooks = steps.add_hooks() + [buffers.add_hook()]
+            runtime.hooks = steps.add_hooks() + [buffers.add_hook()] + ([watch.hook()] if watch.patterns else [])
         except BaseException:
             _revert_locked()
             raise
         for w, prepare in user.items():
             wrap.resume(w, prepare)
         runtime.conversion = Conversion({k: frozenset(v) for k, v in effective.items()}, options, tuple(extra),
-                                        by_module)
+                                        by_module, uncast)
         runtime.wrappers = wrappers
         if options.verbose:
             _log_conversion(log_)
@@ -293,11 +303,15 @@ def applied(conversion, recorder=None, passthrough=False):
 
 
 def effective_lists():
-    """``{"bf16", "fp32", "promote"}`` to sorted op names; empty when not converted."""
+    """``{"bf16", "fp32", "promote"}`` to the sorted op names of each list
+    and, after them, its module entries as a list file names them (a
+    class's import path, or a pattern); empty when not converted."""
     conversion = runtime.conversion
     if conversion is None:
         return {k: [] for k in lists.KINDS}
-    return {k: sorted(v) for k, v in conversion.lists.items()}
+    named = {k: sorted(lists.entry_key(t) for t in conversion.modules.get(k, ()) if isinstance(t, (type, lists.Pattern)))
+             for k in lists.KINDS}
+    return {k: sorted(v) + named[k] for k, v in conversion.lists.items()}
 
 
 def register(owner, name, kind):

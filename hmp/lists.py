@@ -12,16 +12,18 @@ holds precision choices only: names of ops that alias, copy, move or only
 write data are refused (``refusal``).
 """
 
+import fnmatch
 import functools
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from . import state
+from . import imports, state
 from .resolve import BOUND, NO_PYTHON, UNKNOWN, is_module_path, module_class, returns_view
 
 log = logging.getLogger("hmp")
@@ -174,7 +176,7 @@ def _line(text):
     """The normalised text of a list line ("" for a blank one), or None
     when it is not a valid line."""
     text = text.strip()
-    if not text or is_name(text):
+    if not text or is_name(text) or is_pattern(text):
         return text
     if text.startswith("-") and is_name(text[1:].strip()):
         return "-" + text[1:].strip()
@@ -189,6 +191,14 @@ def is_name(text):
     ``pow.Tensor_Scalar``, as Habana's autocast lists write them) or a
     module class's import path (``torch.nn.LSTM``): dotted identifiers."""
     return all(p.isascii() and p.isidentifier() for p in text.split("."))
+
+
+def is_pattern(text):
+    """A module class's import path with ``fnmatch`` wildcards in its parts
+    (``transformers.models.*.modeling_*.*RotaryEmbedding``)."""
+    parts = text.split(".")
+    return (len(parts) > 1 and any(c in text for c in "*?")
+            and all(p.isascii() and p.replace("*", "x").replace("?", "x").isidentifier() for p in parts))
 
 
 _SANE = 80  # longer than any op name torch has
@@ -244,21 +254,22 @@ def load(path, known, what, modules=True, default=None):
                 continue
             for op in included.ops:
                 names.setdefault(op, number)
-            for cls in included.modules:
-                classes.setdefault(class_path(cls), cls)
+            for entry in included.modules:
+                classes.setdefault(entry_key(entry), entry)
             continue
         remove = name.startswith("-")
         name = name[1:] if remove else name
         if not remove and (name in explicit or name in classes):
             continue
-        if is_module_path(name):
+        if is_pattern(name) or is_module_path(name):
             try:
                 if not modules:
                     raise ValueError(f"{name!r}: module entries go in the BF16 or FP32 list")
+                entry = _module_entry(name, path)
                 if remove:
-                    removed[class_path(module_class(name))] = number
+                    removed[entry_key(entry)] = number
                 else:
-                    classes[name] = module_class(name)
+                    classes[name] = entry
             except ValueError as e:
                 op = name.rpartition(".")[2]
                 if known.exists(op):  # torch.relu: an op written with its module
@@ -298,8 +309,26 @@ def load(path, known, what, modules=True, default=None):
         where = ", ".join(f"line {n}: aten::{op}" for n, op in unreachable)
         warn_unreachable(f"{what} {str(path)!r}: {where}")
     ops = [op for op in names if op not in removed]
-    found = [cls for key, cls in classes.items() if key not in removed and class_path(cls) not in removed]
+    found = [entry for key, entry in classes.items() if key not in removed and entry_key(entry) not in removed]
     return Entries(ops, list(dict.fromkeys(found)), frozenset(explicit))
+
+
+def _module_entry(name, path):
+    """The class a module line names, imported; or a Pattern, resolved when
+    the program imports its module: a line with wildcards, and a shipped
+    list's class path in a package the program has not imported (a shipped
+    list never imports a library)."""
+    if is_pattern(name):
+        return Pattern(name)
+    shipped = Path(os.fspath(path)).resolve().parent == list_dir().resolve()
+    if shipped and name.split(".")[0] not in sys.modules:
+        return Pattern(name)
+    return module_class(name)
+
+
+def entry_key(entry):
+    """The text a module entry is known by: its class's path, or the pattern."""
+    return entry.path if isinstance(entry, Pattern) else class_path(entry)
 
 
 # Names hmp refuses in a list: calls that alias, copy, move or only write
@@ -337,6 +366,31 @@ def how_to_add(name, kind):
     """Advice that keeps the default list: how to put ``name`` in ``kind``'s list."""
     return (f"put '{name}' in a file whose first line is 'include default' and pass it as {PARAMS[kind]}, so the "
             f"default {LIST_TITLE[kind]} list stays in force")
+
+
+class Pattern(NamedTuple):
+    """A module entry resolved when the program imports its module: a class
+    path whose parts may hold ``fnmatch`` wildcards
+    (``transformers.models.*.modeling_*.*RotaryEmbedding``), or a plain
+    class path in a package not imported yet. hmp imports nothing for it."""
+
+    path: str
+
+    @property
+    def module(self):
+        return self.path.rpartition(".")[0]
+
+    def classes(self, module=None):
+        """The ``nn.Module`` subclasses it names in ``module``, or in every
+        imported module it matches."""
+        name = self.path.rpartition(".")[2]
+        found = []
+        for m in [module] if module is not None else imports.imported(self.module):
+            for value in list(vars(m).values()):
+                if isinstance(value, type) and issubclass(value, torch.nn.Module) and value.__module__ == m.__name__ \
+                        and fnmatch.fnmatchcase(value.__name__, name):
+                    found.append(value)
+        return found
 
 
 def warn_unreachable(where):
@@ -450,7 +504,7 @@ def effective(resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16=""
     both = [c for c in classes["bf16"] if c in classes["fp32"]]
     if both:
         raise ValueError(f"hmp: module classes in both the BF16 list {printable['bf16']!r} and the FP32 list "
-                         f"{printable['fp32']!r}: {', '.join(class_path(c) for c in both)}")
+                         f"{printable['fp32']!r}: {', '.join(entry_key(c) for c in both)}")
     return ops, classes
 
 

@@ -18,11 +18,14 @@ regions, backward and a listed op around the call win over every module
 policy: the forward then runs as written. Each policy is entered and left
 with the forward, per thread, on every exit path.
 
-A class entry patches ``forward`` on the class and on each of its
+A class entry patches ``__call__`` on the class and on each of its
 subclasses that defines its own (a subclass listed itself keeps its own
-rule); an instance entry sets ``forward`` on the instance. Both go through
-the patch log, so revert() restores every class and instance exactly, and
-modules without a policy are not touched at all.
+rule), so the class's ``forward`` stays its own: what the class's
+machinery checks of it still holds. An instance entry sets ``forward`` on
+the instance (``type(module).forward`` is untouched). Both go through the
+patch log, so revert() restores every class and instance exactly, and
+modules without a policy get no rule (their constructors run uncast:
+hmp/uncast_calls.py).
 """
 
 import fnmatch
@@ -34,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import lists, policy
 from .resolve import ORIGINAL, is_module_path, module_class, returns_view, unwrap
-from .state import MODULE, OFF, enter, leave, tls
+from .state import MODULE, OFF, enter, leave, runtime, tls
 from .torch_private import tree_map_only
 
 Module = torch.nn.Module
@@ -145,32 +148,64 @@ class Forwards:
         self._lower_in = policy.lower_tensors(low, casters)
         self._mode = LowerMode(low, casters, fp32_names)
 
-    def forward(self, kind, original):
-        """``forward(self, ...)`` running ``original`` under ``kind``'s rule."""
+    def forward(self, kind, original, name="forward"):
+        """``name(self, ...)`` (a module's ``forward``, or a class's
+        ``__call__``) running ``original`` under ``kind``'s rule."""
         if kind == "fp32":
             fn = _fp32_forward(original, self._fp32_in, self._fp32_out)
         else:
             fn = _lower_forward(original, self._lower_in, self._mode)
-        fn.__name__ = "forward"  # a bound copy pickles as getattr(module, "forward")
-        fn.__qualname__ = getattr(original, "__qualname__", "forward")
+        fn.__name__ = name  # a bound copy pickles as getattr(module, "forward")
+        fn.__qualname__ = getattr(original, "__qualname__", name)
         fn.__doc__ = getattr(original, "__doc__", None)
         setattr(fn, ORIGINAL, original)
         return fn
 
 
+def resolved(modules):
+    """``modules`` (kind -> targets) with each Pattern replaced by the classes
+    it names now."""
+    return {kind: tuple(dict.fromkeys(c for t in targets for c in (t.classes() if isinstance(t, lists.Pattern) else [t])))
+            for kind, targets in modules.items()}
+
+
+def watch(modules, watch, forwards):
+    """Have ``watch`` (imports.Watch) give the classes of a Pattern in a
+    module imported later their entry (a class that already has one keeps it)."""
+    taken = {c for targets in resolved(modules).values() for c in targets if isinstance(c, type)}
+    for kind, targets in modules.items():
+        for target in targets:
+            if isinstance(target, lists.Pattern):
+                watch.add(target.module, _late(target, kind, forwards, taken))
+
+
+def _late(pattern, kind, forwards, taken):
+    def resolve(module):
+        found = [c for c in pattern.classes(module) if c not in taken]
+        taken.update(found)
+        for namespace, attr, value in patches({kind: found}, forwards):
+            runtime.patches.setattr(namespace, attr, value)
+
+    return resolve
+
+
 def patches(modules, forwards):
     """``[(namespace, "forward", replacement)]`` for ``modules`` (kind ->
-    classes and instances); builds everything, changes nothing."""
+    classes, instances and Patterns); builds everything, changes nothing."""
+    modules = resolved(modules)
     listed = {t for targets in modules.values() for t in targets if isinstance(t, type)}
     out, seen = [], set()
     for kind, targets in modules.items():
         for target in targets:
             if isinstance(target, type):
-                for cls in _classes_under(target, listed):
+                # a class's rule wraps its __call__: forward stays the class's own, so what the class's
+                # machinery checks of it holds (transformers' GradientCheckpointingLayer checkpoints only
+                # while type(self).forward is its own wrapper)
+                for cls in _classes_under(target, listed, CALL):
                     if cls not in seen:
                         seen.add(cls)
-                        original = unwrap(inspect.getattr_static(cls, "forward"))
-                        out.append((cls, "forward", forwards.forward(kind, original)))
+                        original = unwrap(inspect.getattr_static(cls, CALL))
+                        out.append((cls, CALL, forwards.forward(kind, original, CALL)))
             else:
                 fn = forwards.forward(kind, _instance_forward(target))
                 setattr(fn, _OWN, _own(target, "forward"))
@@ -220,15 +255,18 @@ def _getstate(own):
     return __getstate__
 
 
-def _classes_under(cls, listed):
-    """``cls`` and its subclasses that define their own forward, except
+CALL = "__call__"
+
+
+def _classes_under(cls, listed, attr):
+    """``cls`` and its subclasses that define their own ``attr``, except
     those under another listed class (that one's rule is closer)."""
     out, todo = [], [cls]
     while todo:
         c = todo.pop()
         if c is not cls and c in listed:
             continue
-        if c is cls or "forward" in c.__dict__:
+        if c is cls or attr in c.__dict__:
             out.append(c)
         todo.extend(c.__subclasses__())
     return out
@@ -306,4 +344,6 @@ def merge(from_files, fp32, bf16):
 def label(target):
     if isinstance(target, type):
         return lists.class_path(target)
+    if isinstance(target, lists.Pattern):
+        return target.path
     return f"{type(target).__qualname__} instance at {id(target):#x}"

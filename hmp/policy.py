@@ -6,12 +6,16 @@ objects) when nothing needs a cast, and never mutates them. ``casters`` maps a
 dtype to a one-argument cast function; it is chosen at convert time (plain,
 or through the weight cache). ``for_site`` picks the one prepare a wrapper
 calls: the list's rule, with the in-place rule for calls that write a
-tensor (``out=``, ``inplace=True``) checked inside it.
+tensor (``out=``, ``inplace=True``, an argument the op's schema marks
+written) checked inside it.
+
+The casts hmp makes (``CASTS``) keep a finite value finite; ``write_back``
+carries a write an op made into a copy back to the caller's tensor;
+``needs`` says when an op in no list must step in (docs/never-changes.md).
 """
 
 import decimal
 import numbers
-import warnings
 
 import torch
 
@@ -87,12 +91,17 @@ def cast_seq(seq, src, cast, refuse=None):
     then runs as it would without hmp. ``refuse``: a check of the numbers
     in ``seq`` (Python, numpy or any other real number, at any depth); when
     it says True, the result is None (the BF16 rule's overflow check: see
-    ``lower``).
+    ``lower``). ``refuse.decay``, when set: a factor that makes the result
+    None when a tensor of ``seq`` itself was cast (a decay of float32
+    values); a scalar tensor on the CPU counts as such a factor (reading it
+    costs no device sync).
     """
-    out = None
+    out, decay = None, False
     for i, a in enumerate(seq):
         if isinstance(a, Tensor):
             if a.dtype in src:
+                if refuse is not None and refuse.decay and not a.dim() and a.is_cpu and refuse.decay(a.item()):
+                    decay = True
                 try:
                     c = cast(a)
                 except Exception:
@@ -110,10 +119,19 @@ def cast_seq(seq, src, cast, refuse=None):
                 if out is None:
                     out = list(seq)
                 out[i] = b
-        elif refuse is not None and (type(a) is float or type(a) is int or _is_number(type(a))) and refuse(a):
-            return None
+        elif refuse is not None:
+            if type(a) is not float and type(a) is not int:
+                if not _is_number(type(a)):
+                    continue
+                a = float(a)  # numpy's: by their exact value
+            if refuse(a):
+                return None
+            if refuse.decay and refuse.decay(a):
+                decay = True
     if out is None:
         return seq
+    if decay:
+        return None
     return out if type(seq) is list else tuple(out)
 
 
@@ -171,27 +189,30 @@ HALVES = frozenset((BF16, FP16))
 MULTIPLICATIONS = frozenset(("mul", "multiply"))
 
 
+# A multiplication by a factor this close to 1 is a decay (a moving average,
+# a soft target update: x * 0.995 + y * 0.005): in the lower dtype its result
+# rounds back to about the value multiplied, so an update applied step after
+# step stalls. Such a call runs under the FP32 rule.
+DECAY = (0.9, 1.1)
+
+
 def numbers_check(low, name):
-    """The BF16 rule's check of a Python number: True (refuse the rule) for
-    a finite number beyond the lower dtype's largest value. A multiplication
-    also warns once about a factor within half the lower dtype's epsilon of
-    1: the product rounds back to (about) the value multiplied, so a decay
-    applied step after step never moves it."""
+    """The BF16 rule's check of a number: True (refuse the rule: the call
+    runs under the FP32 rule) for a finite number beyond the lower dtype's
+    largest value; ``.decay``, for a multiplication, a decay-like factor
+    (``DECAY``; 1 too: ``1.0 * p`` is a hard copy of weights), which refuses
+    the rule only when float32 values would be cast (``cast_seq``): a
+    product of lower-precision values loses nothing in the lower dtype."""
     limit = overflow_limit(low)
-    half = torch.finfo(low).eps / 2
-    near, far = 1 - half, 1 + half
-    factor = name in MULTIPLICATIONS
-    dtype = str(low).replace("torch.", "")
+    low_decay, high_decay = DECAY
 
     def refuse(a):
-        if factor and near < a < far and a != 1 and state.first_time(("factor near one", name)):
-            warnings.warn(f"hmp: {name} by {a!r} runs in {dtype} (BF16 list), where multiplying by a number "
-                          f"this close to 1 changes a value by at most its rounding step: a decay or moving "
-                          f"average computed this way stalls. Update it in place (ema.lerp_(x, 1 - decay)) or "
-                          f"inside hmp.disable_casts() (docs/never-changes.md). (hmp warns about this once.)",
-                          UserWarning, stacklevel=state.user_stacklevel())
         return (a > limit or a < -limit) and a != _INF and a != -_INF
 
+    def decay(a):
+        return low_decay <= a <= high_decay
+
+    refuse.decay = decay if name in MULTIPLICATIONS else None
     return refuse
 
 
@@ -200,26 +221,25 @@ def lower(low, casters, out=None, name=None):
     touched. A call given a Python number that the lower dtype cannot hold
     as a finite value (``torch.finfo(torch.float32).min``, the usual
     attention-mask fill, is -inf in bfloat16) runs under the FP32 rule
-    instead: a finite value never turns inf (docs/never-changes.md).
-    ``name``: the op, so a multiplication can warn about a factor near 1."""
+    instead: a finite value never turns inf (docs/never-changes.md); so
+    does a multiplication by a decay-like factor. ``name``: the op."""
     cast, refuse = casters[low], numbers_check(low, name)
     up = fp32(low, casters, out)
 
     def prepare(args, kwargs):
-        cast_kw = kwargs
-        if kwargs:
-            if out is not None and kwargs.get("out") is not None:
-                return out(args, kwargs)
-            values = tuple(kwargs.values())
-            cast_values = cast_seq(values, FP32_ONLY, cast, refuse)
-            if cast_values is None:
-                return up(args, kwargs)
-            if cast_values is not values:
-                cast_kw = dict(zip(kwargs, cast_values))
-        cast_args = cast_seq(args, FP32_ONLY, cast, refuse)
-        if cast_args is None:
+        if not kwargs:
+            cast_args = cast_seq(args, FP32_ONLY, cast, refuse)
+            return up(args, kwargs) if cast_args is None else (cast_args, kwargs)
+        if out is not None and kwargs.get("out") is not None:
+            return out(args, kwargs)
+        both = tuple(args) + tuple(kwargs.values())  # one scan: a factor and its tensor may sit on either side
+        cast_both = cast_seq(both, FP32_ONLY, cast, refuse)
+        if cast_both is None:
             return up(args, kwargs)
-        return cast_args, cast_kw
+        if cast_both is both:
+            return args, kwargs
+        n = len(args)
+        return tuple(cast_both[:n]), dict(zip(kwargs, cast_both[n:]))
 
     return prepare
 
@@ -494,24 +514,14 @@ def _write_into(original, copy):
             original.copy_(torch.where(changed, copy.to(original.dtype), original))
 
 
-def _has_dtype(seq, dtypes):
-    for a in seq:
-        if isinstance(a, Tensor):
-            if a.dtype in dtypes:
-                return True
-        elif (type(a) is list or type(a) is tuple) and _has_dtype(a, dtypes):
-            return True
-    return False
-
-
-def needs(kind, low):
+def needs(kind):
     """``needs(args, kwargs)`` for an op in no list that gets ``kind``'s
     rule only where it must (lists.fallback_names): under the FP32 rule, a
     call given a lower-precision tensor; under the promote rule, a call
     given floating tensors of two dtypes. Any other call runs as if hmp had
     not wrapped the op."""
     if kind == "fp32":
-        return lambda args, kwargs: _has_dtype(args, HALVES) or bool(kwargs) and _has_dtype(kwargs.values(), HALVES)
+        return lambda args, kwargs: bool(_floating_dtypes((args, tuple(kwargs.values())), set()) & HALVES)
     return lambda args, kwargs: widest(args, kwargs) is not None
 
 

@@ -93,6 +93,7 @@ class Recorder:
         self.stats = {}
         self.outputs = []  # Output per op call, in call order
         self.module_outputs = []  # Output per hooked module call, named by the module's path
+        self.seen = {}  # module path -> the largest position/timestep (an integer tensor's value) it was given
         self._tls = threading.local()
 
     def _stack(self):
@@ -106,10 +107,14 @@ class Recorder:
         return bool(stack) and stack[-1] in self.cast_only_in
 
     def entering(self, path):
-        """A forward pre-hook: ``path``'s module starts running."""
+        """A forward pre-hook (with kwargs): ``path``'s module starts running;
+        the largest position or timestep it is given is kept (``seen``)."""
 
-        def hook(module, args):
+        def hook(module, args, kwargs):
             self._stack().append(path)
+            largest = _largest_index((args, kwargs))
+            if largest is not None:
+                self.seen[path] = max(self.seen.get(path, largest), largest)
 
         return hook
 
@@ -253,7 +258,7 @@ class ModuleHooks:
     def __enter__(self):
         try:
             for path, module in self.paths.items():
-                self.handles.append(module.register_forward_pre_hook(self.recorder.entering(path)))
+                self.handles.append(module.register_forward_pre_hook(self.recorder.entering(path), with_kwargs=True))
                 self.handles.append(module.register_forward_hook(self.recorder.leaving(path)))
         except BaseException:
             self._remove()
@@ -268,6 +273,14 @@ class ModuleHooks:
             handle.remove()
         self.handles = []
 
+
+
+def _largest_index(value):
+    """The largest value of the integer tensors in ``value`` (positions,
+    timesteps, token ids), or None when it holds none."""
+    found = [t for t in tree_leaves(value) if isinstance(t, _Tensor) and t.numel() and not t.is_floating_point()
+             and not t.is_complex() and t.dtype is not torch.bool]
+    return max(int(t.max()) for t in found) if found else None
 
 
 def _float32(value):

@@ -26,7 +26,7 @@ from torch.amp.autocast_mode import autocast
 
 from . import errors, state, torch_private
 from .casts import uncast
-from .resolve import ORIGINAL, stand_in, unwrap
+from .resolve import ORIGINAL, stand_in, subclasses, unwrap
 from .state import OFF, enter, leave, tls
 
 _GRAD_SCALER_METHODS = ("scale", "unscale_", "step", "update")
@@ -104,15 +104,6 @@ def _own(cls, name):
     return unwrap(cls.__dict__[name])
 
 
-def _subclasses(cls):
-    found, todo = [], [cls]
-    while todo:
-        c = todo.pop()
-        found.append(c)
-        todo.extend(c.__subclasses__())
-    return found
-
-
 def patches():
     """``[(namespace, attr, new value)]`` for every region hmp leaves alone.
     Builds everything and changes nothing."""
@@ -129,7 +120,7 @@ def patches():
         patches += [(namespace, attr, run) for namespace, attr in homes]
     else:  # older torch
         patches += [(autograd, name, _uncast_backward(unwrap(getattr(autograd, name)))) for name in ("backward", "grad")]
-    for cls in _subclasses(torch.amp.GradScaler):  # subclasses defined later are not reached
+    for cls in subclasses(torch.amp.GradScaler):  # subclasses defined later are not reached
         for name in _GRAD_SCALER_METHODS:
             if name in cls.__dict__:
                 patches.append((cls, name, uncast(_own(cls, name))))

@@ -141,9 +141,20 @@ def _parameters(fn, attr):
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         packet = aten_op(getattr(fn, "__name__", attr))
-        if packet is None:
+        if packet is None or not packet.overloads():
             return []
-        return [a.name for a in packet.default._schema.arguments if not a.kwarg_only]
+        schema = getattr(packet, packet.overloads()[0])._schema
+        return [a.name for a in schema.arguments if not a.kwarg_only]
+
+
+def subclasses(cls):
+    """``cls`` and every class derived from it, at any depth, as defined now."""
+    found, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        found.append(c)
+        todo.extend(c.__subclasses__())
+    return found
 
 
 def owner_label(owner):

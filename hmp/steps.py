@@ -17,16 +17,40 @@ identity); no optimizer object or class is modified. A revert() inside a
 step unwinds the calling thread's open steps itself (``forget_open_steps``).
 """
 
+import warnings
+import weakref
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .cache import clear_cache
 from .casts import run_as
 from .resolve import stand_in, unwrap
-from .state import OFF, current, enter, leave, tls
+from .state import OFF, current, enter, first_time, leave, tls, user_stacklevel
+
+
+_checked = weakref.WeakSet()  # optimizers whose parameters were looked at
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _warn_without_master_weights(optimizer):
+    """Once per optimizer: parameters it updates in a lower dtype mean there
+    are no float32 master weights, so the run is pure low-precision training
+    rather than mixed precision; say so, with the fix."""
+    _checked.add(optimizer)
+    low = sorted({str(p.dtype).replace("torch.", "") for group in optimizer.param_groups for p in group["params"]
+                  if p.requires_grad and p.dtype in _LOW})
+    if low and first_time(("no master weights", type(optimizer))):
+        warnings.warn(f"hmp: {type(optimizer).__name__} updates {' and '.join(low)} parameters: there are no float32 "
+                      f"master weights, so this is pure {low[0]} training, not mixed precision (updates below the "
+                      f"parameters' rounding step are lost). Load the model in float32 (transformers: "
+                      f"from_pretrained(..., dtype=torch.float32); or model.float()) and let hmp cast per op. "
+                      f"(hmp warns once.)", UserWarning, stacklevel=user_stacklevel())
 
 
 def _pre_hook(optimizer, args, kwargs):
+    if optimizer not in _checked:
+        _warn_without_master_weights(optimizer)
     caller = current()
     tls.steps.append(enter(OFF))
     # the closure (LBFGS) passes its arguments on, for optimizers that give any

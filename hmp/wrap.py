@@ -109,14 +109,14 @@ def _finish(wrapper, op):
         wrapper.__wrapped__ = op
     original = unwrap(op)
     setattr(wrapper, ORIGINAL, original)
-    _script_as(wrapper, original)
+    script_as(wrapper, original)
     return wrapper
 
 
 _forget_builtin = torch_private.jit_forget_builtin
 
 
-def _script_as(wrapper, original):
+def script_as(wrapper, original):
     """Make TorchScript compile ``wrapper`` as ``original``: scripted code
     runs its ops uncast, from C++, like any call hmp cannot see.
 
@@ -271,7 +271,7 @@ class Wrappers:
         hidden = not isinstance(original, BUILTINS)
         op = self._op(op)
         # an op in no list steps in only for a call that needs it: otherwise the ops it calls cast as usual
-        needs = policy.needs(kind, self.low) if fallback else None
+        needs = policy.needs(kind) if fallback else None
         if self.passthrough or self.verbose or self.recorder is not None or site.inplace or site.written \
                 or name in policy.NORM_OPS and kind == "bf16" or fallback:
             return make(op, self._prepare(prepare, site.label, name), wrapped, original, hidden=hidden, needs=needs)

@@ -84,7 +84,8 @@ def test_a_number_of_any_kind_the_lower_dtype_cannot_hold_runs_the_call_in_float
     with hmp.converted(low_precision_type=low, **seed):
         out = torch.mul(x, number)
     fits = abs(float(number)) <= torch.finfo(low).max
-    assert out.dtype == (low if fits else FP32)
+    decay = 0.9 <= float(number) <= 1.1  # a multiplication by a decay-like factor (1 too): float32 too
+    assert out.dtype == (low if fits and not decay else FP32)
     if not fits:
         assert torch.equal(out, plain)
 

@@ -120,7 +120,7 @@ def test_revert_restores_torch_checkpoint_exactly(pristine):
 def test_timm_grad_checkpointing_gives_the_same_gradients():
     # timm's set_grad_checkpointing runs its blocks through torch's checkpoint
     # (non-reentrant in the timm releases tested): the recompute is cast as the forward was
-    timm = pytest.importorskip("timm", reason="timm is installed on CI's torch-ceiling leg")
+    timm = pytest.importorskip("timm", reason="timm is installed on CI's newest-torch leg (with torchvision)")
     hmp.convert("O1")
     grads, losses = [], []
     for checkpointing in (False, True):

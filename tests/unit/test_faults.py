@@ -70,7 +70,7 @@ def test_fault_while_undoing_is_retried_by_the_next_revert(monkeypatch, pristine
     calls = {"n": 0}
 
     def flaky(obj, name):
-        calls["n"] += 1
+        calls["n"] += obj is torch.Tensor  # an entry snapshot() sees (not a class's __init_subclass__)
         if calls["n"] == 3:
             raise exc
         return delattr(obj, name)

@@ -22,6 +22,9 @@ DEFAULT_FP32 = sorted(
     "smooth_l1_loss softmax topk truediv".split()
 )
 PROMOTE_AT_LEAST = set("add sub mul div truediv pow addcmul addcdiv cat stack where index_put scatter_add".split())
+# module entries of the default FP32 list, after its ops (resolved when their library is imported)
+DEFAULT_FP32_MODULES = sorted(["transformers.models.*.modeling_*.*RotaryEmbedding", "timm.layers.pos_embed_sincos.*RotaryEmbedding*",
+                               "diffusers.models.embeddings.Timesteps", "diffusers.models.embeddings.TimestepEmbedding"])
 
 
 def test_default_lists_exactly():
@@ -29,7 +32,7 @@ def test_default_lists_exactly():
     lists = hmp.effective_lists()
     assert set(lists) == {"bf16", "fp32", "promote"}
     assert lists["bf16"] == DEFAULT_BF16
-    assert lists["fp32"] == DEFAULT_FP32
+    assert lists["fp32"] == DEFAULT_FP32 + DEFAULT_FP32_MODULES
     # the BF16 and FP32 lists win over the promote list
     assert PROMOTE_AT_LEAST - set(DEFAULT_BF16) - set(DEFAULT_FP32) <= set(lists["promote"])
     assert not set(lists["promote"]) & (set(DEFAULT_BF16) | set(DEFAULT_FP32))
@@ -66,7 +69,7 @@ def test_user_file_replaces_default(tmp_path):
     hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "linear\n"))
     lists = hmp.effective_lists()
     assert lists["bf16"] == ["linear"]
-    assert lists["fp32"] == DEFAULT_FP32
+    assert lists["fp32"] == DEFAULT_FP32 + DEFAULT_FP32_MODULES
 
 
 def test_single_user_list_wins_over_other_default(tmp_path, caplog):

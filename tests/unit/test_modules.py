@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 def fp32_list_with(tmp_path, *lines):
     """The shipped FP32 list plus module lines."""
-    return write(tmp_path, "fp32.txt", default_path("fp32.txt").read_text() + "\n" + "\n".join(lines) + "\n")
+    return write(tmp_path, "fp32.txt", "include default\n" + "\n".join(lines) + "\n")
 
 
 # -- a tiny Llama with LlamaRMSNorm in the FP32 list ------------------------------------------
@@ -131,7 +131,7 @@ def test_lstm_in_the_bf16_list_runs_as_a_bf16_lstm(tmp_path):
     lstm, x = nn.LSTM(8, 16, 2), torch.randn(5, 3, 8)
     as_bf16 = copy.deepcopy(lstm).bfloat16()
     with hmp.converted(bf16_file_path=write(tmp_path, "bf16.txt", "torch.nn.LSTM\n")):
-        assert hmp.effective_lists()["bf16"] == []  # no op listed: the module entry alone
+        assert hmp.effective_lists()["bf16"] == ["torch.nn.modules.rnn.LSTM"]  # no op listed: the module entry alone
         out, (h, c) = lstm(x)
         out.float().sum().backward()
     assert out.dtype == h.dtype == BF16
@@ -345,10 +345,15 @@ def test_revert_restores_classes_and_instances_exactly(pristine):
     lin = nn.Linear(2, 2)
     lin_dict = dict(vars(lin))
     with hmp.converted(fp32_modules=[nn.LayerNorm], bf16_modules=[lin]):
-        assert vars(nn.LayerNorm)["forward"] is not before[nn.LayerNorm]["forward"]
-        assert "forward" in vars(OwnNorm) and vars(OwnNorm)["forward"] is not before[OwnNorm]["forward"]
-        assert "forward" not in vars(Norm)  # inherits the patched one
-        assert vars(nn.Linear) == before[nn.Linear] and vars(nn.Module) == before[nn.Module]
+        # a class entry wraps __call__ (forward stays the class's own), on the class and on a subclass
+        # that defines its own; a subclass without one inherits it
+        assert vars(nn.LayerNorm)["__call__"].__hmp_original__ is nn.Module.__call__
+        assert vars(nn.LayerNorm)["forward"] is before[nn.LayerNorm]["forward"]
+        assert "__call__" not in vars(OwnNorm) and "__call__" not in vars(Norm)
+        # forward is untouched without an entry; every constructor runs uncast (uncast_calls.txt)
+        for c in (nn.Linear, nn.Module):
+            assert vars(c)["forward"] is before[c]["forward"]
+            assert vars(c)["__init__"].__hmp_original__ is before[c]["__init__"]
         assert "forward" in vars(lin)
         assert OwnNorm(4)(torch.randn(2, 4).bfloat16()).dtype == FP32
     for c in classes:
@@ -363,7 +368,8 @@ def test_converting_again_never_wraps_a_module_entry():
     for _ in range(2):
         hmp.convert(fp32_modules=[lin, nn.LayerNorm])
         assert lin(torch.randn(1, 2).bfloat16()).dtype == FP32
-        assert vars(nn.LayerNorm)["forward"].__hmp_original__ is before["forward"]
+        assert vars(nn.LayerNorm)["__call__"].__hmp_original__ is nn.Module.__call__
+        assert vars(nn.LayerNorm)["forward"] is before["forward"]
         assert lin.forward.__func__.__hmp_original__ is vars(nn.Linear)["forward"]
     hmp.revert()
     assert "forward" not in vars(lin) and vars(nn.LayerNorm) == before

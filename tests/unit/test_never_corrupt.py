@@ -66,13 +66,14 @@ _finite = st.floats(allow_nan=False, allow_infinity=False, allow_subnormal=False
 def test_a_bf16_listed_call_never_turns_a_finite_number_inf(number, low):
     """Oracle, from the dtypes' definitions: a number the lower dtype holds as
     a finite value (|x| <= its largest) keeps the BF16 rule; any other finite
-    number runs the call in float32, whose result is then what plain torch gives."""
+    number runs the call in float32, whose result is then what plain torch gives
+    (as does a decay-like factor in [0.9, 1.1], tested below)."""
     x = torch.tensor([1.0, -0.5])
     low_max = torch.finfo(low).max
     seed = {"fp16_file_path": hmp.list_path("bf16")} if low == torch.float16 else {}  # mul in the lower list
     with hmp.converted(low_precision_type=low, **seed):
         out = torch.mul(x, number)
-    if abs(number) <= low_max:
+    if abs(number) <= low_max and not 0.9 <= number <= 1.1:
         assert out.dtype == low
     else:
         assert out.dtype == FP32 and torch.equal(out, x * number)
@@ -198,7 +199,7 @@ def test_averaged_model_matches_plain_torch(fn):
 
 
 def test_timm_ema_helpers_match_plain_torch():
-    pytest.importorskip("timm", reason="timm imports on CI's torch-ceiling leg (with torchvision)")
+    pytest.importorskip("timm", reason="timm is installed on CI's newest-torch leg (with torchvision)")
     from timm.utils import model_ema
 
     for name in ("ModelEma", "ModelEmaV2", "ModelEmaV3"):
@@ -228,19 +229,105 @@ def test_lightning_swa_update_runs_uncast():
     assert seen and not any(seen)
 
 
-def test_a_hand_written_ema_warns_once_and_in_place_updates_are_exact():
-    hmp.state.warned.discard(("factor near one", "mul"))  # another test's number may have warned already
-    ema, p = torch.zeros(4), torch.ones(4)
+@settings(max_examples=60, deadline=None)
+@given(factor=st.floats(0.5, 1.5), low=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_a_multiplication_by_a_decay_runs_in_float32(factor, low):
+    """Oracle from the documented window: a factor in [0.9, 1.1] (1 too: a
+    hard copy) is a decay, whose product runs under the FP32 rule (exact as
+    plain torch); any other factor keeps the BF16 rule. A scalar tensor on
+    the CPU is a number."""
+    ema = torch.randn(4)
+    seed = {"fp16_file_path": hmp.list_path("bf16")} if low == torch.float16 else {}
+    with hmp.converted(low_precision_type=low, **seed):
+        out = ema * factor
+        rout = factor * ema
+        tout = ema * torch.tensor(factor)
+        lout = ema.to(low) * factor  # lower-precision values lose nothing in their own dtype
+        kout = torch.mul(ema, other=factor)
+    assert lout.dtype == low
+    decay = 0.9 <= factor <= 1.1
+    assert kout.dtype == (FP32 if decay else low)
+    assert out.dtype == rout.dtype == (FP32 if decay else low)
+    assert tout.dtype == (FP32 if 0.9 <= torch.tensor(factor).item() <= 1.1 else low)  # its float32 value
+    if decay:
+        assert torch.equal(out, ema * factor)
+
+
+@pytest.mark.parametrize("tau", [0.001, 0.005, 0.05, torch.tensor(0.005)])
+@pytest.mark.parametrize("form", ["state_dict", "data.copy_", "data =", "in place", "lerp"])
+def test_hand_written_soft_updates_follow_the_source(form, tau):
+    steps = 300
+    torch.manual_seed(0)
+    source, target = nn.Linear(16, 4), nn.Linear(16, 4)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+    def gap():
+        return sum((a - b).abs().sum() for a, b in zip(source.parameters(), target.parameters())).item()
+
+    start = gap()
     with hmp.converted():
-        with pytest.warns(UserWarning, match=r"mul by 0\.999 runs in bfloat16"):
-            with torch.no_grad():
-                stalled = 0.999 * ema.bfloat16().float() + 0.001 * p
+        for _ in range(steps):
+            if form == "state_dict":
+                t, s = target.state_dict(), source.state_dict()
+                target.load_state_dict({k: s[k] * tau + t[k] * (1 - tau) for k in s})
+            elif form == "data.copy_":
+                for p, q in zip(target.parameters(), source.parameters()):
+                    p.data.copy_(tau * q.data + (1 - tau) * p.data)
+            elif form == "data =":
+                for p, q in zip(target.parameters(), source.parameters()):
+                    p.data = (1 - tau) * p.data + tau * q.data
+            elif form == "lerp":
+                with torch.no_grad():
+                    for p, q in zip(target.parameters(), source.parameters()):
+                        p.copy_(torch.lerp(p, q, tau))
+            else:
+                with torch.no_grad():
+                    for p, q in zip(target.parameters(), source.parameters()):
+                        p.mul_(1 - tau).add_(q * tau)
+    left, exact = gap() / start, (1 - float(tau)) ** steps
+    assert all(p.dtype == FP32 for p in target.parameters())
+    # the floor: tau * source rounds to bfloat16 (2**-9 of the source), where the target settles
+    assert abs(left - exact) <= 0.1 * exact + 4e-3, (left, exact)
+
+
+@pytest.mark.parametrize("form", ["1.0 * p", "p * 1 + t * 0"])
+def test_a_hard_target_update_copies_exactly(form):
+    """CleanRL's DQN default (tau = 1.0): the target becomes the source, bit for bit."""
+    source, target = torch.randn(64), torch.zeros(64)
+    with hmp.converted():
+        target.copy_(1.0 * source + (1.0 - 1.0) * target if form == "1.0 * p" else source * 1 + target * 0)
+    assert torch.equal(target, source)
+
+
+def test_rounded_values_loaded_into_float32_weights_are_said_once():
+    """A soft update hmp cannot see as one (no decay-like factor) writes
+    bfloat16 values through load_state_dict: said once, at the user's line;
+    not under disable_casts() and not for float32 values."""
+    source, target = nn.Linear(4, 2), nn.Linear(4, 2)
+    hmp.state.warned.discard(("rounded into fp32", BF16))
+    with hmp.converted():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            exact = ema.clone()
-            for _ in range(10):
-                exact.lerp_(p, 0.001)  # in place: the dtype of what it writes
-    assert stalled.dtype == BF16
+            target.load_state_dict(source.state_dict())  # float32 values: nothing to say
+            with hmp.disable_casts():
+                target.load_state_dict({k: v * 0.5 + v * 0.5 for k, v in source.state_dict().items()})
+        with pytest.warns(UserWarning, match=r"load_state_dict\(\) writes bfloat16 values into float32") as record:
+            for _ in range(2):
+                t, s = target.state_dict(), source.state_dict()
+                target.load_state_dict({k: s[k] * 0.3 + t[k] * 0.7 for k in s})
+    assert sum("load_state_dict" in str(w.message) for w in record) == 1
+    assert record[0].filename == __file__ and "'weight'" in str(record[0].message)
+    assert all(p.dtype == FP32 for p in target.parameters())
+
+
+def test_in_place_updates_are_exact():
+    ema, p = torch.zeros(4), torch.ones(4)
+    with hmp.converted():
+        exact = ema.clone()
+        for _ in range(10):
+            exact.lerp_(p, 0.001)  # in place: the dtype of what it writes
     assert exact.dtype == FP32 and torch.allclose(exact, torch.full((4,), 1 - 0.999 ** 10))
 
 
@@ -254,7 +341,7 @@ class RunningMean(nn.Module):
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
     def forward(self, x):
-        self.mean = 0.99 * self.mean + 0.01 * x.mean(0)
+        self.mean = 0.5 * self.mean + 0.5 * x.mean(0)  # no decay-like factor: both products in bfloat16
         self.steps = self.steps + 1
         return x - self.mean
 
