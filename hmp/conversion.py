@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from . import (buffers, cache, checkpoint, errors, functions, imports, interop, lists, modules, pickling,
-               regions, rnn, steps, tested, uncast_calls, weight_writes, wrap)
+               region_factories, regions, rnn, steps, tested, uncast_calls, weight_writes, wrap)
 from .cache import clear_cache
 from .patch import PatchLog
 from .policy import CASTS
@@ -170,6 +170,9 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         calls = uncast_calls.Calls(uncast)
         patches += calls.patches()  # building, averaging, merging, sampling: what the program keeps, uncast
         calls.watch(watch)
+        factories = region_factories.Factories(region_factories.load())
+        patches += factories.patches()  # an author's autocast region however a library builds it
+        factories.watch(watch)
         patches += list(extra)
         user = {w: wrappers.user_prepare(kind, w.__qualname__) for w, kind in list(runtime.decorated.items())}
         hooks = errors.excepthook_patches()

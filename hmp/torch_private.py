@@ -6,7 +6,7 @@ tests/unit/test_structure.py fails if another module reaches one directly.
 tests/unit/test_torch_private.py checks each of them on the running torch.
 
 Each entry says why hmp needs it and the releases it is known for (the
-tested range, pyproject.toml: 2.4.1 to 2.14.1). A name a release lacks
+tested releases: hmp/tested.py). A name a release lacks
 gets a fallback here, never an AttributeError at ``import hmp``; where no
 fallback keeps hmp's promise, convert() says what is missing (``missing()``).
 """
