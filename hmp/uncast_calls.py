@@ -7,9 +7,19 @@ Which code is data, not code here: a list file of entry points
 file given as ``uncast_file_path`` replaces or, with ``include default``,
 extends it). A line is the dotted path of a function, or of a method
 ``package.module.Class.method``, which covers the class and every subclass
-that defines its own ``method`` (``torch.nn.Module.__init__`` is every
-module's constructor; ``SchedulerMixin.step`` every diffusers scheduler's
-step).
+that defines its own ``method`` (``SchedulerMixin.step`` is every diffusers
+scheduler's step).
+
+``Class.__init__`` names construction: building any instance of the class
+or a subclass runs uncast, from the outermost ``__init__`` of the instance
+to its return. Only the class's own ``__init__`` is replaced, never a
+subclass's, so no hmp frame sits between the ``__init__`` calls of one
+construction: code that walks them (Lightning's ``save_hyperparameters``
+collects every level's arguments) and a class machinery that checks its
+own ``__init__`` see what they see without hmp. The outermost frame is
+found when the base ``__init__`` runs (``torch.nn.Module.__init__`` must run
+before a module holds anything), and a profile function in that thread
+(``sys.setprofile``, only until then) says when it returns.
 
 An entry is resolved only once its module is imported by the program: hmp
 never imports a library for it. A module imported after ``convert()`` is
@@ -22,12 +32,16 @@ the patch log.
 import inspect
 import logging
 import sys
+import types
+import warnings
+
+import torch
 from typing import NamedTuple
 
 from . import lists
 from .casts import uncast
-from .resolve import subclasses, unwrap
-from .state import runtime
+from .resolve import stand_in, subclasses, unwrap
+from .state import OFF, enter, first_time, leave, runtime, tls, user_stacklevel
 
 log = logging.getLogger("hmp")
 
@@ -154,6 +168,9 @@ class Calls:
             if cls is None:
                 out.append((owner, name, _wrapped(owner, name)))
                 continue
+            if name == "__init__":
+                out.append((cls, name, constructing(unwrap(inspect.getattr_static(cls, name)))))
+                continue
             out += _class_patches(cls, name)
             out.append((cls, "__init_subclass__", _subclass_hook(cls, name)))
         return out
@@ -192,3 +209,79 @@ def _subclass_hook(cls, name):
 
 
 _PREVIOUS = "__hmp_previous__"  # on our __init_subclass__: what the class held before hmp
+
+
+# -- construction: the outermost __init__ of an instance, uncast ------------------------------------
+
+_is_compiling = torch.compiler.is_compiling
+
+
+def constructing(init):
+    """A base class's ``init`` that makes the whole construction of the
+    instance it is called for run uncast (see the module's docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        if tls.off != OFF and not _is_compiling():
+            outer = _outermost_init(sys._getframe(1), self)
+            if outer is not None and _uncast_until_return(outer):
+                return init(self, *args, **kwargs)
+            found = enter(OFF)  # no outer frame to wait for: the base __init__ alone
+            try:
+                return init(self, *args, **kwargs)
+            finally:
+                leave(found)
+        return init(self, *args, **kwargs)
+
+    return stand_in(__init__, init)
+
+
+def _holds(frame, obj):
+    """True when ``frame`` is a call made for ``obj``: an ``__init__`` (or a
+    decorator's wrapper of one) whose first argument, or first element of
+    its ``*args``, is ``obj``."""
+    code = frame.f_code
+    if not code.co_argcount and not code.co_flags & inspect.CO_VARARGS:
+        return False
+    first = frame.f_locals.get(code.co_varnames[0])
+    if first is obj:
+        return True
+    return type(first) is tuple and bool(first) and first[0] is obj  # def wrapper(*args, **kwargs)
+
+
+def _outermost_init(frame, obj):
+    """The outermost frame of the calls that construct ``obj``, starting at
+    ``frame`` (the caller of the base ``__init__``); None when ``frame`` is
+    not one of them."""
+    outer = None
+    while frame is not None and _holds(frame, obj):
+        if frame.f_code.co_name == "__init__" or outer is not None:
+            outer = frame
+        frame = frame.f_back
+    return outer
+
+
+def _uncast_until_return(outer):
+    """Casts off in this thread until ``outer`` returns (or raises). A
+    Python profile function already set is called on as before and put back
+    after; a profiler written in C (cProfile) cannot be: then False, and
+    hmp says once that constructions in that thread run uncast only inside
+    the base ``__init__``."""
+    previous = sys.getprofile()
+    if previous is not None and not isinstance(previous, (types.FunctionType, types.MethodType)):
+        if first_time("constructing under a profiler"):
+            warnings.warn("hmp: a profiler holds this thread, so modules built under it run uncast only inside "
+                          "torch.nn.Module.__init__, not in the rest of their constructors (a parameter computed "
+                          "there may be rounded). Build the model before profiling, or with hmp.disable_casts(). "
+                          "(hmp warns once.)", UserWarning, stacklevel=user_stacklevel())
+        return False
+    found = enter(OFF)
+
+    def watch(frame, event, arg):
+        if previous is not None:
+            previous(frame, event, arg)
+        if frame is outer and event == "return":
+            sys.setprofile(previous)
+            leave(found)
+
+    sys.setprofile(watch)
+    return True

@@ -251,3 +251,84 @@ def test_float32_parameters_train_without_that_warning():
         warnings.simplefilter("error")
         F.mse_loss(model(torch.randn(3, 4)).float(), torch.zeros(3, 2)).backward()
         opt.step()
+
+
+# -- construction runs uncast with no hmp frame between a class's __init__ calls -------------------
+
+
+class _Levels(nn.Module):
+    """Walks its constructors' frames as Lightning's save_hyperparameters does:
+    every level's arguments, from the innermost __init__ outwards."""
+
+    def __init__(self, width=3):
+        super().__init__()
+        frame, self.levels = sys._getframe(), []
+        while frame is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is self:
+            self.levels.append({k: v for k, v in frame.f_locals.items() if k in ("width", "lr", "depth")})
+            frame = frame.f_back
+        self.scale = nn.Parameter(torch.ones(4) * 0.1234567)
+
+
+class _Child(_Levels):
+    def __init__(self, lr=0.1, depth=2):
+        super().__init__(width=5)
+        self.late = nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(0)) * 0.02)
+
+
+def test_a_construction_keeps_its_frames_and_its_classes_own_init():
+    plain = _Child()
+    with hmp.converted():
+        assert nn.Linear.__dict__["__init__"] is torch.nn.modules.linear.Linear.__init__  # only Module's is hmp's
+        mixed = _Child()
+        assert (torch.ones(2) * 3).dtype == BF16  # casts are back once the construction returned
+    assert mixed.levels == plain.levels == [{"width": 5}, {"lr": 0.1, "depth": 2}]
+    for key, value in plain.state_dict().items():
+        assert torch.equal(mixed.state_dict()[key], value) and mixed.state_dict()[key].dtype == FP32, key
+
+
+def test_a_construction_that_raises_gives_the_casts_back():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            raise RuntimeError("bad config")
+
+    with hmp.converted():
+        with pytest.raises(RuntimeError, match="bad config"):
+            Broken()
+        assert (torch.ones(2) * 3).dtype == BF16 and sys.getprofile() is None
+
+
+def test_a_python_profiler_keeps_running_through_a_construction():
+    events = []
+
+    def profiler(frame, event, arg):
+        events.append(event)
+
+    with hmp.converted():
+        sys.setprofile(profiler)
+        try:
+            built = _Child()
+            still = sys.getprofile()
+        finally:
+            sys.setprofile(None)
+    assert still is profiler and "call" in events and built.late.dtype == FP32
+
+
+def test_lightning_hyperparameters_of_every_level_are_saved():
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Base(pl.LightningModule):
+        def __init__(self, hidden=3, **kwargs):
+            super().__init__()
+            self.save_hyperparameters()
+
+    class Model(Base):
+        def __init__(self, lr=0.1, hidden=5):
+            super().__init__(hidden=hidden)
+            self.w = nn.Parameter(torch.ones(3) * 0.1234567)
+
+    plain = dict(Model().hparams)
+    with hmp.converted():
+        model = Model()
+    assert dict(model.hparams) == plain == {"hidden": 5, "lr": 0.1}
+    assert model.w.dtype == FP32
