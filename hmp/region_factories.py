@@ -20,9 +20,9 @@ import sys
 import torch
 
 from . import lists
-from .resolve import ORIGINAL, unwrap
+from .resolve import stand_in, unwrap
 from .state import runtime, tls
-from .uncast_calls import _read, _split, _target
+from .uncast_calls import entries, target
 from .wrap import script_as
 
 FILE = "autocast_factories.txt"
@@ -33,7 +33,7 @@ _is_compiling = torch.compiler.is_compiling
 def load():
     """The factories' entries, from the shipped file."""
     default = lists.default_path(FILE)
-    return tuple(_split(name, number) for number, name in _read(default, default))
+    return entries(default, default)
 
 
 class Factories:
@@ -45,10 +45,12 @@ class Factories:
         self.resolve()
 
     def resolve(self, module=None):
+        """Take in the code of every entry resolvable now (``module``: the
+        one just imported, as imports.Watch calls back; all are looked at)."""
         for entry in self.entries:
-            target = _target(entry)
-            if target is not None and target[0] is None:  # a function
-                code = getattr(getattr(target[1], target[2], None), "__code__", None)
+            found = target(entry)
+            if found is not None and found[0] is None:  # a function
+                code = getattr(getattr(found[1], found[2], None), "__code__", None)
                 if code is not None:
                     self.codes.add(code)
 
@@ -69,9 +71,6 @@ class Factories:
                 return True
             return original(*args, **kwargs)
 
-        is_autocast_enabled.__wrapped__ = original
-        setattr(is_autocast_enabled, ORIGINAL, original)
-        is_autocast_enabled.__name__ = is_autocast_enabled.__qualname__ = "is_autocast_enabled"
-        is_autocast_enabled.__doc__ = original.__doc__
+        stand_in(is_autocast_enabled, original)
         script_as(is_autocast_enabled, original)  # TorchScript compiles torch's (nn.TransformerEncoderLayer asks)
         return [(torch, "is_autocast_enabled", is_autocast_enabled)]

@@ -62,9 +62,12 @@ def load(path=""):
     """The entries of ``path`` (``""``/None: the shipped file), checked for
     their form only: a module is resolved when the program imports it."""
     default = lists.default_path(DEFAULT_FILE)
-    source = path if lists.given(path) else default
-    names = _read(source, default)
-    return tuple(_split(name, number) for number, name in names)
+    return entries(path if lists.given(path) else default, default)
+
+
+def entries(source, default):
+    """The entries of the file ``source`` (``include default`` reads ``default``)."""
+    return tuple(_split(name, number) for number, name in _read(source, default))
 
 
 def _read(source, default):
@@ -105,7 +108,7 @@ def _split(path, line):
 # -- resolving: what to patch now --------------------------------------------------------------
 
 
-def _target(entry):
+def target(entry):
     """``(class or None, attribute owner, name)`` for an entry whose module is
     imported, or None. A module imported but lacking the attribute is a
     version of the library without it: left alone."""
@@ -160,10 +163,10 @@ class Calls:
         for entry in self.entries:
             if entry in self.done:
                 continue
-            target = _target(entry)
-            if target is None:
+            found = target(entry)
+            if found is None:
                 continue
-            cls, owner, name = target
+            cls, owner, name = found
             self.done.add(entry)
             if cls is None:
                 out.append((owner, name, _wrapped(owner, name)))
