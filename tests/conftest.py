@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 import hmp
 from hmp import state
@@ -10,6 +11,16 @@ from helpers import DEVICES, assert_same, snapshot
 
 
 RUN_SLOW = "--run-slow"
+
+# Hypothesis: the suite's default is "ci": few examples, the same ones every run (derandomize), no
+# per-example deadline and no too-slow health check, so a busy 2-core machine cannot fail a test
+# that an idle one passes. `python -m pytest --hypothesis-profile=thorough` searches 20 times as
+# many, at random. A test that names max_examples itself (its examples are costly) keeps its count.
+settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=500, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci")  # --hypothesis-profile, when given, is loaded after this
 
 
 def pytest_addoption(parser):

@@ -72,7 +72,7 @@ def load(path):
     return names, [str(w.message) for w in caught if "hmp" in str(w.message)]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(entries=st.lists(st.sampled_from(sorted(NAMES)), max_size=12))
 def test_each_name_form_loads_or_fails_as_specified(tmp_path_factory, entries):
     path = tmp_path_factory.mktemp("l") / "ops.txt"

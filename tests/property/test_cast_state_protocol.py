@@ -42,7 +42,7 @@ def programs(draw):
     return kinds, steps
 
 
-@settings(max_examples=150, deadline=None)
+@settings(deadline=None)
 @given(programs(), st.booleans())
 def test_blocks_left_in_any_order_follow_the_newest_open_block(program, start_disabled):
     kinds, steps = program

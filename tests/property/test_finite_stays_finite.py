@@ -45,7 +45,7 @@ def _seen(*args, **kwargs):
     return args, kwargs
 
 
-@settings(max_examples=150, deadline=None)
+@settings(deadline=None)
 @given(values=st.lists(_values, min_size=1, max_size=6), shape=_shapes, low=st.sampled_from(LOWS),
        carrier=st.sampled_from(["tensor", "list", "keyword", "parameter"]))
 def test_every_tensor_hmp_casts_to_the_lower_dtype_holds_finite_values(values, shape, low, carrier):
@@ -70,7 +70,7 @@ def test_every_tensor_hmp_casts_to_the_lower_dtype_holds_finite_values(values, s
 _numbers = st.sampled_from([float, int, np.float32, np.float64, np.float16, np.int64])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(deadline=None)
 @given(value=_values.filter(lambda v: v == v and abs(v) != float("inf")), make=_numbers, low=st.sampled_from(LOWS))
 def test_a_number_of_any_kind_the_lower_dtype_cannot_hold_runs_the_call_in_float32(value, make, low):
     if make in (int, np.int64) and abs(value) >= 2 ** 63:  # torch takes integers as int64

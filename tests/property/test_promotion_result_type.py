@@ -94,7 +94,7 @@ def test_every_promote_op_has_a_builder():
 specs = st.tuples(st.sampled_from(FLOATING), st.booleans())
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(op=st.sampled_from(sorted(BUILD)), s=st.tuples(specs, specs, specs), scalar=st.booleans())
 def test_promote_list_follows_result_type(op, s, scalar):
     """Promote list alone (BF16 and FP32 lists empty): every op's result has

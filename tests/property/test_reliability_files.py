@@ -10,7 +10,6 @@ import pydoc
 import random
 import re
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -144,34 +143,72 @@ def test_tolerated_content_loads(tmp_path, case):
     hmp.revert()
 
 
-def test_100k_lines_load_fast(tmp_path):
+@pytest.fixture
+def suggestions(monkeypatch):
+    """Counts the close-match searches hmp makes ("did you mean"): each costs
+    milliseconds, so a file's load is bounded by how many it makes. Work done,
+    not wall-clock time, which a busy machine stretches."""
+    import difflib
+
+    calls = []
+    real = difflib.get_close_matches
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(difflib, "get_close_matches", counted)
+    return calls
+
+
+def test_100k_lines_load_with_one_lookup_per_distinct_name(tmp_path, monkeypatch, suggestions):
     path = tmp_path / "big.txt"
     names = ["linear", "mm", "relu", "conv2d", "bmm"]
     path.write_text("".join(f"{names[i % 5]}  # line {i}\n" for i in range(100_000)))
-    start = time.perf_counter()
+    small = tmp_path / "small.txt"
+    small.write_text("".join(f"{n}\n" for n in names))
+    lookups = count_lookups(monkeypatch)
+    assert outcome(small) is None
+    per_name = len(lookups)
+    hmp.revert()
+    lookups.clear()
     assert outcome(path) is None
-    elapsed = time.perf_counter() - start
     assert hmp.effective_lists()["bf16"] == sorted(names)
-    assert elapsed < 3, f"100k lines took {elapsed:.2f}s"
+    # torch is searched for each distinct name once, however many lines repeat it
+    assert suggestions == []
+    assert 0 < len(lookups) == per_name, f"{len(lookups)} attribute lookups against {per_name} for five lines"
 
 
-def test_100k_unknown_names_fail_fast_with_a_bounded_message(tmp_path):
+def count_lookups(monkeypatch):
+    """Counts the resolver's searches of torch's namespaces (getattr_static)."""
+    calls = []
+    real = Resolver._lookup
+
+    def counted(self, namespace, attr, in_class):
+        calls.append(attr)
+        return real(self, namespace, attr, in_class)
+
+    monkeypatch.setattr(Resolver, "_lookup", counted)
+    return calls
+
+
+def test_100k_unknown_names_fail_with_a_bounded_message_and_bounded_work(tmp_path, monkeypatch, suggestions):
     path = tmp_path / "big.txt"
     path.write_text("".join(f"not_an_op_{i}\n" for i in range(100_000)))
-    start = time.perf_counter()
+    lookups = count_lookups(monkeypatch)
     e = content_error(path)
-    elapsed = time.perf_counter() - start
+    # a set lookup per unknown name, no search of torch's namespaces (Resolver._may_exist)
+    assert len(lookups) <= 1000, f"{len(lookups)} attribute lookups"
     # before the fix: a close-match search per name, about 6 minutes
-    assert elapsed < 5, f"took {elapsed:.2f}s"
+    assert len(suggestions) <= 10, f"{len(suggestions)} close-match searches"
     assert first_line(e) == 1 and "and 99990 more" in str(e) and len(str(e)) < 3000
 
 
-def test_100k_bad_lines_fail_fast(tmp_path):
+def test_100k_bad_lines_fail_with_bounded_work(tmp_path, suggestions):
     path = tmp_path / "big.txt"
     path.write_bytes(b"".join(b"not a name %d\n" % i if i % 2 else b"\xff\xfe\n" for i in range(100_000)))
-    start = time.perf_counter()
     e = content_error(path)
-    assert time.perf_counter() - start < 5
+    assert len(suggestions) <= 10, f"{len(suggestions)} close-match searches"
     assert first_line(e) == 1 and "more" in str(e)
 
 
@@ -206,10 +243,8 @@ def test_endless_file_is_a_bounded_read_and_a_valueerror():
     """/dev/zero would be read until memory runs out (MemoryError)."""
     if not Path("/dev/zero").exists():
         pytest.skip("no /dev/zero")
-    start = time.perf_counter()
-    e = outcome(Path("/dev/zero"))
+    e = outcome(Path("/dev/zero"))  # the bound is the 64 MiB read; a hang is pytest-timeout's
     assert isinstance(e, ValueError) and "larger than 64 MiB" in str(e)
-    assert time.perf_counter() - start < 10
 
 
 def test_a_pipe_is_read(tmp_path):
@@ -372,7 +407,7 @@ def _check(data, kind):
         path.unlink()
 
 
-FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FUZZ
@@ -411,7 +446,7 @@ def test_generated_list_files(parts, kind):
     _check(_encode(*parts), kind)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(parts=_encoded)
 def test_failed_convert_keeps_the_previous_conversion_identical(parts):
     hmp.convert(opt_level="O1")

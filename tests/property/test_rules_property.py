@@ -169,7 +169,7 @@ def nesting(draw):
     return steps
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     assign=st.fixed_dictionaries({op: st.sampled_from(["bf16", "fp32", "promote", None]) for op in OPS}),
     op=st.sampled_from(OPS),

@@ -245,7 +245,7 @@ class HmpMachine(RuleBasedStateMachine):
         assert_same(self.pristine, snapshot())  # revert always ends pristine
 
 
-HmpMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
+HmpMachine.TestCase.settings = settings(stateful_step_count=30, deadline=None,
                                         suppress_health_check=[HealthCheck.too_slow])
 TestHmpStateMachine = HmpMachine.TestCase
 

@@ -126,7 +126,7 @@ def _run(program, use_cache):
     return outs
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(program=st.lists(st.tuples(st.none() | st.sampled_from(UPDATES), st.sampled_from(USES)),
                         min_size=1, max_size=8))
 def test_cache_on_computes_exactly_what_cache_off_computes(program):

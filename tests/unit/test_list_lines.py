@@ -108,7 +108,7 @@ _NOT_PRECISION = ["__getitem__", "__setitem__", "clone", "copy_", "fill_", "zero
                   "type_as", "to", "contiguous", "detach", "cpu", "view_copy", "t_copy", "transpose_copy"]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(name=st.sampled_from(_BOUND_VIEWS + _NOT_PRECISION), kind=st.sampled_from(["bf16", "fp32", "promote"]),
        line=st.integers(1, 4))
 def test_names_that_copy_alias_move_or_write_are_refused_with_file_and_line(tmp_path_factory, name, kind, line):

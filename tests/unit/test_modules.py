@@ -253,7 +253,7 @@ def oracle(levels, x_dtype):
     return linear, tanh, out
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(levels=LEVELS, x_dtype=st.sampled_from([FP32, BF16]), by_class=st.booleans())
 def test_nested_module_rules_follow_the_oracle(levels, x_dtype, by_class):
     torch.manual_seed(0)

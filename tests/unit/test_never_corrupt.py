@@ -60,7 +60,7 @@ def test_a_number_given_by_keyword_is_checked_too():
 _finite = st.floats(allow_nan=False, allow_infinity=False, allow_subnormal=False, width=32)  # FTZ builds
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(number=st.one_of(_finite, st.sampled_from([3.3895e38, 3.3896e38, 3.4e38, -3.4e38, 65504.0, 1e39])),
        low=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_a_bf16_listed_call_never_turns_a_finite_number_inf(number, low):
@@ -229,7 +229,7 @@ def test_lightning_swa_update_runs_uncast():
     assert seen and not any(seen)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(factor=st.floats(0.5, 1.5), low=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_a_multiplication_by_a_decay_runs_in_float32(factor, low):
     """Oracle from the documented window: a factor in [0.9, 1.1] (1 too: a

@@ -113,7 +113,7 @@ def test_generators_interleaving_regions_and_disable_casts():
 _BLOCKS = st.sampled_from(["off", "on", "disable", "decorated", "raise"])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(st.lists(st.lists(_BLOCKS, min_size=1, max_size=4), min_size=1, max_size=4))
 def test_nesting_property(programs):
     hmp.convert()
