@@ -19,19 +19,21 @@ import torch
 
 import hmp
 
-try:
-    from tqdm import tqdm
-except ImportError:  # the `demo` extra is not installed: a line at the start and end, no bar
-    tqdm = None
-
+from ..progress import Progress
 from . import data as data_mod
-from .training import (CAST_STEPS, Config, DeviceError, MEMORY_STEPS, count_casts, matmul_time_vs_fp32, model_summary,
-                       peak_rss_growth, resolve_device, train)
+from . import sizing
+from .training import (CAST_STEPS, Config, DeviceError, MEMORY_STEPS, build, count_casts, matmul_time_vs_fp32,
+                       model_summary, peak_rss_growth, resolve_device, train, train_step)
 
 PROG = "python -m hmp demo"
 DEFAULTS = Config()
-STEPS = 120  # about a minute for both configurations on an idle 2-core CPU
-LONG_STEPS = DEFAULTS.steps  # the demo's length before it was cut to STEPS
+STEPS = 120  # the most steps a default (sized) run trains
+LONG_STEPS = DEFAULTS.steps
+# seconds both configurations' training may take together in a default run, measured on the machine it
+# runs on; the rest of the run (timing, memory, casts, evaluation) takes about a third of that again
+BUDGET_S = 40.0
+# seconds between progress lines when stderr is no terminal (a log, CI)
+LINE_EVERY_S = 10.0
 
 
 def _positive_int(text):
@@ -63,11 +65,13 @@ def add_parser(subparsers):
                     "Prints speed, memory, losses and hmp's casts per op.",
     )
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=_positive_int, default=STEPS,
-                        help=f"training steps per configuration (default {STEPS})")
+    length.add_argument("--steps", type=_positive_int, default=None,
+                        help=f"training steps per configuration (default: as many as fit about a minute on this "
+                             f"machine, measured before training, at most {STEPS}; the model shrinks when fewer "
+                             f"than {sizing.MIN_STEPS} would fit)")
     length.add_argument("--long", dest="steps", action="store_const", const=LONG_STEPS,
-                        help=f"a longer run: {LONG_STEPS} steps per configuration (a few minutes on a CPU)")
-    p.add_argument("--batch-size", type=_positive_int, default=DEFAULTS.batch_size,
+                        help=f"a longer run: {LONG_STEPS} steps per configuration of the full model (minutes)")
+    p.add_argument("--batch-size", type=_positive_int, default=None,
                    help=f"sequences of {DEFAULTS.seq_len} characters per step (default {DEFAULTS.batch_size})")
     p.add_argument("--device", choices=("auto", "cpu", "cuda", "hpu"), default="auto",
                    help="auto: cuda if available, then hpu when habana_frameworks is installed, else cpu")
@@ -81,29 +85,18 @@ def add_parser(subparsers):
 
 
 class _Progress:
-    """A tqdm bar on a terminal; one line at the start and end otherwise (or without tqdm)."""
+    """One configuration's training, shown by hmp.progress."""
 
     def __init__(self, label, steps):
         self.label = label
-        self.bar = None if tqdm is None else tqdm(
-            total=steps, desc=f"{label:<18}", unit="step", disable=None, leave=True, file=sys.stderr,
-            dynamic_ncols=True, mininterval=0.5)
-        # no tqdm, or no terminal (tqdm.close() sets .disable, so remember it)
-        self.quiet = self.bar is None or self.bar.disable
-        if self.quiet:
-            _note(f"training {label}: {steps} steps")
+        self.progress = Progress(f"training {label}", steps, PROG, every_s=LINE_EVERY_S)
 
     def __call__(self, step, loss):
-        if self.bar is None:
-            return
-        self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        self.bar.update(1)
+        self.progress.step(f"loss {loss:.3f}", done=step + 1)
 
     def close(self, result=None):
-        if self.bar is not None:
-            self.bar.close()
-        if self.quiet and result is not None:
-            _note(f"trained {self.label} in {result['wall_s']:.1f} s, val loss {result['val_loss']:.4f}")
+        self.progress.close(None if result is None else
+                            f"trained {self.label} in {result['wall_s']:.1f} s, val loss {result['val_loss']:.4f}")
 
 
 def _note(msg):
@@ -195,6 +188,20 @@ def format_report(res):
     return "\n".join(out)
 
 
+def _sized(cfg, options, fixed_batch):
+    """The run that fits BUDGET_S on this machine (sizing.plan), said in a line."""
+    per_step = sum(sizing.step_seconds(cfg, [None, options], train_step, build))
+    # a batch size the user chose stays; only the steps and layers adapt
+    ladder = ((cfg.batch_size, cfg.n_layers), (cfg.batch_size, 2)) if fixed_batch else sizing.LADDER
+    sized = sizing.plan(cfg, per_step, BUDGET_S, STEPS, ladder)
+    c = sized.cfg
+    shrunk = (f"; a smaller model than the default ({c.n_layers} blocks, batch {c.batch_size}) so that "
+              f"{sizing.MIN_STEPS}+ steps fit" if sized.shrunk else "")
+    _note(f"sized to this machine: {c.steps} steps per configuration, about {sized.seconds:.0f} s of training "
+          f"for both (a step of both took {per_step:.2f} s just now{shrunk}); --steps N or --long to choose")
+    return c
+
+
 def run(args):
     try:
         return _run(args)
@@ -222,7 +229,13 @@ def _run(args):
     except data_mod.DataError as e:
         return _error(str(e), 1)
 
-    cfg = Config(steps=args.steps, batch_size=args.batch_size, seed=args.seed, device=device)
+    cfg = Config(steps=args.steps or STEPS, batch_size=args.batch_size or DEFAULTS.batch_size, seed=args.seed,
+                 device=device)
+    ratio = matmul_time_vs_fp32(cfg)
+    native = sizing.native_bf16(device)
+    _note(f"this {device}: {sizing.expectation(ratio, native)}")
+    if args.steps is None:
+        cfg = _sized(cfg, options, fixed_batch=args.batch_size is not None)
     low = "bfloat16"
     hmp_label = f"hmp {args.opt_level} ({low})"
     results = []
@@ -263,7 +276,7 @@ def _run(args):
             **{k: getattr(cfg, k) for k in ("steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads",
                                             "dropout", "lr", "seed", "timing_warmup", "loss_window")},
             "opt_level": args.opt_level, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "bf16_matmul_time_vs_fp32": matmul_time_vs_fp32(cfg),
+            "bf16_matmul_time_vs_fp32": ratio, "native_bf16": native[0], "native_bf16_why": native[1],
         },
         "results": [{k: r.get(k) for k in ("configuration", "tokens_per_s", "time_vs_fp32", "peak_memory_mib",
                                            "train_loss", "val_loss", "wall_s", "hmp", "losses")}

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import hmp
 from hmp.__main__ import main
 from hmp.demo import LONG_STEPS, STEPS, add_parser, data
+from hmp.demo.sizing import MIN_STEPS as MIN_STEPS_DEFAULT
 from hmp.demo.training import Config, count_casts, train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +79,10 @@ def test_count_casts_on_the_demo_model(small_corpus):
 @pytest.mark.slow
 def test_hmp_validation_loss_within_2_percent_of_fp32():
     corpus = data.load()
-    cfg = Config(steps=STEPS, batch_size=8)  # the demo's default run: about 40 s for both on a quiet 2-core CPU
+    # the longest sized run on the smaller model the demo falls back to: a quarter of the default model's
+    # work (about 9 s for both on a quiet 2-core CPU with native bf16), so a busy machine stays far
+    # inside the test timeout
+    cfg = Config(steps=STEPS, batch_size=4, n_layers=2)
     fp32 = train(cfg, corpus)
     mixed = train(cfg, corpus, {"opt_level": "O1"})
     assert not hmp.is_converted()
@@ -112,7 +115,7 @@ def test_bad_flag_values_are_argparse_errors(argv, message, capsys):
 def test_long_is_a_longer_run():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
-    assert parser.parse_args(["demo"]).steps == STEPS
+    assert parser.parse_args(["demo"]).steps is None  # sized to the machine (hmp.demo.sizing)
     assert parser.parse_args(["demo", "--long"]).steps == LONG_STEPS > STEPS
     assert parser.parse_args(["demo", "--steps", "7"]).steps == 7
 
@@ -189,15 +192,94 @@ def test_json_output_has_the_table_fields(tmp_path):
     assert "unigram baseline" in proc.stdout and "casts hmp made per training step" in proc.stdout
 
 
-def test_demo_progress_without_tqdm_prints_start_and_end_lines():
-    # tqdm is the `demo` extra; without it the demo reports with plain lines
-    code = ("import sys; sys.modules['tqdm'] = None\n"
-            "from hmp.demo import _Progress, tqdm\n"
-            "assert tqdm is None\n"
-            "p = _Progress('hmp O1', 3)\n"
-            "p(1, 2.5)\n"
+@pytest.mark.parametrize("tqdm_installed", [True, False])
+def test_demo_progress_without_a_terminal_prints_lines_with_time_left(tqdm_installed):
+    # stderr is a pipe here, as in CI or `2> log`: lines every LINE_EVERY_S seconds, no bar, with or without tqdm
+    code = ("import sys\n"
+            + ("" if tqdm_installed else "sys.modules['tqdm'] = None\n")
+            + "import hmp.demo as demo\n"
+            "demo.LINE_EVERY_S = 0.0\n"
+            "p = demo._Progress('hmp O1', 4)\n"
+            "for step in range(4):\n"
+            "    p(step, 2.5)\n"
             "p.close({'wall_s': 1.25, 'val_loss': 2.0})\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert "training hmp O1: 3 steps" in res.stderr
-    assert "trained hmp O1 in 1.2 s, val loss 2.0000" in res.stderr
+    lines = res.stderr.splitlines()
+    assert lines[0].endswith("training hmp O1: 4 steps")
+    assert [line.split(": step ")[1].split(",")[0] for line in lines[1:-1]] == ["1/4", "2/4", "3/4"]
+    assert all("loss 2.500, about" in line and line.endswith(" s left") for line in lines[1:-1])
+    assert lines[-1].endswith("trained hmp O1 in 1.2 s, val loss 2.0000")
+    assert "\r" not in res.stderr  # no bar redrawn into a log
+
+
+# ---- sizing to the machine ----------------------------------------------------
+
+X86 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f {extra}\n"
+ARM = "processor\t: 0\nFeatures\t: fp asimd {extra}\n"
+
+
+@pytest.mark.parametrize("machine, text, expected", [
+    ("x86_64", X86.format(extra="avx512_bf16"), True),
+    ("x86_64", X86.format(extra="amx_bf16 amx_tile"), True),
+    ("x86_64", X86.format(extra="avx512_vnni"), False),  # AVX-512 without its bf16 instructions
+    ("aarch64", ARM.format(extra="bf16 i8mm"), True),
+    ("aarch64", ARM.format(extra="sve"), False),
+    ("riscv64", "isa\t: rv64imafdc\n", None),
+])
+def test_native_bf16_reads_the_cpus_flags(machine, text, expected):
+    from hmp.demo.sizing import native_bf16
+
+    has, why = native_bf16("cpu", cpuinfo=text, machine=machine)
+    assert has is expected and why
+
+
+@pytest.mark.parametrize("ratio, words", [(0.4, "faster than fp32"), (1.0, "about fp32's speed"),
+                                          (2.07, "SLOWER than fp32")])
+def test_expectation_says_what_the_measured_ratio_means(ratio, words):
+    from hmp.demo.sizing import expectation
+
+    line = expectation(ratio, (False, "no avx512_bf16"))
+    assert words in line and f"{ratio:.2f}x" in line and "no avx512_bf16" in line
+
+
+def test_plan_fits_the_budget_and_shrinks_the_model_only_when_it_must():
+    from hypothesis import given, settings, strategies as st
+
+    from hmp.demo.sizing import LADDER, MIN_STEPS, plan
+
+    cfg = Config()
+    assert (cfg.batch_size, cfg.n_layers) == LADDER[0]
+
+    @settings(deadline=None)
+    @given(per_step=st.floats(1e-4, 100.0), budget=st.floats(1.0, 600.0), max_steps=st.integers(MIN_STEPS, 1000))
+    def check(per_step, budget, max_steps):
+        p = plan(cfg, per_step, budget, max_steps)
+        c = p.cfg
+        cost = per_step * c.batch_size * c.n_layers / (cfg.batch_size * cfg.n_layers)  # independent of plan()
+        assert MIN_STEPS <= c.steps <= max_steps
+        assert p.seconds == pytest.approx(c.steps * cost)
+        assert (c.batch_size, c.n_layers) in LADDER and p.shrunk == ((c.batch_size, c.n_layers) != LADDER[0])
+        if c.steps > MIN_STEPS:
+            assert c.steps * cost <= budget * (1 + 1e-9)  # within the budget unless at the floor
+        if per_step * MIN_STEPS <= budget:
+            assert not p.shrunk  # the default model whenever MIN_STEPS of it fit
+        if p.shrunk and (c.batch_size, c.n_layers) != LADDER[-1]:
+            assert c.steps * cost <= budget * (1 + 1e-9)
+
+    check()
+
+
+@pytest.mark.slow  # about 10 s: calibration, both trainings, memory subprocesses
+def test_default_run_says_what_to_expect_and_sizes_itself_first(tmp_path):
+    out = tmp_path / "demo.json"
+    proc = run_cli("--device", "cpu", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert "a bf16 matmul takes" in lines[0] and "expect" in lines[0]
+    assert "sized to this machine:" in lines[1]
+    res = json.loads(out.read_text())
+    meta = res["meta"]
+    assert MIN_STEPS_DEFAULT <= meta["steps"] <= STEPS
+    assert f"{meta['steps']} steps per configuration" in lines[1]
+    assert meta["native_bf16"] in (True, False, None) and meta["native_bf16_why"]

@@ -1,0 +1,117 @@
+"""What to expect on this machine, and a run sized to it.
+
+Before training, the demo measures instead of assuming: whether the CPU
+has native bf16 instructions, how a bf16 matmul of the model's size compares
+with fp32 here, and how long one training step takes in each configuration.
+From the step times it picks a run that finishes both configurations in
+about ``budget_s`` seconds on this machine, idle or busy."""
+
+import contextlib
+import dataclasses
+import platform
+import statistics
+import time
+
+import torch
+
+import hmp
+
+from . import data as data_mod
+
+# the shortest run the demo trains: fewer steps and the val loss says little
+MIN_STEPS = 40
+# smaller models to fall back to, in order, when MIN_STEPS of the default do
+# not fit the budget: (batch_size, n_layers); a step's cost is about
+# proportional to batch_size * n_layers here (the head and embedding are small)
+LADDER = ((8, 4), (4, 4), (4, 2), (2, 2))
+
+
+def native_bf16(device="cpu", cpuinfo=None, machine=None):
+    """``(True/False/None, why)``: whether ``device`` has bf16 arithmetic in
+    hardware, read from what the system reports (None: it does not say).
+    ``cpuinfo``/``machine``: /proc/cpuinfo's text and platform.machine(),
+    read from this machine when not given."""
+    if device == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        return ok, f"{torch.cuda.get_device_name()} {'supports' if ok else 'does not support'} bf16"
+    if device != "cpu":
+        return True, f"{device} computes in bf16 natively"
+    machine = (machine or platform.machine()).lower()
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None, f"this {machine} CPU does not report its instruction sets here"
+    flags = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    if machine in ("x86_64", "amd64", "i686"):
+        have = sorted(flags & {"avx512_bf16", "amx_bf16"})
+        if have:
+            return True, f"this x86 CPU has {' and '.join(have)}"
+        return False, "this x86 CPU has neither avx512_bf16 nor amx_bf16: bf16 arithmetic is emulated"
+    if machine in ("aarch64", "arm64"):
+        if "bf16" in flags:
+            return True, "this ARM CPU has the bf16 extension"
+        return False, "this ARM CPU lacks the bf16 extension: bf16 arithmetic is emulated"
+    return None, f"hmp cannot tell whether this {machine} CPU has bf16 instructions"
+
+
+def expectation(matmul_ratio, native):
+    """One line: what the hmp run's speed will be against fp32, and why."""
+    has, why = native
+    if matmul_ratio < 0.9:
+        return (f"expect hmp to train faster than fp32 here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time "
+                f"({why})")
+    if matmul_ratio <= 1.1:
+        return (f"expect about fp32's speed here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time ({why}); "
+                "hmp's numbers (losses, casts) are what this run shows")
+    return (f"expect hmp to train SLOWER than fp32 here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time "
+            f"({why}); no bf16 scheme gains on this machine. The losses and casts are still hmp's; the speed-up "
+            "comes on CPUs with native bf16 (AVX512-BF16, AMX, ARM bf16) and on GPUs")
+
+
+def step_seconds(cfg, configurations, train_step, build, steps=3):
+    """Median seconds of one training step of ``cfg`` per configuration
+    (hmp options or None), after one warm-up step (first calls allocate and
+    fill caches) and outside convert(), which runs once per configuration."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x = torch.randint(0, data_mod.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen).to(cfg.device)
+    y = torch.randint(0, data_mod.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen).to(cfg.device)
+    out = []
+    for options in configurations:
+        model, opt, sched = build(cfg)
+        times = []
+        with hmp.converted(**options) if options is not None else contextlib.nullcontext():
+            for i in range(steps + 1):
+                start = time.perf_counter()
+                train_step(model, opt, sched, x, y, cfg).item()
+                times.append(time.perf_counter() - start)
+        out.append(statistics.median(times[1:]))
+    return out
+
+
+@dataclasses.dataclass
+class Plan:
+    cfg: object  # the Config to train
+    seconds: float  # both configurations' training, estimated
+    shrunk: bool  # a smaller model than the default
+
+
+def plan(cfg, per_step, budget_s, max_steps, ladder=LADDER):
+    """The run that fits ``budget_s`` for both configurations together:
+    the default model if MIN_STEPS of it fit, else the first ``ladder``
+    entry (batch_size, n_layers) that does (the last one otherwise). ``per_step``: measured seconds of
+    one step of ``cfg`` for all configurations together."""
+    base_cost = cfg.batch_size * cfg.n_layers
+    for batch_size, n_layers in ladder:
+        cost = per_step * batch_size * n_layers / base_cost
+        steps = int(budget_s / cost)
+        if steps >= MIN_STEPS or (batch_size, n_layers) == ladder[-1]:
+            steps = max(MIN_STEPS, min(max_steps, steps))
+            new = dataclasses.replace(cfg, batch_size=batch_size, n_layers=n_layers, steps=steps)
+            return Plan(new, steps * cost, (batch_size, n_layers) != (cfg.batch_size, cfg.n_layers))
+    raise AssertionError("unreachable: the ladder's last entry always returns")
