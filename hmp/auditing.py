@@ -11,8 +11,11 @@ arguments (hmp/record.py): each module's outputs are paired by call order
 too, and each op call is attributed to the innermost module it ran in, so
 the ops' own errors add up per module and per module class. One more run
 per module class measures the error its instances' own code makes: only
-the ops called directly in them cast (record.Boundary).
+the ops called directly in them cast (record.Boundary). Two last runs,
+warm by then, time each op: in fp32 and under the lists (op_times()).
 """
+
+from datetime import datetime, timezone
 
 import torch
 
@@ -21,6 +24,7 @@ from .guard import StateGuard
 from .lists import KINDS, class_path
 from .loss import step_loss
 from .record import Boundary, ModuleHooks, Recorder, module_paths
+from .report import write as write_html
 
 TINY = 1e-30
 TOP = 10  # module rows table() shows; all are in AuditReport.modules / .module_classes
@@ -60,6 +64,13 @@ class AuditReport:
         # module class -> the largest integer input (position, timestep, id) its instances were given:
         # an error that grows with positions or timesteps is measured only up to there
         self.seen = dict(seen or {})
+        self.created = datetime.now(timezone.utc)  # when measured, for the HTML report's title
+
+    def save_html(self, path, title=None):
+        """Write the report as one self-contained HTML page with inline SVG
+        charts (report.write: atomic; ValueError naming ``path`` when it
+        cannot be written)."""
+        write_html(path, audit=self, title=title)
 
     @property
     def flagged(self):
@@ -300,6 +311,9 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold):
         row["flagged"] = bool(reasons)
         rows.append(row)
     made = made_by_class(fn, args, kwargs, guard, conversion, ref, full)
+    times = op_times(fn, args, kwargs, guard, conversion)
+    for row in rows:
+        row.update(times.get(row["op"], NOT_TIMED))
     paths = module_paths(guard.modules)
     modules = _module_rows(paths, ref, full, rows, made)
     seen = {}
@@ -307,6 +321,29 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold):
         cls = class_path(type(paths[path]))
         seen[cls] = max(seen.get(cls, value), value)
     return AuditReport(rows, output_error, threshold, loss_threshold, modules, seen)
+
+
+NOT_TIMED = {"fp32_ms": None, "lists_ms": None, "cast_ms": None}
+
+
+def op_times(fn, args, kwargs, guard, conversion):
+    """``{op: {"fp32_ms", "lists_ms", "cast_ms"}}``: the wall time of each
+    recorded op's calls in one step in fp32 and one under ``conversion``'s
+    lists, the latter with the casts hmp makes for them (``cast_ms`` of it).
+    Both runs go through the recording wrappers (the fp32 one casting
+    nothing), so the same calls are timed under the names the rows have: a
+    TorchFunctionMode is handed ``Tensor.div`` for ``/``
+    and cannot tell ``truediv`` from ``div``. One step each: on a shared
+    machine a single op's time is noisy. None: not run in that step."""
+    _, fp32 = run_step(fn, args, kwargs, guard, conversion, passthrough=True)
+    _, lists = run_step(fn, args, kwargs, guard, conversion)
+    out = {}
+    for name in fp32.stats.keys() | lists.stats.keys():
+        a, b = fp32.stats.get(name), lists.stats.get(name)
+        out[name] = {"fp32_ms": None if a is None else a.op_seconds * 1e3,
+                     "lists_ms": None if b is None else (b.op_seconds + b.cast_seconds) * 1e3,
+                     "cast_ms": None if b is None else b.cast_seconds * 1e3}
+    return out
 
 
 def by_op(outputs):

@@ -28,6 +28,7 @@ from .guard import StateGuard
 from .lists import KINDS, class_path
 from .loss import step_loss
 from .modules import label
+from .report import write as write_html
 from .resolve import Resolver, module_class
 
 
@@ -84,7 +85,7 @@ class _OpTimes(TorchFunctionMode):
 
 class TuneResult:
     def __init__(self, lists, before, audit_report, trials, validation, timings, modules=None, proposals=None,
-                 module_proposals=None):
+                 module_proposals=None, samples=None, same_as=None, tolerance=0.02):
         self.lists = lists  # {"bf16", "fp32", "promote"} -> sorted names
         self.before = before
         self.audit = audit_report
@@ -99,6 +100,43 @@ class TuneResult:
         # class whose own code makes too much error (with the flagged ops moved), and the loss error with it
         # in FP32
         self.module_proposals = module_proposals or {}
+        self.samples = samples or {}  # name -> every step time measured (seconds), for the spread
+        self.same_as = same_as or {}  # name -> an earlier configuration with exactly the same lists and modules
+        self.tolerance = tolerance
+
+    def spread(self, name):
+        """The relative spread of ``name``'s step times: (75th - 25th
+        percentile) / median; what two medians must differ by to mean more
+        than noise on this machine now. None with fewer than 4 samples."""
+        times = sorted(self.samples.get(name, ()))
+        if len(times) < 4:
+            return None
+        q1, _, q3 = statistics.quantiles(times, n=4)
+        return (q3 - q1) / statistics.median(times)
+
+    def loss_gap(self, name):
+        """``name``'s final loss relative to fp32's: (loss - fp32) / |fp32|."""
+        return (self.validation[name] - self.validation["fp32"]) / abs(self.validation["fp32"])
+
+    @property
+    def verdict(self):
+        """One line: the tuned lists' loss against fp32's and the tolerance."""
+        gap, start = self.loss_gap("tuned lists"), self.loss_gap("starting lists")
+        within = abs(gap) <= self.tolerance
+        line = (f"verdict: the tuned lists end {gap:+.2%} from fp32's loss, "
+                f"{'within' if within else 'OUTSIDE'} the {self.tolerance:.0%} tolerance (starting lists: {start:+.2%})")
+        if not within:
+            line += ("; tune kept no addition that made it worse than the starting lists, so the rest is the "
+                     "lower dtype's on this model: put the model's most sensitive module classes in the FP32 list "
+                     "(the audit's module table), or validate over more steps")
+        timed = [n for n in ("fp32", "tuned lists") if n in self.timings]
+        if len(timed) == 2:
+            ratio = self.timings["tuned lists"] / self.timings["fp32"]
+            noise = max(filter(None, (self.spread(n) for n in timed)), default=None)
+            line += f"; a step takes {ratio:.2f}x fp32's time"
+            if noise is not None and abs(ratio - 1) <= noise:
+                line += f" (within this machine's timing noise, {noise:.0%}: no measurable difference)"
+        return line
 
     @property
     def moved_to_fp32(self):
@@ -135,10 +173,18 @@ class TuneResult:
             for p in self.module_proposals.values():
                 lines.append(f"| {p['class']} | {p['made_max_rel']:.3g} | {p['loss_error']:.3g} | {p['nonfinite']} | "
                              f"{'yes' if p['accepted'] else 'no'} |")
-        lines += ["", "## validation", "", "| lists | final loss | step ms (median) |", "|---|---:|---:|"]
+        lines += ["", "## validation", "",
+                  "| lists | final loss | vs fp32 | step ms (median) | spread | timings |", "|---|---:|---:|---:|---:|---:|"]
         for name in self.validation:
-            ms = self.timings.get(name)
-            lines.append(f"| {name} | {self.validation[name]:.5f} | {'' if ms is None else f'{ms * 1e3:.2f}'} |")
+            ms, spread = self.timings.get(name), self.spread(name)
+            note = f" (same lists as {self.same_as[name]})" if name in self.same_as else ""
+            lines.append(f"| {name}{note} | {self.validation[name]:.5f} | {self.loss_gap(name):+.2%} | "
+                         f"{'' if ms is None else f'{ms * 1e3:.2f}'} | {'' if spread is None else f'±{spread / 2:.0%}'} | "
+                         f"{len(self.samples.get(name, ()))} |")
+        if self.same_as:
+            lines += ["", "same lists, so any difference between their step times above is this machine's "
+                          "timing noise: " + ", ".join(f"{a} = {b}" for a, b in self.same_as.items())]
+        lines += ["", self.verdict]
         lines += ["", f"moved to FP32: {', '.join(self.moved_to_fp32) or 'none'}",
                   f"module classes to FP32: {', '.join(map(class_path, self.modules_to_fp32)) or 'none'}",
                   f"added to BF16: {', '.join(self.added_to_bf16) or 'none'}"]
@@ -146,6 +192,11 @@ class TuneResult:
 
     def __str__(self):
         return self.table()
+
+    def save_html(self, path):
+        """One self-contained HTML file (hmp/report.py): the audit's errors
+        per op and module, the ops tried, the validation and the verdict."""
+        write_html(path, tune=self)
 
     def write(self, bf16_path, fp32_path, promote_path=None):
         """Write list files that hmp.convert() loads; module classes as
@@ -206,13 +257,16 @@ def _train(fn, args, kwargs, guard, steps, conversion):
     return _as_float(value), times
 
 
-def _interleaved_times(fn, args, kwargs, guard, configs, rounds):
-    """Median step seconds per configuration, configurations interleaved."""
+def _interleaved_times(fn, args, kwargs, guard, configs, rounds, tick=lambda what: None):
+    """Every step time per configuration (the first of each round left out:
+    it pays convert's first calls), configurations interleaved so load from
+    elsewhere falls on each alike."""
     samples = {name: [] for name in configs}
-    for _ in range(rounds):
+    for i in range(rounds):
         for name, conversion in configs.items():
             samples[name] += _train(fn, args, kwargs, guard, 3, conversion)[1][1:]
-    return {name: statistics.median(s) for name, s in samples.items()}
+        tick(f"timing round {i + 1}/{rounds}")
+    return samples
 
 
 def confined_to(report, op, roots):
@@ -237,7 +291,7 @@ def _within(path, outer):
 
 
 def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3, tolerance=0.02,
-         min_share=0.02, rounds=5, **kwargs):
+         min_share=0.02, rounds=5, progress=None, **kwargs):
     """Tune the lists for ``step_fn(*args, **kwargs)``, a training step that
     returns the loss.
 
@@ -249,6 +303,10 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
     causes; ``tolerance``: how far the tuned lists' loss after ``steps``
     steps may be from fp32's; ``min_share``: the share of fp32 op time an op
     must take to be worth trying in bf16; ``rounds``: timing rounds.
+    ``progress``: called as ``progress(done, total, what)`` after each unit
+    of work once the audit is done (each trial, validation run and timing
+    round; ``total`` is known from then on), and as ``progress(0, None,
+    "audit")`` before the audit.
     A flagged op whose error is confined to the instances of one module
     class (confined_to()) keeps its list, and that class goes to the FP32
     list instead, when the op cast everywhere else stays within the bounds.
@@ -263,7 +321,17 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         return start._replace(lists=lists, modules={"bf16": start.modules["bf16"], "fp32": fp32})
 
     guard = StateGuard("hmp.tune", state, args, kwargs, step_fn)
+    done, total = 0, None
+
+    def tick(what):
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, what)
+
     try:
+        if progress is not None:
+            progress(0, None, "audit")
         report = audit_with(guard, step_fn, args, kwargs, threshold, loss_threshold)
         lists = _as_sets(start_lists)
         for op in report.flagged:
@@ -286,6 +354,8 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         ref_final, ref = run_step(step_fn, args, kwargs, guard, under(watch), passthrough=True, keep_outputs=True,
                                   module_outputs=True)
         ref_outputs = by_op(ref.outputs)
+        classes = [row for row in report.module_classes if row["made_max_rel"] > threshold]
+        total = done + len(candidates) + len(confined) + len(classes) + 3 + rounds
 
         def alone(op, only, fp32_modules=()):
             """Errors of ``op`` cast alone (its list in ``only``), against the reference."""
@@ -303,16 +373,19 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         for op in candidates:
             trials[op] = {"was": kind_of(op, lists), "seconds": times.seconds[op],
                           **alone(op, {"bf16": {op}, "fp32": set(), "promote": set()})}
+            tick(f"{op} tried in bf16")
         proposals = {}
         for op, cls in confined.items():
             only = {k: ({op} if op in start_lists[k] else set()) for k in KINDS}
             proposals[op] = {"class": class_path(cls), "type": cls, **alone(op, only, [cls])}
+            tick(f"{op} with {cls.__name__} in FP32")
         # module classes whose own code makes too much error (audit's "error made in it"), measured
         # again with the flagged ops moved: a class that still makes it goes to FP32
         module_proposals = {}
-        for row in report.module_classes:
+        for row in classes:
             cls = row["type"]
-            if row["made_max_rel"] <= threshold or cls in confined.values() or any(isinstance(r, cls) for r in guard.modules):
+            tick(f"module class {cls.__name__}")
+            if cls in confined.values() or any(isinstance(r, cls) for r in guard.modules):
                 continue
             made = made_in(step_fn, args, kwargs, guard, under(lists), ref, row["paths"])
             made_max_rel = max((m[0] for m in made.values()), default=0.0)
@@ -336,8 +409,10 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
         to_fp32 = [p["type"] for p in list(proposals.values()) + list(module_proposals.values()) if p["accepted"]]
 
         configs = {"fp32": None, "starting lists": under(start_lists), "tuned lists": under(candidate, to_fp32)}
-        validation = {name: _train(step_fn, args, kwargs, guard, steps, conversion)[0]
-                      for name, conversion in configs.items()}
+        validation = {}
+        for name, conversion in configs.items():
+            validation[name] = _train(step_fn, args, kwargs, guard, steps, conversion)[0]
+            tick(f"validation: {name}")
 
         def acceptable(name):
             """Within ``tolerance`` of fp32, or no further from it than the starting lists."""
@@ -350,10 +425,23 @@ def tune(step_fn, *args, state=(), steps=20, threshold=0.05, loss_threshold=2e-3
             candidate, to_fp32 = lists, []
             configs["tuned lists"] = under(candidate)
             validation["tuned lists"] = _train(step_fn, args, kwargs, guard, steps, configs["tuned lists"])[0]
-        timings = _interleaved_times(step_fn, args, kwargs, guard, configs, rounds)
+        samples = _interleaved_times(step_fn, args, kwargs, guard, configs, rounds, tick)
+        timings = {name: statistics.median(s) for name, s in samples.items()}
+        same_as = {}
+        for i, name in enumerate(configs):
+            earlier = next((other for other in list(configs)[:i] if _same(configs[other], configs[name])), None)
+            if earlier is not None:
+                same_as[name] = earlier
     finally:
         guard.restore()
     final = {k: sorted(v) for k, v in candidate.items()}
     final["promote"] = sorted(candidate["promote"] - candidate["bf16"] - candidate["fp32"])
     return TuneResult(final, {k: sorted(v) for k, v in start_lists.items()}, report, trials, validation, timings,
-                      configs["tuned lists"].modules, proposals, module_proposals)
+                      configs["tuned lists"].modules, proposals, module_proposals, samples, same_as, tolerance)
+
+
+def _same(a, b):
+    """Two conversions (None: fp32) that cast exactly alike."""
+    if a is None or b is None:
+        return a is b
+    return _as_sets(a.lists) == _as_sets(b.lists) and a.modules == b.modules and a.options == b.options

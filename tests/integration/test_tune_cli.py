@@ -1,0 +1,149 @@
+"""``python -m hmp tune TARGET`` on a user's own training step: loading the
+target, its errors, progress on stderr, the verdict, identical lists flagged,
+and the timing spread against an independent computation."""
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import hmp
+from hmp.__main__ import main
+from hmp.tuning import TuneResult
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+MODEL = textwrap.dedent('''
+    import torch
+
+    BUILT = []
+
+    def make_step():
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(),
+                                    torch.nn.Linear(32, 4))
+        BUILT.append(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+
+        def step():
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss
+
+        return step, (model, opt)
+
+    def not_a_pair():
+        return 3
+''')
+
+FAST = ["--steps", "3", "--rounds", "2"]
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A user's folder holding mymodel.py, as the working directory."""
+    (tmp_path / "mymodel.py").write_text(MODEL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("form", ["mymodel:make_step", "mymodel.py:make_step"])
+def test_tune_runs_the_users_step_and_writes_lists_and_json(project, form, capsys):
+    out = project / "out.json"
+    assert main(["tune", form, *FAST, "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    for name in ("tuned_bf16.txt", "tuned_fp32.txt"):
+        assert (project / name).read_text().startswith("# written by hmp.tune")
+    res = json.loads(out.read_text())
+    assert set(res["validation"]) == {"fp32", "starting lists", "tuned lists"}
+    # the lists written load again
+    with hmp.converted(bf16_file_path=str(project / "tuned_bf16.txt"),
+                       fp32_file_path=str(project / "tuned_fp32.txt")):
+        assert hmp.effective_lists()["bf16"] == res["lists"]["bf16"]
+    # progress on stderr: the audit, the count of runs once known, and the end
+    err = captured.err.splitlines()
+    assert err[0].endswith("auditing the starting lists (a few steps)")
+    assert any(line.startswith("python -m hmp tune: tuning: ") and line.endswith(" runs") for line in err)
+    assert err[-1].startswith("python -m hmp tune: tuned in ")
+    # the verdict, against the numbers it names
+    gap = (res["validation"]["tuned lists"] - res["validation"]["fp32"]) / abs(res["validation"]["fp32"])
+    assert res["verdict"] in captured.out
+    assert f"{gap:+.2%} from fp32's loss" in res["verdict"]
+    assert ("within the 2% tolerance" if abs(gap) <= 0.02 else "OUTSIDE the 2% tolerance") in res["verdict"]
+    assert all(len(times) == 2 * 2 for times in res["step_times"].values())  # 2 timed steps per round
+
+
+def test_identical_lists_are_flagged_as_noise(project, capsys):
+    out = project / "out.json"
+    assert main(["tune", "mymodel:make_step", *FAST, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    stdout = capsys.readouterr().out
+    with hmp.converted():
+        default = {kind: [name for name in names if "." not in name]  # ops; module patterns are apart
+                   for kind, names in hmp.effective_lists().items()}
+    unchanged = res["lists"] == default and not res["modules_to_fp32"]
+    assert unchanged  # nothing to tune on this small model at the default bounds
+    assert res["same_as"] == {"tuned lists": "starting lists"}
+    assert "tuned lists (same lists as starting lists)" in stdout
+    assert "timing noise: tuned lists = starting lists" in stdout
+
+
+@pytest.mark.parametrize("target, message", [
+    ("nomodule:make_step", "no module 'nomodule'"),
+    ("mymodel.py:nothere", "'mymodel.py' has no function 'nothere'"),
+    ("mymodel", "expected MODULE:FUNCTION or FILE.py:FUNCTION"),
+    ("missing/file.py:make_step", "no file 'missing/file.py'"),
+    ("mymodel:not_a_pair", "not_a_pair() must return (step, state)"),
+])
+def test_a_bad_target_is_a_clear_error_and_writes_nothing(project, target, message, capsys):
+    assert main(["tune", target]) == 2
+    err = capsys.readouterr().err
+    assert f"python -m hmp tune: error: TARGET {target!r}" in err and message in err
+    assert "Traceback" not in err
+    assert not (project / "tuned_bf16.txt").exists()
+    assert not hmp.is_converted()
+
+
+def test_every_option_has_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["tune", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--steps", "--rounds", "--tolerance", "--seed", "--batch-size", "--report", "--json"):
+        after = text.split(flag, 1)[1].split("\n  -", 1)[0]
+        assert len(after.split()) > 2, f"{flag} has no help text"
+
+
+def _result(samples, validation, tolerance=0.02):
+    return TuneResult({"bf16": [], "fp32": [], "promote": []}, {"bf16": [], "fp32": [], "promote": []}, None, {},
+                      validation, {n: float(np.median(s)) for n, s in samples.items()}, samples=samples,
+                      tolerance=tolerance)
+
+
+@given(st.lists(st.floats(1e-4, 10.0), min_size=4, max_size=40))
+def test_spread_is_the_interquartile_range_over_the_median(times):
+    result = _result({"fp32": times}, {"fp32": 1.0})
+    q1, q3 = np.percentile(times, [25, 75], method="weibull")  # the n+1 quantile method, as statistics.quantiles
+    assert result.spread("fp32") == pytest.approx((q3 - q1) / np.median(times), rel=1e-9, abs=1e-12)
+
+
+@given(fp32=st.floats(0.1, 10.0), tuned=st.floats(0.1, 10.0), tolerance=st.sampled_from([0.01, 0.02, 0.05]))
+def test_verdict_says_within_exactly_when_the_gap_is_inside_the_tolerance(fp32, tuned, tolerance):
+    result = _result({}, {"fp32": fp32, "starting lists": fp32, "tuned lists": tuned}, tolerance)
+    gap = abs(tuned - fp32) / fp32
+    assert ("within" in result.verdict) == (gap <= tolerance)
+    assert ("OUTSIDE" in result.verdict) == (gap > tolerance)
+
+
+def test_equal_medians_are_said_to_be_noise():
+    times = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]
+    result = _result({"fp32": times, "tuned lists": [t * 1.01 for t in times]},
+                     {"fp32": 1.0, "starting lists": 1.0, "tuned lists": 1.0})
+    assert "no measurable difference" in result.verdict
+    far = _result({"fp32": times, "tuned lists": [t * 3 for t in times]},
+                  {"fp32": 1.0, "starting lists": 1.0, "tuned lists": 1.0})
+    assert "3.00x fp32's time" in far.verdict and "no measurable difference" not in far.verdict
