@@ -2,7 +2,12 @@
 
 import argparse
 import importlib
+import platform
 import sys
+
+import torch
+
+from .version import __version__
 
 # subcommand -> the module that defines it with add_parser(subparsers); a
 # module is imported only when its subcommand is asked for (all of them for
@@ -23,9 +28,14 @@ def _load(module_name):
         return None
 
 
+def _version():
+    return f"hmp {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m hmp", description="hmp: list-driven mixed precision for PyTorch")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     wanted = [argv[0]] if argv and argv[0] in SUBCOMMANDS else list(SUBCOMMANDS)
     for command in wanted:

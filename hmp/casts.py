@@ -7,8 +7,10 @@ back on every exit path, so blocks nest and exceptions cannot leak a state.
 import contextlib
 import functools
 import inspect
+import sys
 import threading
 import types
+import warnings
 
 from .resolve import stand_in
 from .state import OFF, enter, leave, tls
@@ -28,11 +30,26 @@ class _Switch(contextlib.ContextDecorator):
 
     def __init__(self):
         self._found = {}  # thread id -> [what enter() returned], innermost last
+        # where it was made, until it is entered or decorates: `hmp.disable_casts()` alone on a
+        # line does nothing, which __del__ says instead of letting it pass silently
+        caller = sys._getframe(1)
+        self._unused_at = (caller.f_code.co_filename, caller.f_lineno, caller.f_globals.get("__name__"))
+
+    def __del__(self):
+        site = getattr(self, "_unused_at", None)
+        if site is not None:
+            name = type(self).__name__
+            warnings.warn_explicit(f"hmp.{name}() was called but never entered, so it changed nothing: write "
+                                   f"`with hmp.{name}():` around the block, or use it as a decorator",
+                                   UserWarning, site[0], site[1], module=site[2])
 
     def _recreate_cm(self):
-        return type(self)()  # as a decorator: a fresh instance per call
+        cm = type(self)()  # as a decorator: a fresh instance per call
+        cm._unused_at = None
+        return cm
 
     def __call__(self, func):
+        self._unused_at = None
         # A generator's or coroutine's body runs in steps, after the call has
         # returned: the switch is on for each step only, so the caller's code
         # between steps (other asyncio tasks during an await) keeps its state.
@@ -71,6 +88,7 @@ class _Switch(contextlib.ContextDecorator):
         return switched
 
     def __enter__(self):
+        self._unused_at = None
         self._found.setdefault(threading.get_ident(), []).append(enter(self._to))
         return self
 

@@ -10,6 +10,7 @@ the first namespace changes, so a failed convert() leaves torch as it was.
 
 import contextlib
 import logging
+import os
 from typing import NamedTuple
 
 import torch
@@ -47,11 +48,20 @@ class Conversion(NamedTuple):
     uncast: tuple = ()  # uncast_calls.Entry: code that runs with casts off (building, averaging, merging)
 
 
+def _looks_like_path(text):
+    """A string a Habana-era caller meant as fp16_file_path (a separator, a
+    file suffix, or a file that exists), not a word like "yes"."""
+    text = os.fsdecode(text)
+    return os.sep in text or "/" in text or os.path.splitext(text)[1] != "" or os.path.exists(text)
+
+
 def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bfloat16, cache=True):
     if opt_level not in lists.OPT_LEVELS:
         raise ValueError(f"hmp: opt_level must be one of {', '.join(lists.OPT_LEVELS)}, got {opt_level!r}")
     if low_precision_type not in LOW_DTYPES:
         raise ValueError(f"hmp: low_precision_type must be torch.bfloat16 or torch.float16, got {low_precision_type!r}")
+    if isinstance(isVerbose, (str, bytes)) and not _looks_like_path(isVerbose):
+        raise TypeError(f"hmp: isVerbose must be a bool (True or False), got the string {isVerbose!r}")
     if isinstance(isVerbose, (str, bytes)) or hasattr(isVerbose, "__fspath__"):
         raise TypeError(f"hmp: isVerbose must be a bool, got the path {isVerbose!r}: hmp's 4th positional parameter "
                         f"is isVerbose (Habana's later HMP put fp16_file_path there); pass fp16_file_path= by keyword")

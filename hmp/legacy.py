@@ -229,13 +229,18 @@ def add_parser(subparsers):
         description="Run a script written for Habana's hmp (from habana_frameworks.torch.hpex import hmp, "
                     "htcore.mark_step()) unchanged, on any machine. Arguments after the script are the script's.",
     )
-    p.add_argument("script", help="the script to run")
+    # optional to argparse, so that a missing script gets our message, not "script, args are required"
+    p.add_argument("script", nargs="?", help="the script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     p.set_defaults(run=_cli)
     return p
 
 
 def _cli(args):
+    if args.script is None:
+        print("python -m hmp run: error: name the script to run: python -m hmp run train.py [its arguments]",
+              file=sys.stderr)
+        return 2
     if not os.path.isfile(args.script) and not os.path.isdir(args.script):
         print(f"hmp run: can't open file {args.script!r}: no such file", file=sys.stderr)
         return 2  # what python itself returns for a missing script

@@ -37,7 +37,7 @@ def _warn_enabled_region(region):
         f"hmp: a torch.autocast region ({region.device}, {str(region.fast_dtype).replace('torch.', '')}) was "
         f"entered while hmp is converted. hmp casts nothing inside torch.autocast regions: autocast's own lists "
         f"apply there, as without hmp (docs/leaves-alone.md). (hmp warns about this once per process.)",
-        UserWarning, stacklevel=3)
+        UserWarning, stacklevel=state.user_stacklevel())
 
 
 def _autocast_enter(original):

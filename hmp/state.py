@@ -16,6 +16,7 @@ but torch_private (a leaf too).
 
 import os
 import sys
+import sysconfig
 import threading
 import weakref
 
@@ -143,18 +144,34 @@ def first_time(key):
     return True
 
 
-_NOT_THE_USERS = tuple(os.path.dirname(os.path.abspath(f)) for f in (__file__, torch.__file__))  # hmp, torch
+def _folder(path):
+    return os.path.dirname(os.path.abspath(path))
 
 
-def _not_the_users(filename):
-    folder = os.path.dirname(os.path.abspath(filename))
-    return any(folder == top or folder.startswith(top + os.sep) for top in _NOT_THE_USERS)
+_HMP_AND_TORCH = tuple(_folder(f) for f in (__file__, torch.__file__))
+# where a warning would point at a library's line instead of the user's: the standard library
+# (contextlib's __enter__ when a library opens a region with a contextmanager) and installed packages
+_LIBRARIES = tuple(dict.fromkeys(os.path.abspath(p) for p in (sysconfig.get_paths().get(k) for k in
+                                                               ("stdlib", "platstdlib", "purelib", "platlib")) if p))
+
+
+def _within(filename, tops):
+    folder = _folder(filename)
+    return any(folder == top or folder.startswith(top + os.sep) for top in tops)
 
 
 def user_stacklevel():
     """``stacklevel`` for a warning raised inside hmp: the first frame
-    outside hmp and torch, so the warning shows the user's line."""
+    outside hmp, torch, the standard library and installed packages, so the
+    warning shows the user's line (a Trainer's caller, not contextlib); the
+    first frame outside hmp and torch when every frame is a library's."""
+    levels = []
     frame, level = sys._getframe(1), 1
-    while frame is not None and _not_the_users(frame.f_code.co_filename):
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not _within(name, _HMP_AND_TORCH):
+            if not _within(name, _LIBRARIES):
+                return level
+            levels.append(level)
         frame, level = frame.f_back, level + 1
-    return level
+    return levels[0] if levels else level

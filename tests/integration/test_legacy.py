@@ -3,12 +3,14 @@
 import importlib
 import importlib.util
 import os
+import platform
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import hmp
 from hmp import legacy
@@ -274,3 +276,16 @@ def test_install_in_process_and_uninstall():
                                                                 for f in sys.meta_path)
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("habana_frameworks")
+
+
+def test_run_without_a_script_says_what_to_give(tmp_path):
+    res = run_hmp(["run"], cwd=tmp_path)
+    assert res.returncode == 2
+    assert "name the script to run: python -m hmp run train.py" in res.stderr
+    assert "args" not in res.stderr.replace("arguments", "")
+
+
+def test_version_names_hmp_and_torch(tmp_path):
+    res = run_hmp(["--version"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"hmp {hmp.__version__} (torch {torch.__version__}, Python {platform.python_version()})"

@@ -66,3 +66,28 @@ def test_trainer_default_optimizer_under_hmp_ends_within_one_percent_of_fp32(tmp
     assert fp32_dtype == torch.float32 and hmp_dtype == torch.bfloat16
     assert fp32_loss < 0.5 * 4.16  # it learned: ln(64) = 4.16 is chance
     assert abs(hmp_loss - fp32_loss) / fp32_loss < 0.01, (hmp_loss, fp32_loss)
+
+
+def test_bf16_trainer_warning_points_at_the_users_line(tmp_path):
+    """TrainingArguments(bf16=True) opens torch.autocast through accelerate and
+    contextlib: hmp's warning that it casts nothing there names the line that
+    called trainer.train(), not a library's."""
+    import inspect
+    import warnings
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[],
+                                          save_strategy="no", max_steps=1, per_device_train_batch_size=4,
+                                          logging_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args,
+                                   train_dataset=Patterns(8))
+    hmp.state.warned.discard("autocast region entered")  # the warning is once per process
+    hmp.convert()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        trainer.train()
+    ours = [w for w in caught if "torch.autocast region" in str(w.message)]
+    assert ours, [str(w.message) for w in caught]
+    assert (ours[0].filename, ours[0].lineno) == (__file__, line)

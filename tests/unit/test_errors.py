@@ -366,3 +366,34 @@ def test_what_the_autocast_warning_says_is_true(tmp_path, fresh_autocast_warning
     assert F.mse_loss(x, x + 1).dtype == BF16
     with torch.autocast("cpu", dtype=BF16):
         assert F.mse_loss(x, x + 1).dtype == FP32
+
+
+@pytest.mark.parametrize("value", ["yes", "True", "1", b"no"])
+def test_isverbose_as_a_word_is_named_a_string_not_a_path(value):
+    with pytest.raises(TypeError, match=r"isVerbose must be a bool \(True or False\), got the string") as e:
+        hmp.convert(isVerbose=value)
+    assert "path" not in str(e.value)
+    assert not hmp.is_converted()
+
+
+@pytest.mark.parametrize("value", ["fp16_ops.txt", "lists/fp16", b"/tmp/x"])
+def test_isverbose_as_a_path_says_where_fp16_file_path_goes(value):
+    with pytest.raises(TypeError, match="got the path .*pass fp16_file_path= by keyword"):
+        hmp.convert(isVerbose=value)
+
+
+@pytest.mark.parametrize("switch", ["disable_casts", "enable_casts"])
+def test_a_switch_called_without_with_warns_at_the_callers_line(switch):
+    import inspect
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        getattr(hmp, switch)()  # does nothing: the object is dropped at once
+        with getattr(hmp, switch)():
+            pass
+        getattr(hmp, switch)()(lambda: None)()  # as a decorator
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)], [str(w.message) for w in caught]
+    assert f"hmp.{switch}() was called but never entered" in str(caught[0].message)
+    assert hmp.casts_enabled()
