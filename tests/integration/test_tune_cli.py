@@ -18,12 +18,9 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 MODEL = textwrap.dedent('''
     import torch
 
-    BUILT = []
-
     def make_step():
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(),
                                     torch.nn.Linear(32, 4))
-        BUILT.append(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
 
@@ -147,3 +144,16 @@ def test_equal_medians_are_said_to_be_noise():
     far = _result({"fp32": times, "tuned lists": [t * 3 for t in times]},
                   {"fp32": 1.0, "starting lists": 1.0, "tuned lists": 1.0})
     assert "3.00x fp32's time" in far.verdict and "no measurable difference" not in far.verdict
+
+
+def test_the_shipped_example_tunes_from_the_command_line_and_draws_its_report(tmp_path, monkeypatch, capsys):
+    """examples/tune_my_model.py plants a mul that bf16 spoils; the command moves it and draws the page."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "tune_my_model.py"
+    monkeypatch.chdir(tmp_path)
+    assert main(["tune", f"{example}:make_step", *FAST, "--report", "tune.html"]) == 0
+    out = capsys.readouterr().out
+    assert "moved to FP32: mul" in out and "verdict: " in out
+    page = (tmp_path / "tune.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and ">mul<" in page
