@@ -9,6 +9,7 @@ line: arguments, progress bars, the table and the JSON file.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -189,16 +190,25 @@ def format_report(res):
 
 
 def _sized(cfg, options, fixed_batch):
-    """The run that fits BUDGET_S on this machine (sizing.plan), said in a line."""
-    per_step = sum(sizing.step_seconds(cfg, [None, options], train_step, build))
-    # a batch size the user chose stays; only the steps and layers adapt
-    ladder = ((cfg.batch_size, cfg.n_layers), (cfg.batch_size, 2)) if fixed_batch else sizing.LADDER
+    """The run that fits BUDGET_S on this machine (sizing.plan), said in a line.
+    Step times are measured on the smallest model the demo may train (cheap
+    on any machine) and scaled up, an overestimate, to pick the model; then
+    on the model picked, to count its steps."""
+    ladder = sizing.LADDER
+    if fixed_batch:  # a batch size the user chose stays
+        ladder = tuple(dict(fields, batch_size=cfg.batch_size) for fields in ladder)
+        ladder = tuple(f for i, f in enumerate(ladder) if f not in ladder[:i])
+    smallest = dataclasses.replace(cfg, **ladder[-1])
+    per_step = sum(sizing.step_seconds(smallest, [None, options], train_step, build))
     sized = sizing.plan(cfg, per_step, BUDGET_S, STEPS, ladder)
+    if sized.cfg != dataclasses.replace(smallest, steps=sized.cfg.steps):
+        measured = sum(sizing.step_seconds(sized.cfg, [None, options], train_step, build))
+        sized = dataclasses.replace(sizing.steps_for(sized.cfg, measured, BUDGET_S, STEPS), shrunk=sized.shrunk)
     c = sized.cfg
-    shrunk = (f"; a smaller model than the default ({c.n_layers} blocks, batch {c.batch_size}) so that "
-              f"{sizing.MIN_STEPS}+ steps fit" if sized.shrunk else "")
+    shrunk = (f"; a smaller model than the default ({c.n_layers} blocks of width {c.d_model}, batch "
+              f"{c.batch_size} x {c.seq_len}) so that {sizing.MIN_STEPS}+ steps fit" if sized.shrunk else "")
     _note(f"sized to this machine: {c.steps} steps per configuration, about {sized.seconds:.0f} s of training "
-          f"for both (a step of both took {per_step:.2f} s just now{shrunk}); --steps N or --long to choose")
+          f"for both{shrunk}; --steps N or --long to choose")
     return c
 
 

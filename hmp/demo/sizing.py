@@ -20,10 +20,24 @@ from . import data as data_mod
 
 # the shortest run the demo trains: fewer steps and the val loss says little
 MIN_STEPS = 40
-# smaller models to fall back to, in order, when MIN_STEPS of the default do
-# not fit the budget: (batch_size, n_layers); a step's cost is about
-# proportional to batch_size * n_layers here (the head and embedding are small)
-LADDER = ((8, 4), (4, 4), (4, 2), (2, 2))
+# the models the demo can train, largest (the default) first, as Config fields: it trains the
+# first that fits MIN_STEPS into the budget, the last when none does
+LADDER = (
+    dict(batch_size=8, n_layers=4, d_model=256, seq_len=128),
+    dict(batch_size=4, n_layers=4, d_model=256, seq_len=128),
+    dict(batch_size=4, n_layers=2, d_model=256, seq_len=128),
+    dict(batch_size=2, n_layers=2, d_model=256, seq_len=128),
+    dict(batch_size=2, n_layers=2, d_model=128, seq_len=64),
+)
+
+
+def flops(fields):
+    """A step's matmul work, up to a constant: tokens x layers x d_model^2.
+    Only ratios are used, measured on the smallest model and scaled up:
+    work that does not grow with the model (the optimizer's per-tensor
+    calls, Python) makes the real ratio smaller, so the estimate for a
+    larger model errs long and the run ends early rather than late."""
+    return fields["batch_size"] * fields["seq_len"] * fields["n_layers"] * fields["d_model"] ** 2
 
 
 def native_bf16(device="cpu", cpuinfo=None, machine=None):
@@ -98,20 +112,27 @@ def step_seconds(cfg, configurations, train_step, build, steps=3):
 class Plan:
     cfg: object  # the Config to train
     seconds: float  # both configurations' training, estimated
-    shrunk: bool  # a smaller model than the default
+    shrunk: bool  # a smaller model than the first of the ladder
 
 
 def plan(cfg, per_step, budget_s, max_steps, ladder=LADDER):
     """The run that fits ``budget_s`` for both configurations together:
-    the default model if MIN_STEPS of it fit, else the first ``ladder``
-    entry (batch_size, n_layers) that does (the last one otherwise). ``per_step``: measured seconds of
-    one step of ``cfg`` for all configurations together."""
-    base_cost = cfg.batch_size * cfg.n_layers
-    for batch_size, n_layers in ladder:
-        cost = per_step * batch_size * n_layers / base_cost
+    the first ``ladder`` entry of which MIN_STEPS fit (the last otherwise),
+    with as many steps as fit, at most ``max_steps``. ``per_step``: the
+    measured seconds of one step of the last (smallest) entry, for all
+    configurations together."""
+    smallest = flops(ladder[-1])
+    for fields in ladder:
+        cost = per_step * flops(fields) / smallest
         steps = int(budget_s / cost)
-        if steps >= MIN_STEPS or (batch_size, n_layers) == ladder[-1]:
+        if steps >= MIN_STEPS or fields is ladder[-1]:
             steps = max(MIN_STEPS, min(max_steps, steps))
-            new = dataclasses.replace(cfg, batch_size=batch_size, n_layers=n_layers, steps=steps)
-            return Plan(new, steps * cost, (batch_size, n_layers) != (cfg.batch_size, cfg.n_layers))
+            return Plan(dataclasses.replace(cfg, steps=steps, **fields), steps * cost, fields is not ladder[0])
     raise AssertionError("unreachable: the ladder's last entry always returns")
+
+
+def steps_for(cfg, per_step, budget_s, max_steps):
+    """``cfg`` with as many steps as ``budget_s`` holds at ``per_step``
+    seconds (both configurations), from MIN_STEPS to ``max_steps``."""
+    steps = max(MIN_STEPS, min(max_steps, int(budget_s / per_step)))
+    return Plan(dataclasses.replace(cfg, steps=steps), steps * per_step, False)

@@ -249,28 +249,33 @@ def test_plan_fits_the_budget_and_shrinks_the_model_only_when_it_must():
     from hmp.demo.sizing import LADDER, MIN_STEPS, plan
 
     cfg = Config()
-    assert (cfg.batch_size, cfg.n_layers) == LADDER[0]
+    assert {k: getattr(cfg, k) for k in LADDER[0]} == LADDER[0]  # the default model heads the ladder
+
+    def work(c):  # written apart from sizing.flops: tokens x layers x width^2
+        return c.batch_size * c.seq_len * c.n_layers * c.d_model * c.d_model
+
+    small = Config(**LADDER[-1])
 
     @settings(deadline=None)
     @given(per_step=st.floats(1e-4, 100.0), budget=st.floats(1.0, 600.0), max_steps=st.integers(MIN_STEPS, 1000))
     def check(per_step, budget, max_steps):
         p = plan(cfg, per_step, budget, max_steps)
         c = p.cfg
-        cost = per_step * c.batch_size * c.n_layers / (cfg.batch_size * cfg.n_layers)  # independent of plan()
+        cost = per_step * work(c) / work(small)
+        fields = {k: getattr(c, k) for k in LADDER[0]}
+        assert fields in LADDER and p.shrunk == (fields != LADDER[0])
         assert MIN_STEPS <= c.steps <= max_steps
         assert p.seconds == pytest.approx(c.steps * cost)
-        assert (c.batch_size, c.n_layers) in LADDER and p.shrunk == ((c.batch_size, c.n_layers) != LADDER[0])
-        if c.steps > MIN_STEPS:
-            assert c.steps * cost <= budget * (1 + 1e-9)  # within the budget unless at the floor
-        if per_step * MIN_STEPS <= budget:
-            assert not p.shrunk  # the default model whenever MIN_STEPS of it fit
-        if p.shrunk and (c.batch_size, c.n_layers) != LADDER[-1]:
-            assert c.steps * cost <= budget * (1 + 1e-9)
+        if fields != LADDER[-1]:
+            assert c.steps * cost <= budget * (1 + 1e-9)  # within the budget unless at the last resort
+        # no larger model would have fit MIN_STEPS
+        for bigger in LADDER[:LADDER.index(fields)]:
+            assert per_step * work(Config(**bigger)) / work(small) * MIN_STEPS > budget * (1 - 1e-9)
 
     check()
 
 
-@pytest.mark.slow  # about 10 s: calibration, both trainings, memory subprocesses
+@pytest.mark.slow  # about a minute: the whole default run
 def test_default_run_says_what_to_expect_and_sizes_itself_first(tmp_path):
     out = tmp_path / "demo.json"
     proc = run_cli("--device", "cpu", "--json", str(out))
