@@ -9,7 +9,6 @@ line: arguments, progress bars, the table and the JSON file.
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -190,20 +189,16 @@ def format_report(res):
 
 
 def _sized(cfg, options, fixed_batch):
-    """The run that fits BUDGET_S on this machine (sizing.plan), said in a line.
-    Step times are measured on the smallest model the demo may train (cheap
-    on any machine) and scaled up, an overestimate, to pick the model; then
-    on the model picked, to count its steps."""
+    """The run that fits BUDGET_S on this machine (sizing.fit), said in a line."""
     ladder = sizing.LADDER
     if fixed_batch:  # a batch size the user chose stays
         ladder = tuple(dict(fields, batch_size=cfg.batch_size) for fields in ladder)
         ladder = tuple(f for i, f in enumerate(ladder) if f not in ladder[:i])
-    smallest = dataclasses.replace(cfg, **ladder[-1])
-    per_step = sum(sizing.step_seconds(smallest, [None, options], train_step, build))
-    sized = sizing.plan(cfg, per_step, BUDGET_S, STEPS, ladder)
-    if sized.cfg != dataclasses.replace(smallest, steps=sized.cfg.steps):
-        measured = sum(sizing.step_seconds(sized.cfg, [None, options], train_step, build))
-        sized = dataclasses.replace(sizing.steps_for(sized.cfg, measured, BUDGET_S, STEPS), shrunk=sized.shrunk)
+
+    def measure(c):
+        return sum(sizing.step_seconds(c, [None, options], train_step, build))
+
+    sized = sizing.fit(cfg, measure, BUDGET_S, STEPS, ladder)
     c = sized.cfg
     shrunk = (f"; a smaller model than the default ({c.n_layers} blocks of width {c.d_model}, batch "
               f"{c.batch_size} x {c.seq_len}) so that {sizing.MIN_STEPS}+ steps fit" if sized.shrunk else "")

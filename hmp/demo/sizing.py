@@ -32,11 +32,7 @@ LADDER = (
 
 
 def flops(fields):
-    """A step's matmul work, up to a constant: tokens x layers x d_model^2.
-    Only ratios are used, measured on the smallest model and scaled up:
-    work that does not grow with the model (the optimizer's per-tensor
-    calls, Python) makes the real ratio smaller, so the estimate for a
-    larger model errs long and the run ends early rather than late."""
+    """A step's matmul work, up to a constant: tokens x layers x d_model^2."""
     return fields["batch_size"] * fields["seq_len"] * fields["n_layers"] * fields["d_model"] ** 2
 
 
@@ -111,28 +107,30 @@ def step_seconds(cfg, configurations, train_step, build, steps=3):
 @dataclasses.dataclass
 class Plan:
     cfg: object  # the Config to train
-    seconds: float  # both configurations' training, estimated
+    seconds: float  # both configurations' training, estimated from a measured step
     shrunk: bool  # a smaller model than the first of the ladder
+    measured: int  # ladder entries timed to decide
 
 
-def plan(cfg, per_step, budget_s, max_steps, ladder=LADDER):
-    """The run that fits ``budget_s`` for both configurations together:
-    the first ``ladder`` entry of which MIN_STEPS fit (the last otherwise),
-    with as many steps as fit, at most ``max_steps``. ``per_step``: the
-    measured seconds of one step of the last (smallest) entry, for all
-    configurations together."""
-    smallest = flops(ladder[-1])
-    for fields in ladder:
-        cost = per_step * flops(fields) / smallest
-        steps = int(budget_s / cost)
-        if steps >= MIN_STEPS or fields is ladder[-1]:
-            steps = max(MIN_STEPS, min(max_steps, steps))
-            return Plan(dataclasses.replace(cfg, steps=steps, **fields), steps * cost, fields is not ladder[0])
-    raise AssertionError("unreachable: the ladder's last entry always returns")
+def fit(cfg, measure, budget_s, max_steps, ladder=LADDER):
+    """The largest ``ladder`` entry (the first is the largest) of which
+    MIN_STEPS fit ``budget_s``, with as many steps as fit (at most
+    ``max_steps``); the smallest when none fits.
 
-
-def steps_for(cfg, per_step, budget_s, max_steps):
-    """``cfg`` with as many steps as ``budget_s`` holds at ``per_step``
-    seconds (both configurations), from MIN_STEPS to ``max_steps``."""
-    steps = max(MIN_STEPS, min(max_steps, int(budget_s / per_step)))
-    return Plan(dataclasses.replace(cfg, steps=steps), steps * per_step, False)
+    ``measure(cfg)`` times one step of ``cfg`` for all configurations
+    together. Entries are timed from the smallest up, so a slow machine
+    pays only for small models; the walk stops at the first entry that
+    does not fit, or before one that cannot, judging by the square root of
+    its work ratio (real step times grow slower than work: fixed costs)."""
+    chosen = per = None
+    measured = 0
+    for fields in reversed(ladder):
+        if per is not None and per * (flops(fields) / flops(chosen)) ** 0.5 * MIN_STEPS > budget_s:
+            break
+        seconds = measure(dataclasses.replace(cfg, **fields))
+        measured += 1
+        if chosen is not None and seconds * MIN_STEPS > budget_s:
+            break
+        chosen, per = fields, seconds
+    steps = max(MIN_STEPS, min(max_steps, int(budget_s / per)))
+    return Plan(dataclasses.replace(cfg, steps=steps, **chosen), steps * per, chosen != ladder[0], measured)

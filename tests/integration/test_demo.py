@@ -243,10 +243,10 @@ def test_expectation_says_what_the_measured_ratio_means(ratio, words):
     assert words in line and f"{ratio:.2f}x" in line and "no avx512_bf16" in line
 
 
-def test_plan_fits_the_budget_and_shrinks_the_model_only_when_it_must():
-    from hypothesis import given, settings, strategies as st
+def test_fit_picks_the_largest_model_that_fits_and_times_few_models():
+    from hypothesis import given, strategies as st
 
-    from hmp.demo.sizing import LADDER, MIN_STEPS, plan
+    from hmp.demo.sizing import LADDER, MIN_STEPS, fit
 
     cfg = Config()
     assert {k: getattr(cfg, k) for k in LADDER[0]} == LADDER[0]  # the default model heads the ladder
@@ -254,25 +254,47 @@ def test_plan_fits_the_budget_and_shrinks_the_model_only_when_it_must():
     def work(c):  # written apart from sizing.flops: tokens x layers x width^2
         return c.batch_size * c.seq_len * c.n_layers * c.d_model * c.d_model
 
-    small = Config(**LADDER[-1])
+    # a machine: a fixed cost per step plus a cost per unit of work, both drawn
+    @given(fixed=st.floats(1e-4, 5.0), per_work=st.floats(1e-12, 1e-6), budget=st.floats(1.0, 600.0),
+           max_steps=st.integers(MIN_STEPS, 1000))
+    def check(fixed, per_work, budget, max_steps):
+        timed = []
 
-    @settings(deadline=None)
-    @given(per_step=st.floats(1e-4, 100.0), budget=st.floats(1.0, 600.0), max_steps=st.integers(MIN_STEPS, 1000))
-    def check(per_step, budget, max_steps):
-        p = plan(cfg, per_step, budget, max_steps)
+        def measure(c):
+            timed.append(c)
+            return fixed + per_work * work(c)
+
+        p = fit(cfg, measure, budget, max_steps)
         c = p.cfg
-        cost = per_step * work(c) / work(small)
         fields = {k: getattr(c, k) for k in LADDER[0]}
-        assert fields in LADDER and p.shrunk == (fields != LADDER[0])
+        per = fixed + per_work * work(c)
+        assert fields in LADDER and p.shrunk == (fields != LADDER[0]) and p.measured == len(timed)
         assert MIN_STEPS <= c.steps <= max_steps
-        assert p.seconds == pytest.approx(c.steps * cost)
-        if fields != LADDER[-1]:
-            assert c.steps * cost <= budget * (1 + 1e-9)  # within the budget unless at the last resort
-        # no larger model would have fit MIN_STEPS
-        for bigger in LADDER[:LADDER.index(fields)]:
-            assert per_step * work(Config(**bigger)) / work(small) * MIN_STEPS > budget * (1 - 1e-9)
+        assert p.seconds == pytest.approx(c.steps * per)
+        fits = [f for f in LADDER if (fixed + per_work * work(Config(**f))) * MIN_STEPS <= budget]
+        if fits:
+            # the largest that fits, or a smaller one only when the walk up was cut short by its guess
+            assert per * MIN_STEPS <= budget and c.steps * per <= budget * (1 + 1e-9)
+            assert LADDER.index(fields) >= LADDER.index(fits[0])
+        else:
+            assert fields == LADDER[-1] and c.steps == MIN_STEPS and len(timed) == 1  # nothing fits: the smallest
+        # timed from the smallest up to the chosen one, and at most one past it
+        assert timed[0] == Config(**LADDER[-1]) and len(timed) <= len(LADDER) - LADDER.index(fields) + 1
 
     check()
+
+
+@pytest.mark.parametrize("per_work", [1e-10, 1e-9, 1e-8, 1e-7])
+def test_fit_with_step_time_proportional_to_work_chooses_exactly_the_largest_that_fits(per_work):
+    from hmp.demo.sizing import LADDER, MIN_STEPS, fit
+
+    def work(c):
+        return c.batch_size * c.seq_len * c.n_layers * c.d_model * c.d_model
+
+    p = fit(Config(), lambda c: per_work * work(c), 40.0, 120)
+    fits = [f for f in LADDER if per_work * work(Config(**f)) * MIN_STEPS <= 40.0]
+    expected = fits[0] if fits else LADDER[-1]
+    assert {k: getattr(p.cfg, k) for k in LADDER[0]} == expected
 
 
 @pytest.mark.slow  # about a minute: the whole default run
