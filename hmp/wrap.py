@@ -66,16 +66,19 @@ _is_compiling = torch.compiler.is_compiling
 def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
     def wrapper(*args, **kwargs):
         st = tls
-        if st.off or prepare is None or needs is not None and not needs(args, kwargs):
+        # read once: another thread's revert() may retire this wrapper (its prepare set to None)
+        # while a call is inside it; the call then finishes under the configuration it started in
+        rule = prepare
+        if st.off or rule is None or needs is not None and not needs(args, kwargs):
             return op(*args, **kwargs)
         if src is None or kwargs or len(args) > inplace_at and args[inplace_at]:
-            a, k = prepare(args, kwargs)
+            a, k = rule(args, kwargs)
         elif src is PROMOTE:
-            a, k = (args, kwargs) if _one_dtype(args, None) is not False else prepare(args, kwargs)
+            a, k = (args, kwargs) if _one_dtype(args, None) is not False else rule(args, kwargs)
         else:
             a, k = _cast_seq(args, src, cast, refuse), kwargs
             if a is None:  # a number the lower dtype cannot hold: prepare runs the FP32 rule
-                a, k = prepare(args, kwargs)
+                a, k = rule(args, kwargs)
         st.off = OFF
         try:
             result = op(*a, **k)

@@ -109,3 +109,24 @@ def test_verbose_reaches_the_terminal_without_logging_config(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "torch.nn.functional.linear inputs" in res.stderr and res.stdout == ""
     assert res.stderr.count("torch.nn.functional.linear inputs") == 1  # silent after revert
+
+
+def test_a_call_inside_a_wrapper_that_revert_retires_finishes():
+    """revert() retires the wrappers it takes out of torch (their rule set to
+    None) while another thread may be inside one: the call must finish under
+    the configuration it started in. Here the revert happens deterministically
+    inside the call, when the wrapper asks an argument for its truth value
+    (F.relu's inplace flag, read before the wrapper picks its rule)."""
+
+    class RevertsWhenAsked:
+        def __bool__(self):
+            hmp.revert()
+            return True
+
+    hmp.convert()
+    relu = torch.nn.functional.relu  # the wrapper
+    x = torch.randn(8) * 3
+    expected = torch.relu(x.clone())
+    out = relu(x.clone(), RevertsWhenAsked())
+    assert not hmp.is_converted()
+    assert torch.equal(out.float(), expected.bfloat16().float())  # cast as converted, when the call began
