@@ -8,7 +8,6 @@ state)``: ``step()`` runs one training step and returns its loss, ``state``
 is a tuple of the modules, optimizers and schedulers the step changes
 (hmp.tune puts them back as they were after each trial)."""
 
-import argparse
 import importlib
 import importlib.util
 import json
@@ -18,6 +17,7 @@ import sys
 import torch
 
 from . import tuning
+from .arguments import fraction, positive_int, seed
 from .demo import data as demo_data
 from .demo.training import Config, build, train_step
 from .files import check_outputs
@@ -25,26 +25,6 @@ from .lists import class_path
 from .progress import Progress
 
 PROG = "python -m hmp tune"
-
-
-def _positive(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _fraction(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number such as 0.02, got {text!r}") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction between 0 and 1 (0.02 is 2%), got {value}")
-    return value
 
 
 def add_parser(subparsers):
@@ -57,13 +37,13 @@ def add_parser(subparsers):
                     "modules and optimizers it changes. Without TARGET, the demo's language model is tuned.")
     p.add_argument("target", nargs="?", metavar="TARGET",
                    help="MODULE:FUNCTION or FILE.py:FUNCTION returning (step, state) (default: the demo model)")
-    p.add_argument("--steps", type=_positive, default=20, help="validation steps per configuration (default 20)")
-    p.add_argument("--rounds", type=_positive, default=5,
+    p.add_argument("--steps", type=positive_int, default=20, help="validation steps per configuration (default 20)")
+    p.add_argument("--rounds", type=positive_int, default=5,
                    help="timing rounds, configurations interleaved (default 5; more narrows the spread)")
-    p.add_argument("--tolerance", type=_fraction, default=0.02,
+    p.add_argument("--tolerance", type=fraction, default=0.02,
                    help="how far the tuned lists' final loss may be from fp32's (default 0.02, 2%%)")
-    p.add_argument("--batch-size", type=_positive, default=8, help="the demo model's batch size (default 8)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--batch-size", type=positive_int, default=8, help="the demo model's batch size (default 8)")
+    p.add_argument("--seed", type=seed, default=0,
                    help="torch.manual_seed before the model is built and the batch drawn (default 0)")
     p.add_argument("--bf16-out", default="tuned_bf16.txt", help="where to write the BF16 list")
     p.add_argument("--fp32-out", default="tuned_fp32.txt", help="where to write the FP32 list")

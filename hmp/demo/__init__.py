@@ -8,7 +8,6 @@ its cast count per op comes from ``hmp.profile``). This module is only the comma
 line: arguments, progress bars, the table and the JSON file.
 """
 
-import argparse
 import json
 import os
 import platform
@@ -19,6 +18,7 @@ import torch
 
 import hmp
 
+from ..arguments import positive_int, seed
 from ..progress import Progress
 from . import data as data_mod
 from . import sizing
@@ -36,26 +36,6 @@ BUDGET_S = 40.0
 LINE_EVERY_S = 10.0
 
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _seed(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**63-1, got {value}")
-    return value
-
-
 def add_parser(subparsers):
     p = subparsers.add_parser(
         "demo",
@@ -65,20 +45,20 @@ def add_parser(subparsers):
                     "Prints speed, memory, losses and hmp's casts per op.",
     )
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=_positive_int, default=None,
+    length.add_argument("--steps", type=positive_int, default=None,
                         help=f"training steps per configuration (default: as many as fit about a minute on this "
                              f"machine, measured before training, at most {STEPS}; the model shrinks when fewer "
                              f"than {sizing.MIN_STEPS} would fit)")
     length.add_argument("--long", dest="steps", action="store_const", const=LONG_STEPS,
                         help=f"a longer run: {LONG_STEPS} steps per configuration of the full model (minutes)")
-    p.add_argument("--batch-size", type=_positive_int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=None,
                    help=f"sequences of {DEFAULTS.seq_len} characters per step (default {DEFAULTS.batch_size})")
     p.add_argument("--device", choices=("auto", "cpu", "cuda", "hpu"), default="auto",
                    help="auto: cuda if available, then hpu when habana_frameworks is installed, else cpu")
     p.add_argument("--opt-level", choices=("O1", "O2"), default="O1", help="hmp opt_level (default O1)")
     p.add_argument("--bf16-file", default="", metavar="PATH", help="hmp BF16 list file (default: hmp's own)")
     p.add_argument("--fp32-file", default="", metavar="PATH", help="hmp FP32 list file (default: hmp's own)")
-    p.add_argument("--seed", type=_seed, default=DEFAULTS.seed, help=f"random seed (default {DEFAULTS.seed})")
+    p.add_argument("--seed", type=seed, default=DEFAULTS.seed, help=f"random seed (default {DEFAULTS.seed})")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.set_defaults(run=run)
     return p

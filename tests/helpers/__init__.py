@@ -1,6 +1,8 @@
 """What tests share: namespace snapshots, list-file writing, the devices to run on.
 The worker scripts and models beside this file are run or imported by the tests."""
 
+import ast
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,3 +76,15 @@ def clone_with_backward(backward):
             return grad
 
     return CloneWithBackward
+
+
+def imported_packages(code):
+    """Top-level names of the packages Python source imports (also inside
+    try/if blocks), hmp left out: what an example or docs block needs."""
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names - {"hmp", "__future__"}

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import imported_packages
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FRAGMENT = re.compile(r"^<!-- fragment: (.*\S) -->$")
@@ -60,16 +62,6 @@ def python_blocks():
             following = blocks[k + 1] if k + 1 < len(blocks) else None
             expected = following["code"] if following and following["before"] == OUTPUT else None
             yield doc, block, expected
-
-
-def imported_packages(code):
-    names = set()
-    for node in ast.walk(ast.parse(code)):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names.add(node.module.split(".")[0])
-    return names - {"hmp", "__future__"}
 
 
 def _parses(code):

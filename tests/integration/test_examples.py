@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import imported_packages
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
@@ -71,17 +73,6 @@ EXPECTED = {
 }
 
 
-def imported_packages(path):
-    """Top-level names of the packages a script imports (also inside try/if blocks)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names.add(node.module.split(".")[0])
-    return names - {"hmp", "__future__"}
-
-
 def is_stdlib(name):
     """Found in the interpreter's own library (site-packages can sit inside it, so it is excluded)."""
     spec = importlib.util.find_spec(name)
@@ -92,11 +83,11 @@ def is_stdlib(name):
 
 def optional_packages(path):
     """What an example imports beyond torch, hmp and the standard library."""
-    return sorted(name for name in imported_packages(path) - {"torch"} if not is_stdlib(name))
+    return sorted(name for name in imported_packages(path.read_text(encoding="utf-8")) - {"torch"} if not is_stdlib(name))
 
 
 def missing_packages(path):
-    return sorted(name for name in imported_packages(path) if importlib.util.find_spec(name) is None)
+    return sorted(name for name in imported_packages(path.read_text(encoding="utf-8")) if importlib.util.find_spec(name) is None)
 
 
 def example_param(path):
