@@ -21,10 +21,9 @@ from .conversion import convert, converted, effective_lists, is_converted, rever
 from .lists import list_path
 from .profiling import profile
 from .tuning import tune
-from .version import __version__  # noqa: F401 (hmp.__version__)
 from .user import bf16_function, fp32_function, promote_function, register, unregister
+from .version import __version__  # noqa: F401 (hmp.__version__)
 from .wrap import op_wrap, to_bf16, to_fp32
-
 
 __all__ = [
     "convert",

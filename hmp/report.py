@@ -549,43 +549,35 @@ def table(headers, rows, numeric=()):
 
 
 def validation_table(tune):
-    losses, timings = tune.validation, tune.timings
-    tolerance = getattr(tune, "tolerance", None)
-    same_as = getattr(tune, "same_as", None) or {}
-    spread = getattr(tune, "spread", None)  # relative spread of a configuration's step times, when recorded
-    ref = losses.get("fp32")
+    """The validation rows from the TuneResult's own measures (loss_gap,
+    spread, same_as), each row's verdict against its tolerance."""
+    timings = tune.timings
+    fp32_ms = timings.get("fp32")
     rows = []
-    for name, value in losses.items():
-        ms = timings.get(name)
-        gap = None if ref is None or name == "fp32" else value - ref
-        rel = "" if gap is None else (f"{gap / abs(ref) * 100:+.3g} %" if ref else f"{gap:+.3g} (fp32's loss is 0)")
-        speed = "" if ms is None or timings.get("fp32") in (None, 0) else f"{timings['fp32'] / ms:.2f}x"
-        noise = spread(name) if spread is not None else None
-        label = name + (f" (same lists as {same_as[name]})" if name in same_as else "")
+    for name, value in tune.validation.items():
+        ms, noise = timings.get(name), tune.spread(name)
+        label = name + (f" (same lists as {tune.same_as[name]})" if name in tune.same_as else "")
+        rel = "" if name == "fp32" else f"{tune.loss_gap(name):+.2%}"
+        speed = "" if ms is None or not fp32_ms else f"{fp32_ms / ms:.2f}x"
         rows.append([label, f"{value:.5f}", rel, "" if ms is None else f"{ms * 1e3:.2f}",
-                     "" if noise is None else f"+-{noise / 2:.0%}", speed, _validation_verdict(name, losses, tolerance)])
+                     "" if noise is None else f"+-{noise / 2:.0%}", speed, _validation_verdict(tune, name)])
     return table(["lists", "final loss", "vs fp32's loss", "step ms (median)", "spread", "speed vs fp32", "verdict"],
                  rows, numeric=(1, 2, 3, 4, 5))
 
 
-def _validation_verdict(name, losses, tolerance):
-    if name == "fp32" or "fp32" not in losses:
-        return "reference" if name == "fp32" else ""
-    ref, gap = losses["fp32"], abs(losses[name] - losses["fp32"])
-    if not math.isfinite(gap):
+def _validation_verdict(tune, name):
+    if name == "fp32":
+        return "reference"
+    if not (math.isfinite(tune.validation[name]) and math.isfinite(tune.validation["fp32"])):
         return "diverged"
+    gap = abs(tune.loss_gap(name))
     if name != "tuned lists":
         return ""
-    start = losses.get("starting lists")
-    no_further = start is not None and gap <= abs(start - ref)
-    if tolerance is None:
-        return ("no further from fp32 than the starting lists" if no_further else
-                "further from fp32 than the starting lists (tolerance not recorded in the result)")
-    if gap <= tolerance * abs(ref):
-        return f"within tolerance ({tolerance:.0%} of fp32's loss)"
-    if no_further:
-        return f"outside tolerance ({tolerance:.0%}), but no further than the starting lists"
-    return f"outside tolerance ({tolerance:.0%})"
+    if gap <= tune.tolerance:
+        return f"within tolerance ({tune.tolerance:.0%} of fp32's loss)"
+    if gap <= abs(tune.loss_gap("starting lists")):
+        return f"outside tolerance ({tune.tolerance:.0%}), but no further than the starting lists"
+    return f"outside tolerance ({tune.tolerance:.0%})"
 
 
 # --- the page -------------------------------------------------------------------------------------------------------
@@ -651,7 +643,7 @@ def render(audit=None, tune=None, title=None):
     meta = [f"measured {created.strftime('%Y-%m-%d %H:%M UTC')}", f"torch {torch.__version__}",
             f"threshold {audit.threshold:g} (an op's own error, error made in a module)",
             f"loss threshold {audit.loss_threshold:g}"]
-    if tune is not None and getattr(tune, "tolerance", None) is not None:
+    if tune is not None:
         meta.append(f"tolerance {tune.tolerance:.0%}")
     meta.insert(2, f"hmp {__version__}")
     summary = [("loss error under the lists", _num(audit.output_error)),

@@ -155,7 +155,7 @@ _LIBRARIES = tuple(dict.fromkeys(os.path.abspath(p) for p in (sysconfig.get_path
                                                                ("stdlib", "platstdlib", "purelib", "platlib")) if p))
 
 
-def _within(filename, tops):
+def _in_folders(filename, tops):
     folder = _folder(filename)
     return any(folder == top or folder.startswith(top + os.sep) for top in tops)
 
@@ -165,13 +165,13 @@ def user_stacklevel():
     outside hmp, torch, the standard library and installed packages, so the
     warning shows the user's line (a Trainer's caller, not contextlib); the
     first frame outside hmp and torch when every frame is a library's."""
-    levels = []
+    first_library = None
     frame, level = sys._getframe(1), 1
     while frame is not None:
         name = frame.f_code.co_filename
-        if not _within(name, _HMP_AND_TORCH):
-            if not _within(name, _LIBRARIES):
+        if not _in_folders(name, _HMP_AND_TORCH):
+            if not _in_folders(name, _LIBRARIES):
                 return level
-            levels.append(level)
+            first_library = first_library or level
         frame, level = frame.f_back, level + 1
-    return levels[0] if levels else level
+    return first_library or level

@@ -13,6 +13,7 @@
    drop the additions and module proposals; time a step of each.
 """
 
+import math
 import statistics
 import time
 from datetime import datetime, timezone
@@ -115,8 +116,12 @@ class TuneResult:
         return (q3 - q1) / statistics.median(times)
 
     def loss_gap(self, name):
-        """``name``'s final loss relative to fp32's: (loss - fp32) / |fp32|."""
-        return (self.validation[name] - self.validation["fp32"]) / abs(self.validation["fp32"])
+        """``name``'s final loss relative to fp32's: (loss - fp32) / |fp32|;
+        against an fp32 loss of exactly 0, 0 when equal, else signed inf."""
+        diff, ref = self.validation[name] - self.validation["fp32"], abs(self.validation["fp32"])
+        if ref == 0:
+            return math.copysign(math.inf, diff) if diff else 0.0
+        return diff / ref
 
     @property
     def verdict(self):

@@ -22,8 +22,8 @@ from ..arguments import positive_int, seed
 from ..progress import Progress
 from . import data as data_mod
 from . import sizing
-from .training import (CAST_STEPS, Config, DeviceError, MEMORY_STEPS, build, count_casts, matmul_time_vs_fp32,
-                       model_summary, peak_rss_growth, resolve_device, train, train_step)
+from .training import (CAST_STEPS, Config, DeviceError, MEMORY_STEPS, count_casts, matmul_time_vs_fp32, model_summary,
+                       peak_rss_growth, resolve_device, train)
 
 PROG = "python -m hmp demo"
 DEFAULTS = Config()
@@ -176,7 +176,7 @@ def _sized(cfg, options, fixed_batch):
         ladder = tuple(f for i, f in enumerate(ladder) if f not in ladder[:i])
 
     def measure(c):
-        return sum(sizing.step_seconds(c, [None, options], train_step, build))
+        return sum(sizing.step_seconds(c, [None, options]))
 
     sized = sizing.fit(cfg, measure, BUDGET_S, STEPS, ladder)
     c = sized.cfg

@@ -16,7 +16,7 @@ import torch
 
 import hmp
 
-from . import data as data_mod
+from .training import build, random_batch, train_step
 
 # the shortest run the demo trains: fewer steps and the val loss says little
 MIN_STEPS = 40
@@ -84,13 +84,11 @@ def expectation(matmul_ratio, native):
             "comes on CPUs with native bf16 (AVX512-BF16, AMX, ARM bf16) and on GPUs")
 
 
-def step_seconds(cfg, configurations, train_step, build, steps=3):
+def step_seconds(cfg, configurations, steps=3):
     """Median seconds of one training step of ``cfg`` per configuration
     (hmp options or None), after one warm-up step (first calls allocate and
     fill caches) and outside convert(), which runs once per configuration."""
-    gen = torch.Generator().manual_seed(cfg.seed)
-    x = torch.randint(0, data_mod.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen).to(cfg.device)
-    y = torch.randint(0, data_mod.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen).to(cfg.device)
+    x, y = random_batch(cfg)
     out = []
     for options in configurations:
         model, opt, sched = build(cfg)

@@ -222,15 +222,22 @@ def count_casts(cfg, corpus, hmp_options, steps=CAST_STEPS):
 MEMORY_STEPS = 3
 
 
+def random_batch(cfg):
+    """One batch of random character ids from ``cfg.seed``, on ``cfg.device``:
+    for measuring a step, where what it learns does not matter."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x = torch.randint(0, data_mod.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen)
+    y = torch.randint(0, data_mod.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen)
+    return x.to(cfg.device), y.to(cfg.device)
+
+
 def _memory_child(spec_json):
     """Subprocess entry point: a few training steps, then print the peak RSS
     growth over the RSS just before them, in MiB, as JSON."""
     spec = json.loads(spec_json)
     cfg = Config(**spec["config"])
     model, opt, sched = build(cfg)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    x = torch.randint(0, data_mod.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen)
-    y = torch.randint(0, data_mod.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen)
+    x, y = random_batch(cfg)
     if spec["hmp_options"] is not None:
         hmp.convert(**spec["hmp_options"])
     base, read_peak, _ = start_peak()

@@ -171,3 +171,13 @@ def test_bad_flag_values_are_argparse_errors(argv, message, capsys):
         main(["tune", *argv])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_zero_fp32_loss_gives_a_verdict_not_a_division_error():
+    same = _result({}, {"fp32": 0.0, "starting lists": 0.0, "tuned lists": 0.0})
+    assert same.loss_gap("tuned lists") == 0.0 and "within the 2% tolerance" in same.verdict
+    apart = _result({}, {"fp32": 0.0, "starting lists": 0.1, "tuned lists": 0.1})
+    assert apart.loss_gap("tuned lists") == float("inf") and "OUTSIDE" in apart.verdict
+    from hmp.report import validation_table
+
+    assert "outside tolerance (2%)" in validation_table(apart)

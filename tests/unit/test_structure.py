@@ -17,7 +17,7 @@ from hmp import wrap
 
 PACKAGE = Path(hmp.__file__).resolve().parent
 # optional or platform-only modules may be imported where they are needed
-LOCAL_IMPORTS_ALLOWED = {"matplotlib", "matplotlib.pyplot", "resource", "tqdm"}  # tqdm: the demo extra
+LOCAL_IMPORTS_ALLOWED = {"resource", "tqdm"}  # tqdm: the demo extra
 
 
 def module_name(path):
