@@ -35,8 +35,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def load(name, checkout):
-    spec = importlib.util.spec_from_file_location(name, checkout / "hmp" / "__init__.py",
-                                                  submodule_search_locations=[str(checkout / "hmp")])
+    spec = importlib.util.spec_from_file_location(
+        name, checkout / "hmp" / "__init__.py", submodule_search_locations=[str(checkout / "hmp")]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -44,8 +45,14 @@ def load(name, checkout):
 
 
 def wrappers():
-    return {"linear": F.linear, "mm": torch.mm, "softmax": torch.softmax, "cat": torch.cat,
-            "add": torch.Tensor.__add__, "mul": torch.Tensor.__mul__}
+    return {
+        "linear": F.linear,
+        "mm": torch.mm,
+        "softmax": torch.softmax,
+        "cat": torch.cat,
+        "add": torch.Tensor.__add__,
+        "mul": torch.Tensor.__mul__,
+    }
 
 
 def cases():
@@ -90,9 +97,9 @@ def main(argv=None):
             for i in range(args.pairs):
                 order = [("this", ours[op], this), ("other", theirs[op], other)]
                 times = {}
-                for name, fn, package in order[::1 - 2 * (i % 2)]:
+                for name, fn, package in order[:: 1 - 2 * (i % 2)]:
                     with package.frozen_weights() if frozen else contextlib.nullcontext():
-                        times[name] = timeit.timeit(lambda: call(fn), number=args.calls)
+                        times[name] = timeit.timeit(lambda fn=fn, call=call: call(fn), number=args.calls)
                 ratios.append(times["this"] / times["other"])
                 other_us.append(times["other"] / args.calls * 1e6)
             del keep

@@ -10,9 +10,9 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from autocast_lists import list_paths
 
 import hmp
-from autocast_lists import list_paths
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,11 @@ class Config:
 
 def autocast_list_args(device):
     paths = list_paths("cuda" if device == "cuda" else "cpu")
-    return {"bf16_file_path": str(paths["bf16"]), "fp32_file_path": str(paths["fp32"]),
-            "promote_file_path": str(paths["promote"])}
+    return {
+        "bf16_file_path": str(paths["bf16"]),
+        "fp32_file_path": str(paths["fp32"]),
+        "promote_file_path": str(paths["promote"]),
+    }
 
 
 def all_configs(device):

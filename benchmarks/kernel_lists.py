@@ -37,7 +37,7 @@ Sources, for the installed torch:
 
 A failing OpInfo is listed under the first of its ``aten_name``, its name with dots replaced
 (``fft.rfft`` -> ``fft_rfft``) and its name's last component (``nn.functional.grid_sample`` ->
-``grid_sample``) that ``hmp.resolve.Resolver().check`` reports BOUND and that binds the function
+``grid_sample``) that ``hmp.core.resolve.Resolver().check`` reports BOUND and that binds the function
 the sweep called; one with no such name (``torch.sparse.mm``, ``torch.masked.*``), or whose name
 hmp refuses in a list (``view_as_complex`` returns a view), is named in the file's header as left
 out.
@@ -68,13 +68,12 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling script, also when imported by path
 from autocast_lists import wrap_comment  # noqa: E402
 
-from hmp import lists as hmp_lists  # noqa: E402
-from hmp.resolve import BOUND, Resolver, returns_view, unwrap  # noqa: E402
+from hmp.core import lists as hmp_lists  # noqa: E402
+from hmp.core.resolve import BOUND, Resolver, returns_view, unwrap  # noqa: E402
 
 LIST_DIR = ROOT / "op_lists"
 LOWER = {"bf16": torch.bfloat16, "fp16": torch.float16}
-FILES = {"no_kernel_bf16": "no_kernel_bf16.txt", "no_kernel_fp16": "no_kernel_fp16.txt",
-         "one_dtype": "one_dtype.txt"}
+FILES = {"no_kernel_bf16": "no_kernel_bf16.txt", "no_kernel_fp16": "no_kernel_fp16.txt", "one_dtype": "one_dtype.txt"}
 SAMPLES_PER_OP = 50  # float32 samples that ran, per OpInfo (most have fewer): the sweep takes about 30 s
 VARIANTS = ("all", "first", "rest")
 COMMAND = "python benchmarks/kernel_lists.py --merge"
@@ -87,7 +86,9 @@ COMMAND = "python benchmarks/kernel_lists.py --merge"
 DTYPE_ERROR_TYPES = (RuntimeError, TypeError, NotImplementedError, ValueError)
 DTYPE_WORDS = re.compile(
     r"dtype|scalar ?type|not implemented for|BFloat16|bfloat16|\bHalf\b|float16|same type|"
-    r"type \(.*\) (?:and|should)|Float|Double|precision", re.I)
+    r"type \(.*\) (?:and|should)|Float|Double|precision",
+    re.I,
+)
 NOT_DTYPE = re.compile(r"positive.definite|singular|failed to converge|ill.conditioned", re.I)
 
 
@@ -105,6 +106,7 @@ def first_line(exc):
 
 
 # -- the OpInfo database ----------------------------------------------------------------------
+
 
 def load_op_db():
     """torch's OpInfo list (importing it raises ImportError without ``expecttest``)."""
@@ -134,7 +136,7 @@ def public_call(op):
     fn = op.op
     if isinstance(fn, types.FunctionType) and (fn.__module__ or "").startswith("torch.testing."):
         return f"{op.name} (OpInfo lambda)", fn
-    path = op.name[len("torch."):] if op.name.startswith("torch.") else op.name
+    path = op.name[len("torch.") :] if op.name.startswith("torch.") else op.name
     if path.startswith("ops."):
         return None  # torch.ops.aten overloads: not a Python name hmp wraps
     parts = path.split(".")
@@ -157,6 +159,7 @@ def _lookup(root, parts):
 
 def _late_call(root, parts):
     """A function that calls ``root.<parts>`` as it is at call time; ``.target()`` returns it."""
+
     def target():
         return _lookup(root, parts)
 
@@ -273,8 +276,14 @@ def collect_probes(op_db=None, cap=SAMPLES_PER_OP, only=None):
                     if s is None:
                         break
                     tried += 1
-                    probe = Probe(op, label, call, (s.input, *s.args), dict(s.kwargs),
-                                  _count_floating((s.input, s.args, s.kwargs)))
+                    probe = Probe(
+                        op,
+                        label,
+                        call,
+                        (s.input, *s.args),
+                        dict(s.kwargs),
+                        _count_floating((s.input, s.args, s.kwargs)),
+                    )
                     error = probe.run(torch.float32, "fp32")
                     if error is None:
                         kept.append(probe)
@@ -284,8 +293,9 @@ def collect_probes(op_db=None, cap=SAMPLES_PER_OP, only=None):
             sweep.not_probed[key] = f"its sample inputs fail: {first_line(e)}"
             continue
         if not kept:
-            sweep.not_probed[key] = (f"no sample ran in float32 ({first_line(fp32_error)})" if fp32_error
-                                     else "no sample inputs")
+            sweep.not_probed[key] = (
+                f"no sample ran in float32 ({first_line(fp32_error)})" if fp32_error else "no sample inputs"
+            )
             continue
         sweep.ops[key] = op
         sweep.probes += kept
@@ -354,12 +364,13 @@ print("\n" + MARK + json.dumps(out))
 def cuda_declared():
     """``{OpInfo key: [dtype names]}``: the CUDA dtypes each OpInfo declares, as on a current GPU."""
     mark = "OPINFO-CUDA-DTYPES:"  # torch's test modules may print to stdout while importing
-    p = subprocess.run([sys.executable, "-c", f"MARK = {mark!r}\n" + _CUDA_DTYPES], capture_output=True, text=True,
-                       timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-c", f"MARK = {mark!r}\n" + _CUDA_DTYPES], capture_output=True, text=True, timeout=600
+    )
     lines = [line for line in p.stdout.splitlines() if line.startswith(mark)]
     if p.returncode != 0 or not lines:
         raise SystemExit(f"reading OpInfo's CUDA dtypes failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
-    return json.loads(lines[-1][len(mark):])
+    return json.loads(lines[-1][len(mark) :])
 
 
 def cuda_no_kernel(sweep, declared):
@@ -379,10 +390,11 @@ def cuda_no_kernel(sweep, declared):
 
 # -- OpInfo -> list name ----------------------------------------------------------------------
 
+
 def candidates(op):
     names = [op.aten_name, op.name.replace(".", "_"), op.name.split(".")[-1]]
     if op.name.startswith("torch."):
-        names.insert(1, op.name[len("torch."):].replace(".", "_"))
+        names.insert(1, op.name[len("torch.") :].replace(".", "_"))
     return list(dict.fromkeys(n for n in names if n))
 
 
@@ -438,26 +450,36 @@ def to_names(keys, ops, resolver):
 # -- the files --------------------------------------------------------------------------------
 
 WHAT = {
-    "no_kernel_bf16": ["Ops with no bfloat16 kernel: they raise when their floating tensors are bfloat16 where",
-                       "float32 runs. An op here that is in none of the user's lists gets hmp's FP32 rule",
-                       "(bfloat16/float16 tensor arguments cast to float32), so a bfloat16 tensor from a",
-                       "listed op reaching it does not crash."],
-    "no_kernel_fp16": ["Ops with no float16 kernel: they raise when their floating tensors are float16 where",
-                       "float32 runs. An op here that is in none of the user's lists gets hmp's FP32 rule",
-                       "(bfloat16/float16 tensor arguments cast to float32), so a float16 tensor from a",
-                       "listed op reaching it does not crash."],
-    "one_dtype": ["Ops that need all their floating inputs in one dtype: they run with all of them in",
-                  "bfloat16 (or float16) and in float32, but raise given a mix. An op here that is in none",
-                  "of the user's lists gets hmp's promote rule (all floating tensor arguments to the",
-                  "widest floating dtype among them, as torch.result_type gives)."],
+    "no_kernel_bf16": [
+        "Ops with no bfloat16 kernel: they raise when their floating tensors are bfloat16 where",
+        "float32 runs. An op here that is in none of the user's lists gets hmp's FP32 rule",
+        "(bfloat16/float16 tensor arguments cast to float32), so a bfloat16 tensor from a",
+        "listed op reaching it does not crash.",
+    ],
+    "no_kernel_fp16": [
+        "Ops with no float16 kernel: they raise when their floating tensors are float16 where",
+        "float32 runs. An op here that is in none of the user's lists gets hmp's FP32 rule",
+        "(bfloat16/float16 tensor arguments cast to float32), so a float16 tensor from a",
+        "listed op reaching it does not crash.",
+    ],
+    "one_dtype": [
+        "Ops that need all their floating inputs in one dtype: they run with all of them in",
+        "bfloat16 (or float16) and in float32, but raise given a mix. An op here that is in none",
+        "of the user's lists gets hmp's promote rule (all floating tensor arguments to the",
+        "widest floating dtype among them, as torch.result_type gives).",
+    ],
 }
-SOURCE = ["Source: torch's OpInfo database (float32 CPU samples called with their floating tensors",
-          "lowered, and OpInfo's declared CUDA dtypes), swept by benchmarks/kernel_lists.py."]
+SOURCE = [
+    "Source: torch's OpInfo database (float32 CPU samples called with their floating tensors",
+    "lowered, and OpInfo's declared CUDA dtypes), swept by benchmarks/kernel_lists.py.",
+]
 RELEASES = "# Torch releases merged: "
 DROPPED = "# Left out, hmp cannot wrap them: OpInfos no name hmp binds reaches, or whose name hmp refuses in a list:"
 NOT_IN = "not in torch "  # a name's annotation: merged releases that lack the op
-ANNOTATED = ["The union over releases names ops some releases lack: each such name says which merged",
-             "releases lack it (# not in torch ...); hmp skips a name the installed torch does not have."]
+ANNOTATED = [
+    "The union over releases names ops some releases lack: each such name says which merged",
+    "releases lack it (# not in torch ...); hmp skips a name the installed torch does not have.",
+]
 
 
 @dataclass
@@ -472,7 +494,7 @@ def parse(text):
     out, in_dropped = ListFile({}, [], set()), False
     for line in text.splitlines():
         if line.startswith(RELEASES):
-            out.releases = [r.strip() for r in line[len(RELEASES):].rstrip(".").split(",") if r.strip()]
+            out.releases = [r.strip() for r in line[len(RELEASES) :].rstrip(".").split(",") if r.strip()]
         elif line.startswith(DROPPED):
             in_dropped = True
             continue
@@ -482,7 +504,7 @@ def parse(text):
         elif not line.startswith("#"):
             name, _, comment = (part.strip() for part in line.partition("#"))
             if name:
-                lacking = comment[len(NOT_IN):] if comment.startswith(NOT_IN) else ""
+                lacking = comment[len(NOT_IN) :] if comment.startswith(NOT_IN) else ""
                 out.names[name] = {r.strip() for r in lacking.split(",") if r.strip()}
         in_dropped = False
     return out
@@ -522,15 +544,18 @@ def _release_key(r):
 
 # -- the sweep and the report -----------------------------------------------------------------
 
+
 def run_sweep(cap=SAMPLES_PER_OP, verbose=False, log=print):
     """``{kind: (names, dropped)}`` for this torch, printing what was excluded."""
     with one_thread():
         sweep = collect_probes(cap=cap)
         t0 = time.perf_counter()
         findings = probe_errors(sweep.probes)
-    log(f"torch {torch.__version__}: {len(sweep.ops)} OpInfos probed with {len(sweep.probes)} float32 samples "
+    log(
+        f"torch {torch.__version__}: {len(sweep.ops)} OpInfos probed with {len(sweep.probes)} float32 samples "
         f"({sweep.seconds:.0f} s), lower-precision calls {time.perf_counter() - t0:.0f} s; "
-        f"{len(sweep.not_probed)} not probed")
+        f"{len(sweep.not_probed)} not probed"
+    )
     for key, why in sorted(sweep.not_probed.items()):
         log(f"  not probed: {key}: {why}")
     excluded = sorted({(f.key, f.low, f.variant, f.error) for f in findings if not f.counted})
@@ -546,8 +571,10 @@ def run_sweep(cap=SAMPLES_PER_OP, verbose=False, log=print):
     cuda = cuda_no_kernel(sweep, declared)
     for low in LOWER:
         extra = sorted(cuda[low] - no_kernel[low])
-        log(f"no {low} kernel: {len(no_kernel[low])} OpInfos on CPU, {len(extra)} more from declared CUDA dtypes: "
-            f"{', '.join(extra)}")
+        log(
+            f"no {low} kernel: {len(no_kernel[low])} OpInfos on CPU, {len(extra)} more from declared CUDA dtypes: "
+            f"{', '.join(extra)}"
+        )
         no_kernel[low] |= cuda[low]
     one -= no_kernel["bf16"] & no_kernel["fp16"]  # the FP32 rule covers a mix of either
     resolver = Resolver()
@@ -571,7 +598,7 @@ def run_as_composites(sweep, findings, out, resolver):
     and every other op of the files in force: the ops they call are cast by their own lists or
     the files (``F.multi_head_attention_forward`` given a bfloat16 query calls ``linear``,
     which the BF16 list casts). Listing such an op would run all of it in float32 instead."""
-    from hmp.resolve import BUILTINS
+    from hmp.core.resolve import BUILTINS
 
     failing = {}
     for f in findings:
@@ -586,8 +613,11 @@ def run_as_composites(sweep, findings, out, resolver):
             name = list_name(sweep.ops[key], resolver)
             if name not in names or all(isinstance(s.original(), BUILTINS) for s in resolver.sites(name)):
                 continue
-            if not any(_raises_under_hmp(by_key[key], low, which, name, out)
-                       for low, which in failing[key] if kind == "one_dtype" or kind.endswith(low)):
+            if not any(
+                _raises_under_hmp(by_key[key], low, which, name, out)
+                for low, which in failing[key]
+                if kind == "one_dtype" or kind.endswith(low)
+            ):
                 drop.setdefault(kind, set()).add(key)
     return drop
 
@@ -605,8 +635,10 @@ def _raises_under_hmp(probes, low, which, name, out):
             path.write_text(f"include default\n-{name}\n")
             files[f"{kind}_file_path"] = path
         saved = hmp_lists.fallback_names
-        hmp_lists.fallback_names = lambda lower: (("fp32", others[f"no_kernel_{'bf16' if lower == torch.bfloat16 else 'fp16'}"]),
-                                                 ("promote", others["one_dtype"]))
+        hmp_lists.fallback_names = lambda lower: (
+            ("fp32", others[f"no_kernel_{'bf16' if lower == torch.bfloat16 else 'fp16'}"]),
+            ("promote", others["one_dtype"]),
+        )
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -630,10 +662,12 @@ def one_thread():
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true",
-                      help="exit 1 if an op this torch's sweep finds is missing from the files")
-    mode.add_argument("--merge", action="store_true",
-                      help="keep the names (and releases) already in the files and add this torch's")
+    mode.add_argument(
+        "--check", action="store_true", help="exit 1 if an op this torch's sweep finds is missing from the files"
+    )
+    mode.add_argument(
+        "--merge", action="store_true", help="keep the names (and releases) already in the files and add this torch's"
+    )
     ap.add_argument("--samples", type=int, default=SAMPLES_PER_OP, help="float32 samples per OpInfo")
     ap.add_argument("--verbose", action="store_true", help="also print every counted error")
     args = ap.parse_args(argv)
@@ -669,8 +703,10 @@ def main(argv=None):
         return 1 if problems else 0
     print("wrote: " + (", ".join(written) if written else "nothing (up to date)"))
     if args.merge and written:
-        print("names added here are marked for the releases that lack them only by a --merge under those "
-              "releases: run --merge under each release until it writes nothing")
+        print(
+            "names added here are marked for the releases that lack them only by a --merge under those "
+            "releases: run --merge under each release until it writes nothing"
+        )
     return 0
 
 

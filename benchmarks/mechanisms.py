@@ -35,8 +35,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hmp  # noqa: E402
-from hmp import policy, wrap  # noqa: E402
-from hmp.errors import Wrapped  # noqa: E402
+from hmp import wrap  # noqa: E402
+from hmp.core import policy
+from hmp.diagnostics.errors import Wrapped  # noqa: E402
 
 
 def pairs(a, b, n_pairs, calls):
@@ -80,9 +81,13 @@ def converted_cases():
     cast, refuse = policy.CASTS[torch.bfloat16], policy.numbers_check(torch.bfloat16, "f")
     y = cast(x)
     args = (y, 0.5, np.float32(0.5), None, True, "mean")  # nothing to cast: only the number check differs
-    yield "number check, 6 arguments (float, numpy, None, bool, str)", (
-        lambda: policy.cast_seq(args, policy.FP32_ONLY, cast, refuse),
-        lambda: policy.cast_seq(args, policy.FP32_ONLY, cast))
+    yield (
+        "number check, 6 arguments (float, numpy, None, bool, str)",
+        (
+            lambda: policy.cast_seq(args, policy.FP32_ONLY, cast, refuse),
+            lambda: policy.cast_seq(args, policy.FP32_ONLY, cast),
+        ),
+    )
 
 
 def main(argv=None):

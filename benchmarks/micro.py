@@ -15,9 +15,9 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from configs import autocast_list_args
 
 import hmp
-from configs import autocast_list_args
 
 SIZE = 8
 OPS = ("linear", "mul", "cat")
@@ -79,8 +79,13 @@ def run(device, reps, calls, sync, progress=print):
                 with ctx():
                     out[op][m].append(_sample(fns[op], calls, sync) * 1e6)
         progress(f"  percall rep {rep + 1}/{reps}")
-    result = {"calls_per_sample": calls, "reps": reps, "size": SIZE, "modes": {m: lbl for m, (lbl, _) in ms.items()},
-              "ops": {}}
+    result = {
+        "calls_per_sample": calls,
+        "reps": reps,
+        "size": SIZE,
+        "modes": {m: lbl for m, (lbl, _) in ms.items()},
+        "ops": {},
+    }
     for op in OPS:
         med = {m: statistics.median(v) for m, v in out[op].items()}
         result["ops"][op] = {"median_us": med, "samples_us": out[op], "out_dtype": dtypes[op]}

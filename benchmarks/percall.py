@@ -13,7 +13,8 @@ the originals captured before ``convert()``, so the three modes interleave
 sample by sample in one process without switching anything. Weight casts are
 reused by both schemes as each allows: in training (an input that requires
 grad, as inside a model) hmp's cache reuses a copy while a live graph saves it
-(one output is kept alive) and autocast's region caches it; in inference hmp runs inside ``hmp.frozen_weights()`` and autocast
+(one output is kept alive) and autocast's region caches it; in inference hmp runs inside
+``hmp.frozen_weights()`` and autocast
 inside one region. Reports medians and the targets of the per-call issue:
 within +1.0 us of autocast's added time for linear and mm, within +0.4 us of
 bare torch for calls with nothing to cast.
@@ -35,9 +36,13 @@ import hmp
 SIZE = 8
 MODES = ("bare", "autocast", "hmp")
 # case -> (target kind, limit in us): "vs autocast" compares with autocast's added time
-TARGETS = {"linear (training)": ("vs autocast", 1.0), "linear (inference)": ("vs autocast", 1.0),
-           "mm": ("vs autocast", 1.0), "softmax (fp32, no cast)": ("vs bare", 0.4),
-           "cat (one dtype, no cast)": ("vs bare", 0.4)}
+TARGETS = {
+    "linear (training)": ("vs autocast", 1.0),
+    "linear (inference)": ("vs autocast", 1.0),
+    "mm": ("vs autocast", 1.0),
+    "softmax (fp32, no cast)": ("vs bare", 0.4),
+    "cat (one dtype, no cast)": ("vs bare", 0.4),
+}
 
 
 def cases(device="cpu"):
@@ -117,18 +122,29 @@ def run(reps, calls, progress=print, device="cpu"):
         added = {m: med[m] - med["bare"] for m in ("autocast", "hmp")}
         kind, limit = TARGETS[case]
         over = added["hmp"] - (added["autocast"] if kind == "vs autocast" else 0.0)
-        result[case] = {"median_us": med, "added_us": added, "dtype": dtypes[case], "target": kind,
-                        "limit_us": limit, "over_us": over, "met": over <= limit}
+        result[case] = {
+            "median_us": med,
+            "added_us": added,
+            "dtype": dtypes[case],
+            "target": kind,
+            "limit_us": limit,
+            "over_us": over,
+            "met": over <= limit,
+        }
     return result
 
 
 def report(result):
-    lines = ["| call | hmp added (us) | autocast added (us) | target | hmp over it (us) | met |",
-             "|---|---:|---:|---|---:|---|"]
+    lines = [
+        "| call | hmp added (us) | autocast added (us) | target | hmp over it (us) | met |",
+        "|---|---:|---:|---|---:|---|",
+    ]
     for case, r in result.items():
-        lines.append(f"| {case} | {r['added_us']['hmp']:+.2f} | {r['added_us']['autocast']:+.2f} | "
-                     f"{r['target']} <= +{r['limit_us']:.1f} | {r['over_us']:+.2f} | "
-                     f"{'yes' if r['met'] else 'no'} |")
+        lines.append(
+            f"| {case} | {r['added_us']['hmp']:+.2f} | {r['added_us']['autocast']:+.2f} | "
+            f"{r['target']} <= +{r['limit_us']:.1f} | {r['over_us']:+.2f} | "
+            f"{'yes' if r['met'] else 'no'} |"
+        )
     return "\n".join(lines)
 
 
@@ -141,8 +157,10 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     result = run(args.reps, args.calls, device=args.device)
-    print(f"torch {torch.__version__}, {SIZE}x{SIZE} tensors on {args.device}, medians of {args.reps} "
-          f"interleaved samples of {args.calls} calls, one thread")
+    print(
+        f"torch {torch.__version__}, {SIZE}x{SIZE} tensors on {args.device}, medians of {args.reps} "
+        f"interleaved samples of {args.calls} calls, one thread"
+    )
     print(report(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -32,17 +32,40 @@ for p in (str(HERE), str(HERE.parent)):
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-import hmp  # noqa: E402
 from configs import all_configs, select  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from workloads import all_workloads  # noqa: E402
 
-COMPUTE = {"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "linear", "matmul", "convolution",
-           "_convolution", "mkldnn_convolution", "_transformer_encoder_layer_fwd", "_native_multi_head_attention",
-           "_scaled_dot_product_flash_attention_for_cpu", "native_layer_norm", "native_batch_norm",
-           "_native_batch_norm_legit", "_softmax", "_log_softmax", "native_dropout", "relu", "threshold_backward",
-           "gelu", "add", "mul", "cat", "clamp_min"}
+import hmp  # noqa: E402
+
+COMPUTE = {
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_addmm_activation",
+    "linear",
+    "matmul",
+    "convolution",
+    "_convolution",
+    "mkldnn_convolution",
+    "_transformer_encoder_layer_fwd",
+    "_native_multi_head_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "native_layer_norm",
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_softmax",
+    "_log_softmax",
+    "native_dropout",
+    "relu",
+    "threshold_backward",
+    "gelu",
+    "add",
+    "mul",
+    "cat",
+    "clamp_min",
+}
 
 
 def _short(dt):
@@ -98,15 +121,19 @@ def cmd_casts(args):
     for w, c, (params, log, out) in _each_config(args, 2, measure):
         n_params = len(params)
         total = sum(log.casts.values())
-        print(f"\n== {w.name} / {c.name}: output {_short(out.dtype)}; {log.n_ops} aten ops, {total} dtype casts "
-              f"({sum(v for k, v in log.casts.items() if k[2])} of parameters; model has {n_params} parameters)")
+        print(
+            f"\n== {w.name} / {c.name}: output {_short(out.dtype)}; {log.n_ops} aten ops, {total} dtype casts "
+            f"({sum(v for k, v in log.casts.items() if k[2])} of parameters; model has {n_params} parameters)"
+        )
         for (src, dst, is_param), n in sorted(log.casts.items()):
             print(f"   cast {src:>4} -> {dst:<4} {'param' if is_param else 'activation/other':16s} x{n}")
         repeated = {k: v for k, v in log.param_casts.items() if v > 1}
         if repeated:
             print(f"   parameters cast more than once: {repeated}")
-        print("   ops (dtype of first tensor arg): " + ", ".join(
-            f"{op}[{dt}] x{n}" for (op, dt), n in sorted(log.ops.items())))
+        print(
+            "   ops (dtype of first tensor arg): "
+            + ", ".join(f"{op}[{dt}] x{n}" for (op, dt), n in sorted(log.ops.items()))
+        )
 
 
 def cmd_trace(args):
@@ -152,13 +179,15 @@ def cmd_cprofile(args):
         total = sum(v[2] for v in stats.stats.values())  # tottime over all functions
         by_file = collections.defaultdict(float)
         calls = {}
-        for (fname, line, func), (cc, nc, tt, ct, callers) in stats.stats.items():
+        for (fname, _line, func), (_cc, nc, tt, _ct, _callers) in stats.stats.items():
             key = "hmp/" + Path(fname).name if "/hmp/" in fname else ("torch" if "/torch/" in fname else "other")
             by_file[key] += tt
             if "/hmp/" in fname:
                 calls[f"hmp/{Path(fname).name}:{func}"] = (nc / args.steps, tt / args.steps * 1e6)
-        print("   self time by origin: " + ", ".join(
-            f"{k} {v / total * 100:.1f}%" for k, v in sorted(by_file.items(), key=lambda kv: -kv[1])))
+        print(
+            "   self time by origin: "
+            + ", ".join(f"{k} {v / total * 100:.1f}%" for k, v in sorted(by_file.items(), key=lambda kv: -kv[1]))
+        )
         print("   hmp functions (calls/step, self us/step under cProfile):")
         for k, (n, us) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
             print(f"     {k:40s} {n:8.1f} {us:10.1f}")
@@ -238,7 +267,8 @@ def cmd_lines(args):
     """Where the time hmp adds to one ``F.linear(x, w, b)`` goes (8x8, one
     thread): each line of the wrapper and of a weight-cache hit timed on its
     own, against hmp's whole call and autocast's added time."""
-    from hmp import cache, state
+    from hmp.core import cache, state
+
     torch.manual_seed(0)
     x = torch.randn(8, 8)
     w, b = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8))
@@ -249,20 +279,40 @@ def cmd_lines(args):
         return linear(*args, **kwargs)
 
     with hmp.converted():
-        caster = hmp.cache.caster(bf)
+        caster = hmp.core.cache.caster(bf)
         keep = caster(w)  # a live copy: the next casts of w are hits
-        env = dict(torch=torch, x=x, w=w, b=b, bf=bf, linear=linear, passthrough=passthrough, F=F, hmp=hmp,
-                   st=state.tls, cast=caster, plain=torch.Tensor.bfloat16, live=state.copies.live[bf], cache=cache,
-                   Tensor=torch.Tensor, FP32=torch.float32, P=nn.Parameter)
+        env = dict(
+            torch=torch,
+            x=x,
+            w=w,
+            b=b,
+            bf=bf,
+            linear=linear,
+            passthrough=passthrough,
+            F=F,
+            hmp=hmp,
+            st=state.tls,
+            cast=caster,
+            plain=torch.Tensor.bfloat16,
+            live=state.copies.live[bf],
+            cache=cache,
+            Tensor=torch.Tensor,
+            FP32=torch.float32,
+            P=nn.Parameter,
+        )
         e = env["live"][id(w)]
         env["e"] = e
         rows = [
-            ("wrapper: a Python function between caller and op (*args, **kwargs)",
-             _ns("passthrough(x, w, b)", env) - _ns("linear(x, w, b)", env)),
+            (
+                "wrapper: a Python function between caller and op (*args, **kwargs)",
+                _ns("passthrough(x, w, b)", env) - _ns("linear(x, w, b)", env),
+            ),
             ("wrapper: read the thread's state (st.off)", _ns("st.off", env)),
             ("wrapper: set and reset it around the op", _ns("st.off = 1; st.off = 0", env)),
-            ("rule: isinstance + dtype check, per tensor argument (x3)",
-             3 * _ns("isinstance(x, Tensor) and x.dtype is FP32", env)),
+            (
+                "rule: isinstance + dtype check, per tensor argument (x3)",
+                3 * _ns("isinstance(x, Tensor) and x.dtype is FP32", env),
+            ),
             ("rule: the activation cast x.bfloat16() (autocast casts in C++)", _ns("plain(x)", env)),
             ("cache hit, whole (per weight: x and w in training)", _ns("cast(w)", env)),
             ("cache miss: a weight no graph keeps a copy of (the bias), cast again", _ns("cast(b)", env, number=2000)),
@@ -322,8 +372,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    {"casts": cmd_casts, "trace": cmd_trace, "cprofile": cmd_cprofile, "loop": cmd_loop, "percall": cmd_percall,
-     "lines": cmd_lines}[args.cmd](args)
+    {
+        "casts": cmd_casts,
+        "trace": cmd_trace,
+        "cprofile": cmd_cprofile,
+        "loop": cmd_loop,
+        "percall": cmd_percall,
+        "lines": cmd_lines,
+    }[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,12 @@ import time
 import torch
 import torch.nn as nn
 
-KINDS = {"lstm": lambda h: nn.LSTM(h, h, 2), "gru": lambda h: nn.GRU(h, h, 2),
-         "rnn_tanh": lambda h: nn.RNN(h, h, 2), "rnn_relu": lambda h: nn.RNN(h, h, 2, nonlinearity="relu")}
+KINDS = {
+    "lstm": lambda h: nn.LSTM(h, h, 2),
+    "gru": lambda h: nn.GRU(h, h, 2),
+    "rnn_tanh": lambda h: nn.RNN(h, h, 2),
+    "rnn_relu": lambda h: nn.RNN(h, h, 2, nonlinearity="relu"),
+}
 
 
 def rel_error(out, ref):
@@ -66,8 +70,11 @@ def main():
         for kind in KINDS:
             err, med = measure(kind, hidden, a.seq, a.batch, a.reps)
             f, b = med[torch.float32], med[torch.bfloat16]
-            print(f"| {kind} | {hidden} | {err[torch.float32]:.1e} | {err[torch.bfloat16]:.1e} | {f * 1e3:.1f} | "
-                  f"{b * 1e3:.1f} | {f / b:.2f}x |", flush=True)
+            print(
+                f"| {kind} | {hidden} | {err[torch.float32]:.1e} | {err[torch.bfloat16]:.1e} | {f * 1e3:.1f} | "
+                f"{b * 1e3:.1f} | {f / b:.2f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -31,13 +31,13 @@ for p in (str(HERE), str(ROOT)):  # this checkout's hmp, and the sibling modules
     if p not in sys.path:
         sys.path.insert(0, p)
 
-import torch  # noqa: E402
-
-import hmp  # noqa: E402
-from hmp._procmem import start_peak  # noqa: E402
 import micro  # noqa: E402
+import torch  # noqa: E402
 from configs import all_configs, select  # noqa: E402
 from workloads import all_workloads  # noqa: E402
+
+import hmp  # noqa: E402
+from hmp.demo.procmem import start_peak  # noqa: E402
 
 ALIASES = {"transformer_train": "transformer", "mlp_train": "mlp", "cnn_train": "cnn", "micro": "percall"}
 HMP = "hmp-O1"  # the configuration the targets are stated for
@@ -178,8 +178,17 @@ def memory_child(workloads, config, device, quick, steps):
             peak = read_peak()
         del st
         gc.collect()
-        out.append({"workload": name, "config": config, "baseline_mb": base, "peak_mb": peak,
-                    "delta_mb": peak - base, "steps": steps, "method": method})
+        out.append(
+            {
+                "workload": name,
+                "config": config,
+                "baseline_mb": base,
+                "peak_mb": peak,
+                "delta_mb": peak - base,
+                "steps": steps,
+                "method": method,
+            }
+        )
     return out
 
 
@@ -196,8 +205,18 @@ def measure_memory(workloads, configs, device, quick, steps):
     jobs = []
     for c in configs:
         for group in groups:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--child-memory", f"{','.join(group)}:{c.name}",
-                   "--device", device, "--memory-steps", str(steps), "--threads", str(torch.get_num_threads())]
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child-memory",
+                f"{','.join(group)}:{c.name}",
+                "--device",
+                device,
+                "--memory-steps",
+                str(steps),
+                "--threads",
+                str(torch.get_num_threads()),
+            ]
             cmd += ["--quick"] if quick else []
             jobs.append((f"{','.join(group)}:{c.name}", cmd))
     # timing is over, so the children may run side by side: each one measures only its own RSS
@@ -207,8 +226,9 @@ def measure_memory(workloads, configs, device, quick, steps):
     while jobs or running:
         while jobs and len(running) < width:
             label, cmd = jobs.pop(0)
-            running.append((label, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                    text=True)))
+            running.append(
+                (label, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            )
         label, p = running.pop(0)
         stdout, stderr = p.communicate()
         if p.returncode != 0:
@@ -243,16 +263,34 @@ def evaluate_targets(res, hmp_names):
         if vals:
             rows.append({"workload": workload, "metric": f"{num} / {den}", "op": op, "target": thr, "values": vals})
     if "percall" in res:
-        vals = {h: micro.overhead_ratio(res["percall"], h) for h in hmp_names if h in res["percall"]["ops"]["linear"]["median_us"]}
-        rows.append({"workload": "percall", "metric": "(HMP - plain) / (autocast - plain), summed over linear+mul+cat",
-                     "op": "<=", "target": 1.0, "values": vals})
+        vals = {
+            h: micro.overhead_ratio(res["percall"], h)
+            for h in hmp_names
+            if h in res["percall"]["ops"]["linear"]["median_us"]
+        }
+        rows.append(
+            {
+                "workload": "percall",
+                "metric": "(HMP - plain) / (autocast - plain), summed over linear+mul+cat",
+                "op": "<=",
+                "target": 1.0,
+                "values": vals,
+            }
+        )
     for workload, per in res.get("memory", {}).items():
         if "autocast" not in per or per["autocast"]["delta_mb"] < MEMORY_MIN_MB:
             continue  # nothing measurable to compare against
         vals = {h: ratio(per[h]["delta_mb"], per["autocast"]["delta_mb"]) for h in hmp_names if h in per}
         if vals:
-            rows.append({"workload": workload, "metric": "peak memory HMP / autocast", "op": "<=",
-                         "target": MEMORY_TARGET, "values": vals})
+            rows.append(
+                {
+                    "workload": workload,
+                    "metric": "peak memory HMP / autocast",
+                    "op": "<=",
+                    "target": MEMORY_TARGET,
+                    "values": vals,
+                }
+            )
     for r in rows:
         r["pass"] = {h: (v <= r["target"] if r["op"] == "<=" else v >= r["target"]) for h, v in r["values"].items()}
     return rows
@@ -269,61 +307,113 @@ def _fmt_load(v):
 def markdown(res):
     meta = res["meta"]
     cfgs = meta["configs"]
-    L = [f"# hmp benchmark ({meta['device']})", "",
-         f"- torch {meta['torch']}, hmp {meta['hmp_version']} from `{meta['hmp_path']}`, python {meta['python']}",
-         f"- machine: {meta['machine']}; torch threads: {meta['threads']}; load average (1/5/15 min) at start "
-         f"{_fmt_load(meta.get('loadavg_start'))}, at end {_fmt_load(meta.get('loadavg_end'))}",
-         f"- command: `{meta['command']}`; {'QUICK (small sizes) ' if meta['quick'] else ''}"
-         f"wall time {meta.get('wall_s', 0):.0f} s",
-         "- medians of interleaved samples (configurations run A B C D ... per repetition, each with a fresh "
-         "model from the same seed and its own warm-up); hmp.convert/revert happen outside the timed region",
-         ""]
+    L = [
+        f"# hmp benchmark ({meta['device']})",
+        "",
+        f"- torch {meta['torch']}, hmp {meta['hmp_version']} from `{meta['hmp_path']}`, python {meta['python']}",
+        f"- machine: {meta['machine']}; torch threads: {meta['threads']}; load average (1/5/15 min) at start "
+        f"{_fmt_load(meta.get('loadavg_start'))}, at end {_fmt_load(meta.get('loadavg_end'))}",
+        f"- command: `{meta['command']}`; {'QUICK (small sizes) ' if meta['quick'] else ''}"
+        f"wall time {meta.get('wall_s', 0):.0f} s",
+        "- medians of interleaved samples (configurations run A B C D ... per repetition, each with a fresh "
+        "model from the same seed and its own warm-up); hmp.convert/revert happen outside the timed region",
+        "",
+    ]
     if res.get("convert_cost"):
-        L.append("- hmp.convert / revert cost (median): " + "; ".join(
-            f"{n}: {v['convert_ms']:.1f} ms / {v['revert_ms']:.2f} ms" for n, v in res["convert_cost"].items()))
+        L.append(
+            "- hmp.convert / revert cost (median): "
+            + "; ".join(
+                f"{n}: {v['convert_ms']:.1f} ms / {v['revert_ms']:.2f} ms" for n, v in res["convert_cost"].items()
+            )
+        )
         L.append("")
     if res["workloads"]:
-        L += ["## Time per step (ms, median)", "",
-              "| workload | " + " | ".join(c["name"] for c in cfgs) + " | samples x steps |",
-              "|---|" + "---:|" * len(cfgs) + "---|"]
+        L += [
+            "## Time per step (ms, median)",
+            "",
+            "| workload | " + " | ".join(c["name"] for c in cfgs) + " | samples x steps |",
+            "|---|" + "---:|" * len(cfgs) + "---|",
+        ]
         for name, w in res["workloads"].items():
             cells = [f"{w['median_ms'][c['name']]:.3f}" if c["name"] in w["median_ms"] else "" for c in cfgs]
             L.append(f"| {name} | " + " | ".join(cells) + f" | {w['reps']} x {w['iters_per_sample']} |")
-        L += ["", "Noise: interquartile range / median of the samples (0.05 = 5 %):", "",
-              "| workload | " + " | ".join(c["name"] for c in cfgs) + " |", "|---|" + "---:|" * len(cfgs)]
+        L += [
+            "",
+            "Noise: interquartile range / median of the samples (0.05 = 5 %):",
+            "",
+            "| workload | " + " | ".join(c["name"] for c in cfgs) + " |",
+            "|---|" + "---:|" * len(cfgs),
+        ]
         for name, w in res["workloads"].items():
-            L.append(f"| {name} | " + " | ".join(f"{w['iqr_rel'][c['name']]:.2f}" if c["name"] in w["iqr_rel"] else ""
-                                                 for c in cfgs) + " |")
-        L += ["", "Fastest sample (ms; a cross-check of the medians that is less sensitive to other load):", "",
-              "| workload | " + " | ".join(c["name"] for c in cfgs) + " |", "|---|" + "---:|" * len(cfgs)]
+            L.append(
+                f"| {name} | "
+                + " | ".join(f"{w['iqr_rel'][c['name']]:.2f}" if c["name"] in w["iqr_rel"] else "" for c in cfgs)
+                + " |"
+            )
+        L += [
+            "",
+            "Fastest sample (ms; a cross-check of the medians that is less sensitive to other load):",
+            "",
+            "| workload | " + " | ".join(c["name"] for c in cfgs) + " |",
+            "|---|" + "---:|" * len(cfgs),
+        ]
         for name, w in res["workloads"].items():
-            L.append(f"| {name} | " + " | ".join(f"{w['min_ms'][c['name']]:.3f}" if c["name"] in w["min_ms"] else ""
-                                                 for c in cfgs) + " |")
-        L += ["", "Output dtype of the model in each configuration:", "",
-              "| workload | " + " | ".join(c["name"] for c in cfgs) + " |", "|---|" + "---|" * len(cfgs)]
+            L.append(
+                f"| {name} | "
+                + " | ".join(f"{w['min_ms'][c['name']]:.3f}" if c["name"] in w["min_ms"] else "" for c in cfgs)
+                + " |"
+            )
+        L += [
+            "",
+            "Output dtype of the model in each configuration:",
+            "",
+            "| workload | " + " | ".join(c["name"] for c in cfgs) + " |",
+            "|---|" + "---|" * len(cfgs),
+        ]
         for name, w in res["workloads"].items():
             L.append(f"| {name} | " + " | ".join(w["out_dtype"].get(c["name"], "") for c in cfgs) + " |")
-        L += ["", "Ratios of medians (time / time):", "",
-              "| workload | " + " | ".join(f"{c['name']} / autocast" for c in cfgs if c["name"] != "autocast")
-              + " | " + " | ".join(f"{c['name']} / bf16" for c in cfgs if c["name"] not in ("bf16",)) + " |",
-              "|---|" + "---:|" * (2 * len(cfgs) - 2)]
+        L += [
+            "",
+            "Ratios of medians (time / time):",
+            "",
+            "| workload | "
+            + " | ".join(f"{c['name']} / autocast" for c in cfgs if c["name"] != "autocast")
+            + " | "
+            + " | ".join(f"{c['name']} / bf16" for c in cfgs if c["name"] not in ("bf16",))
+            + " |",
+            "|---|" + "---:|" * (2 * len(cfgs) - 2),
+        ]
         for name, w in res["workloads"].items():
             m = w["median_ms"]
-            a = [f"{ratio(m[c['name']], m['autocast']):.3f}" if "autocast" in m and c["name"] in m else ""
-                 for c in cfgs if c["name"] != "autocast"]
-            b = [f"{ratio(m[c['name']], m['bf16']):.3f}" if "bf16" in m and c["name"] in m else ""
-                 for c in cfgs if c["name"] != "bf16"]
+            a = [
+                f"{ratio(m[c['name']], m['autocast']):.3f}" if "autocast" in m and c["name"] in m else ""
+                for c in cfgs
+                if c["name"] != "autocast"
+            ]
+            b = [
+                f"{ratio(m[c['name']], m['bf16']):.3f}" if "bf16" in m and c["name"] in m else ""
+                for c in cfgs
+                if c["name"] != "bf16"
+            ]
             L.append(f"| {name} | " + " | ".join(a + b) + " |")
         L += ["", "Workloads:", ""] + [f"- **{n}**: {w['description']}" for n, w in res["workloads"].items()] + [""]
     if "percall" in res:
         pc = res["percall"]
         modes = list(pc["modes"])
         hm = [m for m in modes if m.startswith("hmp")]
-        L += [f"## Per-call overhead (us per call, median; {pc['size']}x{pc['size']} fp32 tensors, "
-              f"{pc['calls_per_sample']} calls x {pc['reps']} samples)", "",
-              "| op | " + " | ".join(modes) + " | " + " | ".join(f"{m} - plain" for m in modes[1:]) + " | "
-              + " | ".join(f"({m} - plain) / (autocast - plain)" for m in hm) + " |",
-              "|---|" + "---:|" * (2 * len(modes) - 1 + len(hm))]
+        L += [
+            f"## Per-call overhead (us per call, median; {pc['size']}x{pc['size']} fp32 tensors, "
+            f"{pc['calls_per_sample']} calls x {pc['reps']} samples)",
+            "",
+            "| op | "
+            + " | ".join(modes)
+            + " | "
+            + " | ".join(f"{m} - plain" for m in modes[1:])
+            + " | "
+            + " | ".join(f"({m} - plain) / (autocast - plain)" for m in hm)
+            + " |",
+            "|---|" + "---:|" * (2 * len(modes) - 1 + len(hm)),
+        ]
         rows = [(op, (op,)) for op in pc["ops"]] + [("sum", tuple(pc["ops"]))]
         for label, ops in rows:
             med = {m: sum(pc["ops"][op]["median_us"][m] for op in ops) for m in modes}
@@ -338,25 +428,44 @@ def markdown(res):
             L.append(f"| {label} | " + " | ".join(cells + over + rat) + " |")
         L += ["", f"(output dtype in parentheses; a ratio needs autocast - plain >= {PERCALL_MIN_US} us)", ""]
     if res.get("memory"):
-        L += ["## Peak memory above baseline (MB; each configuration in its own process)", "",
-              "| workload | " + " | ".join(c["name"] for c in cfgs) + " |", "|---|" + "---:|" * len(cfgs)]
+        L += [
+            "## Peak memory above baseline (MB; each configuration in its own process)",
+            "",
+            "| workload | " + " | ".join(c["name"] for c in cfgs) + " |",
+            "|---|" + "---:|" * len(cfgs),
+        ]
         for name, per in res["memory"].items():
-            L.append(f"| {name} | " + " | ".join(f"{per[c['name']]['delta_mb']:.1f}" if c["name"] in per else ""
-                                                 for c in cfgs) + " |")
+            L.append(
+                f"| {name} | "
+                + " | ".join(f"{per[c['name']]['delta_mb']:.1f}" if c["name"] in per else "" for c in cfgs)
+                + " |"
+            )
         any_row = next(iter(next(iter(res["memory"].values())).values()))
-        L += ["", f"Method: {any_row['method']}, over {any_row['steps']} step(s); baseline after imports, model and "
-              "data construction and one step of a throwaway copy (one-time runtime costs); large allocations "
-              f"mmapped (MALLOC_MMAP_THRESHOLD_=65536) so RSS follows live memory. Ratios only where autocast's peak "
-              f"is >= {MEMORY_MIN_MB:g} MB.", ""]
+        L += [
+            "",
+            f"Method: {any_row['method']}, over {any_row['steps']} step(s); baseline after imports, model and "
+            "data construction and one step of a throwaway copy (one-time runtime costs); large allocations "
+            f"mmapped (MALLOC_MMAP_THRESHOLD_=65536) so RSS follows live memory. Ratios only where autocast's peak "
+            f"is >= {MEMORY_MIN_MB:g} MB.",
+            "",
+        ]
     if res.get("targets"):
         hmps = [c["name"] for c in cfgs if c["name"].startswith("hmp")]
-        L += ["## Targets (HMP = the hmp configuration in each column)", "",
-              "| workload | ratio | target | " + " | ".join(hmps) + " |", "|---|---|---|" + "---|" * len(hmps)]
+        L += [
+            "## Targets (HMP = the hmp configuration in each column)",
+            "",
+            "| workload | ratio | target | " + " | ".join(hmps) + " |",
+            "|---|---|---|" + "---|" * len(hmps),
+        ]
         for r in res["targets"]:
             cells = [f"{r['values'][h]:.3f} {_mark(r['pass'][h])}" if h in r["values"] else "" for h in hmps]
             L.append(f"| {r['workload']} | {r['metric']} | {r['op']} {r['target']} | " + " | ".join(cells) + " |")
-        L += ["", f"The issue's targets are stated for `{HMP}` (hmp O1 with its default lists); "
-              "`hmp-O1-ac` runs hmp with torch.autocast's own op lists, so it compares the mechanism alone.", ""]
+        L += [
+            "",
+            f"The issue's targets are stated for `{HMP}` (hmp O1 with its default lists); "
+            "`hmp-O1-ac` runs hmp with torch.autocast's own op lists, so it compares the mechanism alone.",
+            "",
+        ]
     return "\n".join(L)
 
 
@@ -380,18 +489,26 @@ def check_results(res, configs):
             if len(s) != w["reps"] or not all(x > 0 and math.isfinite(x) for x in s):
                 problems.append(f"{wname}/{c.name}: samples {s} ({w['reps']} expected, finite and > 0)")
             elif not min(s) == w["min_ms"][c.name] <= w["median_ms"][c.name] <= max(s):
-                problems.append(f"{wname}/{c.name}: min/median {w['min_ms'][c.name]}/{w['median_ms'][c.name]} "
-                                f"do not match the samples {s}")
+                problems.append(
+                    f"{wname}/{c.name}: min/median {w['min_ms'][c.name]}/{w['median_ms'][c.name]} "
+                    f"do not match the samples {s}"
+                )
             want = "float32" if c.kind == "fp32" else "bfloat16"
             if w["out_dtype"][c.name] != want:
                 problems.append(f"{wname}/{c.name}: output dtype {w['out_dtype'][c.name]}, expected {want}")
     for wname, per in res.get("memory", {}).items():
         if set(per) != set(names):
             problems.append(f"memory {wname}: rows for {sorted(per)}, expected {sorted(names)}")
-        problems += [f"memory {wname}/{n}: delta {row['delta_mb']} MB" for n, row in per.items()
-                     if not math.isfinite(row["delta_mb"])]
-    problems += [f"target {r['workload']} {r['metric']}: verdicts {r['pass']}" for r in res["targets"]
-                 if not all(isinstance(v, bool) for v in r["pass"].values())]
+        problems += [
+            f"memory {wname}/{n}: delta {row['delta_mb']} MB"
+            for n, row in per.items()
+            if not math.isfinite(row["delta_mb"])
+        ]
+    problems += [
+        f"target {r['workload']} {r['metric']}: verdicts {r['pass']}"
+        for r in res["targets"]
+        if not all(isinstance(v, bool) for v in r["pass"].values())
+    ]
     return problems
 
 
@@ -414,18 +531,35 @@ def _split(values):
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", "-w", action="append",
-                    help="transformer, mlp, infer_b1, infer_b16, cnn, percall (repeatable or comma list; default all)")
-    ap.add_argument("--config", "-c", action="append",
-                    help="subset of fp32, autocast, hmp-O1, hmp-O1-ac, hmp-O2, bf16 (default all)")
+    ap.add_argument(
+        "--workload",
+        "-w",
+        action="append",
+        help="transformer, mlp, infer_b1, infer_b16, cnn, percall (repeatable or comma list; default all)",
+    )
+    ap.add_argument(
+        "--config",
+        "-c",
+        action="append",
+        help="subset of fp32, autocast, hmp-O1, hmp-O1-ac, hmp-O2, bf16 (default all)",
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--reps", type=int, help="samples per configuration (default: per workload)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--md", metavar="PATH", help="also write the markdown report to PATH")
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: leave torch's default)")
-    ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions, 1 thread unless --threads (smoke test, < 60 s)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes, few repetitions, 1 thread unless --threads (smoke test, < 60 s)",
+    )
     ap.add_argument("--no-memory", action="store_true", help="skip the per-configuration peak memory subprocesses")
-    ap.add_argument("--memory-steps", type=int, default=None, help="measured steps per memory subprocess (default 1, after one warm-up step)")
+    ap.add_argument(
+        "--memory-steps",
+        type=int,
+        default=None,
+        help="measured steps per memory subprocess (default 1, after one warm-up step)",
+    )
     ap.add_argument("--percall-calls", type=int, default=None, help="calls per per-call sample (default 2000)")
     ap.add_argument("--child-memory", metavar="WORKLOAD:CONFIG", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -460,11 +594,18 @@ def main(argv=None):
     if args.device == "cuda":
         machine += f", GPU {torch.cuda.get_device_name()}"
     meta = {
-        "torch": torch.__version__, "hmp_version": hmp.__version__, "hmp_path": str(Path(hmp.__file__).parent),
-        "python": platform.python_version(), "device": args.device, "threads": torch.get_num_threads(),
-        "machine": machine, "quick": args.quick, "command": " ".join(["benchmarks/run.py"] + (argv or sys.argv[1:])),
+        "torch": torch.__version__,
+        "hmp_version": hmp.__version__,
+        "hmp_path": str(Path(hmp.__file__).parent),
+        "python": platform.python_version(),
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "machine": machine,
+        "quick": args.quick,
+        "command": " ".join(["benchmarks/run.py"] + (argv or sys.argv[1:])),
         "configs": [{"name": c.name, "label": c.label, "hmp_args": c.hmp_args} for c in configs],
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_start": _loadavg(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "loadavg_start": _loadavg(),
     }
     log(f"torch {torch.__version__}, threads {meta['threads']}, device {args.device}, hmp from {meta['hmp_path']}")
     res = {"meta": meta, "workloads": {}}
@@ -484,8 +625,10 @@ def main(argv=None):
         res["percall"] = micro.run(args.device, reps, calls, sync_fn(args.device), progress=log)
 
     if not args.no_memory and workloads:
-        log(f"[memory] {len(workloads) * len(configs)} measurements, {mem_steps} step(s) each "
-            f"({time.perf_counter() - t_start:.0f} s)")
+        log(
+            f"[memory] {len(workloads) * len(configs)} measurements, {mem_steps} step(s) each "
+            f"({time.perf_counter() - t_start:.0f} s)"
+        )
         res["memory"] = measure_memory(workloads, configs, args.device, args.quick, mem_steps)
 
     res["targets"] = evaluate_targets(res, [c.name for c in configs if c.is_hmp])

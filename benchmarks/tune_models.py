@@ -25,14 +25,26 @@ def cnn_problem(seed=0, n=256, size=16, classes=4):
     ii, jj = torch.meshgrid(torch.arange(size), torch.arange(size), indexing="ij")
     angles = y.float() * (3.14159 / classes)
     phase = torch.rand(n, generator=g) * 6.28
-    x = torch.sin((ii[None] * torch.cos(angles)[:, None, None] + jj[None] * torch.sin(angles)[:, None, None]) * 1.2
-                  + phase[:, None, None])
+    x = torch.sin(
+        (ii[None] * torch.cos(angles)[:, None, None] + jj[None] * torch.sin(angles)[:, None, None]) * 1.2
+        + phase[:, None, None]
+    )
     x = (x + 2.5 * torch.randn(n, size, size, generator=g)).unsqueeze(1)
     torch.manual_seed(seed)
     model = nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * (size // 4) ** 2, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, classes),
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * (size // 4) ** 2, 128),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(128, classes),
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 

@@ -93,7 +93,9 @@ class _Head(nn.Module):
 
 class TransformerTrain(Workload):
     name = "transformer"
-    description = "TransformerEncoder training: d_model 512, 8 heads, FFN 2048, 4 layers, batch 16x128, dropout 0.1, SGD"
+    description = (
+        "TransformerEncoder training: d_model 512, 8 heads, FFN 2048, 4 layers, batch 16x128, dropout 0.1, SGD"
+    )
     reps = 5
     warmup = 1
 
@@ -115,8 +117,10 @@ class TransformerInfer(Workload):
     def __init__(self, batch):
         self.batch = batch
         self.name = f"infer_b{batch}"
-        self.description = (f"TransformerEncoder inference, eval()+no_grad(), batch {batch}x128 "
-                            "(same encoder; nn.TransformerEncoder may take its fused fast path)")
+        self.description = (
+            f"TransformerEncoder inference, eval()+no_grad(), batch {batch}x128 "
+            "(same encoder; nn.TransformerEncoder may take its fused fast path)"
+        )
         self.iters = 5 if batch == 1 else 1
         self.reps = 15 if batch == 1 else 7
         self.warmup = 3 if batch == 1 else 2
@@ -147,7 +151,10 @@ class MLPTrain(Workload):
 
 class CNNTrain(Workload):
     name = "cnn"
-    description = "small CNN training step: 3x conv3x3+BatchNorm+ReLU (32/64/128 ch), maxpool, avgpool, linear; batch 32x3x32x32, SGD"
+    description = (
+        "small CNN training step: 3x conv3x3+BatchNorm+ReLU (32/64/128 ch), maxpool, avgpool, linear; "
+        "batch 32x3x32x32, SGD"
+    )
     iters = 2
     reps = 7
     warmup = 2
@@ -156,8 +163,15 @@ class CNNTrain(Workload):
         def block(i, o):
             return [nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU()]
 
-        return nn.Sequential(*block(3, 32), *block(32, 64), nn.MaxPool2d(2), *block(64, 128),
-                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
+        return nn.Sequential(
+            *block(3, 32),
+            *block(32, 64),
+            nn.MaxPool2d(2),
+            *block(64, 128),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(128, 10),
+        )
 
     def make_data(self, quick, gen):
         b, s = (4, 16) if quick else (32, 32)

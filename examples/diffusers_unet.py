@@ -22,16 +22,32 @@ import hmp
 
 def main():
     torch.manual_seed(0)
-    unet = UNet2DModel(sample_size=8, in_channels=1, out_channels=1, layers_per_block=1,
-                       block_out_channels=(16, 32), down_block_types=("DownBlock2D", "DownBlock2D"),
-                       up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=8)
+    unet = UNet2DModel(
+        sample_size=8,
+        in_channels=1,
+        out_channels=1,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+        norm_num_groups=8,
+    )
     scheduler = DDIMScheduler(num_train_timesteps=100)
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-3)
     # "images": smooth 8x8 blobs, the data the UNet learns to denoise
     grid = torch.linspace(-1, 1, 8)
     centers = torch.rand(32, 2) - 0.5
-    images = torch.exp(-((grid[None, :, None] - centers[:, None, None, 0]) ** 2
-                         + (grid[None, None, :] - centers[:, None, None, 1]) ** 2) * 4)[:, None] * 2 - 1
+    images = (
+        torch.exp(
+            -(
+                (grid[None, :, None] - centers[:, None, None, 0]) ** 2
+                + (grid[None, None, :] - centers[:, None, None, 1]) ** 2
+            )
+            * 4
+        )[:, None]
+        * 2
+        - 1
+    )
 
     embedding_dtypes = []
     unet.time_embedding.register_forward_hook(lambda module, args, out: embedding_dtypes.append(out.dtype))
@@ -50,8 +66,10 @@ def main():
             if step % 3 == 0 or step == 9:
                 print(f"training step {step}: loss {loss.item():.4f}")
         print(f"UNet output: {predicted.dtype}; time embedding output: {embedding_dtypes[0]}; loss: {loss.dtype}")
-        print(f"weights: {sorted({str(p.dtype) for p in unet.parameters()})}, "
-              f"gradients: {sorted({str(p.grad.dtype) for p in unet.parameters()})}")
+        print(
+            f"weights: {sorted({str(p.dtype) for p in unet.parameters()})}, "
+            f"gradients: {sorted({str(p.grad.dtype) for p in unet.parameters()})}"
+        )
 
         scheduler.set_timesteps(5)
         sample = torch.randn(2, 1, 8, 8)
@@ -62,8 +80,10 @@ def main():
                 with hmp.disable_casts():  # the same step with casts off, for comparison
                     reference = scheduler.step(noise_pred, t, sample).prev_sample
                 sample = scheduler.step(noise_pred, t, sample).prev_sample  # runs uncast by itself
-                print(f"sampling t={int(t):2d}: noise prediction {noise_pred.dtype}, latents {sample.dtype}, "
-                      f"difference from the uncast step {(sample - reference).abs().max().item():.1e}")
+                print(
+                    f"sampling t={int(t):2d}: noise prediction {noise_pred.dtype}, latents {sample.dtype}, "
+                    f"difference from the uncast step {(sample - reference).abs().max().item():.1e}"
+                )
     finally:
         hmp.revert()
 

@@ -40,7 +40,7 @@ def synthetic_images(n=256, seed=0):
     labels = torch.randint(0, 4, (n,), generator=g)
     for i, label in enumerate(labels.tolist()):
         r, c = 6 * (label // 2), 6 * (label % 2)
-        images[i, 0, r + 1:r + 5, c + 1:c + 5] += 1.0
+        images[i, 0, r + 1 : r + 5, c + 1 : c + 5] += 1.0
     return images, labels
 
 
@@ -60,8 +60,7 @@ def main():
     torch.manual_seed(0)
     device = torch.device("cpu")  # "hpu" in the Habana original
     images, labels = synthetic_images()
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=32,
-                                         shuffle=True)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=32, shuffle=True)
     model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
@@ -70,8 +69,10 @@ def main():
         hmp.convert(opt_level="O1", bf16_file_path=bf16_path, fp32_file_path=fp32_path, isVerbose=False)
 
     lists = hmp.effective_lists()
-    print(f"max_pool2d in BF16 list: {'max_pool2d' in lists['bf16']}; "
-          f"mul in FP32 list: {'mul' in lists['fp32']}, in BF16 list: {'mul' in lists['bf16']}")
+    print(
+        f"max_pool2d in BF16 list: {'max_pool2d' in lists['bf16']}; "
+        f"mul in FP32 list: {'mul' in lists['fp32']}, in BF16 list: {'mul' in lists['bf16']}"
+    )
 
     for epoch in range(3):
         total = 0.0
@@ -88,14 +89,18 @@ def main():
 
     with torch.no_grad():
         features = torch.randn(4, 8 * 6 * 6)
-        hidden = model.fc1(features)               # linear: BF16 list
-        out = model(images[:4])                    # ends in log_softmax: FP32 list
+        hidden = model.fc1(features)  # linear: BF16 list
+        out = model(images[:4])  # ends in log_softmax: FP32 list
         with hmp.disable_casts():
-            hidden_uncast = model.fc1(features)    # no casts in this block
-    print(f"fc1 output: {hidden.dtype}; model output (log_softmax): {out.dtype}; "
-          f"fc1 output inside disable_casts: {hidden_uncast.dtype}")
-    print(f"parameters: {sorted({str(p.dtype) for p in model.parameters()})}, "
-          f"gradients: {sorted({str(p.grad.dtype) for p in model.parameters()})}")
+            hidden_uncast = model.fc1(features)  # no casts in this block
+    print(
+        f"fc1 output: {hidden.dtype}; model output (log_softmax): {out.dtype}; "
+        f"fc1 output inside disable_casts: {hidden_uncast.dtype}"
+    )
+    print(
+        f"parameters: {sorted({str(p.dtype) for p in model.parameters()})}, "
+        f"gradients: {sorted({str(p.grad.dtype) for p in model.parameters()})}"
+    )
 
     hmp.revert()
     with torch.no_grad():

@@ -13,11 +13,12 @@ import tempfile
 import torch
 
 try:
-    import transformers
     import accelerate  # noqa: F401  (Trainer needs it)
+    import transformers
 except ImportError as error:
-    raise ImportError("this example needs Hugging Face transformers and accelerate: "
-                      "pip install transformers accelerate") from error
+    raise ImportError(
+        "this example needs Hugging Face transformers and accelerate: pip install transformers accelerate"
+    ) from error
 
 import hmp
 
@@ -49,16 +50,26 @@ class LossHistory(transformers.TrainerCallback):
 
 def main():
     transformers.set_seed(0)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=64, n_layer=2, n_head=2,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=LENGTH, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+    )
     model = transformers.GPT2LMHeadModel(config)
     dataset = RepeatedMotifs()
     history = LossHistory()
     with tempfile.TemporaryDirectory() as output_dir:
         args = transformers.TrainingArguments(
-            output_dir=output_dir, use_cpu=True, report_to=[], save_strategy="no", max_steps=60,
-            per_device_train_batch_size=8, learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=15,
-            seed=0, disable_tqdm=True)
+            output_dir=output_dir,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            max_steps=60,
+            per_device_train_batch_size=8,
+            learning_rate=3e-3,
+            lr_scheduler_type="constant",
+            logging_steps=15,
+            seed=0,
+            disable_tqdm=True,
+        )
         trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, callbacks=[history])
 
         hmp.convert()
@@ -70,8 +81,11 @@ def main():
             hmp.revert()
 
     print(f"Trainer's optimizer: {getattr(args.optim, 'value', args.optim)} (it runs uncast by itself)")
-    print("training loss every 15 steps: " + ", ".join(f"{loss:.3f}" for loss in history.losses)
-          + f"  (chance: ln {VOCAB} = {torch.log(torch.tensor(float(VOCAB))):.3f})")
+    print(
+        "training loss every 15 steps: "
+        + ", ".join(f"{loss:.3f}" for loss in history.losses)
+        + f"  (chance: ln {VOCAB} = {torch.log(torch.tensor(float(VOCAB))):.3f})"
+    )
     print(f"under hmp: logits {out.logits.dtype}, loss {out.loss.dtype}")
     print(f"parameters: {sorted({str(p.dtype) for p in model.parameters()})}")
     print(f"after hmp.revert(): logits {model(input_ids=dataset.ids[:1]).logits.dtype}")

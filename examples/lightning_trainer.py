@@ -14,8 +14,9 @@ import torch.nn.functional as F
 try:
     import lightning.pytorch as pl
 except ImportError as error:
-    raise ImportError('this example needs Lightning: pip install lightning  (or: pip install "torch-hmp[lightning]")') \
-        from error
+    raise ImportError(
+        'this example needs Lightning: pip install lightning  (or: pip install "torch-hmp[lightning]")'
+    ) from error
 
 import hmp
 from hmp.integrations.lightning import HMPPrecision
@@ -31,8 +32,8 @@ class Classifier(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        logits = self.net(x)                  # linear, relu: BF16 list
-        loss = F.cross_entropy(logits, y)     # FP32 list
+        logits = self.net(x)  # linear, relu: BF16 list
+        loss = F.cross_entropy(logits, y)  # FP32 list
         if self.first_step is None:
             self.first_step = (logits.dtype, loss.dtype, hmp.is_converted())
         self.losses.append(loss.detach())
@@ -57,9 +58,16 @@ def data(n=512, dim=16, classes=4):
 def main():
     pl.seed_everything(0, verbose=False)
     model = Classifier()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=4, plugins=[HMPPrecision(opt_level="O1")],
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=4,
+        plugins=[HMPPrecision(opt_level="O1")],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, data())
 
     logits_dtype, loss_dtype, converted = model.first_step
@@ -67,8 +75,10 @@ def main():
     print(f"inside training_step: converted={converted}, logits {logits_dtype}, loss {loss_dtype}")
     print("mean loss per epoch: " + ", ".join(f"{loss:.4f}" for loss in model.epoch_losses))
     print(f"logged train_loss: {trainer.callback_metrics['train_loss'].dtype}")
-    print(f"parameters: {sorted({str(p.dtype) for p in model.parameters()})}, "
-          f"gradients: {sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})}")
+    print(
+        f"parameters: {sorted({str(p.dtype) for p in model.parameters()})}, "
+        f"gradients: {sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})}"
+    )
     print(f"after fit: converted={hmp.is_converted()}")
 
 

@@ -49,8 +49,10 @@ class Model(nn.Module):
 def outputs(model, x):
     """Each submodule's (input, output), recorded with forward hooks."""
     seen = {}
-    hooks = [module.register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, (args[0], out)))
-             for name, module in model.named_children()]
+    hooks = [
+        module.register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, (args[0], out)))
+        for name, module in model.named_children()
+    ]
     model(x)
     for hook in hooks:
         hook.remove()
@@ -82,9 +84,11 @@ def main():
         with tempfile.TemporaryDirectory() as folder:
             fp32_file = os.path.join(folder, "my_fp32.txt")
             with open(fp32_file, "w") as f:
-                f.write("include default\n"          # the shipped FP32 list: losses, softmax, ...
-                        "torch.nn.LayerNorm\n"        # every LayerNorm, whole, in float32
-                        f"{__name__}.RMSNorm\n")      # a class of this script, by its import path
+                f.write(
+                    "include default\n"  # the shipped FP32 list: losses, softmax, ...
+                    "torch.nn.LayerNorm\n"  # every LayerNorm, whole, in float32
+                    f"{__name__}.RMSNorm\n"
+                )  # a class of this script, by its import path
             with hmp.converted(fp32_file_path=fp32_file):
                 describe("list file naming torch.nn.LayerNorm and RMSNorm", model, x)
                 modules = [e for e in hmp.effective_lists()["fp32"] if "." in e]
@@ -99,8 +103,10 @@ def main():
         loss = model(x).square().mean()
         loss.backward()
         optimizer.step()
-    print(f"after a training step: parameters {sorted({str(p.dtype) for p in model.parameters()})}, "
-          f"gradients {sorted({str(p.grad.dtype) for p in model.parameters()})}")
+    print(
+        f"after a training step: parameters {sorted({str(p.dtype) for p in model.parameters()})}, "
+        f"gradients {sorted({str(p.grad.dtype) for p in model.parameters()})}"
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ def make_step(batch_size=64, seed=0):
     signal = torch.randn(batch_size, 8)
     x = 1000.0 + 2.0 * signal
     y = (signal[:, :4].sum(dim=1) > 0).long()
-    model = nn.Sequential(Standardize(torch.full((8,), 1000.0), torch.full((8,), 2.0)),
-                          nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+    model = nn.Sequential(
+        Standardize(torch.full((8,), 1000.0), torch.full((8,), 2.0)), nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2)
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 
     def step():
@@ -61,16 +62,20 @@ def main():
     result = hmp.tune(step, state=state, steps=15, rounds=2)
     print(result.table())
     print()
-    print(f"moved to FP32: {result.moved_to_fp32}; module classes to FP32: {result.modules_to_fp32}; "
-          f"added to BF16: {result.added_to_bf16}")
+    print(
+        f"moved to FP32: {result.moved_to_fp32}; module classes to FP32: {result.modules_to_fp32}; "
+        f"added to BF16: {result.added_to_bf16}"
+    )
     with tempfile.TemporaryDirectory() as folder:
         bf16_file, fp32_file = os.path.join(folder, "tuned_bf16.txt"), os.path.join(folder, "tuned_fp32.txt")
         result.write(bf16_file, fp32_file)
         with hmp.converted(bf16_file_path=bf16_file, fp32_file_path=fp32_file):
             model = state[0]
             losses = [step().item() for _ in range(30)]
-    print(f"30 steps with the tuned lists: loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
-          f"parameters {sorted({str(p.dtype) for p in model.parameters()})}")
+    print(
+        f"30 steps with the tuned lists: loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
+        f"parameters {sorted({str(p.dtype) for p in model.parameters()})}"
+    )
 
 
 if __name__ == "__main__":

@@ -13,17 +13,17 @@ policy.py (what each call casts) -> wrap.py (the wrapper) -> patch.py (the
 undo log), driven by conversion.py; state.py holds everything kept.
 """
 
-from .auditing import audit
-from .cache import clear_cache, frozen_weights
-from .casts import casts_enabled, disable_casts, enable_casts
-from .config import convert_from_config
-from .conversion import convert, converted, effective_lists, is_converted, revert
-from .lists import list_path
-from .profiling import profile
-from .tuning import tune
-from .user import bf16_function, fp32_function, promote_function, register, unregister
-from .version import __version__  # noqa: F401 (hmp.__version__)
-from .wrap import op_wrap, to_bf16, to_fp32
+from hmp.core.cache import clear_cache, frozen_weights
+from hmp.core.casts import casts_enabled, disable_casts, enable_casts
+from hmp.core.conversion import convert, converted, effective_lists, is_converted, revert
+from hmp.core.lists import list_path
+from hmp.core.user import bf16_function, fp32_function, promote_function, register, unregister
+from hmp.core.wrap import op_wrap, to_bf16, to_fp32
+from hmp.integrations.gaudi_config import convert_from_config
+from hmp.tools.auditing import audit
+from hmp.tools.profiling import profile
+from hmp.tools.tuning import tune
+from hmp.version import __version__  # noqa: F401 (hmp.__version__)
 
 __all__ = [
     "convert",

@@ -7,15 +7,15 @@ import sys
 
 import torch
 
-from .version import __version__
+from hmp.version import __version__
 
 # subcommand -> the module that defines it with add_parser(subparsers); a
 # module is imported only when its subcommand is asked for (all of them for
 # --help), and one that is not there is left out.
 SUBCOMMANDS = {
     "demo": "hmp.demo",
-    "run": "hmp.legacy",
-    "tune": "hmp.tune_cli",
+    "run": "hmp.integrations.habana_runner",
+    "tune": "hmp.tools.tune_cli",
 }
 
 

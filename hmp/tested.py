@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from . import state
+from hmp.core import state
 
 TESTED_TORCH = ("2.4.1", "2.13.0", "2.15.0")
 
@@ -23,6 +23,10 @@ def warn_if_newer(version=torch.__version__):
     """Warn once per process when ``version`` is newer than the newest release CI tested."""
     newest = TESTED_TORCH[-1]
     if release(version) > release(newest) and state.first_time(("untested torch", version)):
-        warnings.warn(f"hmp: torch {version} is newer than the newest release hmp was tested with ({newest}); "
-                      f"it will most likely work, and the test suite (python -m pytest) says for sure. "
-                      f"(hmp warns about this once.)", UserWarning, stacklevel=state.user_stacklevel())
+        warnings.warn(
+            f"hmp: torch {version} is newer than the newest release hmp was tested with ({newest}); "
+            f"it will most likely work, and the test suite (python -m pytest) says for sure. "
+            f"(hmp warns about this once.)",
+            UserWarning,
+            stacklevel=state.user_stacklevel(),
+        )

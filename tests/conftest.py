@@ -2,13 +2,11 @@
 
 import pytest
 import torch
+from helpers import DEVICES, assert_same, snapshot
 from hypothesis import HealthCheck, settings
 
 import hmp
-from hmp import state
-
-from helpers import DEVICES, assert_same, snapshot
-
+from hmp.core import state
 
 RUN_SLOW = "--run-slow"
 
@@ -16,10 +14,17 @@ RUN_SLOW = "--run-slow"
 # per-example deadline and no too-slow health check, so a busy 2-core machine cannot fail a test
 # that an idle one passes. `python -m pytest --hypothesis-profile=thorough` searches 20 times as
 # many, at random. A test that names max_examples itself (its examples are costly) keeps its count.
-settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("thorough", max_examples=500, deadline=None, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "thorough", max_examples=500, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile("ci")  # --hypothesis-profile, when given, is loaded after this
 
 
@@ -46,8 +51,7 @@ def pytest_runtest_call(item):
         st = state.tls
         st.frames.clear()
         st.off, st.lower_mode = 0, None
-        pytest.fail("the test left hmp.disable_casts() active (casts are still off when it returned)",
-                    pytrace=False)
+        pytest.fail("the test left hmp.disable_casts() active (casts are still off when it returned)", pytrace=False)
     return result
 
 

@@ -17,13 +17,22 @@ import time
 import torch
 
 import hmp
-
-from ..arguments import positive_int, seed
-from ..progress import Progress
-from . import data as data_mod
-from . import sizing
-from .training import (CAST_STEPS, Config, DeviceError, MEMORY_STEPS, count_casts, matmul_time_vs_fp32, model_summary,
-                       peak_rss_growth, resolve_device, train)
+from hmp.demo import data as data_mod
+from hmp.demo import sizing
+from hmp.demo.training import (
+    CAST_STEPS,
+    MEMORY_STEPS,
+    Config,
+    DeviceError,
+    count_casts,
+    matmul_time_vs_fp32,
+    model_summary,
+    peak_rss_growth,
+    resolve_device,
+    train,
+)
+from hmp.tools.arguments import positive_int, seed
+from hmp.tools.progress import Progress
 
 PROG = "python -m hmp demo"
 DEFAULTS = Config()
@@ -41,20 +50,37 @@ def add_parser(subparsers):
         "demo",
         help="train a small transformer on the stdlib's source, fp32 vs hmp",
         description="Train the same character-level transformer language model twice from the same seed, "
-                    "on the Python standard library's source files: in fp32, then under hmp.convert(). "
-                    "Prints speed, memory, losses and hmp's casts per op.",
+        "on the Python standard library's source files: in fp32, then under hmp.convert(). "
+        "Prints speed, memory, losses and hmp's casts per op.",
     )
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=positive_int, default=None,
-                        help=f"training steps per configuration (default: as many as fit about a minute on this "
-                             f"machine, measured before training, at most {STEPS}; the model shrinks when fewer "
-                             f"than {sizing.MIN_STEPS} would fit)")
-    length.add_argument("--long", dest="steps", action="store_const", const=LONG_STEPS,
-                        help=f"a longer run: {LONG_STEPS} steps per configuration of the full model (minutes)")
-    p.add_argument("--batch-size", type=positive_int, default=None,
-                   help=f"sequences of {DEFAULTS.seq_len} characters per step (default {DEFAULTS.batch_size})")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda", "hpu"), default="auto",
-                   help="auto: cuda if available, then hpu when habana_frameworks is installed, else cpu")
+    length.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help=f"training steps per configuration (default: as many as fit about a minute on this "
+        f"machine, measured before training, at most {STEPS}; the model shrinks when fewer "
+        f"than {sizing.MIN_STEPS} would fit)",
+    )
+    length.add_argument(
+        "--long",
+        dest="steps",
+        action="store_const",
+        const=LONG_STEPS,
+        help=f"a longer run: {LONG_STEPS} steps per configuration of the full model (minutes)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=None,
+        help=f"sequences of {DEFAULTS.seq_len} characters per step (default {DEFAULTS.batch_size})",
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda", "hpu"),
+        default="auto",
+        help="auto: cuda if available, then hpu when habana_frameworks is installed, else cpu",
+    )
     p.add_argument("--opt-level", choices=("O1", "O2"), default="O1", help="hmp opt_level (default O1)")
     p.add_argument("--bf16-file", default="", metavar="PATH", help="hmp BF16 list file (default: hmp's own)")
     p.add_argument("--fp32-file", default="", metavar="PATH", help="hmp FP32 list file (default: hmp's own)")
@@ -65,7 +91,7 @@ def add_parser(subparsers):
 
 
 class _Progress:
-    """One configuration's training, shown by hmp.progress."""
+    """One configuration's training, shown by hmp.tools.progress."""
 
     def __init__(self, label, steps):
         self.label = label
@@ -75,8 +101,11 @@ class _Progress:
         self.progress.step(f"loss {loss:.3f}", done=step + 1)
 
     def close(self, result=None):
-        self.progress.close(None if result is None else
-                            f"trained {self.label} in {result['wall_s']:.1f} s, val loss {result['val_loss']:.4f}")
+        self.progress.close(
+            None
+            if result is None
+            else f"trained {self.label} in {result['wall_s']:.1f} s, val loss {result['val_loss']:.4f}"
+        )
 
 
 def _note(msg):
@@ -116,8 +145,7 @@ def _fmt_int(x):
 def _casts_line(per_op, top=6):
     parts = []
     for op, by_dtype in list(per_op.items())[:top]:
-        dtypes = ", ".join(f"->{'bf16' if d == 'bfloat16' else 'fp16' if d == 'float16' else 'fp32'}"
-                           for d in by_dtype)
+        dtypes = ", ".join(f"->{'bf16' if d == 'bfloat16' else 'fp16' if d == 'float16' else 'fp32'}" for d in by_dtype)
         parts.append(f"{op} {sum(by_dtype.values()):g} ({dtypes})")
     more = len(per_op) - top
     return ", ".join(parts) + (f", and {more} more ops" if more > 0 else "") if parts else "none"
@@ -131,11 +159,22 @@ def format_report(res):
     body = []
     for r in rows:
         mem = "n/a" if r["peak_memory_mib"] is None else f"{r['peak_memory_mib']:,.0f} MiB"
-        body.append((r["configuration"], _fmt_int(r["tokens_per_s"]), f"{r['time_vs_fp32']:.2f}x", mem,
-                     f"{r['train_loss']:.4f}", f"{r['val_loss']:.4f}", f"{r['wall_s']:.1f} s"))
+        body.append(
+            (
+                r["configuration"],
+                _fmt_int(r["tokens_per_s"]),
+                f"{r['time_vs_fp32']:.2f}x",
+                mem,
+                f"{r['train_loss']:.4f}",
+                f"{r['val_loss']:.4f}",
+                f"{r['wall_s']:.1f} s",
+            )
+        )
     widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
-    line = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
-                                 for i, (c, w) in enumerate(zip(row, widths)))
+    line = lambda row: "  ".join(
+        c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+        for i, (c, w) in enumerate(zip(row, widths))
+    )
     c = res["casts"]
     out = [
         f"hmp demo: character-level transformer LM, fp32 vs hmp ({m['device']}, torch {m['torch']}, "
@@ -161,8 +200,10 @@ def format_report(res):
         f"{m['loss_window']} steps; train time: the whole training loop",
     ]
     if m["memory_kind"] == "rss":
-        out.append(f"{mem_title}: resident memory added by {MEMORY_STEPS} training steps, each configuration "
-                   "in a fresh process")
+        out.append(
+            f"{mem_title}: resident memory added by {MEMORY_STEPS} training steps, each configuration "
+            "in a fresh process"
+        )
     else:
         out.append(f"{mem_title}: peak allocated by torch on {m['device']} during training")
     return "\n".join(out)
@@ -180,10 +221,16 @@ def _sized(cfg, options, fixed_batch):
 
     sized = sizing.fit(cfg, measure, BUDGET_S, STEPS, ladder)
     c = sized.cfg
-    shrunk = (f"; a smaller model than the default ({c.n_layers} blocks of width {c.d_model}, batch "
-              f"{c.batch_size} x {c.seq_len}) so that {sizing.MIN_STEPS}+ steps fit" if sized.shrunk else "")
-    _note(f"sized to this machine: {c.steps} steps per configuration, about {sized.seconds:.0f} s of training "
-          f"for both{shrunk}; --steps N or --long to choose")
+    shrunk = (
+        f"; a smaller model than the default ({c.n_layers} blocks of width {c.d_model}, batch "
+        f"{c.batch_size} x {c.seq_len}) so that {sizing.MIN_STEPS}+ steps fit"
+        if sized.shrunk
+        else ""
+    )
+    _note(
+        f"sized to this machine: {c.steps} steps per configuration, about {sized.seconds:.0f} s of training "
+        f"for both{shrunk}; --steps N or --long to choose"
+    )
     return c
 
 
@@ -214,8 +261,9 @@ def _run(args):
     except data_mod.DataError as e:
         return _error(str(e), 1)
 
-    cfg = Config(steps=args.steps or STEPS, batch_size=args.batch_size or DEFAULTS.batch_size, seed=args.seed,
-                 device=device)
+    cfg = Config(
+        steps=args.steps or STEPS, batch_size=args.batch_size or DEFAULTS.batch_size, seed=args.seed, device=device
+    )
     ratio = matmul_time_vs_fp32(cfg)
     native = sizing.native_bf16(device)
     _note(f"this {device}: {sizing.expectation(ratio, native)}")
@@ -252,20 +300,59 @@ def _run(args):
         r["time_vs_fp32"] = base["tokens_per_s"] / r["tokens_per_s"]  # below 1 is faster
     res = {
         "meta": {
-            "device": device, "torch": torch.__version__, "python": platform.python_version(),
-            "threads": torch.get_num_threads(), "machine": platform.machine(),
-            "stdlib": str(corpus.root), "train_files": len(corpus.train_files), "val_files": len(corpus.val_files),
-            "train_chars": corpus.train.numel(), "val_chars": corpus.val.numel(),
-            "unigram_baseline": corpus.unigram_baseline(), "params": model_summary(cfg),
-            "memory_kind": memory_kind, "hmp_version": hmp.__version__,
-            **{k: getattr(cfg, k) for k in ("steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads",
-                                            "dropout", "lr", "seed", "timing_warmup", "loss_window")},
-            "opt_level": args.opt_level, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "bf16_matmul_time_vs_fp32": ratio, "native_bf16": native[0], "native_bf16_why": native[1],
+            "device": device,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "stdlib": str(corpus.root),
+            "train_files": len(corpus.train_files),
+            "val_files": len(corpus.val_files),
+            "train_chars": corpus.train.numel(),
+            "val_chars": corpus.val.numel(),
+            "unigram_baseline": corpus.unigram_baseline(),
+            "params": model_summary(cfg),
+            "memory_kind": memory_kind,
+            "hmp_version": hmp.__version__,
+            **{
+                k: getattr(cfg, k)
+                for k in (
+                    "steps",
+                    "batch_size",
+                    "seq_len",
+                    "d_model",
+                    "n_layers",
+                    "n_heads",
+                    "dropout",
+                    "lr",
+                    "seed",
+                    "timing_warmup",
+                    "loss_window",
+                )
+            },
+            "opt_level": args.opt_level,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "bf16_matmul_time_vs_fp32": ratio,
+            "native_bf16": native[0],
+            "native_bf16_why": native[1],
         },
-        "results": [{k: r.get(k) for k in ("configuration", "tokens_per_s", "time_vs_fp32", "peak_memory_mib",
-                                           "train_loss", "val_loss", "wall_s", "hmp", "losses")}
-                    for r in results],
+        "results": [
+            {
+                k: r.get(k)
+                for k in (
+                    "configuration",
+                    "tokens_per_s",
+                    "time_vs_fp32",
+                    "peak_memory_mib",
+                    "train_loss",
+                    "val_loss",
+                    "wall_s",
+                    "hmp",
+                    "losses",
+                )
+            }
+            for r in results
+        ],
         "val_loss_change_pct": 100.0 * (results[1]["val_loss"] / base["val_loss"] - 1.0),
         "casts": {"per_op": per_op, "total_per_step": total, "op_calls_per_step": calls, "steps_counted": CAST_STEPS},
     }

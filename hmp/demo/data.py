@@ -52,8 +52,10 @@ def stdlib_files(root=None):
     root = Path(root) if root is not None else stdlib_dir()
     files = sorted((p for p in root.glob("*.py") if not p.name.startswith("_") and p.is_file()), key=lambda p: p.name)
     if not files:
-        raise DataError(f"no standard library source files (*.py) found in {str(root)!r}; "
-                        "this Python install ships without its .py sources")
+        raise DataError(
+            f"no standard library source files (*.py) found in {str(root)!r}; "
+            "this Python install ships without its .py sources"
+        )
     return files
 
 

@@ -15,8 +15,7 @@ import time
 import torch
 
 import hmp
-
-from .training import build, random_batch, train_step
+from hmp.demo.training import build, random_batch, train_step
 
 # the shortest run the demo trains: fewer steps and the val loss says little
 MIN_STEPS = 40
@@ -74,14 +73,17 @@ def expectation(matmul_ratio, native):
     """One line: what the hmp run's speed will be against fp32, and why."""
     has, why = native
     if matmul_ratio < 0.9:
-        return (f"expect hmp to train faster than fp32 here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time "
-                f"({why})")
+        return f"expect hmp to train faster than fp32 here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time ({why})"
     if matmul_ratio <= 1.1:
-        return (f"expect about fp32's speed here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time ({why}); "
-                "hmp's numbers (losses, casts) are what this run shows")
-    return (f"expect hmp to train SLOWER than fp32 here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time "
-            f"({why}); no bf16 scheme gains on this machine. The losses and casts are still hmp's; the speed-up "
-            "comes on CPUs with native bf16 (AVX512-BF16, AMX, ARM bf16) and on GPUs")
+        return (
+            f"expect about fp32's speed here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time ({why}); "
+            "hmp's numbers (losses, casts) are what this run shows"
+        )
+    return (
+        f"expect hmp to train SLOWER than fp32 here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time "
+        f"({why}); no bf16 scheme gains on this machine. The losses and casts are still hmp's; the speed-up "
+        "comes on CPUs with native bf16 (AVX512-BF16, AMX, ARM bf16) and on GPUs"
+    )
 
 
 def step_seconds(cfg, configurations, steps=3):
@@ -94,7 +96,7 @@ def step_seconds(cfg, configurations, steps=3):
         model, opt, sched = build(cfg)
         times = []
         with hmp.converted(**options) if options is not None else contextlib.nullcontext():
-            for i in range(steps + 1):
+            for _i in range(steps + 1):
                 start = time.perf_counter()
                 train_step(model, opt, sched, x, y, cfg).item()
                 times.append(time.perf_counter() - start)

@@ -16,10 +16,9 @@ from pathlib import Path
 import torch
 
 import hmp
-
-from .._procmem import start_peak
-from . import data as data_mod
-from .model import CharTransformer, n_params
+from hmp.demo import data as data_mod
+from hmp.demo.model import CharTransformer, n_params
+from hmp.demo.procmem import start_peak
 
 
 @dataclass
@@ -100,12 +99,16 @@ def _mark_step(device):
 def build(cfg):
     """The model and its optimizer, initialised from ``cfg.seed``."""
     torch.manual_seed(cfg.seed)
-    model = CharTransformer(data_mod.VOCAB, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads,
-                            cfg.dropout, cfg.activation).to(cfg.device)
+    model = CharTransformer(
+        data_mod.VOCAB, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.dropout, cfg.activation
+    ).to(cfg.device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
 
     def schedule(step):  # linear warm-up, then cosine down to a tenth
         if step < cfg.warmup_steps:
@@ -136,7 +139,7 @@ def evaluate(model, val, cfg, chunk=32):
     xs, ys = data_mod.eval_windows(val, cfg.eval_windows, cfg.seq_len)
     total, count = 0.0, 0
     for i in range(0, xs.shape[0], chunk):
-        x, y = xs[i:i + chunk].to(cfg.device), ys[i:i + chunk].to(cfg.device)
+        x, y = xs[i : i + chunk].to(cfg.device), ys[i : i + chunk].to(cfg.device)
         total += float(model.loss(x, y)) * y.numel()
         count += y.numel()
     model.train()
@@ -177,10 +180,10 @@ def train(cfg, corpus, hmp_options=None, on_step=None):
                 on_step(step, loss)
         wall = time.perf_counter() - start
         val_loss = evaluate(model, corpus.val, cfg)
-    timed = times[cfg.timing_warmup:] or times
+    timed = times[cfg.timing_warmup :] or times
     result = {
         "tokens_per_s": cfg.batch_size * cfg.seq_len / statistics.median(timed),
-        "train_loss": statistics.fmean(losses[-cfg.loss_window:]),
+        "train_loss": statistics.fmean(losses[-cfg.loss_window :]),
         "val_loss": val_loss,
         "wall_s": wall,
         "losses": losses,
@@ -262,8 +265,15 @@ def peak_rss_growth(cfg, configurations, timeout=600):
     for options in configurations:
         spec = json.dumps({"config": asdict(cfg), "hmp_options": options})
         try:
-            procs.append(subprocess.Popen([sys.executable, "-c", code, spec], stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, env=env))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code, spec],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+            )
         except OSError as e:
             procs.append(e)
     out = []
@@ -287,8 +297,9 @@ def peak_rss_growth(cfg, configurations, timeout=600):
 
 
 def model_summary(cfg):
-    model = CharTransformer(data_mod.VOCAB, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.dropout,
-                            cfg.activation)
+    model = CharTransformer(
+        data_mod.VOCAB, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.dropout, cfg.activation
+    )
     return n_params(model)
 
 

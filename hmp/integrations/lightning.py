@@ -35,8 +35,8 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins import Precision
 
 import hmp
-from hmp import conversion
-from hmp.resolve import stand_in, unwrap
+from hmp.core import conversion
+from hmp.core.resolve import stand_in, unwrap
 
 log = logging.getLogger("hmp")
 
@@ -67,14 +67,31 @@ class HMPPrecision(Precision):
     starts.
     """
 
-    def __init__(self, opt_level="O1", bf16_file_path=None, fp32_file_path=None, verbose=False, *,
-                 low_precision_type=torch.bfloat16, promote_file_path=None, cache=True, fp32_modules=None,
-                 bf16_modules=None):
+    def __init__(
+        self,
+        opt_level="O1",
+        bf16_file_path=None,
+        fp32_file_path=None,
+        verbose=False,
+        *,
+        low_precision_type=torch.bfloat16,
+        promote_file_path=None,
+        cache=True,
+        fp32_modules=None,
+        bf16_modules=None,
+    ):
         super().__init__()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # convert() warns about O2 and files when the run starts
-            conversion.plan(opt_level, bf16_file_path, fp32_file_path, verbose, low_precision_type,
-                            promote_file_path=promote_file_path, cache=cache)
+            conversion.plan(
+                opt_level,
+                bf16_file_path,
+                fp32_file_path,
+                verbose,
+                low_precision_type,
+                promote_file_path=promote_file_path,
+                cache=cache,
+            )
         self.fp32_modules, self.bf16_modules = fp32_modules, bf16_modules
         self.opt_level = opt_level
         self.bf16_file_path = bf16_file_path
@@ -90,18 +107,29 @@ class HMPPrecision(Precision):
         self._steps_cast = False  # whether steps cast: casts were on where the run started
 
     def __repr__(self):
-        return (f"{type(self).__name__}(opt_level={self.opt_level!r}, bf16_file_path={self.bf16_file_path!r}, "
-                f"fp32_file_path={self.fp32_file_path!r}, verbose={self.verbose!r}, "
-                f"low_precision_type={self.low_precision_type})")
+        return (
+            f"{type(self).__name__}(opt_level={self.opt_level!r}, bf16_file_path={self.bf16_file_path!r}, "
+            f"fp32_file_path={self.fp32_file_path!r}, verbose={self.verbose!r}, "
+            f"low_precision_type={self.low_precision_type})"
+        )
 
     # -- start and end of a run -------------------------------------------------
 
     def convert(self, model=None):
         """Convert hmp with this plugin's settings (the Trainer calls it with
         the model, which module names are matched against)."""
-        wanted = conversion.plan(self.opt_level, self.bf16_file_path, self.fp32_file_path, self.verbose,
-                                 self.low_precision_type, promote_file_path=self.promote_file_path, cache=self.cache,
-                                 fp32_modules=self.fp32_modules, bf16_modules=self.bf16_modules, model=model)
+        wanted = conversion.plan(
+            self.opt_level,
+            self.bf16_file_path,
+            self.fp32_file_path,
+            self.verbose,
+            self.low_precision_type,
+            promote_file_path=self.promote_file_path,
+            cache=self.cache,
+            fp32_modules=self.fp32_modules,
+            bf16_modules=self.bf16_modules,
+            model=model,
+        )
         # patched along with the lists, so revert()/restore() undo it with the rest
         log_patch = (LightningModule, "log", _uncast_log(unwrap(LightningModule.__dict__["log"])))
         if not self._active:

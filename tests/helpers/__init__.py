@@ -11,6 +11,7 @@ NAMESPACES = {"torch": torch, "torch.nn.functional": F, "torch.Tensor": torch.Te
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
+
 def _bf16_lstm_missing():
     """Why this torch cannot run nn.LSTM in bfloat16 on this CPU by itself, or None
     (torch 2.4's oneDNN LSTM needs AVX-512 BF16; hmp then runs it as given, with a warning)."""

@@ -30,7 +30,10 @@ CONVERT = {"plain": {}, "modules": {"fp32_modules": [torch.nn.LayerNorm]}}
 def make_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.LayerNorm(64), torch.nn.ReLU(), torch.nn.Linear(64, 4),
+        torch.nn.Linear(16, 64),
+        torch.nn.LayerNorm(64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 4),
     )
 
 
@@ -77,7 +80,7 @@ def main(out_dir, variant="plain"):
     ddp.register_comm_hook(None, recording_allreduce)
     x, y = global_batch()
     shard = GLOBAL_BATCH // world
-    seen = train(ddp, x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard])
+    seen = train(ddp, x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard])
     seen["bucket_dtypes"] = bucket_dtypes
     seen["converted"] = hmp.is_converted()
     seen["state"] = {k: v.clone() for k, v in model.state_dict().items()}

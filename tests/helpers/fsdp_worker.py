@@ -25,8 +25,9 @@ STEPS = 5
 
 def make_model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
-                               torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    )
 
 
 def global_batch():
@@ -57,7 +58,7 @@ def run(rank, world, use_cache):
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     x, y = global_batch()
     shard = GLOBAL_BATCH // world
-    x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+    x, y = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
     seen = {"losses": [], "out_dtypes": set()}
     hmp.convert(cache=use_cache)
     try:

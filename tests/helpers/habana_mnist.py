@@ -4,13 +4,12 @@
 # backward and the optimizer step, and the debug import it never uses.
 import argparse
 
+import habana_frameworks.torch.core as htcore
+import habana_frameworks.torch.utils.debug as htdebug  # noqa: F401  (imported, never used)
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-
-import habana_frameworks.torch.core as htcore
-import habana_frameworks.torch.utils.debug as htdebug  # noqa: F401  (imported, never used)
 
 
 class Net(nn.Module):
@@ -50,13 +49,19 @@ def main():
     device = torch.device("cpu")
     if args.hpu:
         from habana_frameworks.torch.utils.library_loader import load_habana_module
+
         load_habana_module()
         device = torch.device("hpu")
 
     if args.is_hmp:
         from habana_frameworks.torch.hpex import hmp
-        hmp.convert(opt_level=args.hmp_opt_level, bf16_file_path=args.hmp_bf16,
-                    fp32_file_path=args.hmp_fp32, isVerbose=args.hmp_verbose)
+
+        hmp.convert(
+            opt_level=args.hmp_opt_level,
+            bf16_file_path=args.hmp_bf16,
+            fp32_file_path=args.hmp_fp32,
+            isVerbose=args.hmp_verbose,
+        )
 
     # a learnable synthetic task: the label is the argmax of a fixed projection
     data = torch.randn(args.batch_size * 2, 1, 13, 13)
@@ -65,9 +70,9 @@ def main():
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
     model.train()
     losses = []
-    for step in range(args.steps):
+    for _step in range(args.steps):
         for i in range(0, len(data), args.batch_size):
-            x, y = data[i:i + args.batch_size].to(device), target[i:i + args.batch_size].to(device)
+            x, y = data[i : i + args.batch_size].to(device), target[i : i + args.batch_size].to(device)
             optimizer.zero_grad()
             output = model(x)
             loss = F.nll_loss(output, y)

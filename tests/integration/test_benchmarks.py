@@ -15,15 +15,21 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "benchmarks" / "run.py"
 # the torch release op_lists/autocast_*.txt were generated from
-AUTOCAST_LISTS_TORCH = re.search(r"for torch (\S+?)\.?$", (ROOT / "op_lists" / "autocast_cpu_bf16.txt").read_text(),
-                                 re.M).group(1)
+AUTOCAST_LISTS_TORCH = re.search(
+    r"for torch (\S+?)\.?$", (ROOT / "op_lists" / "autocast_cpu_bf16.txt").read_text(), re.M
+).group(1)
 
 
 @pytest.mark.slow  # about 20 s: the harness and its memory subprocesses
 def test_quick_run_passes_its_own_checks(tmp_path):
     out = tmp_path / "mlp.json"
-    p = subprocess.run([sys.executable, str(RUN), "--quick", "--workload", "mlp", "--json", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(RUN), "--quick", "--workload", "mlp", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert Path(res["meta"]["hmp_path"]) == ROOT / "hmp"  # the checkout's hmp is the one benchmarked
@@ -33,19 +39,31 @@ def test_quick_run_passes_its_own_checks(tmp_path):
         assert row["delta_mb"] < 100, row
 
 
-@pytest.mark.skipif(torch.__version__.split("+")[0] != AUTOCAST_LISTS_TORCH,
-                    reason=f"op_lists/autocast_*.txt transcribe torch {AUTOCAST_LISTS_TORCH}'s autocast lists; "
-                           f"other releases list other ops")
+@pytest.mark.skipif(
+    torch.__version__.split("+")[0] != AUTOCAST_LISTS_TORCH,
+    reason=f"op_lists/autocast_*.txt transcribe torch {AUTOCAST_LISTS_TORCH}'s autocast lists; "
+    f"other releases list other ops",
+)
 def test_autocast_lists_up_to_date():
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "autocast_lists.py"), "--check"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "autocast_lists.py"), "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
 
 
 def test_percall_compares_the_schemes_on_what_each_returns(tmp_path):
     out = tmp_path / "percall.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "percall.py"), "--reps", "1", "--calls", "5",
-                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "percall.py"), "--reps", "1", "--calls", "5", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     # the timed calls are the ones the table names: bare torch is fp32, both schemes cast where they should

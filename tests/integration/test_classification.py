@@ -31,8 +31,9 @@ def digits():
 
 def fit(x_tr, y_tr, x_te, y_te, seed=0, epochs=40, batch=64):
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 128), nn.ReLU(),
-                          nn.Linear(128, 10))
+    model = nn.Sequential(
+        nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10)
+    )
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs)
     order = torch.Generator().manual_seed(seed)

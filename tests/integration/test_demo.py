@@ -28,11 +28,13 @@ def small_corpus():
 def run_cli(*args, timeout=600):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-m", "hmp", "demo", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "hmp", "demo", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 # ---- data ------------------------------------------------------------------
+
 
 def test_data_is_stdlib_source_and_deterministic():
     a = data.load(train_chars=50_000, val_chars=10_000)
@@ -64,6 +66,7 @@ def test_missing_stdlib_sources_is_a_clear_error(tmp_path):
 
 # ---- cast counting -----------------------------------------------------------
 
+
 def test_count_casts_on_the_demo_model(small_corpus):
     cfg = Config(batch_size=2, n_layers=2)
     per_op, total, calls = count_casts(cfg, small_corpus, {"opt_level": "O1"})
@@ -75,6 +78,7 @@ def test_count_casts_on_the_demo_model(small_corpus):
 
 
 # ---- numerical quality -------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_hmp_validation_loss_within_2_percent_of_fp32():
@@ -96,15 +100,19 @@ def test_hmp_validation_loss_within_2_percent_of_fp32():
 
 # ---- command line --------------------------------------------------------------
 
-@pytest.mark.parametrize("argv, message", [
-    (["--steps", "0"], "--steps: expected a positive integer, got 0"),
-    (["--steps", "ten"], "--steps: expected a positive integer, got 'ten'"),
-    (["--batch-size", "-3"], "--batch-size: expected a positive integer, got -3"),
-    (["--opt-level", "O3"], "--opt-level: invalid choice"),
-    (["--device", "tpu"], "--device: invalid choice"),
-    (["--seed", "-1"], "--seed: expected an integer from 0"),
-    (["--long", "--steps", "5"], "argument --steps: not allowed with argument --long"),
-])
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "--steps: expected a positive integer, got 0"),
+        (["--steps", "ten"], "--steps: expected a positive integer, got 'ten'"),
+        (["--batch-size", "-3"], "--batch-size: expected a positive integer, got -3"),
+        (["--opt-level", "O3"], "--opt-level: invalid choice"),
+        (["--device", "tpu"], "--device: invalid choice"),
+        (["--seed", "-1"], "--seed: expected an integer from 0"),
+        (["--long", "--steps", "5"], "argument --steps: not allowed with argument --long"),
+    ],
+)
 def test_bad_flag_values_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["demo", *argv])
@@ -195,14 +203,14 @@ def test_json_output_has_the_table_fields(tmp_path):
 @pytest.mark.parametrize("tqdm_installed", [True, False])
 def test_demo_progress_without_a_terminal_prints_lines_with_time_left(tqdm_installed):
     # stderr is a pipe here, as in CI or `2> log`: lines every LINE_EVERY_S seconds, no bar, with or without tqdm
-    code = ("import sys\n"
-            + ("" if tqdm_installed else "sys.modules['tqdm'] = None\n")
-            + "import hmp.demo as demo\n"
-            "demo.LINE_EVERY_S = 0.0\n"
-            "p = demo._Progress('hmp O1', 4)\n"
-            "for step in range(4):\n"
-            "    p(step, 2.5)\n"
-            "p.close({'wall_s': 1.25, 'val_loss': 2.0})\n")
+    code = (
+        "import sys\n" + ("" if tqdm_installed else "sys.modules['tqdm'] = None\n") + "import hmp.demo as demo\n"
+        "demo.LINE_EVERY_S = 0.0\n"
+        "p = demo._Progress('hmp O1', 4)\n"
+        "for step in range(4):\n"
+        "    p(step, 2.5)\n"
+        "p.close({'wall_s': 1.25, 'val_loss': 2.0})\n"
+    )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     lines = res.stderr.splitlines()
@@ -219,14 +227,17 @@ X86 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f {extra}\n"
 ARM = "processor\t: 0\nFeatures\t: fp asimd {extra}\n"
 
 
-@pytest.mark.parametrize("machine, text, expected", [
-    ("x86_64", X86.format(extra="avx512_bf16"), True),
-    ("x86_64", X86.format(extra="amx_bf16 amx_tile"), True),
-    ("x86_64", X86.format(extra="avx512_vnni"), False),  # AVX-512 without its bf16 instructions
-    ("aarch64", ARM.format(extra="bf16 i8mm"), True),
-    ("aarch64", ARM.format(extra="sve"), False),
-    ("riscv64", "isa\t: rv64imafdc\n", None),
-])
+@pytest.mark.parametrize(
+    "machine, text, expected",
+    [
+        ("x86_64", X86.format(extra="avx512_bf16"), True),
+        ("x86_64", X86.format(extra="amx_bf16 amx_tile"), True),
+        ("x86_64", X86.format(extra="avx512_vnni"), False),  # AVX-512 without its bf16 instructions
+        ("aarch64", ARM.format(extra="bf16 i8mm"), True),
+        ("aarch64", ARM.format(extra="sve"), False),
+        ("riscv64", "isa\t: rv64imafdc\n", None),
+    ],
+)
 def test_native_bf16_reads_the_cpus_flags(machine, text, expected):
     from hmp.demo.sizing import native_bf16
 
@@ -234,8 +245,9 @@ def test_native_bf16_reads_the_cpus_flags(machine, text, expected):
     assert has is expected and why
 
 
-@pytest.mark.parametrize("ratio, words", [(0.4, "faster than fp32"), (1.0, "about fp32's speed"),
-                                          (2.07, "SLOWER than fp32")])
+@pytest.mark.parametrize(
+    "ratio, words", [(0.4, "faster than fp32"), (1.0, "about fp32's speed"), (2.07, "SLOWER than fp32")]
+)
 def test_expectation_says_what_the_measured_ratio_means(ratio, words):
     from hmp.demo.sizing import expectation
 
@@ -244,7 +256,8 @@ def test_expectation_says_what_the_measured_ratio_means(ratio, words):
 
 
 def test_fit_picks_the_largest_model_that_fits_and_times_few_models():
-    from hypothesis import given, strategies as st
+    from hypothesis import given
+    from hypothesis import strategies as st
 
     from hmp.demo.sizing import LADDER, MIN_STEPS, fit
 
@@ -255,8 +268,12 @@ def test_fit_picks_the_largest_model_that_fits_and_times_few_models():
         return c.batch_size * c.seq_len * c.n_layers * c.d_model * c.d_model
 
     # a machine: a fixed cost per step plus a cost per unit of work, both drawn
-    @given(fixed=st.floats(1e-4, 5.0), per_work=st.floats(1e-12, 1e-6), budget=st.floats(1.0, 600.0),
-           max_steps=st.integers(MIN_STEPS, 1000))
+    @given(
+        fixed=st.floats(1e-4, 5.0),
+        per_work=st.floats(1e-12, 1e-6),
+        budget=st.floats(1.0, 600.0),
+        max_steps=st.integers(MIN_STEPS, 1000),
+    )
     def check(fixed, per_work, budget, max_steps):
         timed = []
 

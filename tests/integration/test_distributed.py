@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import needs_torch
 
 import hmp
-from helpers import needs_torch
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "helpers" / "ddp_worker.py"
@@ -38,9 +38,17 @@ def free_port():
 
 def env_for(rank, port):
     env = dict(os.environ)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+    )
     return env
 
 
@@ -71,7 +79,7 @@ def check(out_dir, variant="plain"):
     moved = max((v - init[k]).abs().max().item() for k, v in model.state_dict().items())
     assert moved > 0.2  # training moved the weights far more than the tolerance below
     for k, v in model.state_dict().items():
-        torch.testing.assert_close(first[k], v, atol=2e-2, rtol=2e-2, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(first[k], v, atol=2e-2, rtol=2e-2, msg=lambda m, k=k: f"{k}: {m}")
     mean_loss = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(len(single["losses"]))]
     torch.testing.assert_close(torch.tensor(mean_loss), torch.tensor(single["losses"]), atol=2e-2, rtol=2e-2)
 
@@ -79,8 +87,13 @@ def check(out_dir, variant="plain"):
 def run_ranks(out_dir, worker=WORKER, *args):
     port = free_port()
     procs = [
-        subprocess.Popen([sys.executable, str(worker), str(out_dir), *args], env=env_for(rank, port),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, str(worker), str(out_dir), *args],
+            env=env_for(rank, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for rank in range(WORLD)
     ]
     outputs = []
@@ -118,9 +131,23 @@ def test_torchrun_launch(tmp_path):
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k)
     res = subprocess.run(
-        [*cmd, "--nnodes", "1", "--nproc_per_node", str(WORLD), "--master_addr", "127.0.0.1", "--master_port",
-         str(port), str(WORKER), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=180,
+        [
+            *cmd,
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            str(WORLD),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            str(WORKER),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     check(tmp_path)

@@ -24,7 +24,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import imported_packages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,8 +45,14 @@ def fenced_blocks(path):
         if opening:
             end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "```"), None)
             assert end is not None, f"{path.name}:{i + 1}: fenced block never closed"
-            blocks.append({"lang": opening.group(1), "code": "\n".join(lines[i + 1:end]) + "\n", "line": i + 1,
-                           "before": lines[i - 1].strip() if i else ""})
+            blocks.append(
+                {
+                    "lang": opening.group(1),
+                    "code": "\n".join(lines[i + 1 : end]) + "\n",
+                    "line": i + 1,
+                    "before": lines[i - 1].strip() if i else "",
+                }
+            )
             i = end
         i += 1
     return blocks
@@ -78,8 +83,14 @@ def runnable_params():
         if FRAGMENT.match(block["before"]) or block["before"].startswith(TESTED_ELSEWHERE):
             continue
         slow = bool(imported_packages(block["code"]) & HEAVY) if _parses(block["code"]) else False
-        params.append(pytest.param(block["code"], expected, marks=[pytest.mark.slow] if slow else [],
-                                   id=f"{doc.relative_to(ROOT)}:{block['line']}"))
+        params.append(
+            pytest.param(
+                block["code"],
+                expected,
+                marks=[pytest.mark.slow] if slow else [],
+                id=f"{doc.relative_to(ROOT)}:{block['line']}",
+            )
+        )
     return params
 
 
@@ -101,18 +112,22 @@ def test_block_runs_as_pasted(code, expected, tmp_path):
         pytest.skip(f"needs {', '.join(missing)}, not installed")
     (tmp_path / "block.py").write_text(code, encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "block.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, (f"the block does not run as pasted; make it self-contained or mark it "
-                                  f"<!-- fragment: REASON -->\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}")
+    done = subprocess.run(
+        [sys.executable, "block.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, (
+        f"the block does not run as pasted; make it self-contained or mark it "
+        f"<!-- fragment: REASON -->\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    )
     if expected is None:
         return
     if "__notes__" in code and sys.version_info < (3, 11):
         pytest.skip("the output shows exception notes, which Python 3.11 added")
     printed = [line.rstrip() for line in (done.stdout + done.stderr).splitlines()]
     for line in hmp_lines(expected):
-        assert line in printed, f"the docs show {line!r}, which the block does not print; it printed:\n" + \
-            "\n".join(printed)
+        assert line in printed, f"the docs show {line!r}, which the block does not print; it printed:\n" + "\n".join(
+            printed
+        )
 
 
 def test_markers_sit_right_before_the_blocks_they_describe():
@@ -139,8 +154,9 @@ def test_markers_sit_right_before_the_blocks_they_describe():
                 if previous is None or previous["lang"] != "python" or FRAGMENT.match(previous["before"]):
                     problems.append(f"{doc.relative_to(ROOT)}:{block['line']}: output of no runnable python block")
                 elif not hmp_lines(block["code"]):
-                    problems.append(f"{doc.relative_to(ROOT)}:{block['line']}: an output block with no hmp line "
-                                    f"checks nothing")
+                    problems.append(
+                        f"{doc.relative_to(ROOT)}:{block['line']}: an output block with no hmp line checks nothing"
+                    )
     assert not problems, "\n".join(problems)
 
 

@@ -15,7 +15,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 from helpers import imported_packages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,11 +82,15 @@ def is_stdlib(name):
 
 def optional_packages(path):
     """What an example imports beyond torch, hmp and the standard library."""
-    return sorted(name for name in imported_packages(path.read_text(encoding="utf-8")) - {"torch"} if not is_stdlib(name))
+    return sorted(
+        name for name in imported_packages(path.read_text(encoding="utf-8")) - {"torch"} if not is_stdlib(name)
+    )
 
 
 def missing_packages(path):
-    return sorted(name for name in imported_packages(path.read_text(encoding="utf-8")) if importlib.util.find_spec(name) is None)
+    return sorted(
+        name for name in imported_packages(path.read_text(encoding="utf-8")) if importlib.util.find_spec(name) is None
+    )
 
 
 def example_param(path):
@@ -105,8 +108,9 @@ def test_example_runs_and_shows_what_it_says(example, tmp_path):
     if missing:
         pytest.skip(f"{example.name} needs {', '.join(missing)}, not installed")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, str(example)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(example)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     assert done.stdout.strip(), f"{example.name} printed nothing; stderr:\n{done.stderr}"
     for pattern in EXPECTED.get(example.name, []):
@@ -130,9 +134,16 @@ def test_a_missing_library_is_an_import_error_naming_the_pip_package(example, tm
     for name in optional_packages(example):
         # None in sys.modules makes `import name` raise ImportError, as when it is not installed
         code = f"import sys, runpy; sys.modules[{name!r}] = None; runpy.run_path({str(example)!r}, run_name='__main__')"
-        done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            timeout=120,
+        )
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
         assert done.returncode != 0 and last.startswith("ImportError: "), f"{example.name} without {name}: {last!r}"
-        assert "pip install" in last and name in last.split("pip install", 1)[1], \
+        assert "pip install" in last and name in last.split("pip install", 1)[1], (
             f"{example.name} without {name}: the message does not say to pip install it: {last!r}"
+        )

@@ -18,21 +18,28 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same, snapshot, write
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from helpers import assert_same, snapshot, write
-from hmp import lists
-from hmp.resolve import Resolver
+from hmp.core import lists
+from hmp.core.resolve import Resolver
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # every namespace an aten name can bind, by identity
 NAMESPACES = {
-    "torch": torch, "torch.nn.functional": F, "torch.Tensor": torch.Tensor, "torch._C._nn": torch._C._nn,
-    "torch._C._linalg": torch._C._linalg, "torch.linalg": torch.linalg, "torch._C._special": torch._C._special,
-    "torch.special": torch.special, "torch._C._fft": torch._C._fft, "torch.fft": torch.fft,
+    "torch": torch,
+    "torch.nn.functional": F,
+    "torch.Tensor": torch.Tensor,
+    "torch._C._nn": torch._C._nn,
+    "torch._C._linalg": torch._C._linalg,
+    "torch.linalg": torch.linalg,
+    "torch._C._special": torch._C._special,
+    "torch.special": torch.special,
+    "torch._C._fft": torch._C._fft,
+    "torch.fft": torch.fft,
 }
 
 
@@ -84,7 +91,7 @@ def test_each_name_form_loads_or_fails_as_specified(tmp_path_factory, entries):
         text = str(err.value)
         assert str(path) in text
         reported = [int(m) for m in re.findall(r"line (\d+):", text)]
-        assert reported == [i for i, _ in bad][:lists.SHOWN]  # only the unknown names, in file order
+        assert reported == [i for i, _ in bad][: lists.SHOWN]  # only the unknown names, in file order
         return
     names, warned = load(path)
     expected = []
@@ -101,8 +108,12 @@ def test_each_name_form_loads_or_fails_as_specified(tmp_path_factory, entries):
 
 
 def test_errors_name_the_line_and_suggest(tmp_path):
-    path = write(tmp_path, "ops.txt", "cross_entropy_loss\nslice\ncross_entropy_los\npow.Foo\ntorch.linear\n"
-                                      "embedding_bag_sum_fwd\npow.Tensor_Scalar\n")
+    path = write(
+        tmp_path,
+        "ops.txt",
+        "cross_entropy_loss\nslice\ncross_entropy_los\npow.Foo\ntorch.linear\n"
+        "embedding_bag_sum_fwd\npow.Tensor_Scalar\n",
+    )
     with pytest.raises(ValueError) as err:
         load(path)
     text = str(err.value)
@@ -128,8 +139,10 @@ def test_converted_aten_names_cast_through_the_public_functions(pristine):
     torch.pow / ``**``."""
     before = snapshot(NAMESPACES)
     with pytest.warns(UserWarning, match=r"aten::slice.*nothing to bind"):
-        hmp.convert(bf16_file_path=_file("linalg_multi_dot\npow.Tensor_Scalar\nslice\n"),
-                    fp32_file_path=_file("cross_entropy_loss\nnll_loss2d\n"))
+        hmp.convert(
+            bf16_file_path=_file("linalg_multi_dot\npow.Tensor_Scalar\nslice\n"),
+            fp32_file_path=_file("cross_entropy_loss\nnll_loss2d\n"),
+        )
     assert hmp.effective_lists()["bf16"] == ["linalg_multi_dot", "pow"]
     assert hmp.effective_lists()["fp32"] == ["cross_entropy_loss", "nll_loss2d"]
     logits = torch.randn(4, 5, dtype=torch.bfloat16, requires_grad=True)
@@ -139,7 +152,7 @@ def test_converted_aten_names_cast_through_the_public_functions(pristine):
     assert logits.grad.dtype == torch.bfloat16
     a, b, c = torch.randn(3, 4), torch.randn(4, 5), torch.randn(5, 2)
     assert torch.linalg.multi_dot([a, b, c]).dtype == torch.bfloat16
-    assert torch.pow(a, 2).dtype == torch.bfloat16 and (a ** 2).dtype == torch.bfloat16
+    assert torch.pow(a, 2).dtype == torch.bfloat16 and (a**2).dtype == torch.bfloat16
     img = torch.randn(2, 3, 4, 4, dtype=torch.bfloat16)
     target = torch.randint(0, 3, (2, 4, 4))
     assert torch._C._nn.nll_loss2d(img, target).dtype == torch.float32
@@ -156,11 +169,15 @@ def _file(text, folder=None):
     return path
 
 
-GOOD_BF16 = "linear\n_convolution.deprecated\nconv_transpose2d.input\nconv_transpose3d.input\npow.Tensor_Scalar\nslice\n"
+GOOD_BF16 = (
+    "linear\n_convolution.deprecated\nconv_transpose2d.input\nconv_transpose3d.input\npow.Tensor_Scalar\nslice\n"
+)
 GOOD_FP32 = "cross_entropy_loss\nnll_loss2d\nlinalg_multi_dot\nconvolution_overrideable\n"
 BAD_BF16 = "linear\nslice\nlinaer\npow.Tensor_Scalar\nembedding_bag_sum_fwd\n"
-GOOD_LISTS = {"bf16": ["_convolution", "conv_transpose2d", "conv_transpose3d", "linear", "pow"],
-              "fp32": ["cross_entropy_loss", "linalg_multi_dot", "nll_loss2d"]}
+GOOD_LISTS = {
+    "bf16": ["_convolution", "conv_transpose2d", "conv_transpose3d", "linear", "pow"],
+    "fp32": ["cross_entropy_loss", "linalg_multi_dot", "nll_loss2d"],
+}
 
 
 def _names(text):
@@ -200,7 +217,7 @@ def test_every_route_loads_the_name_forms(route, tmp_path, monkeypatch, pristine
     # one per list file (one for a whole config), naming each op and where it was
     assert len(texts) == (1 if route is via_gaudi_config else 2), texts
     assert any("aten::slice" in t for t in texts) and any("aten::convolution_overrideable" in t for t in texts)
-    where = ("hmp_bf16_ops[5]: aten::slice" if route is via_gaudi_config else "line 6: aten::slice")
+    where = "hmp_bf16_ops[5]: aten::slice" if route is via_gaudi_config else "line 6: aten::slice"
     assert any(where in t for t in texts)
     lists_now = hmp.effective_lists()
     assert {k: lists_now[k] for k in GOOD_LISTS} == GOOD_LISTS
@@ -244,8 +261,10 @@ def test_overloads_of_one_op_in_both_user_lists_is_an_error(tmp_path):
     """An overload binds its op as a whole, so two overloads of one op cannot
     go to two lists."""
     with pytest.raises(ValueError, match="ops in both.*pow"):
-        hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "pow.Tensor_Scalar\n"),
-                    fp32_file_path=write(tmp_path, "f.txt", "pow.Scalar\n"))
+        hmp.convert(
+            bf16_file_path=write(tmp_path, "b.txt", "pow.Tensor_Scalar\n"),
+            fp32_file_path=write(tmp_path, "f.txt", "pow.Scalar\n"),
+        )
 
 
 # -- fp16_file_path ----------------------------------------------------------------------------
@@ -260,14 +279,19 @@ def test_fp16_file_path_is_the_list_under_float16(tmp_path, pristine):
 
 def test_fp16_file_path_wins_over_bf16_file_path_under_float16(tmp_path, pristine):
     with pytest.warns(UserWarning, match="bf16_file_path .* is ignored"):
-        hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "mm\n"), fp16_file_path=write(tmp_path, "h.txt", "linear\n"),
-                    low_precision_type=torch.float16)
+        hmp.convert(
+            bf16_file_path=write(tmp_path, "b.txt", "mm\n"),
+            fp16_file_path=write(tmp_path, "h.txt", "linear\n"),
+            low_precision_type=torch.float16,
+        )
     assert hmp.effective_lists()["bf16"] == ["linear"]
 
 
 def test_fp16_file_path_is_ignored_under_bfloat16(tmp_path, pristine):
     with pytest.warns(UserWarning, match="fp16_file_path .* is ignored"):
-        hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "mm\n"), fp16_file_path=write(tmp_path, "h.txt", "linear\n"))
+        hmp.convert(
+            bf16_file_path=write(tmp_path, "b.txt", "mm\n"), fp16_file_path=write(tmp_path, "h.txt", "linear\n")
+        )
     assert hmp.effective_lists()["bf16"] == ["mm"]
 
 
@@ -291,16 +315,23 @@ def _run_mnist(tmp_path, *args):
     (tmp_path / "ops_bf16_mnist.txt").write_text("conv2d\nlinear\nrelu\nmax_pool2d\n_convolution.deprecated\n")
     (tmp_path / "ops_fp32_mnist.txt").write_text("log_softmax\nnll_loss\nnll_loss2d\ncross_entropy_loss\nslice\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "hmp", "run", str(ROOT / "tests" / "helpers" / "habana_mnist.py"), *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "hmp", "run", str(ROOT / "tests" / "helpers" / "habana_mnist.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def _out(stdout):
     return dict(line.split(" ", 1) for line in stdout.splitlines() if " " in line)
 
 
-NO_HABANA = pytest.mark.skipif(importlib.util.find_spec("habana_frameworks") is not None,
-                               reason="Habana software installed")
+NO_HABANA = pytest.mark.skipif(
+    importlib.util.find_spec("habana_frameworks") is not None, reason="Habana software installed"
+)
 
 
 @pytest.mark.slow
@@ -324,7 +355,7 @@ def test_habana_style_mnist_runs_under_hmp_run(tmp_path):
 
 @NO_HABANA
 def test_debug_modules_are_no_ops_and_working_modules_stay_errors():
-    from hmp import legacy
+    from hmp.integrations import habana_runner as legacy
 
     legacy.install()
     try:
@@ -333,8 +364,11 @@ def test_debug_modules_are_no_ops_and_working_modules_stay_errors():
 
         assert _dump_memory_reporter() is None and htdebug._memstat_livealloc("step 1") is None
         assert not hasattr(htdebug, "__wrapped__")  # dunder lookups still fail
-        for working in ("habana_frameworks.torch.hpex.optimizers", "habana_frameworks.torch.distributed.hccl",
-                        "habana_frameworks.torch.utils.debug.dynamo_utils"):
+        for working in (
+            "habana_frameworks.torch.hpex.optimizers",
+            "habana_frameworks.torch.distributed.hccl",
+            "habana_frameworks.torch.utils.debug.dynamo_utils",
+        ):
             with pytest.raises(ModuleNotFoundError, match="Habana software is not installed"):
                 importlib.import_module(working)
     finally:

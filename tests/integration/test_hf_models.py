@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import skip_without_bf16_lstm
 
 import hmp
-from helpers import skip_without_bf16_lstm
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,22 +19,43 @@ VOCAB, SEQ, BATCH, HIDDEN, STEPS = 128, 32, 4, 64, 20
 
 
 def gpt2():
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_layer=2, n_head=4,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=HIDDEN,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def bert():
-    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=2 * HIDDEN, max_position_embeddings=64,
-                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=2 * HIDDEN,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return transformers.BertForMaskedLM(cfg)
 
 
 def llama():
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -54,8 +75,12 @@ class LSTMLM(nn.Module):
 
 MODELS = {"gpt2": gpt2, "bert": bert, "llama": llama, "lstm": LSTMLM}
 # a layer whose output hmp's BF16 lists make bf16 under O1 and O2
-PROBE = {"gpt2": lambda m: m.transformer.h[0].mlp.c_fc, "bert": lambda m: m.bert.encoder.layer[0].intermediate.dense,
-         "llama": lambda m: m.model.layers[0].mlp.gate_proj, "lstm": lambda m: m.rnn}
+PROBE = {
+    "gpt2": lambda m: m.transformer.h[0].mlp.c_fc,
+    "bert": lambda m: m.bert.encoder.layer[0].intermediate.dense,
+    "llama": lambda m: m.model.layers[0].mlp.gate_proj,
+    "lstm": lambda m: m.rnn,
+}
 
 
 def batch():
@@ -118,8 +143,9 @@ def test_generate(name, opt_level):
     model.lm_head.register_forward_hook(lambda mod, args, out: seen.add(out.dtype))
     prompt = batch()[:2, :8]
     hmp.convert(opt_level)
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
-                         pad_token_id=0)
+    out = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, pad_token_id=0
+    )
     assert out.shape == (2, 14) and torch.equal(out[:, :8], prompt)
     assert int(out.min()) >= 0 and int(out.max()) < VOCAB
     assert seen == {torch.bfloat16}  # every decoding step ran through hmp's casts

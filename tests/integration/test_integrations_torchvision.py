@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hmp
-from hmp.resolve import ORIGINAL, Resolver
+from hmp.core.resolve import ORIGINAL, Resolver
 
 ROOT = Path(__file__).resolve().parents[2]
 TV_OPS = ("nms", "batched_nms", "roi_align")
@@ -49,8 +49,9 @@ def test_with_torchvision(tmp_path):
     expected = originals["nms"](boxes.float(), scores.float(), 0.5)
     assert torch.equal(keep, expected)  # ran on the fp32 copies
     idxs = torch.arange(20) % 3
-    assert torch.equal(ops.batched_nms(boxes, scores, idxs, 0.5),
-                       originals["batched_nms"](boxes.float(), scores.float(), idxs, 0.5))
+    assert torch.equal(
+        ops.batched_nms(boxes, scores, idxs, 0.5), originals["batched_nms"](boxes.float(), scores.float(), idxs, 0.5)
+    )
     feats = torch.randn(1, 4, 16, 16).to(torch.bfloat16)
     rois = torch.tensor([[0, 1.0, 1.0, 9.0, 9.0]], dtype=torch.bfloat16)
     out = ops.roi_align(feats, rois, output_size=(3, 3), spatial_scale=1.0)
@@ -62,7 +63,7 @@ def test_with_torchvision(tmp_path):
 
 # A stand-in torchvision (pure torch, records the dtypes it is called with),
 # so the binding is tested also where the real one cannot be installed.
-STUB_OPS = '''\
+STUB_OPS = """\
 import torch
 
 calls = []
@@ -81,12 +82,12 @@ def batched_nms(boxes, scores, idxs, iou_threshold):
 def roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1, aligned=False):
     calls.append(("roi_align", input.dtype, boxes.dtype))
     return input[:, :, : output_size[0], : output_size[1]] * 1
-'''
+"""
 
-STUB_CHECK = '''\
+STUB_CHECK = """\
 import torch, hmp
 import torchvision.ops as ops
-from hmp.resolve import Resolver
+from hmp.core.resolve import Resolver
 
 originals = {n: ops.__dict__[n] for n in ("nms", "batched_nms", "roi_align")}
 labels = [s.label for n in originals for s in Resolver().sites(n)]
@@ -105,7 +106,7 @@ hmp.revert()
 assert all(ops.__dict__[n] is f for n, f in originals.items())
 ops.nms(b, s, 0.5)  # after revert: no cast
 print(ops.calls)
-'''
+"""
 
 
 def test_stand_in_torchvision_ops_are_bound(tmp_path):
@@ -114,13 +115,21 @@ def test_stand_in_torchvision_ops_are_bound(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "ops" / "__init__.py").write_text(STUB_OPS)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT)]))
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(STUB_CHECK)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(STUB_CHECK)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     calls = res.stdout.strip().splitlines()[-1]
-    assert calls == repr([
-        ("nms", torch.float32, torch.float32),
-        ("batched_nms", torch.float32, torch.float32),
-        ("roi_align", torch.bfloat16, torch.bfloat16),
-        ("nms", torch.bfloat16, torch.bfloat16),
-    ]), calls
+    assert calls == repr(
+        [
+            ("nms", torch.float32, torch.float32),
+            ("batched_nms", torch.float32, torch.float32),
+            ("roi_align", torch.bfloat16, torch.bfloat16),
+            ("nms", torch.bfloat16, torch.bfloat16),
+        ]
+    ), calls

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import hmp
-from hmp import legacy
+from hmp.integrations import habana_runner as legacy
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # The Habana tutorial loop, as written for Gaudi with the (removed) hmp.
-LEGACY_SCRIPT = '''\
+LEGACY_SCRIPT = """\
 import argparse
 import sys
 
@@ -62,14 +62,15 @@ print("hmp", hmp.__name__, hmp.is_converted())
 print("dtypes", y_pred.dtype, model.weight.dtype, model.weight.grad.dtype)
 print("loss", losses[0], losses[-1])
 sys.exit(args.exit_code)
-'''
+"""
 
 
 def run_hmp(args, cwd, extra_path=()):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*map(str, extra_path), str(ROOT)])
-    return subprocess.run([sys.executable, "-m", "hmp", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "hmp", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def lines(stdout):
@@ -127,14 +128,16 @@ def test_relative_path_and_script_directory_first_on_sys_path(tmp_path):
     folder = tmp_path / "proj"
     folder.mkdir()
     (folder / "helper.py").write_text("VALUE = 'helper next to the script'\n")
-    (folder / "main.py").write_text(textwrap.dedent("""\
+    (folder / "main.py").write_text(
+        textwrap.dedent("""\
         import sys
         import helper
         from habana_frameworks.torch.hpex import hmp
         print("helper", helper.VALUE)
         print("path0", sys.path[0])
         print("argv", sys.argv)
-    """))
+    """)
+    )
     res = run_hmp(["run", "proj/main.py", "a", "--b"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     out = lines(res.stdout)
@@ -191,8 +194,9 @@ def test_traceback_starts_at_the_script_as_under_python(tmp_path):
     (folder / "settings.txt").write_text("lr=0.1\n")
     (folder / "main.py").write_text(SIBLING_SCRIPT)
     res = run_hmp(["run", "proj/main.py", "--fail"], cwd=tmp_path)
-    python = subprocess.run([sys.executable, "proj/main.py", "--fail"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120)
+    python = subprocess.run(
+        [sys.executable, "proj/main.py", "--fail"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == python.returncode == 1
     tb = res.stderr.splitlines()
     assert tb[0] == "Traceback (most recent call last):"
@@ -217,8 +221,14 @@ def test_unprovided_habana_module_says_so(tmp_path):
 
 def test_nothing_is_installed_outside_the_process(script, elsewhere):
     assert run_hmp(["run", str(script), "--steps", "1"], cwd=elsewhere).returncode == 0
-    res = subprocess.run([sys.executable, "-c", "import habana_frameworks"], cwd=elsewhere, capture_output=True,
-                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    res = subprocess.run(
+        [sys.executable, "-c", "import habana_frameworks"],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     if importlib.util.find_spec("habana_frameworks") is None:
         assert res.returncode != 0 and "No module named 'habana_frameworks'" in res.stderr
 
@@ -258,9 +268,9 @@ def test_install_in_process_and_uninstall():
     legacy.install()
     try:
         hpex = importlib.import_module("habana_frameworks.torch.hpex")
-        from habana_frameworks.torch.hpex import hmp as habana_hmp  # noqa: E402
         import habana_frameworks.torch.core as htcore  # noqa: E402
         import habana_frameworks.torch.hpex.hmp as by_path  # noqa: E402
+        from habana_frameworks.torch.hpex import hmp as habana_hmp  # noqa: E402
 
         assert habana_hmp is hmp and by_path is hmp and hpex.hmp is hmp
         assert hmp.__spec__.name == "hmp"  # aliasing left hmp's own spec alone
@@ -272,8 +282,7 @@ def test_install_in_process_and_uninstall():
         assert hmp.is_converted()
     finally:
         legacy.uninstall()
-    assert "habana_frameworks" not in sys.modules and not any(isinstance(f, legacy.HabanaFinder)
-                                                                for f in sys.meta_path)
+    assert "habana_frameworks" not in sys.modules and not any(isinstance(f, legacy.HabanaFinder) for f in sys.meta_path)
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("habana_frameworks")
 
@@ -288,4 +297,6 @@ def test_run_without_a_script_says_what_to_give(tmp_path):
 def test_version_names_hmp_and_torch(tmp_path):
     res = run_hmp(["--version"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == f"hmp {hmp.__version__} (torch {torch.__version__}, Python {platform.python_version()})"
+    assert (
+        res.stdout.strip() == f"hmp {hmp.__version__} (torch {torch.__version__}, Python {platform.python_version()})"
+    )

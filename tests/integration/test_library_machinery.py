@@ -56,8 +56,14 @@ def test_transformers_checkpoints_a_layer_with_a_class_entry():
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     ids = torch.randint(0, 64, (2, 32))
 
     def saved_bytes(**entries):
@@ -97,8 +103,15 @@ def test_maybe_autocast_disabled_is_an_fp32_region_under_hmp():
 
 def test_gpt2_upcast_attention_keeps_its_fp32_scores(monkeypatch):
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=1, n_head=2,
-                                     reorder_and_upcast_attn=True, attn_implementation="eager")
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=64,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        reorder_and_upcast_attn=True,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()
     ids = torch.randint(0, 64, (1, 16))

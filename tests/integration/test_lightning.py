@@ -44,8 +44,16 @@ class MLP(pl.LightningModule):
         hidden = self.net[0](x)
         logits = self.net[2](self.net[1](hidden))
         loss = F.cross_entropy(logits, y)
-        self.seen.append((hidden.dtype, logits.dtype, loss.item(), hmp.is_converted(), hmp.casts_enabled(),
-                          hmp.effective_lists()["bf16"]))
+        self.seen.append(
+            (
+                hidden.dtype,
+                logits.dtype,
+                loss.item(),
+                hmp.is_converted(),
+                hmp.casts_enabled(),
+                hmp.effective_lists()["bf16"],
+            )
+        )
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -78,8 +86,16 @@ class MLP(pl.LightningModule):
 
 
 def trainer(plugin, accelerator="cpu", **kwargs):
-    settings = dict(accelerator=accelerator, devices=1, max_epochs=3, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    settings = dict(
+        accelerator=accelerator,
+        devices=1,
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     settings.update(kwargs)
     return pl.Trainer(plugins=[plugin], **settings)
 
@@ -261,7 +277,6 @@ def test_fp16_and_o2():
     assert model.seen[0][0] == torch.float16
     assert "relu" not in model.seen[0][5]
     assert not hmp.is_converted()
-
 
 
 def test_module_policy_by_name_in_the_plugin():

@@ -18,13 +18,17 @@ def test_installed_wheel_finds_its_lists(tmp_path):
     wheels, site = tmp_path / "wheels", tmp_path / "site"
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(ROOT)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert build.returncode == 0, build.stderr
     (wheel,) = wheels.glob("torch_hmp-*.whl")  # the distribution's name; the import name is hmp
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert install.returncode == 0, install.stderr
     assert (site / "hmp" / "op_lists" / "bf16.txt").is_file()
@@ -39,7 +43,9 @@ def test_installed_wheel_finds_its_lists(tmp_path):
         "hmp.convert(opt_level='O2')\n"
     )
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
-    res = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, env=env, timeout=120
+    )
     assert res.returncode == 0, res.stderr
     where, counts, dtype = res.stdout.split("\n")[:3]
     assert where.startswith(str(site)), where  # the installed copy, not the source tree
@@ -60,8 +66,12 @@ def test_requirements_never_cap_torch_and_start_at_the_floor_ci_tests():
     assert re.search(r">=\s*([\d.]+)", torch_req).group(1) == hmp.tested.TESTED_TORCH[0]
     assert project["name"] != "hmp"  # that name on the package index is another project
     bare = re.compile(r"(?<![\w-])hmp\[")  # `pip install "hmp[...]"`: the other project
-    assert not [line for f in [*(ROOT / "docs").glob("*.md"), ROOT / "README.md", *(ROOT / "hmp").rglob("*.py")]
-                for line in f.read_text().splitlines() if "pip install" in line and bare.search(line)]
+    assert not [
+        line
+        for f in [*(ROOT / "docs").glob("*.md"), ROOT / "README.md", *(ROOT / "hmp").rglob("*.py")]
+        for line in f.read_text().splitlines()
+        if "pip install" in line and bare.search(line)
+    ]
 
 
 def test_a_torch_newer_than_ci_tested_is_said_once(recwarn):
@@ -70,7 +80,7 @@ def test_a_torch_newer_than_ci_tested_is_said_once(recwarn):
     newest = tested.TESTED_TORCH[-1]
     major, minor, _ = tested.release(newest)
     newer = f"{major}.{minor + 1}.0+cu999"
-    hmp.state.warned.discard(("untested torch", newer))
+    hmp.core.state.warned.discard(("untested torch", newer))
     tested.warn_if_newer(newest)
     tested.warn_if_newer(newer)
     tested.warn_if_newer(newer)

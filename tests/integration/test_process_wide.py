@@ -11,11 +11,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # every module of the package but those whose subcommand or framework loads
 # what hmp itself must not (the demo and tune: tqdm; the Lightning plugin: lightning)
-NOT_PROBED = {"hmp.demo", "hmp.demo.data", "hmp.demo.model", "hmp.demo.training", "hmp.tune_cli",
-              "hmp.integrations.lightning"}
-ALL_MODULES = sorted(".".join(("hmp",) + p.relative_to(ROOT / "hmp").with_suffix("").parts).removesuffix(".__init__")
-                     for p in (ROOT / "hmp").rglob("*.py"))
-MODULES = ["hmp.state"] + [m for m in ALL_MODULES if m not in NOT_PROBED and m != "hmp.state"]
+NOT_PROBED = {
+    "hmp.demo",
+    "hmp.demo.data",
+    "hmp.demo.model",
+    "hmp.demo.training",
+    "hmp.tools.tune_cli",
+    "hmp.integrations.lightning",
+}
+ALL_MODULES = sorted(
+    ".".join(("hmp",) + p.relative_to(ROOT / "hmp").with_suffix("").parts).removesuffix(".__init__")
+    for p in (ROOT / "hmp").rglob("*.py")
+)
+MODULES = ["hmp.core.state"] + [m for m in ALL_MODULES if m not in NOT_PROBED and m != "hmp.core.state"]
 
 PROBE = textwrap.dedent(r"""
     import importlib, logging, sys, threading, warnings
@@ -88,8 +96,14 @@ def run_probe(tmp_path, modules, extra_path=None):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     env_path = [str(ROOT)] + ([str(extra_path)] if extra_path else [])
-    res = subprocess.run([sys.executable, str(script), *modules], capture_output=True, text=True, timeout=180,
-                         cwd=tmp_path, env={"PYTHONPATH": ":".join(env_path), "PATH": "/usr/bin:/bin"})
+    res = subprocess.run(
+        [sys.executable, str(script), *modules],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env={"PYTHONPATH": ":".join(env_path), "PATH": "/usr/bin:/bin"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
 

@@ -27,14 +27,15 @@ def test_example_runs_and_prints_what_readme_says(tmp_path):
     script.write_text(code, encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     # run from an empty directory so `import hmp` finds this checkout through PYTHONPATH only
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == expected.splitlines(), done.stdout
 
 
 def test_example_is_about_fifteen_lines():
-    (_, code), = fenced_blocks_after(README, EXAMPLE_MARKER, 1)
+    ((_, code),) = fenced_blocks_after(README, EXAMPLE_MARKER, 1)
     assert len(code.splitlines()) <= 20
 
 
@@ -68,7 +69,7 @@ def test_ci_finds_the_test_command():
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     program = re.search(r"cmd=\$\(awk '(.*)' README\.md\)", ci).group(1)
     done = subprocess.run(["awk", program, "README.md"], cwd=ROOT, capture_output=True, text=True, check=True)
-    (_, body), = fenced_blocks_after(README, "<!-- ci: test command -->", 1)
+    ((_, body),) = fenced_blocks_after(README, "<!-- ci: test command -->", 1)
     assert done.stdout == body
     assert len(body.splitlines()) == 1 and "python -m pytest" in body
 

@@ -3,9 +3,9 @@ before train(): no disable_casts() anywhere, and the run ends where fp32 does.""
 
 import pytest
 import torch
+from helpers import TORCH
 
 import hmp
-from helpers import TORCH
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,14 +31,24 @@ class Patterns(torch.utils.data.Dataset):
 
 def _train(tmp_path, converted):
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2, n_head=2,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     model = transformers.GPT2LMHeadModel(config)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / ("hmp" if converted else "fp32")), use_cpu=True, report_to=[],
-        save_strategy="no", max_steps=STEPS, per_device_train_batch_size=8, learning_rate=3e-3,
-        lr_scheduler_type="constant", logging_strategy="no", seed=0, dataloader_num_workers=0,
-        disable_tqdm=True)
+        output_dir=str(tmp_path / ("hmp" if converted else "fp32")),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        max_steps=STEPS,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     # Trainer's default with this torch: fused from torch 2.8 (transformers' rule)
     fused = TORCH >= (2, 8)
     assert args.optim == ("adamw_torch_fused" if fused else "adamw_torch")
@@ -77,12 +87,19 @@ def test_bf16_trainer_warning_points_at_the_users_line(tmp_path):
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[],
-                                          save_strategy="no", max_steps=1, per_device_train_batch_size=4,
-                                          logging_strategy="no", disable_tqdm=True)
-    trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args,
-                                   train_dataset=Patterns(8))
-    hmp.state.warned.discard("autocast region entered")  # the warning is once per process
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=True,
+        report_to=[],
+        save_strategy="no",
+        max_steps=1,
+        per_device_train_batch_size=4,
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=Patterns(8))
+    hmp.core.state.warned.discard("autocast region entered")  # the warning is once per process
     hmp.convert()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

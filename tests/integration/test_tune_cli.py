@@ -7,15 +7,16 @@ import textwrap
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import hmp
 from hmp.__main__ import main
-from hmp.tuning import TuneResult
+from hmp.tools.tuning import TuneResult
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-MODEL = textwrap.dedent('''
+MODEL = textwrap.dedent("""
     import torch
 
     def make_step():
@@ -35,7 +36,7 @@ MODEL = textwrap.dedent('''
 
     def not_a_pair():
         return 3
-''')
+""")
 
 FAST = ["--steps", "3", "--rounds", "2"]
 
@@ -59,8 +60,7 @@ def test_tune_runs_the_users_step_and_writes_lists_and_json(project, form, capsy
     res = json.loads(out.read_text())
     assert set(res["validation"]) == {"fp32", "starting lists", "tuned lists"}
     # the lists written load again
-    with hmp.converted(bf16_file_path=str(project / "tuned_bf16.txt"),
-                       fp32_file_path=str(project / "tuned_fp32.txt")):
+    with hmp.converted(bf16_file_path=str(project / "tuned_bf16.txt"), fp32_file_path=str(project / "tuned_fp32.txt")):
         assert hmp.effective_lists()["bf16"] == res["lists"]["bf16"]
     # progress on stderr: the audit, the count of runs once known, and the end
     err = captured.err.splitlines()
@@ -81,8 +81,10 @@ def test_identical_lists_are_flagged_as_noise(project, capsys):
     res = json.loads(out.read_text())
     stdout = capsys.readouterr().out
     with hmp.converted():
-        default = {kind: [name for name in names if "." not in name]  # ops; module patterns are apart
-                   for kind, names in hmp.effective_lists().items()}
+        default = {
+            kind: [name for name in names if "." not in name]  # ops; module patterns are apart
+            for kind, names in hmp.effective_lists().items()
+        }
     unchanged = res["lists"] == default and not res["modules_to_fp32"]
     assert unchanged  # nothing to tune on this small model at the default bounds
     assert res["same_as"] == {"tuned lists": "starting lists"}
@@ -90,13 +92,16 @@ def test_identical_lists_are_flagged_as_noise(project, capsys):
     assert "timing noise: tuned lists = starting lists" in stdout
 
 
-@pytest.mark.parametrize("target, message", [
-    ("nomodule:make_step", "no module 'nomodule'"),
-    ("mymodel.py:nothere", "'mymodel.py' has no function 'nothere'"),
-    ("mymodel", "expected MODULE:FUNCTION or FILE.py:FUNCTION"),
-    ("missing/file.py:make_step", "no file 'missing/file.py'"),
-    ("mymodel:not_a_pair", "not_a_pair() must return (step, state)"),
-])
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        ("nomodule:make_step", "no module 'nomodule'"),
+        ("mymodel.py:nothere", "'mymodel.py' has no function 'nothere'"),
+        ("mymodel", "expected MODULE:FUNCTION or FILE.py:FUNCTION"),
+        ("missing/file.py:make_step", "no file 'missing/file.py'"),
+        ("mymodel:not_a_pair", "not_a_pair() must return (step, state)"),
+    ],
+)
 def test_a_bad_target_is_a_clear_error_and_writes_nothing(project, target, message, capsys):
     assert main(["tune", target]) == 2
     err = capsys.readouterr().err
@@ -116,9 +121,16 @@ def test_every_option_has_help(capsys):
 
 
 def _result(samples, validation, tolerance=0.02):
-    return TuneResult({"bf16": [], "fp32": [], "promote": []}, {"bf16": [], "fp32": [], "promote": []}, None, {},
-                      validation, {n: float(np.median(s)) for n, s in samples.items()}, samples=samples,
-                      tolerance=tolerance)
+    return TuneResult(
+        {"bf16": [], "fp32": [], "promote": []},
+        {"bf16": [], "fp32": [], "promote": []},
+        None,
+        {},
+        validation,
+        {n: float(np.median(s)) for n, s in samples.items()},
+        samples=samples,
+        tolerance=tolerance,
+    )
 
 
 @given(st.lists(st.floats(1e-4, 10.0), min_size=4, max_size=40))
@@ -138,11 +150,14 @@ def test_verdict_says_within_exactly_when_the_gap_is_inside_the_tolerance(fp32, 
 
 def test_equal_medians_are_said_to_be_noise():
     times = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]
-    result = _result({"fp32": times, "tuned lists": [t * 1.01 for t in times]},
-                     {"fp32": 1.0, "starting lists": 1.0, "tuned lists": 1.0})
+    result = _result(
+        {"fp32": times, "tuned lists": [t * 1.01 for t in times]},
+        {"fp32": 1.0, "starting lists": 1.0, "tuned lists": 1.0},
+    )
     assert "no measurable difference" in result.verdict
-    far = _result({"fp32": times, "tuned lists": [t * 3 for t in times]},
-                  {"fp32": 1.0, "starting lists": 1.0, "tuned lists": 1.0})
+    far = _result(
+        {"fp32": times, "tuned lists": [t * 3 for t in times]}, {"fp32": 1.0, "starting lists": 1.0, "tuned lists": 1.0}
+    )
     assert "3.00x fp32's time" in far.verdict and "no measurable difference" not in far.verdict
 
 
@@ -159,13 +174,16 @@ def test_the_shipped_example_tunes_from_the_command_line_and_draws_its_report(tm
     assert page.startswith("<!DOCTYPE html>") and "<svg" in page and ">mul<" in page
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--steps", "0"], "--steps: expected a positive integer, got 0"),
-    (["--rounds", "two"], "--rounds: expected a positive integer, got 'two'"),
-    (["--seed", "-1"], "--seed: expected an integer from 0"),
-    (["--tolerance", "2"], "--tolerance: expected a fraction between 0 and 1"),
-    (["--tolerance", "2%"], "--tolerance: expected a number such as 0.02, got '2%'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "--steps: expected a positive integer, got 0"),
+        (["--rounds", "two"], "--rounds: expected a positive integer, got 'two'"),
+        (["--seed", "-1"], "--seed: expected an integer from 0"),
+        (["--tolerance", "2"], "--tolerance: expected a fraction between 0 and 1"),
+        (["--tolerance", "2%"], "--tolerance: expected a number such as 0.02, got '2%'"),
+    ],
+)
 def test_bad_flag_values_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["tune", *argv])
@@ -178,6 +196,6 @@ def test_a_zero_fp32_loss_gives_a_verdict_not_a_division_error():
     assert same.loss_gap("tuned lists") == 0.0 and "within the 2% tolerance" in same.verdict
     apart = _result({}, {"fp32": 0.0, "starting lists": 0.1, "tuned lists": 0.1})
     assert apart.loss_gap("tuned lists") == float("inf") and "OUTSIDE" in apart.verdict
-    from hmp.report import validation_table
+    from hmp.tools.report import validation_table
 
     assert "outside tolerance (2%)" in validation_table(apart)

@@ -114,9 +114,12 @@ class Program:
 
     def holders(self):
         """The objects the program holds, by identity."""
-        return ([t for _, t in self.model.named_buffers()] + [t for _, t in self.model.named_parameters()]
-                + [g for opt in self.optimizers for g in opt.param_groups]
-                + [v for opt in self.optimizers for s in opt.state.values() for v in s.values()])
+        return (
+            [t for _, t in self.model.named_buffers()]
+            + [t for _, t in self.model.named_parameters()]
+            + [g for opt in self.optimizers for g in opt.param_groups]
+            + [v for opt in self.optimizers for s in opt.state.values() for v in s.values()]
+        )
 
 
 def frozen(values):

@@ -1,6 +1,6 @@
 """The thread's cast state under blocks entered and left in any order.
 
-Oracle, written from the documented rule and not from hmp/state.py: hmp
+Oracle, written from the documented rule and not from hmp/core/state.py: hmp
 casts exactly when the most recently entered block that is still open turns
 casts on (``enable_casts()``), or, with no block open, when casting was on
 before the first one. Leaving blocks out of order (generators closed inside
@@ -15,8 +15,11 @@ from hypothesis import strategies as st
 
 import hmp
 
-KINDS = {"disable": (hmp.disable_casts, False), "enable": (hmp.enable_casts, True),
-         "autocast off": (lambda: torch.autocast("cpu", enabled=False), False)}
+KINDS = {
+    "disable": (hmp.disable_casts, False),
+    "enable": (hmp.enable_casts, True),
+    "autocast off": (lambda: torch.autocast("cpu", enabled=False), False),
+}
 
 
 def _expected(open_blocks, base):

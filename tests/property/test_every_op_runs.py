@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import hmp
-from hmp import lists
-from hmp.resolve import BOUND, UNKNOWN, Resolver
+from hmp.core import lists
+from hmp.core.resolve import BOUND, UNKNOWN, Resolver
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,8 +79,10 @@ def report(sweep, failed, low):
         first = failed[key][0]
         variants = ", ".join(sorted({f.variant for f in failed[key]}, key=kl.VARIANTS.index))
         lines.append(f"  {name} (OpInfo {key}) [{variants}]: {first.error}")
-    return (f"{len(failed)} ops raise under hmp.converted(low_precision_type={kl.LOWER[low]}) where float32 runs "
-            f"(torch {torch.__version__}):\n" + "\n".join(lines))
+    return (
+        f"{len(failed)} ops raise under hmp.converted(low_precision_type={kl.LOWER[low]}) where float32 runs "
+        f"(torch {torch.__version__}):\n" + "\n".join(lines)
+    )
 
 
 @pytest.mark.slow  # under a minute for both: the float32 sweep (shared) takes most of it
@@ -91,8 +93,12 @@ def test_every_op_runs_with_lower_precision_inputs(sweep, low):
     failed = failures_under_hmp(sweep, low)
     skipped = {key: failed.pop(key) for key in unreachable() & set(failed)}
     if skipped:
-        warnings.warn(f"ops the list files leave out (hmp cannot wrap them) raise with {low} inputs: "
-                      + "; ".join(f"{k}: {v[0].error}" for k, v in sorted(skipped.items())), UserWarning)
+        warnings.warn(
+            f"ops the list files leave out (hmp cannot wrap them) raise with {low} inputs: "
+            + "; ".join(f"{k}: {v[0].error}" for k, v in sorted(skipped.items())),
+            UserWarning,
+            stacklevel=2,
+        )
     assert not failed, report(sweep, failed, low)
 
 
@@ -116,8 +122,9 @@ def test_list_files_are_sorted_and_every_name_binds():
                 continue
             bad.append(f"{name} ({status}{', marked ' + kl.NOT_IN + ', '.join(sorted(lacking)) if lacking else ''})")
         assert not bad, f"{filename}: names hmp does not bind on torch {here}: {', '.join(bad)}"
-        refused = [f"{name}: {kl.refusal(name)}" for name in names if status_of(resolver, name) == BOUND
-                   and kl.refusal(name)]
+        refused = [
+            f"{name}: {kl.refusal(name)}" for name in names if status_of(resolver, name) == BOUND and kl.refusal(name)
+        ]
         assert not refused, f"{filename}: names hmp refuses in a list: {'; '.join(refused)}"
 
 

@@ -22,8 +22,25 @@ FP32, LOWS = torch.float32, (torch.bfloat16, torch.float16)
 F32_MAX = torch.finfo(FP32).max
 
 # values around both ends of every range involved, and ordinary ones
-_edges = st.sampled_from([F32_MAX, -F32_MAX, 3.3961e38, 3.3895e38, 1e38, 65504.0, 65520.0, 7e4, 1e5, -1e5, 0.0,
-                          1.0, -2.5, float("inf"), float("-inf")])
+_edges = st.sampled_from(
+    [
+        F32_MAX,
+        -F32_MAX,
+        3.3961e38,
+        3.3895e38,
+        1e38,
+        65504.0,
+        65520.0,
+        7e4,
+        1e5,
+        -1e5,
+        0.0,
+        1.0,
+        -2.5,
+        float("inf"),
+        float("-inf"),
+    ]
+)
 _values = st.one_of(_edges, st.floats(width=32, allow_nan=False, allow_subnormal=False))
 _shapes = st.sampled_from([(), (1,), (3,), (2, 3), (2, 1, 4)])
 
@@ -46,8 +63,12 @@ def _seen(*args, **kwargs):
 
 
 @settings(deadline=None)
-@given(values=st.lists(_values, min_size=1, max_size=6), shape=_shapes, low=st.sampled_from(LOWS),
-       carrier=st.sampled_from(["tensor", "list", "keyword", "parameter"]))
+@given(
+    values=st.lists(_values, min_size=1, max_size=6),
+    shape=_shapes,
+    low=st.sampled_from(LOWS),
+    carrier=st.sampled_from(["tensor", "list", "keyword", "parameter"]),
+)
 def test_every_tensor_hmp_casts_to_the_lower_dtype_holds_finite_values(values, shape, low, carrier):
     n = max(1, int(torch.Size(shape).numel()))
     data = torch.tensor((values * n)[:n], dtype=FP32).reshape(shape)
@@ -73,7 +94,7 @@ _numbers = st.sampled_from([float, int, np.float32, np.float64, np.float16, np.i
 @settings(deadline=None)
 @given(value=_values.filter(lambda v: v == v and abs(v) != float("inf")), make=_numbers, low=st.sampled_from(LOWS))
 def test_a_number_of_any_kind_the_lower_dtype_cannot_hold_runs_the_call_in_float32(value, make, low):
-    if make in (int, np.int64) and abs(value) >= 2 ** 63:  # torch takes integers as int64
+    if make in (int, np.int64) and abs(value) >= 2**63:  # torch takes integers as int64
         return
     number = make(value)
     if isinstance(number, np.floating) and not np.isfinite(number):
@@ -117,16 +138,20 @@ def _programs():
     mask = torch.tensor([[1, 1, 0, 0, 0, 0], [0] * 6, [1] * 6, [1, 0, 1, 0, 1, 0]], dtype=torch.bool)
     return {
         # Categorical.entropy: clamp to finfo.min, times probabilities that are 0 where masked
-        "clamped logits times probs": lambda: (x.masked_fill(~mask, float("-inf")).clamp(min=MIN)
-                                               * x.masked_fill(~mask, float("-inf")).softmax(-1)),
+        "clamped logits times probs": lambda: (
+            x.masked_fill(~mask, float("-inf")).clamp(min=MIN) * x.masked_fill(~mask, float("-inf")).softmax(-1)
+        ),
         # a mask tensor full of the sentinel, multiplied by a 0/1 tensor (transformers' unmasking)
         "sentinel mask times a bool": lambda: torch.full((4, 6), MIN).mul(mask),
         "sentinel mask times 0-dim": lambda: torch.full((4, 6), MIN) * torch.tensor(0.5),
         "0-dim sentinel times a tensor": lambda: torch.tensor(MIN) * (x.abs() < 5).float(),
         "additive sentinel mask through a GEMM": lambda: torch.baddbmm(
-            torch.full((1, 4, 4), MIN).masked_fill(mask[None, :, :4], 0.0), x[None], x[None].transpose(1, 2)),
+            torch.full((1, 4, 4), MIN).masked_fill(mask[None, :, :4], 0.0), x[None], x[None].transpose(1, 2)
+        ),
         "linear of a sentinel row": lambda: F.linear(torch.cat([x[:3], torch.full((1, 6), MIN)]), w.abs() * 1e-3),
-        "matmul of a masked score and zeros": lambda: torch.full((4, 6), MIN).masked_fill(mask, 0.0) @ torch.zeros(6, 3),
+        "matmul of a masked score and zeros": lambda: (
+            torch.full((4, 6), MIN).masked_fill(mask, 0.0) @ torch.zeros(6, 3)
+        ),
         "numpy sentinel fill": lambda: (1.0 - mask.float()) * np.finfo(np.float32).min,
         "numpy float64 sentinel": lambda: (1.0 - mask.float()) * np.float64(MIN),
     }

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp import lists
+from hmp.core import lists
 
 FLOATING = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 N = 4
@@ -54,11 +54,21 @@ def _index(fn):
 idx = torch.tensor([0, 2])
 mask = torch.tensor([True, False, True, False])
 BUILD = {
-    "add": _binary("add"), "sub": _binary("sub"), "subtract": _binary("subtract"),
-    "rsub": _binary("rsub"), "mul": _binary("mul"), "multiply": _binary("multiply"),
-    "div": _binary("div"), "truediv": _binary(lambda a, b: a / b), "pow": _binary("pow"),
-    "atan2": _binary("atan2"), "maximum": _binary("maximum"), "minimum": _binary("minimum"),
-    "fmax": _binary("fmax"), "fmin": _binary("fmin"), "hypot": _binary("hypot"),
+    "add": _binary("add"),
+    "sub": _binary("sub"),
+    "subtract": _binary("subtract"),
+    "rsub": _binary("rsub"),
+    "mul": _binary("mul"),
+    "multiply": _binary("multiply"),
+    "div": _binary("div"),
+    "truediv": _binary(lambda a, b: a / b),
+    "pow": _binary("pow"),
+    "atan2": _binary("atan2"),
+    "maximum": _binary("maximum"),
+    "minimum": _binary("minimum"),
+    "fmax": _binary("fmax"),
+    "fmin": _binary("fmin"),
+    "hypot": _binary("hypot"),
     "addcmul": lambda s: ((t(s[0]), t(s[1]), t(s[2])), lambda a, b, c: torch.addcmul(a, b, c)),
     "addcdiv": lambda s: ((t(s[0]), t(s[1]), t(s[2]).abs() + 1), lambda a, b, c: torch.addcdiv(a, b, c)),
     "lerp": lambda s: ((t((s[0][0], False)), t(s[1]), t(s[2])), lambda a, b, c: torch.lerp(a, b, c)),
@@ -70,17 +80,18 @@ BUILD = {
     "hstack": _index(lambda a, b: torch.hstack([a, b])),
     "vstack": _index(lambda a, b: torch.vstack([a, b])),
     "dstack": _index(lambda a, b: torch.dstack([a, b])),
-    "index_put": lambda s: ((t((s[0][0], False)), t(s[1])[:2] if not s[1][1] else t(s[1])),
-                            lambda x, v: torch.index_put(x, (idx,), v)),
-    "index_add": lambda s: ((t((s[0][0], False)), t((s[1][0], False))[:2]),
-                            lambda x, v: torch.index_add(x, 0, idx, v)),
-    "index_copy": lambda s: ((t((s[0][0], False)), t((s[1][0], False))[:2]),
-                             lambda x, v: torch.index_copy(x, 0, idx, v)),
+    "index_put": lambda s: (
+        (t((s[0][0], False)), t(s[1])[:2] if not s[1][1] else t(s[1])),
+        lambda x, v: torch.index_put(x, (idx,), v),
+    ),
+    "index_add": lambda s: ((t((s[0][0], False)), t((s[1][0], False))[:2]), lambda x, v: torch.index_add(x, 0, idx, v)),
+    "index_copy": lambda s: (
+        (t((s[0][0], False)), t((s[1][0], False))[:2]),
+        lambda x, v: torch.index_copy(x, 0, idx, v),
+    ),
     "scatter": lambda s: ((t((s[0][0], False)), t((s[1][0], False))), lambda x, v: torch.scatter(x, 0, idx, v)),
-    "scatter_add": lambda s: ((t((s[0][0], False)), t((s[1][0], False))),
-                              lambda x, v: torch.scatter_add(x, 0, idx, v)),
-    "masked_scatter": lambda s: ((t((s[0][0], False)), t((s[1][0], False))),
-                                 lambda x, v: x.masked_scatter(mask, v)),
+    "scatter_add": lambda s: ((t((s[0][0], False)), t((s[1][0], False))), lambda x, v: torch.scatter_add(x, 0, idx, v)),
+    "masked_scatter": lambda s: ((t((s[0][0], False)), t((s[1][0], False))), lambda x, v: x.masked_scatter(mask, v)),
 }
 PROMOTE = [name for _, name in lists.read_names(lists.default_path("promote.txt"))]
 _DIR = Path(tempfile.mkdtemp(prefix="hmp-promote-"))

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_same, snapshot
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import hmp
-from helpers import assert_same, snapshot
-from hmp.resolve import Resolver
+from hmp.core.resolve import Resolver
 
 KINDS = ("bf16_file_path", "fp32_file_path", "promote_file_path")
 LINE = re.compile(r"line (\d+)")
@@ -120,8 +120,10 @@ GOOD_CONTENT = {
     "CRLF": (b"linear\r\nmm\r\n", ["linear", "mm"]),
     "no final newline": (b"linear\nmm", ["linear", "mm"]),
     "duplicates": (b"mm\nlinear\nmm\n  mm  \nmm # again\n" * 1000, ["linear", "mm"]),
-    "unicode in comments": ("linear # \u043b\u0438\u043d\u0435\u0439\u043d\u044b\u0439 \U0001f600\n".encode(),
-                            ["linear"]),
+    "unicode in comments": (
+        "linear # \u043b\u0438\u043d\u0435\u0439\u043d\u044b\u0439 \U0001f600\n".encode(),
+        ["linear"],
+    ),
     "non-UTF-8 never reached: NUL and junk after #": (b"mm # \x00\xff\n", None),
     "NBSP around a name (whitespace)": ("\u00a0linear\u00a0\n".encode(), ["linear"]),
     "very long comment": (b"mm #" + b"c" * 1_000_000 + b"\n", ["mm"]),
@@ -336,9 +338,15 @@ def _known(name):
 # the seed's `t` stays allowed (Habana's published lists name it)
 def _view(name):
     packet = _aten(name)
-    return packet is not None and name != "t" and any(
-        r.alias_info is not None and not r.alias_info.is_write
-        for o in packet.overloads() for r in getattr(packet, o)._schema.returns)
+    return (
+        packet is not None
+        and name != "t"
+        and any(
+            r.alias_info is not None and not r.alias_info.is_write
+            for o in packet.overloads()
+            for r in getattr(packet, o)._schema.returns
+        )
+    )
 
 
 _NOT_PRECISION = {"clone", "__setitem__", "__getitem__", "copy_", "fill_", "zero_", "float", "half"}
@@ -347,8 +355,12 @@ _NOT_PRECISION = {"clone", "__setitem__", "__getitem__", "copy_", "fill_", "zero
 def _refused(name):
     """Names a list may not hold (docs/lists.md): views, copies, writes."""
     base = name.partition(".")[0]
-    return "." not in name and _RESOLVER.exists(name) and (name in _NOT_PRECISION or _view(name)) or (
-        base != name and _aten(base) is not None and _view(base))
+    return (
+        "." not in name
+        and _RESOLVER.exists(name)
+        and (name in _NOT_PRECISION or _view(name))
+        or (base != name and _aten(base) is not None and _view(base))
+    )
 
 
 def _op_of(name):
@@ -364,7 +376,7 @@ def _expected_bad_lines(data):
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     bad, listed, removals = [], set(), []
-    shipped = {p.stem for p in hmp.lists.list_dir().glob("*.txt")} | {"default"}
+    shipped = {p.stem for p in hmp.core.lists.list_dir().glob("*.txt")} | {"default"}
     for number, raw in enumerate(data.split(b"\n"), start=1):
         try:
             text = raw.decode("utf-8")
@@ -416,11 +428,47 @@ def test_random_bytes(data, kind):
     _check(data, kind)
 
 
-NAMES = ["linear", "mm", "relu", "softmax", "add", "mul", "conv2d", "layer_norm", "cat", "where",
-         "_native_multi_head_attention", "relu_", "t", "linaer", "not_an_op", "Linear", "MM", "linear2",
-         "cross_entropy_loss", "linalg_multi_dot", "pow.Tensor_Scalar", "_convolution.deprecated", "pow.Foo",
-         "torch.linear", "slice", "embedding_bag_sum_fwd", "clone", "view", "__setitem__", "copy_", "transpose",
-         "-linear", "-mm", "- relu", "-linaer", "include default", "include bf16", "include nothing", "include"]
+NAMES = [
+    "linear",
+    "mm",
+    "relu",
+    "softmax",
+    "add",
+    "mul",
+    "conv2d",
+    "layer_norm",
+    "cat",
+    "where",
+    "_native_multi_head_attention",
+    "relu_",
+    "t",
+    "linaer",
+    "not_an_op",
+    "Linear",
+    "MM",
+    "linear2",
+    "cross_entropy_loss",
+    "linalg_multi_dot",
+    "pow.Tensor_Scalar",
+    "_convolution.deprecated",
+    "pow.Foo",
+    "torch.linear",
+    "slice",
+    "embedding_bag_sum_fwd",
+    "clone",
+    "view",
+    "__setitem__",
+    "copy_",
+    "transpose",
+    "-linear",
+    "-mm",
+    "- relu",
+    "-linaer",
+    "include default",
+    "include bf16",
+    "include nothing",
+    "include",
+]
 _piece = st.one_of(
     st.sampled_from(NAMES),
     st.sampled_from(LOOK_ALIKES),
@@ -428,8 +476,11 @@ _piece = st.one_of(
     st.text(max_size=12),
 )
 _line = st.lists(_piece, max_size=4).map("".join)
-_encoded = st.tuples(st.lists(_line, max_size=30), st.sampled_from(["\n", "\r\n"]),
-                     st.sampled_from(["utf-8", "utf-8-sig", "latin-1", "utf-16"]))
+_encoded = st.tuples(
+    st.lists(_line, max_size=30),
+    st.sampled_from(["\n", "\r\n"]),
+    st.sampled_from(["utf-8", "utf-8-sig", "latin-1", "utf-16"]),
+)
 
 
 def _encode(lines, sep, encoding):

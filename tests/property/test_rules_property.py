@@ -10,12 +10,12 @@ import tempfile
 from pathlib import Path
 
 import torch
+from helpers import DEVICES
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 import hmp
-from helpers import DEVICES
 
 FP16, BF16, FP32, FP64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 FLOATING = [FP16, BF16, FP32, FP64]
@@ -99,8 +99,12 @@ def convert_with(assign, low):
         path.write_text("# drawn by hypothesis\n" + "\n".join(names) + "\n")
         files[kind] = path
     # an empty user list file is a valid, empty list
-    hmp.convert(bf16_file_path=files["bf16"], fp32_file_path=files["fp32"],
-                promote_file_path=files["promote"], low_precision_type=low)
+    hmp.convert(
+        bf16_file_path=files["bf16"],
+        fp32_file_path=files["fp32"],
+        promote_file_path=files["promote"],
+        low_precision_type=low,
+    )
 
 
 def make(dtype, device, shape=(3,)):

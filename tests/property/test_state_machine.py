@@ -13,17 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import hmp
-from helpers import assert_same, snapshot
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 ROOT = Path(__file__).resolve().parents[2]
-POOL = ["mm", "matmul", "linear", "relu", "softmax", "log", "exp", "tanh", "sin",
-        "add", "sub", "mul", "div", "truediv"]
+POOL = ["mm", "matmul", "linear", "relu", "softmax", "log", "exp", "tanh", "sin", "add", "sub", "mul", "div", "truediv"]
 
 STATS = {"sequences": 0, "steps": 0, "ops checked": 0, "converts": 0, "failed converts": 0}
 
@@ -37,8 +36,7 @@ def _read(name):
     return names
 
 
-DEFAULTS = {f[:-4]: _read(f) for f in ("bf16.txt", "fp32.txt", "promote.txt", "o2_bf16.txt", "o2_fp32.txt",
-                                       "fp16.txt")}
+DEFAULTS = {f[:-4]: _read(f) for f in ("bf16.txt", "fp32.txt", "promote.txt", "o2_bf16.txt", "o2_fp32.txt", "fp16.txt")}
 
 
 ONE_DTYPE = _read("one_dtype.txt")
@@ -134,13 +132,25 @@ class HmpMachine(RuleBasedStateMachine):
 
     # -- rules ---------------------------------------------------------------------------------
 
-    @rule(opt=st.sampled_from(["O1", "O2"]), bf16=lists_or_default, fp32=lists_or_default,
-          promote=lists_or_default, low=st.sampled_from([BF16, FP16]), cache=st.booleans())
+    @rule(
+        opt=st.sampled_from(["O1", "O2"]),
+        bf16=lists_or_default,
+        fp32=lists_or_default,
+        promote=lists_or_default,
+        low=st.sampled_from([BF16, FP16]),
+        cache=st.booleans(),
+    )
     def convert(self, opt, bf16, fp32, promote, low, cache):
         STATS["steps"] += 1
         expected = oracle_lists(opt, bf16, fp32, promote, low)
-        kwargs = dict(opt_level=opt, bf16_file_path=self._file(bf16), fp32_file_path=self._file(fp32),
-                      promote_file_path=self._file(promote), low_precision_type=low, cache=cache)
+        kwargs = dict(
+            opt_level=opt,
+            bf16_file_path=self._file(bf16),
+            fp32_file_path=self._file(fp32),
+            promote_file_path=self._file(promote),
+            low_precision_type=low,
+            cache=cache,
+        )
         if expected is ValueError:
             before = snapshot()
             with pytest.raises(ValueError, match="both the BF16 list"):
@@ -175,8 +185,10 @@ class HmpMachine(RuleBasedStateMachine):
         STATS["steps"] += 1
         self.blocks.pop().__exit__(None, None, None)
 
-    @rule(call=st.sampled_from(sorted(CALLS)), dtypes=st.lists(st.sampled_from([FP32, BF16, FP16]), min_size=2,
-                                                               max_size=2))
+    @rule(
+        call=st.sampled_from(sorted(CALLS)),
+        dtypes=st.lists(st.sampled_from([FP32, BF16, FP16]), min_size=2, max_size=2),
+    )
     def run_op(self, call, dtypes):
         STATS["steps"] += 1
         name, arity, shape, fn = CALLS[call]
@@ -245,8 +257,9 @@ class HmpMachine(RuleBasedStateMachine):
         assert_same(self.pristine, snapshot())  # revert always ends pristine
 
 
-HmpMachine.TestCase.settings = settings(stateful_step_count=30, deadline=None,
-                                        suppress_health_check=[HealthCheck.too_slow])
+HmpMachine.TestCase.settings = settings(
+    stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestHmpStateMachine = HmpMachine.TestCase
 
 

@@ -19,10 +19,10 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same, snapshot
 
 import hmp
-from helpers import assert_same, snapshot
-from hmp import errors
+from hmp.diagnostics import errors
 
 BF16, FP32 = torch.bfloat16, torch.float32
 THREADS = 8
@@ -118,7 +118,7 @@ def test_eight_threads_each_see_their_own_state(fast_switching):
                     assert p.dtype == FP32 and p.grad.dtype == FP32
                     assert opt.state[p]["momentum_buffer"].dtype == FP32
                 d = rng.randrange(2)
-                with torch.no_grad(), (hmp.disable_casts() if d else contextlib.nullcontext()):
+                with torch.no_grad(), hmp.disable_casts() if d else contextlib.nullcontext():
                     assert torch.equal(shared(probe), reference[d])
                 done += 1
         except Exception as e:  # reported by the main thread
@@ -207,8 +207,10 @@ def test_convert_and_revert_while_eight_threads_run(fast_switching, pristine):
     hmp.revert()
     assert model(x).dtype == FP32
     assert_same(pristine, snapshot())
-    print(f"threads: {THREADS} workers, 2 switchers x {SWITCHES} switches, {sum(steps)} forward/backward steps, "
-          f"{len(mismatches)} forwards spanned a switch")
+    print(
+        f"threads: {THREADS} workers, 2 switchers x {SWITCHES} switches, {sum(steps)} forward/backward steps, "
+        f"{len(mismatches)} forwards spanned a switch"
+    )
 
 
 def test_leaving_disable_casts_while_another_thread_reverts(fast_switching):

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp import cache
-from hmp.state import copies
+from hmp.core import cache
+from hmp.core.state import copies
 
 BF16 = torch.bfloat16
 
@@ -72,9 +72,20 @@ def _update(kind, model, opts, x):
         opts[name].zero_grad()
 
 
-UPDATES = ["mul_", "copy_", "data_assign", "data_inplace", "data_copy", "data_sgd", "load_state_dict",
-           "requires_grad_off_on", "step_fused/plain", "step_fused/disable", "step_foreach/plain",
-           "step_single/disable"]
+UPDATES = [
+    "mul_",
+    "copy_",
+    "data_assign",
+    "data_inplace",
+    "data_copy",
+    "data_sgd",
+    "load_state_dict",
+    "requires_grad_off_on",
+    "step_fused/plain",
+    "step_fused/disable",
+    "step_foreach/plain",
+    "step_single/disable",
+]
 USES = ["grad", "grad_backward", "no_grad", "eval_no_grad", "inference_mode", "frozen_burst"]
 
 
@@ -110,9 +121,11 @@ def _use(kind, model, x):
 def _run(program, use_cache):
     torch.manual_seed(0)
     model = Tied()
-    opts = {"fused": torch.optim.AdamW(model.parameters(), lr=0.05, fused=True),
-            "foreach": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True),
-            "single": torch.optim.Adam(model.parameters(), lr=0.05, foreach=False)}
+    opts = {
+        "fused": torch.optim.AdamW(model.parameters(), lr=0.05, fused=True),
+        "foreach": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True),
+        "single": torch.optim.Adam(model.parameters(), lr=0.05, foreach=False),
+    }
     x = torch.randn(4, 6)
     hmp.convert(cache=use_cache)
     outs = []
@@ -127,8 +140,7 @@ def _run(program, use_cache):
 
 
 @settings(deadline=None)
-@given(program=st.lists(st.tuples(st.none() | st.sampled_from(UPDATES), st.sampled_from(USES)),
-                        min_size=1, max_size=8))
+@given(program=st.lists(st.tuples(st.none() | st.sampled_from(UPDATES), st.sampled_from(USES)), min_size=1, max_size=8))
 def test_cache_on_computes_exactly_what_cache_off_computes(program):
     with_cache, without = _run(program, True), _run(program, False)
     assert len(with_cache) == len(without)

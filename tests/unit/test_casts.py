@@ -307,8 +307,7 @@ def test_interleaved_generators_each_keep_their_own_switch():
 
 
 @settings(deadline=None)
-@given(st.lists(st.booleans(), min_size=1, max_size=4), st.lists(st.integers(0, 3), max_size=12),
-       st.booleans())
+@given(st.lists(st.booleans(), min_size=1, max_size=4), st.lists(st.integers(0, 3), max_size=12), st.booleans())
 def test_any_interleaving_of_decorated_generators(kinds, schedule, caller_on):
     """Each generator sees its own switch at every step, whatever ran between,
     and the caller's state is untouched."""

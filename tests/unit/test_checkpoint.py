@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
 import hmp
-from hmp import torch_private
+from hmp.core import torch_private
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -125,8 +125,9 @@ def test_timm_grad_checkpointing_gives_the_same_gradients():
     grads, losses = [], []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
-                                  num_classes=4).train()
+        model = timm.create_model(
+            "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, num_classes=4
+        ).train()
         model.set_grad_checkpointing(checkpointing)
         x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
         loss = F.cross_entropy(model(x), torch.tensor([0, 3]))
@@ -137,13 +138,13 @@ def test_timm_grad_checkpointing_gives_the_same_gradients():
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
         assert grads[1][n].dtype == torch.float32
-        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_a_torch_without_the_generator_gets_one_warning_naming_it(monkeypatch):
     # as on a future torch that renames it again: convert() still works, and says what is not kept cast
     monkeypatch.setattr(torch_private, "_GENERATORS", ("_no_such_generator",))
-    monkeypatch.setattr(hmp.state, "warned", set())
+    monkeypatch.setattr(hmp.core.state, "warned", set())
     with pytest.warns(RuntimeWarning, match=r"torch \S+ has no non-reentrant checkpoint generator.*please report"):
         hmp.convert()
     assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.bfloat16

@@ -13,17 +13,22 @@ Findings (torch 2.13, documented in docs/integrations.md):
 import pytest
 import torch
 import torch.nn.functional as F
-
-import hmp
 from helpers import needs_torch
 
-pytestmark = [pytest.mark.skipif(not hasattr(torch, "compile"), reason="no torch.compile"),
-              pytest.mark.usefixtures("fresh_dynamo")]
+import hmp
+
+pytestmark = [
+    pytest.mark.skipif(not hasattr(torch, "compile"), reason="no torch.compile"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
 TOL = dict(atol=2e-2, rtol=2e-2)
 # torch 2.4/2.5 break the graph at each of hmp's thread-state writes and do not
 # guard on it: compiled code keeps the cast state it was compiled under
-ONE_GRAPH = needs_torch((2, 6), "dynamo traces hmp's writes to its thread state (a threading.local) without a graph break and guards on them")
+ONE_GRAPH = needs_torch(
+    (2, 6),
+    "dynamo traces hmp's writes to its thread state (a threading.local) without a graph break and guards on them",
+)
 
 
 def inductor_works():
@@ -36,8 +41,17 @@ def inductor_works():
     return shutil.which("g++") is not None or shutil.which("c++") is not None or shutil.which("gcc") is not None
 
 
-BACKENDS = ["aot_eager", pytest.param("inductor", marks=[
-    pytest.mark.slow, pytest.mark.torch_internals, pytest.mark.skipif(not inductor_works(), reason="inductor needs a C++ compiler")])]
+BACKENDS = [
+    "aot_eager",
+    pytest.param(
+        "inductor",
+        marks=[
+            pytest.mark.slow,
+            pytest.mark.torch_internals,
+            pytest.mark.skipif(not inductor_works(), reason="inductor needs a C++ compiler"),
+        ],
+    ),
+]
 
 
 class Block(torch.nn.Module):
@@ -111,7 +125,7 @@ def test_compiled_training_step_matches_eager_hmp(backend, cache):
     torch.testing.assert_close(loss, eager_loss, **TOL)
     for k, p in model.named_parameters():
         assert p.dtype == p.grad.dtype == torch.float32
-        torch.testing.assert_close(p.grad, eager_grads[k], **TOL, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(p.grad, eager_grads[k], **TOL, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @ONE_GRAPH

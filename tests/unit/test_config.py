@@ -8,15 +8,29 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same, snapshot
 
 import hmp
-from helpers import assert_same, snapshot
-from hmp.lists import list_dir
+from hmp.core.lists import list_dir
 
 BERT = list_dir() / "gaudi_config_bert.json"
 BERT_AUTOCAST = list_dir() / "gaudi_config_bert_autocast.json"
-BERT_BF16 = ["add", "addmm", "bmm", "div", "dropout", "gelu", "iadd", "layer_norm", "linear", "matmul", "mm", "rsub",
-             "softmax", "truediv"]
+BERT_BF16 = [
+    "add",
+    "addmm",
+    "bmm",
+    "div",
+    "dropout",
+    "gelu",
+    "iadd",
+    "layer_norm",
+    "linear",
+    "matmul",
+    "mm",
+    "rsub",
+    "softmax",
+    "truediv",
+]
 BERT_FP32 = ["embedding", "log_softmax", "nll_loss"]
 
 
@@ -133,9 +147,15 @@ def test_low_precision_type(pristine):
     assert F.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.float16
 
 
-@pytest.mark.parametrize("config", [{}, {"use_habana_mixed_precision": False}, {"use_torch_autocast": False},
-                                    {"use_habana_mixed_precision": False, "use_torch_autocast": False,
-                                     "hmp_bf16_ops": ["linear"]}])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"use_habana_mixed_precision": False},
+        {"use_torch_autocast": False},
+        {"use_habana_mixed_precision": False, "use_torch_autocast": False, "hmp_bf16_ops": ["linear"]},
+    ],
+)
 def test_no_mixed_precision_reverts_and_returns_false(config, pristine):
     hmp.convert()
     assert hmp.convert_from_config(config) is False
@@ -148,8 +168,13 @@ def test_both_modes_is_an_error(pristine):
 
 
 def test_unrelated_fields_are_ignored_with_a_debug_log(caplog, pristine):
-    config = hmp_config(use_fused_adam=True, use_fused_clip_norm=True, use_dynamic_shapes=False,
-                        hmp_bf16_ops=["linear"], autocast_bf16_ops=["not even checked"])
+    config = hmp_config(
+        use_fused_adam=True,
+        use_fused_clip_norm=True,
+        use_dynamic_shapes=False,
+        hmp_bf16_ops=["linear"],
+        autocast_bf16_ops=["not even checked"],
+    )
     with caplog.at_level(logging.DEBUG, logger="hmp"):
         assert hmp.convert_from_config(config) is True
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
@@ -157,15 +182,18 @@ def test_unrelated_fields_are_ignored_with_a_debug_log(caplog, pristine):
         assert any(field in m for m in debug), field
 
 
-@pytest.mark.parametrize("field, value", [
-    ("use_habana_mixed_precision", "yes"),
-    ("use_habana_mixed_precision", 1),
-    ("hmp_is_verbose", "false"),
-    ("hmp_opt_level", "O3"),
-    ("hmp_opt_level", 1),
-    ("hmp_bf16_ops", "linear"),
-    ("hmp_fp32_ops", {"softmax": 1}),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("use_habana_mixed_precision", "yes"),
+        ("use_habana_mixed_precision", 1),
+        ("hmp_is_verbose", "false"),
+        ("hmp_opt_level", "O3"),
+        ("hmp_opt_level", 1),
+        ("hmp_bf16_ops", "linear"),
+        ("hmp_fp32_ops", {"softmax": 1}),
+    ],
+)
 def test_wrong_type_names_the_field(field, value, pristine):
     config = hmp_config(**{field: value})
     with pytest.raises(ValueError, match=field):
@@ -208,6 +236,7 @@ def test_inplace_operator_name_alone_binds_the_operator(pristine):
     a += torch.ones(2, dtype=torch.bfloat16)
     assert a.dtype == torch.float32 and torch.equal(a, torch.ones(2))
 
+
 def test_bad_files(tmp_path, pristine):
     with pytest.raises(OSError, match="missing.json"):
         hmp.convert_from_config(tmp_path / "missing.json")
@@ -232,8 +261,7 @@ def test_temporary_list_files_are_removed(tmp_path, monkeypatch, pristine):
 
 def test_module_fields(pristine):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    config = {"use_habana_mixed_precision": True, "hmp_fp32_modules": ["1"],
-              "hmp_bf16_modules": ["torch.nn.GRU"]}
+    config = {"use_habana_mixed_precision": True, "hmp_fp32_modules": ["1"], "hmp_bf16_modules": ["torch.nn.GRU"]}
     assert hmp.convert_from_config(config, model=model)
     assert model(torch.randn(2, 4)).dtype == torch.float32  # the LayerNorm ran under the FP32 module rule
     gru = torch.nn.GRU(4, 4)

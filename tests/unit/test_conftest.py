@@ -10,7 +10,7 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-SUITE = '''
+SUITE = """
 import pytest
 
 import hmp
@@ -31,7 +31,7 @@ def test_leaks():
 
 def test_after():
     assert hmp.casts_enabled()
-'''
+"""
 
 
 @pytest.fixture
@@ -52,5 +52,9 @@ def test_slow_tests_run_only_with_run_slow(suite):
 def test_a_leaked_disable_casts_fails_the_test_that_leaked_it(suite):
     result = suite.runpytest_inprocess("-rf", "-k", "leaks or after")
     result.assert_outcomes(passed=1, failed=1, errors=0)
-    result.stdout.fnmatch_lines(["the test left hmp.disable_casts() active (casts are still off when it returned)",
-                                 "FAILED test_some.py::test_leaks - Failed: the test left hmp.disable_casts()*"])
+    result.stdout.fnmatch_lines(
+        [
+            "the test left hmp.disable_casts() active (casts are still off when it returned)",
+            "FAILED test_some.py::test_leaks - Failed: the test left hmp.disable_casts()*",
+        ]
+    )

@@ -6,9 +6,9 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same, snapshot, write
 
 import hmp
-from helpers import assert_same, snapshot, write
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -68,9 +68,11 @@ def test_converted_restores_what_was_in_force(tmp_path, pristine):
 def test_o2_lists(tmp_path):
     hmp.convert(opt_level="O2")
     lists = hmp.effective_lists()
-    assert lists["bf16"] == sorted("addmm baddbmm bilinear bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d "
-                                   "conv_transpose3d dot vdot linear matmul mm mv "
-                                   "lstm gru rnn_tanh rnn_relu lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell".split())
+    assert lists["bf16"] == sorted(
+        "addmm baddbmm bilinear bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d "
+        "conv_transpose3d dot vdot linear matmul mm mv "
+        "lstm gru rnn_tanh rnn_relu lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell".split()
+    )
     assert {"relu", "mul", "softmax", "layer_norm", "dropout", "t"} <= set(lists["fp32"])
     x = torch.randn(4, 4)
     assert F.linear(x, x).dtype == BF16
@@ -103,8 +105,10 @@ def test_verbose_reaches_the_terminal_without_logging_config(tmp_path):
     import subprocess
     import sys
 
-    code = ("import torch, hmp, torch.nn.functional as F; hmp.convert(isVerbose=True); "
-            "F.linear(torch.randn(2, 3), torch.randn(4, 3)); hmp.revert(); F.linear(torch.randn(2, 3), torch.randn(4, 3))")
+    code = (
+        "import torch, hmp, torch.nn.functional as F; hmp.convert(isVerbose=True); "
+        "F.linear(torch.randn(2, 3), torch.randn(4, 3)); hmp.revert(); F.linear(torch.randn(2, 3), torch.randn(4, 3))"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "torch.nn.functional.linear inputs" in res.stderr and res.stdout == ""

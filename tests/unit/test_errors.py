@@ -11,10 +11,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same, snapshot, write
 
 import hmp
-from helpers import assert_same, snapshot, write
-from hmp import errors
+from hmp.diagnostics import errors
 
 BF16, FP32 = torch.bfloat16, torch.float32
 needs_notes = pytest.mark.skipif(sys.version_info < (3, 11), reason="add_note is Python 3.11+")
@@ -57,8 +57,12 @@ class Raises(torch.Tensor):
 def test_exception_inside_wrapped_op_is_the_same_object(call):
     hmp.convert()
     x = torch.randn(3, 3).as_subclass(Raises)
-    fn = {"mm": lambda: torch.mm(x, x), "softmax": lambda: torch.softmax(x, -1),
-          "add": lambda: torch.add(x, x), "mul_": lambda: x.mul_(2)}[call]
+    fn = {
+        "mm": lambda: torch.mm(x, x),
+        "softmax": lambda: torch.softmax(x, -1),
+        "add": lambda: torch.add(x, x),
+        "mul_": lambda: x.mul_(2),
+    }[call]
     with pytest.raises(Boom) as info:
         fn()
     assert info.value is Raises.raised[-1] and str(info.value) == f"boom in {call}"
@@ -134,8 +138,7 @@ def test_mismatch_inside_op_wrap_names_the_inner_op():
     w = torch.randn(4, 4)
 
     def project(x):
-        return torch.mm(x,
-                        w)  # w is not an argument: never cast; a multi-line call
+        return torch.mm(x, w)  # w is not an argument: never cast; a multi-line call
 
     wrapped = hmp.op_wrap(project, hmp.to_bf16)
     with pytest.raises(RuntimeError) as info:
@@ -165,7 +168,7 @@ def test_mismatch_in_an_op_called_inside_a_wrapped_python_op():
 def test_mismatch_inside_a_listed_python_op_says_to_list_what_it_calls():
     """A listed op implemented in Python (the site label is what convert()
     gives the wrapper) whose inner call mixes dtypes."""
-    from hmp import policy, wrap
+    from hmp.core import policy, wrap
 
     hmp.convert()
 
@@ -208,7 +211,7 @@ def no_fallback(monkeypatch):
     """The ops these notes are about (an op in no list given mixed dtypes)
     are covered by the shipped fallback lists (lists.fallback_names); the
     note is for every op they do not cover, so the tests take them away."""
-    monkeypatch.setattr(hmp.lists, "fallback_names", lambda low: ())
+    monkeypatch.setattr(hmp.core.lists, "fallback_names", lambda low: ())
 
 
 @needs_notes
@@ -221,8 +224,10 @@ def test_unlisted_op_called_directly_is_named_by_the_excepthook(no_fallback):
 
 @needs_notes
 def test_op_removed_from_the_lists_is_named_with_its_list(tmp_path, no_fallback):
-    hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "linear\nmm\n"),  # no addmm
-                promote_file_path=write(tmp_path, "p.txt", "add\n"))  # no index_put
+    hmp.convert(
+        bf16_file_path=write(tmp_path, "b.txt", "linear\nmm\n"),  # no addmm
+        promote_file_path=write(tmp_path, "p.txt", "add\n"),
+    )  # no index_put
     x, w, bias = torch.randn(2, 3).bfloat16(), torch.randn(3, 4).bfloat16(), torch.randn(4)
     note = _unwrapped_note(lambda: torch.addmm(bias, x, w))
     assert "addmm" in note and "no hmp list" in note and "BF16 list" in note
@@ -264,7 +269,7 @@ def test_uncaught_mismatch_in_a_script_and_a_thread_prints_the_note(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
         "import sys, threading, torch, hmp\n"
-        "hmp.lists.fallback_names = lambda low: ()  # an op the fallback lists do not cover\n"
+        "hmp.core.lists.fallback_names = lambda low: ()  # an op the fallback lists do not cover\n"
         "hmp.convert()\n"
         "bias, a = torch.randn(2, 2), torch.randn(1, 2, 2).bfloat16()\n"
         "def step():\n"
@@ -320,7 +325,7 @@ def test_revert_restores_exception_hooks_and_a_stranded_hook_stays_inert():
 
 @pytest.fixture
 def fresh_autocast_warning(monkeypatch):
-    monkeypatch.setattr(importlib.import_module("hmp.state"), "warned", set())
+    monkeypatch.setattr(importlib.import_module("hmp.core.state"), "warned", set())
 
 
 def test_convert_inside_autocast_warns_once(fresh_autocast_warning):

@@ -7,17 +7,17 @@ import threading
 
 import pytest
 import torch
+from helpers import assert_same, snapshot
 
 import hmp
-from helpers import assert_same, snapshot
-from hmp import patch
+from hmp.core import patch
 
 BF16 = torch.bfloat16
 
 
 def entries_patched_by_convert():
     hmp.convert()
-    from hmp.state import runtime
+    from hmp.core.state import runtime
 
     n = len(runtime.patches)
     hmp.revert()

@@ -5,9 +5,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hmp
 
-GEMMS = {"addmm", "mm", "bmm", "linear", "matmul", "_transformer_encoder_layer_fwd",
-         "_native_multi_head_attention", "_scaled_dot_product_flash_attention_for_cpu",
-         "_scaled_dot_product_attention_math", "baddbmm"}
+GEMMS = {
+    "addmm",
+    "mm",
+    "bmm",
+    "linear",
+    "matmul",
+    "_transformer_encoder_layer_fwd",
+    "_native_multi_head_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_attention_math",
+    "baddbmm",
+}
 
 
 class AtenDtypes(TorchDispatchMode):
@@ -19,8 +28,12 @@ class AtenDtypes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs = list(args) + list((kwargs or {}).values())
-        self.seen.append((func.overloadpacket.__name__,
-                          {a.dtype for a in inputs if isinstance(a, torch.Tensor) and a.is_floating_point()}))
+        self.seen.append(
+            (
+                func.overloadpacket.__name__,
+                {a.dtype for a in inputs if isinstance(a, torch.Tensor) and a.is_floating_point()},
+            )
+        )
         return func(*args, **(kwargs or {}))
 
 

@@ -11,9 +11,9 @@ What docs/integrations.md#fx-tracing-and-torchexport says, checked:
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import needs_torch
 
 import hmp
-from helpers import needs_torch
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "export"), reason="no torch.export")
 
@@ -83,8 +83,7 @@ def test_export_while_converted_keeps_the_casts_after_revert(net_and_input):
     eager = net(x)
     program = torch.export.export(net, (x,))
     hmp.revert()
-    to_bf16 = [n for n in program.graph.nodes
-               if n.op == "call_function" and torch.bfloat16 in n.args]
+    to_bf16 = [n for n in program.graph.nodes if n.op == "call_function" and torch.bfloat16 in n.args]
     assert to_bf16, "the exported graph has no cast to bfloat16"
     exported = program.module()(x)
     assert dtypes(exported) == [torch.bfloat16, torch.float32]
@@ -100,9 +99,8 @@ def test_export_after_revert_has_no_casts(net_and_input):
     net(x)
     hmp.revert()
     program = torch.export.export(net, (x,))
-    assert not [n for n in program.graph.nodes
-                if n.op == "call_function" and torch.bfloat16 in n.args]
-    hmp.convert()          # an exported program calls aten ops hmp does not patch
+    assert not [n for n in program.graph.nodes if n.op == "call_function" and torch.bfloat16 in n.args]
+    hmp.convert()  # an exported program calls aten ops hmp does not patch
     exported = program.module()(x)
     hmp.revert()
     assert dtypes(exported) == [torch.float32, torch.float32]

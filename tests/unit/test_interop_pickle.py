@@ -49,8 +49,14 @@ def test_torch_save_and_pickle_while_converted(tmp_path):
         assert "hmp" not in sys.modules
         print(m(torch.randn(2, 3, 8)).dtype)
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=""), cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=""),
+        cwd=tmp_path,
+    )
     assert r.returncode == 0 and "torch.float32" in r.stdout, r.stderr[-2000:]
 
 

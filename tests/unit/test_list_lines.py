@@ -8,12 +8,12 @@ import warnings
 
 import pytest
 import torch
+from helpers import assert_same, snapshot, write
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from helpers import assert_same, snapshot, write
-from hmp import lists
+from hmp.core import lists
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -98,19 +98,40 @@ def _schema_views():
     views = set()
     for schema in torch._C._jit_get_all_schemas():
         if schema.name.startswith("aten::") and any(
-                r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+        ):
             views.add(schema.name[6:])
     return views
 
 
-_BOUND_VIEWS = sorted(v for v in _schema_views() if hmp.resolve.Resolver().exists(v) and v != "t")
-_NOT_PRECISION = ["__getitem__", "__setitem__", "clone", "copy_", "fill_", "zero_", "float", "half", "bfloat16",
-                  "type_as", "to", "contiguous", "detach", "cpu", "view_copy", "t_copy", "transpose_copy"]
+_BOUND_VIEWS = sorted(v for v in _schema_views() if hmp.core.resolve.Resolver().exists(v) and v != "t")
+_NOT_PRECISION = [
+    "__getitem__",
+    "__setitem__",
+    "clone",
+    "copy_",
+    "fill_",
+    "zero_",
+    "float",
+    "half",
+    "bfloat16",
+    "type_as",
+    "to",
+    "contiguous",
+    "detach",
+    "cpu",
+    "view_copy",
+    "t_copy",
+    "transpose_copy",
+]
 
 
 @settings(deadline=None)
-@given(name=st.sampled_from(_BOUND_VIEWS + _NOT_PRECISION), kind=st.sampled_from(["bf16", "fp32", "promote"]),
-       line=st.integers(1, 4))
+@given(
+    name=st.sampled_from(_BOUND_VIEWS + _NOT_PRECISION),
+    kind=st.sampled_from(["bf16", "fp32", "promote"]),
+    line=st.integers(1, 4),
+)
 def test_names_that_copy_alias_move_or_write_are_refused_with_file_and_line(tmp_path_factory, name, kind, line):
     path = tmp_path_factory.mktemp("l") / "l.txt"
     path.write_text("\n" * (line - 1) + f"{name}  # not a precision choice\nlinear\n")
@@ -163,13 +184,16 @@ def test_an_empty_user_file_warns(tmp_path, kind):
 
 
 def test_the_readme_list_file_example_keeps_losses_in_float32(tmp_path):
-    readme = (lists.list_dir().parent / "README.md")
+    readme = lists.list_dir().parent / "README.md"
     if not readme.is_file():
         pytest.skip("an installed copy without README.md")
     text = readme.read_text()
     block = text.split("# my_fp32.txt", 1)[1].split("```", 1)[0]
-    path = write(tmp_path, "my_fp32.txt", "# my_fp32.txt" + block.replace("transformers.models.llama.modeling_llama."
-                                                                          "LlamaRMSNorm", ""))
+    path = write(
+        tmp_path,
+        "my_fp32.txt",
+        "# my_fp32.txt" + block.replace("transformers.models.llama.modeling_llama.LlamaRMSNorm", ""),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hmp.convert(fp32_file_path=path)
@@ -224,7 +248,7 @@ def test_notes_suggest_the_extending_form(monkeypatch):
     bias, a = torch.randn(2, 2), torch.randn(1, 2, 2).bfloat16()
     with pytest.raises(RuntimeError) as e:
         torch.addbmm(bias, a, a)
-    hmp.errors.annotate(e.value)
+    hmp.diagnostics.errors.annotate(e.value)
     note = "\n".join(getattr(e.value, "__notes__", []))
     if not note:
         pytest.skip("this Python adds no exception notes")

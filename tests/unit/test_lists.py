@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import hmp
 from helpers import assert_same, snapshot, write
 
+import hmp
+
 DEFAULT_BF16 = sorted(
-    "addmm baddbmm batch_norm bilinear bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d dot vdot "
+    "addmm baddbmm batch_norm bilinear bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d "
+    "dot vdot "
     "dropout dropout1d dropout2d dropout3d group_norm instance_norm layer_norm leaky_relu linear matmul "
     "mm mul mv prelu relu t "
     "lstm gru rnn_tanh rnn_relu lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell".split()  # benchmarks/rnn_precision.py
@@ -23,8 +24,14 @@ DEFAULT_FP32 = sorted(
 )
 PROMOTE_AT_LEAST = set("add sub mul div truediv pow addcmul addcdiv cat stack where index_put scatter_add".split())
 # module entries of the default FP32 list, after its ops (resolved when their library is imported)
-DEFAULT_FP32_MODULES = sorted(["transformers.models.*.modeling_*.*RotaryEmbedding", "timm.layers.pos_embed_sincos.*RotaryEmbedding*",
-                               "diffusers.models.embeddings.Timesteps", "diffusers.models.embeddings.TimestepEmbedding"])
+DEFAULT_FP32_MODULES = sorted(
+    [
+        "transformers.models.*.modeling_*.*RotaryEmbedding",
+        "timm.layers.pos_embed_sincos.*RotaryEmbedding*",
+        "diffusers.models.embeddings.Timesteps",
+        "diffusers.models.embeddings.TimestepEmbedding",
+    ]
+)
 
 
 def test_default_lists_exactly():

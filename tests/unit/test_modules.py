@@ -11,12 +11,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import assert_same, needs_torch, skip_without_bf16_lstm, snapshot, write
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from helpers import assert_same, needs_torch, skip_without_bf16_lstm, snapshot, write
-from hmp.lists import default_path
 
 BF16, FP32 = torch.bfloat16, torch.float32
 transformers = pytest.importorskip("transformers")
@@ -38,9 +37,15 @@ VOCAB, SEQ, BATCH, HIDDEN = 128, 32, 4, 64
 
 def llama():
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -49,8 +54,11 @@ IDS = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_s
 
 def record(model, kind):
     seen = []
-    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append((mod, args[0].detach(), out.detach())))
-             for m in model.modules() if isinstance(m, kind)]
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out: seen.append((mod, args[0].detach(), out.detach())))
+        for m in model.modules()
+        if isinstance(m, kind)
+    ]
     return seen, hooks
 
 
@@ -152,16 +160,28 @@ def test_lstm_in_the_fp32_list_fed_bf16_runs_in_fp32(tmp_path):
 # -- malformed module lines ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("line, message", [
-    ("no_such_package.Norm", r"line 2: 'no_such_package.Norm' is no op and no importable path: no module named "
-                             r"'no_such_package'"),
-    ("torch.nn.functional.layer_norm", r"line 2: unknown op 'torch.nn.functional.layer_norm'; did you mean "
-                                       r"layer_norm\?.*is a function"),
-    ("collections.OrderedDict", r"line 2: 'collections.OrderedDict' is a class but not a torch.nn.Module subclass"),
-    ("torch.nn.NoSuchNorm", r"line 2: 'torch.nn.NoSuchNorm': 'torch.nn' has no attribute 'NoSuchNorm'"),
-    ("torch.nn.modules.linear.math.pi", r"line 2: 'torch.nn.modules.linear.math.pi' is a float, not a "
-                                        r"torch.nn.Module subclass"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (
+            "no_such_package.Norm",
+            r"line 2: 'no_such_package.Norm' is no op and no importable path: no module named "
+            r"'no_such_package'",
+        ),
+        (
+            "torch.nn.functional.layer_norm",
+            r"line 2: unknown op 'torch.nn.functional.layer_norm'; did you mean "
+            r"layer_norm\?.*is a function",
+        ),
+        ("collections.OrderedDict", r"line 2: 'collections.OrderedDict' is a class but not a torch.nn.Module subclass"),
+        ("torch.nn.NoSuchNorm", r"line 2: 'torch.nn.NoSuchNorm': 'torch.nn' has no attribute 'NoSuchNorm'"),
+        (
+            "torch.nn.modules.linear.math.pi",
+            r"line 2: 'torch.nn.modules.linear.math.pi' is a float, not a "
+            r"torch.nn.Module subclass",
+        ),
+    ],
+)
 def test_malformed_module_lines_name_file_and_line_and_patch_nothing(tmp_path, pristine, line, message):
     before = dict(vars(nn.LSTM))
     hmp.convert()  # a conversion in force stays as it was
@@ -175,16 +195,24 @@ def test_malformed_module_lines_name_file_and_line_and_patch_nothing(tmp_path, p
 
 
 def test_module_entries_are_checked_like_op_names(tmp_path, pristine):
-    with pytest.raises(ValueError, match=r"promote\.txt'(.|\n)*line 1: 'torch.nn.LSTM': module entries go in the "
-                                         r"BF16 or FP32 list"):
+    with pytest.raises(
+        ValueError,
+        match=r"promote\.txt'(.|\n)*line 1: 'torch.nn.LSTM': module entries go in the "
+        r"BF16 or FP32 list",
+    ):
         hmp.convert(promote_file_path=write(tmp_path, "promote.txt", "torch.nn.LSTM\n"))
     with pytest.raises(ValueError, match=r"module classes in both .*torch.nn.modules.rnn.LSTM"):
-        hmp.convert(bf16_file_path=write(tmp_path, "b.txt", "torch.nn.LSTM\n"),
-                    fp32_file_path=write(tmp_path, "f.txt", "torch.nn.LSTM\n"))
+        hmp.convert(
+            bf16_file_path=write(tmp_path, "b.txt", "torch.nn.LSTM\n"),
+            fp32_file_path=write(tmp_path, "f.txt", "torch.nn.LSTM\n"),
+        )
     with pytest.raises(ValueError, match=r"fp32_modules\[0\]: 'lm_hed' matches no module of the model"):
         hmp.convert(fp32_modules=["lm_hed"], model=nn.Sequential(nn.Linear(2, 2)))
-    with pytest.raises(ValueError, match=r"fp32_modules\[0\]: 'lm_head' is a module name pattern, and convert\(\) "
-                                         r"got no model="):
+    with pytest.raises(
+        ValueError,
+        match=r"fp32_modules\[0\]: 'lm_head' is a module name pattern, and convert\(\) "
+        r"got no model=",
+    ):
         hmp.convert(fp32_modules=["lm_head"])
     with pytest.raises(TypeError, match=r"bf16_modules\[1\]: expected a module class"):
         hmp.convert(bf16_modules=[nn.LSTM, 3])

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
 
 import hmp
-from hmp.conversion import current
+from hmp.core.conversion import current
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -26,9 +26,16 @@ def test_listed_ops_on_float32_inputs_run_in_their_lists_dtype(opt_level):
     x, w = torch.randn(4, 4), torch.randn(4, 4)
     with hmp.converted(opt_level=opt_level):
         lists = hmp.effective_lists()
-        calls = {"mm": lambda: torch.mm(x, w), "linear": lambda: F.linear(x, w), "matmul": lambda: x @ w,
-                 "relu": lambda: F.relu(x), "mul": lambda: x * w, "softmax": lambda: F.softmax(x.bfloat16(), -1),
-                 "log_softmax": lambda: F.log_softmax(x.bfloat16(), -1), "dropout": lambda: F.dropout(x, 0.5)}
+        calls = {
+            "mm": lambda: torch.mm(x, w),
+            "linear": lambda: F.linear(x, w),
+            "matmul": lambda: x @ w,
+            "relu": lambda: F.relu(x),
+            "mul": lambda: x * w,
+            "softmax": lambda: F.softmax(x.bfloat16(), -1),
+            "log_softmax": lambda: F.log_softmax(x.bfloat16(), -1),
+            "dropout": lambda: F.dropout(x, 0.5),
+        }
         for name, call in calls.items():
             kind = "bf16" if name in lists["bf16"] else "fp32" if name in lists["fp32"] else None
             assert kind, name
@@ -61,8 +68,10 @@ _finite = st.floats(allow_nan=False, allow_infinity=False, allow_subnormal=False
 
 
 @settings(deadline=None)
-@given(number=st.one_of(_finite, st.sampled_from([3.3895e38, 3.3896e38, 3.4e38, -3.4e38, 65504.0, 1e39])),
-       low=st.sampled_from([torch.bfloat16, torch.float16]))
+@given(
+    number=st.one_of(_finite, st.sampled_from([3.3895e38, 3.3896e38, 3.4e38, -3.4e38, 65504.0, 1e39])),
+    low=st.sampled_from([torch.bfloat16, torch.float16]),
+)
 def test_a_bf16_listed_call_never_turns_a_finite_number_inf(number, low):
     """Oracle, from the dtypes' definitions: a number the lower dtype holds as
     a finite value (|x| <= its largest) keeps the BF16 rule; any other finite
@@ -81,9 +90,16 @@ def test_a_bf16_listed_call_never_turns_a_finite_number_inf(number, low):
 
 def test_bert_with_a_fully_padded_row_trains_like_fp32():
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, max_position_embeddings=16, num_labels=2,
-                                     attn_implementation="eager")
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        num_labels=2,
+        attn_implementation="eager",
+    )
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (4, 8), generator=g)
     mask = torch.ones(4, 8, dtype=torch.long)
@@ -188,11 +204,16 @@ def _averaged_model(net, **fn):
     return model
 
 
-@pytest.mark.parametrize("fn", [{"avg_fn": get_ema_avg_fn(0.999)}, {"multi_avg_fn": get_ema_multi_avg_fn(0.999)},
-                                {}], ids=["avg_fn", "multi_avg_fn", "swa"])
+@pytest.mark.parametrize(
+    "fn",
+    [{"avg_fn": get_ema_avg_fn(0.999)}, {"multi_avg_fn": get_ema_multi_avg_fn(0.999)}, {}],
+    ids=["avg_fn", "multi_avg_fn", "swa"],
+)
 def test_averaged_model_matches_plain_torch(fn):
-    plain, mixed = (_average(lambda net: _averaged_model(net, **fn), lambda avg, net: avg.update_parameters(net),
-                             convert, 2000) for convert in (False, True))
+    plain, mixed = (
+        _average(lambda net: _averaged_model(net, **fn), lambda avg, net: avg.update_parameters(net), convert, 2000)
+        for convert in (False, True)
+    )
     assert mixed.dtype == FP32
     torch.testing.assert_close(mixed, plain, atol=1e-3, rtol=0)
     assert plain[0, 0].item() > 0.8  # moved well away from where bf16 would stall (0.5)
@@ -208,8 +229,10 @@ def test_timm_ema_helpers_match_plain_torch():
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # ModelEma is deprecated in timm
-            plain, mixed = (_average(lambda net: cls(net, decay=0.999), lambda ema, net: ema.update(net), convert, 500)
-                            for convert in (False, True))
+            plain, mixed = (
+                _average(lambda net, cls=cls: cls(net, decay=0.999), lambda ema, net: ema.update(net), convert, 500)
+                for convert in (False, True)
+            )
         torch.testing.assert_close(mixed, plain, atol=1e-3, rtol=0, msg=name)
 
 
@@ -306,7 +329,7 @@ def test_rounded_values_loaded_into_float32_weights_are_said_once():
     bfloat16 values through load_state_dict: said once, at the user's line;
     not under disable_casts() and not for float32 values."""
     source, target = nn.Linear(4, 2), nn.Linear(4, 2)
-    hmp.state.warned.discard(("rounded into fp32", BF16))
+    hmp.core.state.warned.discard(("rounded into fp32", BF16))
     with hmp.converted():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -328,7 +351,7 @@ def test_in_place_updates_are_exact():
         exact = ema.clone()
         for _ in range(10):
             exact.lerp_(p, 0.001)  # in place: the dtype of what it writes
-    assert exact.dtype == FP32 and torch.allclose(exact, torch.full((4,), 1 - 0.999 ** 10))
+    assert exact.dtype == FP32 and torch.allclose(exact, torch.full((4,), 1 - 0.999**10))
 
 
 # -- buffers keep their dtype ------------------------------------------------------------------

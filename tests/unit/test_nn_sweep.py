@@ -44,65 +44,142 @@ def const(value):
 S3 = (3, N, 8)  # (L, N, E) for attention and transformers
 SPECS = {
     # activations and element-wise modules
-    **{name: ((), [x(N, C)]) for name in (
-        "CELU", "ELU", "GELU", "GLU", "Hardshrink", "Hardsigmoid", "Hardswish", "Hardtanh", "Identity",
-        "LeakyReLU", "LogSigmoid", "Mish", "PReLU", "ReLU", "ReLU6", "RReLU", "SELU", "SiLU", "Sigmoid",
-        "Softplus", "Softshrink", "Softsign", "Tanh", "Tanhshrink", "Dropout", "AlphaDropout")},
-    "Softmax": ((-1,), [x(N, C)]), "Softmin": ((-1,), [x(N, C)]), "LogSoftmax": ((-1,), [x(N, C)]),
-    "Softmax2d": ((), [x(N, C, 3, 3)]), "Threshold": ((0.1, 0.0), [x(N, C)]),
-    "FeatureAlphaDropout": ((), [x(N, C, 4)]), "Dropout1d": ((), [x(N, C, 4)]),
-    "Dropout2d": ((), [x(N, C, 3, 3)]), "Dropout3d": ((), [x(N, C, 2, 2, 2)]),
-    "Flatten": ((), [x(N, C, 3)]), "Unflatten": ((1, (2, 2)), [x(N, C)]),
+    **{
+        name: ((), [x(N, C)])
+        for name in (
+            "CELU",
+            "ELU",
+            "GELU",
+            "GLU",
+            "Hardshrink",
+            "Hardsigmoid",
+            "Hardswish",
+            "Hardtanh",
+            "Identity",
+            "LeakyReLU",
+            "LogSigmoid",
+            "Mish",
+            "PReLU",
+            "ReLU",
+            "ReLU6",
+            "RReLU",
+            "SELU",
+            "SiLU",
+            "Sigmoid",
+            "Softplus",
+            "Softshrink",
+            "Softsign",
+            "Tanh",
+            "Tanhshrink",
+            "Dropout",
+            "AlphaDropout",
+        )
+    },
+    "Softmax": ((-1,), [x(N, C)]),
+    "Softmin": ((-1,), [x(N, C)]),
+    "LogSoftmax": ((-1,), [x(N, C)]),
+    "Softmax2d": ((), [x(N, C, 3, 3)]),
+    "Threshold": ((0.1, 0.0), [x(N, C)]),
+    "FeatureAlphaDropout": ((), [x(N, C, 4)]),
+    "Dropout1d": ((), [x(N, C, 4)]),
+    "Dropout2d": ((), [x(N, C, 3, 3)]),
+    "Dropout3d": ((), [x(N, C, 2, 2, 2)]),
+    "Flatten": ((), [x(N, C, 3)]),
+    "Unflatten": ((1, (2, 2)), [x(N, C)]),
     # linear and embedding
-    "Linear": ((C, 3), [x(N, C)]), "LazyLinear": ((3,), [x(N, C)]), "Bilinear": ((C, C, 3), [x(N, C), x(N, C)]),
-    "Embedding": ((10, C), [ids(10, N, 3)]), "EmbeddingBag": ((10, C), [ids(10, N, 3)]),
+    "Linear": ((C, 3), [x(N, C)]),
+    "LazyLinear": ((3,), [x(N, C)]),
+    "Bilinear": ((C, C, 3), [x(N, C), x(N, C)]),
+    "Embedding": ((10, C), [ids(10, N, 3)]),
+    "EmbeddingBag": ((10, C), [ids(10, N, 3)]),
     # convolutions
-    "Conv1d": ((C, C, 3), [x(N, C, 6)]), "Conv2d": ((C, C, 3), [x(N, C, 5, 5)]),
-    "Conv3d": ((C, C, 3), [x(N, C, 4, 4, 4)]), "ConvTranspose1d": ((C, C, 3), [x(N, C, 6)]),
-    "ConvTranspose2d": ((C, C, 3), [x(N, C, 4, 4)]), "ConvTranspose3d": ((C, C, 3), [x(N, C, 3, 3, 3)]),
-    "LazyConv1d": ((C, 3), [x(N, C, 6)]), "LazyConv2d": ((C, 3), [x(N, C, 5, 5)]),
-    "LazyConv3d": ((C, 3), [x(N, C, 4, 4, 4)]), "LazyConvTranspose1d": ((C, 3), [x(N, C, 6)]),
-    "LazyConvTranspose2d": ((C, 3), [x(N, C, 4, 4)]), "LazyConvTranspose3d": ((C, 3), [x(N, C, 3, 3, 3)]),
-    "Fold": (((4, 4), 2), [x(N, C * 4, 9)]), "Unfold": ((2,), [x(N, C, 4, 4)]),
+    "Conv1d": ((C, C, 3), [x(N, C, 6)]),
+    "Conv2d": ((C, C, 3), [x(N, C, 5, 5)]),
+    "Conv3d": ((C, C, 3), [x(N, C, 4, 4, 4)]),
+    "ConvTranspose1d": ((C, C, 3), [x(N, C, 6)]),
+    "ConvTranspose2d": ((C, C, 3), [x(N, C, 4, 4)]),
+    "ConvTranspose3d": ((C, C, 3), [x(N, C, 3, 3, 3)]),
+    "LazyConv1d": ((C, 3), [x(N, C, 6)]),
+    "LazyConv2d": ((C, 3), [x(N, C, 5, 5)]),
+    "LazyConv3d": ((C, 3), [x(N, C, 4, 4, 4)]),
+    "LazyConvTranspose1d": ((C, 3), [x(N, C, 6)]),
+    "LazyConvTranspose2d": ((C, 3), [x(N, C, 4, 4)]),
+    "LazyConvTranspose3d": ((C, 3), [x(N, C, 3, 3, 3)]),
+    "Fold": (((4, 4), 2), [x(N, C * 4, 9)]),
+    "Unfold": ((2,), [x(N, C, 4, 4)]),
     # normalization
-    "BatchNorm1d": ((C,), [x(N, C)]), "BatchNorm2d": ((C,), [x(N, C, 3, 3)]),
-    "BatchNorm3d": ((C,), [x(N, C, 2, 2, 2)]), "LazyBatchNorm1d": ((), [x(N, C)]),
-    "LazyBatchNorm2d": ((), [x(N, C, 3, 3)]), "LazyBatchNorm3d": ((), [x(N, C, 2, 2, 2)]),
-    "InstanceNorm1d": ((C,), [x(N, C, 6)]), "InstanceNorm2d": ((C,), [x(N, C, 3, 3)]),
-    "InstanceNorm3d": ((C,), [x(N, C, 2, 2, 2)]), "LazyInstanceNorm1d": ((), [x(N, C, 6)]),
-    "LazyInstanceNorm2d": ((), [x(N, C, 3, 3)]), "LazyInstanceNorm3d": ((), [x(N, C, 2, 2, 2)]),
-    "GroupNorm": ((2, C), [x(N, C, 3)]), "LayerNorm": ((C,), [x(N, C)]), "RMSNorm": ((C,), [x(N, C)]),
-    "LocalResponseNorm": ((2,), [x(N, C, 3, 3)]), "CrossMapLRN2d": ((3,), [x(N, C, 3, 3)]),
+    "BatchNorm1d": ((C,), [x(N, C)]),
+    "BatchNorm2d": ((C,), [x(N, C, 3, 3)]),
+    "BatchNorm3d": ((C,), [x(N, C, 2, 2, 2)]),
+    "LazyBatchNorm1d": ((), [x(N, C)]),
+    "LazyBatchNorm2d": ((), [x(N, C, 3, 3)]),
+    "LazyBatchNorm3d": ((), [x(N, C, 2, 2, 2)]),
+    "InstanceNorm1d": ((C,), [x(N, C, 6)]),
+    "InstanceNorm2d": ((C,), [x(N, C, 3, 3)]),
+    "InstanceNorm3d": ((C,), [x(N, C, 2, 2, 2)]),
+    "LazyInstanceNorm1d": ((), [x(N, C, 6)]),
+    "LazyInstanceNorm2d": ((), [x(N, C, 3, 3)]),
+    "LazyInstanceNorm3d": ((), [x(N, C, 2, 2, 2)]),
+    "GroupNorm": ((2, C), [x(N, C, 3)]),
+    "LayerNorm": ((C,), [x(N, C)]),
+    "RMSNorm": ((C,), [x(N, C)]),
+    "LocalResponseNorm": ((2,), [x(N, C, 3, 3)]),
+    "CrossMapLRN2d": ((3,), [x(N, C, 3, 3)]),
     # pooling, padding, reshaping
-    "AdaptiveAvgPool1d": ((2,), [x(N, C, 6)]), "AdaptiveAvgPool2d": ((2,), [x(N, C, 4, 4)]),
-    "AdaptiveAvgPool3d": ((2,), [x(N, C, 4, 4, 4)]), "AdaptiveMaxPool1d": ((2,), [x(N, C, 6)]),
-    "AdaptiveMaxPool2d": ((2,), [x(N, C, 4, 4)]), "AdaptiveMaxPool3d": ((2,), [x(N, C, 4, 4, 4)]),
-    "AvgPool1d": ((2,), [x(N, C, 6)]), "AvgPool2d": ((2,), [x(N, C, 4, 4)]),
-    "AvgPool3d": ((2,), [x(N, C, 4, 4, 4)]), "MaxPool1d": ((2,), [x(N, C, 6)]),
-    "MaxPool2d": ((2,), [x(N, C, 4, 4)]), "MaxPool3d": ((2,), [x(N, C, 4, 4, 4)]),
-    "LPPool1d": ((2, 2), [x(N, C, 6)]), "LPPool2d": ((2, 2), [x(N, C, 4, 4)]),
+    "AdaptiveAvgPool1d": ((2,), [x(N, C, 6)]),
+    "AdaptiveAvgPool2d": ((2,), [x(N, C, 4, 4)]),
+    "AdaptiveAvgPool3d": ((2,), [x(N, C, 4, 4, 4)]),
+    "AdaptiveMaxPool1d": ((2,), [x(N, C, 6)]),
+    "AdaptiveMaxPool2d": ((2,), [x(N, C, 4, 4)]),
+    "AdaptiveMaxPool3d": ((2,), [x(N, C, 4, 4, 4)]),
+    "AvgPool1d": ((2,), [x(N, C, 6)]),
+    "AvgPool2d": ((2,), [x(N, C, 4, 4)]),
+    "AvgPool3d": ((2,), [x(N, C, 4, 4, 4)]),
+    "MaxPool1d": ((2,), [x(N, C, 6)]),
+    "MaxPool2d": ((2,), [x(N, C, 4, 4)]),
+    "MaxPool3d": ((2,), [x(N, C, 4, 4, 4)]),
+    "LPPool1d": ((2, 2), [x(N, C, 6)]),
+    "LPPool2d": ((2, 2), [x(N, C, 4, 4)]),
     "LPPool3d": ((2, 2), [x(N, C, 4, 4, 4)]),
     "FractionalMaxPool2d": ((2,), [x(N, C, 5, 5)], {"output_size": 2}),
     "FractionalMaxPool3d": ((2,), [x(N, C, 5, 5, 5)], {"output_size": 2}),
     "MaxUnpool1d": ((2,), [x(N, C, 3), ("indices", (N, C, 3))]),
     "MaxUnpool2d": ((2,), [x(N, C, 2, 2), ("indices", (N, C, 2, 2))]),
     "MaxUnpool3d": ((2,), [x(N, C, 2, 2, 2), ("indices", (N, C, 2, 2, 2))]),
-    **{f"{kind}Pad{d}d": ((1,) if kind != "Constant" else (1, 0.5), [x(N, C, *(4,) * d)])
-       for kind in ("Circular", "Constant", "Reflection", "Replication", "Zero") for d in (1, 2, 3)},
-    "PixelShuffle": ((2,), [x(N, C, 2, 2)]), "PixelUnshuffle": ((2,), [x(N, 1, 4, 4)]),
-    "ChannelShuffle": ((2,), [x(N, C, 2, 2)]), "Upsample": ((), [x(N, C, 3, 3)], {"scale_factor": 2}),
+    **{
+        f"{kind}Pad{d}d": ((1,) if kind != "Constant" else (1, 0.5), [x(N, C, *(4,) * d)])
+        for kind in ("Circular", "Constant", "Reflection", "Replication", "Zero")
+        for d in (1, 2, 3)
+    },
+    "PixelShuffle": ((2,), [x(N, C, 2, 2)]),
+    "PixelUnshuffle": ((2,), [x(N, 1, 4, 4)]),
+    "ChannelShuffle": ((2,), [x(N, C, 2, 2)]),
+    "Upsample": ((), [x(N, C, 3, 3)], {"scale_factor": 2}),
     "UpsamplingNearest2d": ((), [x(N, C, 3, 3)], {"scale_factor": 2}),
     "UpsamplingBilinear2d": ((), [x(N, C, 3, 3)], {"scale_factor": 2}),
-    "CosineSimilarity": ((), [x(N, C), x(N, C)]), "PairwiseDistance": ((), [x(N, C), x(N, C)]),
+    "CosineSimilarity": ((), [x(N, C), x(N, C)]),
+    "PairwiseDistance": ((), [x(N, C), x(N, C)]),
     # losses: predictions fed, targets as given
-    **{name: ((), [x(N, C), target(N, C)]) for name in (
-        "L1Loss", "MSELoss", "HuberLoss", "SmoothL1Loss", "SoftMarginLoss", "MultiLabelSoftMarginLoss",
-        "BCEWithLogitsLoss", "PoissonNLLLoss")},
+    **{
+        name: ((), [x(N, C), target(N, C)])
+        for name in (
+            "L1Loss",
+            "MSELoss",
+            "HuberLoss",
+            "SmoothL1Loss",
+            "SoftMarginLoss",
+            "MultiLabelSoftMarginLoss",
+            "BCEWithLogitsLoss",
+            "PoissonNLLLoss",
+        )
+    },
     "BCELoss": ((), [pos(N, C), ("prob_target", (N, C))]),
     "KLDivLoss": ((), [x(N, C), ("prob_target", (N, C))], {"reduction": "batchmean"}),
     "GaussianNLLLoss": ((), [x(N, C), target(N, C), pos(N, C)]),
-    "CrossEntropyLoss": ((), [x(N, C), ids(C, N)]), "NLLLoss": ((), [x(N, C), ids(C, N)]),
-    "NLLLoss2d": ((), [x(N, C, 2, 2), ids(C, N, 2, 2)]), "MultiMarginLoss": ((), [x(N, C), ids(C, N)]),
+    "CrossEntropyLoss": ((), [x(N, C), ids(C, N)]),
+    "NLLLoss": ((), [x(N, C), ids(C, N)]),
+    "NLLLoss2d": ((), [x(N, C, 2, 2), ids(C, N, 2, 2)]),
+    "MultiMarginLoss": ((), [x(N, C), ids(C, N)]),
     "MultiLabelMarginLoss": ((), [x(N, C), ("labels", (N, C))]),
     "CosineEmbeddingLoss": ((), [x(N, C), x(N, C), ("signs", (N,))]),
     "MarginRankingLoss": ((), [x(N), x(N), ("signs", (N,))]),
@@ -111,33 +188,54 @@ SPECS = {
     "TripletMarginWithDistanceLoss": ((), [x(N, C), x(N, C), x(N, C)]),
     "AdaptiveLogSoftmaxWithLoss": ((C, 10, [4]), [x(N, C), ids(10, N)]),
     "LinearCrossEntropyLoss": ((C, 5), [x(N, C), ids(5, N)]),
-    "CTCLoss": ((), [("log_probs", (6, N, 5)), ("ctc_targets", (N, 3)), const(torch.full((N,), 6)),
-                     const(torch.full((N,), 3))]),
+    "CTCLoss": (
+        (),
+        [("log_probs", (6, N, 5)), ("ctc_targets", (N, 3)), const(torch.full((N,), 6)), const(torch.full((N,), 3))],
+    ),
     # recurrent
-    "RNN": ((C, C), [x(3, N, C)]), "LSTM": ((C, C), [x(3, N, C)]), "GRU": ((C, C), [x(3, N, C)]),
-    "RNNCell": ((C, C), [x(N, C)]), "LSTMCell": ((C, C), [x(N, C)]), "GRUCell": ((C, C), [x(N, C)]),
+    "RNN": ((C, C), [x(3, N, C)]),
+    "LSTM": ((C, C), [x(3, N, C)]),
+    "GRU": ((C, C), [x(3, N, C)]),
+    "RNNCell": ((C, C), [x(N, C)]),
+    "LSTMCell": ((C, C), [x(N, C)]),
+    "GRUCell": ((C, C), [x(N, C)]),
     # attention and transformers (the combinations: masks, need_weights)
     "MultiheadAttention": ((8, 2), [x(*S3), x(*S3), x(*S3)]),
-    "MultiheadAttention+key_padding_mask": ((8, 2), [x(*S3), x(*S3), x(*S3)], {},
-                                            {"key_padding_mask": ("pad_mask", (N, 3))}),
-    "MultiheadAttention+attn_mask": ((8, 2), [x(*S3), x(*S3), x(*S3)], {},
-                                     {"attn_mask": ("float_mask", (3, 3))}),
-    "MultiheadAttention+both masks, no weights": ((8, 2), [x(*S3), x(*S3), x(*S3)], {},
-                                                  {"key_padding_mask": ("pad_mask", (N, 3)),
-                                                   "attn_mask": ("bool_mask", (3, 3)), "need_weights": False}),
+    "MultiheadAttention+key_padding_mask": (
+        (8, 2),
+        [x(*S3), x(*S3), x(*S3)],
+        {},
+        {"key_padding_mask": ("pad_mask", (N, 3))},
+    ),
+    "MultiheadAttention+attn_mask": ((8, 2), [x(*S3), x(*S3), x(*S3)], {}, {"attn_mask": ("float_mask", (3, 3))}),
+    "MultiheadAttention+both masks, no weights": (
+        (8, 2),
+        [x(*S3), x(*S3), x(*S3)],
+        {},
+        {"key_padding_mask": ("pad_mask", (N, 3)), "attn_mask": ("bool_mask", (3, 3)), "need_weights": False},
+    ),
     "TransformerEncoderLayer": ((8, 2, 16), [x(*S3)], {}, {"src_key_padding_mask": ("pad_mask", (N, 3))}),
     "TransformerDecoderLayer": ((8, 2, 16), [x(*S3), x(*S3)], {}, {"tgt_mask": ("causal", (3, 3))}),
     "TransformerEncoder": (("encoder_layer",), [x(*S3)], {}, {"mask": ("causal", (3, 3))}),
     "TransformerDecoder": (("decoder_layer",), [x(*S3), x(*S3)]),
-    "Transformer": ((), [x(*S3), x(*S3)], {"d_model": 8, "nhead": 2, "num_encoder_layers": 1,
-                                          "num_decoder_layers": 1, "dim_feedforward": 16},
-                    {"tgt_mask": ("causal", (3, 3)), "src_key_padding_mask": ("pad_mask", (N, 3))}),
+    "Transformer": (
+        (),
+        [x(*S3), x(*S3)],
+        {"d_model": 8, "nhead": 2, "num_encoder_layers": 1, "num_decoder_layers": 1, "dim_feedforward": 16},
+        {"tgt_mask": ("causal", (3, 3)), "src_key_padding_mask": ("pad_mask", (N, 3))},
+    ),
 }
 NOT_RUN = {
-    "Module": "base class", "Container": "deprecated base class", "Sequential": "container",
-    "ModuleList": "container", "ModuleDict": "container", "ParameterList": "container",
-    "ParameterDict": "container", "RNNBase": "base class (RNN, LSTM, GRU run)",
-    "RNNCellBase": "base class (the cells run)", "DataParallel": "wraps a module; needs CUDA to do anything",
+    "Module": "base class",
+    "Container": "deprecated base class",
+    "Sequential": "container",
+    "ModuleList": "container",
+    "ModuleDict": "container",
+    "ParameterList": "container",
+    "ParameterDict": "container",
+    "RNNBase": "base class (RNN, LSTM, GRU run)",
+    "RNNCellBase": "base class (the cells run)",
+    "DataParallel": "wraps a module; needs CUDA to do anything",
     "SyncBatchNorm": "needs a process group and an accelerator",
 }
 
@@ -174,8 +272,9 @@ def make(spec, fed):
         high, shape = arg
         return None, torch.randint(0, high, shape, generator=g)
     if kind == "indices":  # what max_pool with return_indices gives for a window of 2
-        return None, F.max_pool1d(torch.randn(arg[0], arg[1], 2 * arg[-1] ** (len(arg) - 2)), 2,
-                                  return_indices=True)[1].reshape(arg) if len(arg) == 3 else _indices(arg)
+        return None, F.max_pool1d(torch.randn(arg[0], arg[1], 2 * arg[-1] ** (len(arg) - 2)), 2, return_indices=True)[
+            1
+        ].reshape(arg) if len(arg) == 3 else _indices(arg)
     if kind == "labels":
         return None, torch.tensor([[1, 0, -1, 2]] * arg[0])
     if kind == "signs":
@@ -240,8 +339,9 @@ def _torch_lacks(name):
         return f"torch {torch.__version__} has no torch.nn.{cls}"
     probes = {
         # bf16 reaches them from a listed op before them
-        "MaxUnpool": lambda: F.max_unpool2d(torch.ones(1, 1, 2, 2, dtype=torch.bfloat16),
-                                            torch.zeros(1, 1, 2, 2, dtype=torch.long), 2),
+        "MaxUnpool": lambda: F.max_unpool2d(
+            torch.ones(1, 1, 2, 2, dtype=torch.bfloat16), torch.zeros(1, 1, 2, 2, dtype=torch.long), 2
+        ),
         "ChannelShuffle": lambda: nn.ChannelShuffle(2)(torch.ones(1, 2, 1, 1, requires_grad=True)).sum().backward(),
     }
     probe = next((p for prefix, p in probes.items() if cls.startswith(prefix)), None)
@@ -313,6 +413,9 @@ def test_parametrization_forward_backward_under_default_lists(name, one_intra_op
 
 
 def test_every_parametrization_is_swept():
-    public = {n for n in getattr(P, "__all__", dir(P)) if callable(getattr(P, n)) and not n.startswith("_")
-              and not inspect.isclass(getattr(P, n))}
+    public = {
+        n
+        for n in getattr(P, "__all__", dir(P))
+        if callable(getattr(P, n)) and not n.startswith("_") and not inspect.isclass(getattr(P, n))
+    }
     assert public <= set(PARAMETRIZATIONS), sorted(public - set(PARAMETRIZATIONS))

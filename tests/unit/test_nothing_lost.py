@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import clone_with_backward
 
 import hmp
-from helpers import clone_with_backward
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -23,8 +23,12 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 def make_model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
-        torch.nn.Linear(32, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(),
+        torch.nn.Linear(8, 32),
+        torch.nn.BatchNorm1d(32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 16),
+        torch.nn.LayerNorm(16),
+        torch.nn.ReLU(),
         torch.nn.Linear(16, 4),
     )
 
@@ -54,7 +58,7 @@ def assert_all_fp32(model, opt):
     for name, b in model.named_buffers():
         expected = torch.int64 if name.endswith("num_batches_tracked") else FP32
         assert b.dtype == expected and torch.isfinite(b.float()).all(), name
-    for p, state in opt.state.items():
+    for state in opt.state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step":
                 assert value.dtype == FP32 and torch.isfinite(value).all(), key
@@ -79,8 +83,11 @@ def test_training_keeps_everything_fp32(config, optimizer):
     losses = train(model, opt, 30, x, y)
     assert losses[-1] < 0.5 * losses[0]
     assert_all_fp32(model, opt)
-    keys = {"sgd momentum": ["momentum_buffer"], "adam": ["exp_avg", "exp_avg_sq"],
-            "adamw amsgrad": ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]}[optimizer]
+    keys = {
+        "sgd momentum": ["momentum_buffer"],
+        "adam": ["exp_avg", "exp_avg_sq"],
+        "adamw amsgrad": ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
+    }[optimizer]
     for p in model.parameters():
         assert all(opt.state[p][k].dtype == FP32 for k in keys)
     after = model.state_dict()
@@ -163,9 +170,13 @@ def test_state_dict_saved_under_hmp_reloads_bit_identical_without_it(tmp_path):
     torch.save((probe, model(probe)), paths["probe"])
     script = tmp_path / "check.py"
     script.write_text(CHECK)
-    res = subprocess.run([sys.executable, str(script)] + [str(paths[k]) for k in ("model", "model_ref", "opt",
-                                                                                   "opt_ref", "probe")],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, str(script)] + [str(paths[k]) for k in ("model", "model_ref", "opt", "opt_ref", "probe")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.startswith("ok")
 
@@ -243,7 +254,7 @@ def test_crash_inside_a_wrapped_op_inside_disable_casts_inside_a_step():
     hmp.convert()
     model, (x, y) = make_model(), data()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for attempt in range(3):
+    for _attempt in range(3):
         try:
             with hmp.disable_casts():
                 with hmp.disable_casts():

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import hmp
-from hmp import state
+from hmp.core import state
 
 
 @pytest.fixture

@@ -13,13 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp import state
+from hmp.core import state
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
-pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),
-              pytest.mark.filterwarnings("ignore:hmp. a torch.autocast region"),
-              pytest.mark.filterwarnings("ignore:`torch.(cuda|cpu).amp.autocast")]
+pytestmark = [
+    pytest.mark.usefixtures("one_intra_op_thread"),
+    pytest.mark.filterwarnings("ignore:hmp. a torch.autocast region"),
+    pytest.mark.filterwarnings("ignore:`torch.(cuda|cpu).amp.autocast"),
+]
 
 
 def mul_dtype():
@@ -47,14 +49,18 @@ def test_llama_rotary_embedding_at_2048_positions_is_fp32_bit_for_bit():
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
 
 
-@pytest.mark.parametrize("region", [
-    lambda: torch.autocast("cpu", enabled=False),
-    lambda: torch.autocast("cuda", enabled=False),  # the device_type does not matter
-    lambda: torch.amp.autocast("cpu", dtype=BF16, enabled=False),
-    lambda: torch.cuda.amp.autocast(enabled=False),
-    lambda: torch.cpu.amp.autocast(enabled=False),
-    lambda: torch.autocast("cpu", dtype=BF16),  # enabled: autocast's rules, not hmp's
-], ids=["cpu", "cuda", "amp", "cuda.amp", "cpu.amp", "enabled"])
+@pytest.mark.parametrize(
+    "region",
+    [
+        lambda: torch.autocast("cpu", enabled=False),
+        lambda: torch.autocast("cuda", enabled=False),  # the device_type does not matter
+        lambda: torch.amp.autocast("cpu", dtype=BF16, enabled=False),
+        lambda: torch.cuda.amp.autocast(enabled=False),
+        lambda: torch.cpu.amp.autocast(enabled=False),
+        lambda: torch.autocast("cpu", dtype=BF16),  # enabled: autocast's rules, not hmp's
+    ],
+    ids=["cpu", "cuda", "amp", "cuda.amp", "cpu.amp", "enabled"],
+)
 def test_no_casts_inside_any_autocast_region(region):
     hmp.convert()
     with region():
@@ -123,9 +129,11 @@ def test_nesting_property(programs):
             assert mul_dtype() == (FP32 if stack else BF16)
             return
         block = stack[depth]
-        ctx = {"off": lambda: torch.autocast("cpu", enabled=False),
-               "on": lambda: torch.autocast("cpu", dtype=BF16),
-               "disable": hmp.disable_casts}.get(block)
+        ctx = {
+            "off": lambda: torch.autocast("cpu", enabled=False),
+            "on": lambda: torch.autocast("cpu", dtype=BF16),
+            "disable": hmp.disable_casts,
+        }.get(block)
         if block == "decorated":
             torch.autocast("cpu", enabled=False)(enter)(stack, depth + 1)
         elif block == "raise":
@@ -237,7 +245,7 @@ def test_custom_function_backward_and_torch_autograd_grad_imported_before_conver
     w = torch.randn(4, 2, requires_grad=True)
     _MatmulInBackward.seen.clear()
     _MatmulInBackward.apply(x, w).sum().backward()
-    gx, = grad(_MatmulInBackward.apply(x, w).sum(), [x])
+    (gx,) = grad(_MatmulInBackward.apply(x, w).sum(), [x])
     assert _MatmulInBackward.seen == [(FP32, FP32, False)] * 2
     with hmp.disable_casts():
         assert torch.equal(gx, torch.ones(3, 2) @ w.detach().t())
@@ -267,7 +275,7 @@ def _scale_trajectory(mode, steps=12):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
     region = (lambda: torch.autocast("cpu", dtype=FP16)) if mode == "autocast" else contextlib.nullcontext
@@ -294,9 +302,9 @@ def test_grad_scaler_scale_trajectory_matches_torch_autocast():
 
 def test_grad_scaler_arithmetic_is_uncast():
     hmp.convert(low_precision_type=FP16)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
     loss = torch.tensor(3.0)
-    assert scaler.scale(loss).item() == 3.0 * 2 ** 20  # fp16 would be inf
+    assert scaler.scale(loss).item() == 3.0 * 2**20  # fp16 would be inf
     assert hmp.casts_enabled()
 
 
@@ -310,8 +318,11 @@ class Probe(torch.utils.data.Dataset):
         return 2
 
     def __getitem__(self, i):
-        return {"mul": (torch.ones(2) * 0.3).dtype == BF16, "converted": hmp.is_converted(),
-                "casts": hmp.casts_enabled()}
+        return {
+            "mul": (torch.ones(2) * 0.3).dtype == BF16,
+            "converted": hmp.is_converted(),
+            "casts": hmp.casts_enabled(),
+        }
 
 
 def convert_in_worker(worker_id):
@@ -323,7 +334,9 @@ def _load(**kwargs):
     return list(loader)
 
 
-@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=[pytest.mark.slow, pytest.mark.torch_internals])])  # spawn imports torch
+@pytest.mark.parametrize(
+    "method", ["fork", pytest.param("spawn", marks=[pytest.mark.slow, pytest.mark.torch_internals])]
+)  # spawn imports torch
 def test_dataloader_workers_never_cast(method):
     if method not in multiprocessing.get_all_start_methods():
         pytest.skip(f"no {method} here")
@@ -364,8 +377,14 @@ def test_revert_puts_every_region_patch_back():
     from torch.utils.data import dataloader
     from torch.utils.data._utils import worker
 
-    owners = [autocast, torch.autograd, torch.autograd.graph, torch.amp.GradScaler, worker,
-              dataloader._SingleProcessDataLoaderIter]
+    owners = [
+        autocast,
+        torch.autograd,
+        torch.autograd.graph,
+        torch.amp.GradScaler,
+        worker,
+        dataloader._SingleProcessDataLoaderIter,
+    ]
     before = [dict(vars(o)) for o in owners]
     hmp.convert()
     assert autocast.__dict__["__enter__"] is not before[0]["__enter__"]

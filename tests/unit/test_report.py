@@ -1,4 +1,4 @@
-"""The HTML report of hmp.audit / hmp.tune (hmp/report.py) and per-op times
+"""The HTML report of hmp.audit / hmp.tune (hmp/tools/report.py) and per-op times
 (audit's fp32_ms / lists_ms).
 
 The charts are read back as XML and checked geometrically: a text's box is
@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp import report
-from hmp.auditing import AuditReport
+from hmp.tools import report
+from hmp.tools.auditing import AuditReport
 
 OVER_COLOUR = report.OVER
 
@@ -133,7 +133,7 @@ def assert_no_overlaps(svg):
     width, height = float(svg.get("width")), float(svg.get("height"))
     for i, (word, box) in enumerate(words):
         assert box[0] >= -0.05 and box[2] <= width + 0.05 and box[1] >= 0 and box[3] <= height, word
-        for other, other_box in words[i + 1:]:
+        for other, other_box in words[i + 1 :]:
             assert not overlap(box, other_box), (word, other)
         for value, bar in shapes:
             assert not overlap(box, bar), (word, value)
@@ -150,8 +150,9 @@ def log_x(ticks, value):
 
 
 def column_ticks(column):
-    return [(float(g.get("data-value")), float(g.find("text").get("x"))) for g in column.iter("g")
-            if "tick" in classes(g)]
+    return [
+        (float(g.get("data-value")), float(g.find("text").get("x"))) for g in column.iter("g") if "tick" in classes(g)
+    ]
 
 
 class Refs(html.parser.HTMLParser):
@@ -239,21 +240,48 @@ def fake_report(op, path):
     and values a chart cannot draw as bars (0, inf, NaN, not timed)."""
 
     def row(name, own, loss, fp32_ms=None, lists_ms=None, casts=1):
-        return {"op": name, "list": "bf16", "calls": 1, "casts": casts, "max_rel": own, "mean_rel": own,
-                "nonfinite": 0, "own_max_rel": own, "loss_error": loss, "own_by_module": {}, "reason": "",
-                "flagged": False, "fp32_ms": fp32_ms, "lists_ms": lists_ms, "cast_ms": None}
+        return {
+            "op": name,
+            "list": "bf16",
+            "calls": 1,
+            "casts": casts,
+            "max_rel": own,
+            "mean_rel": own,
+            "nonfinite": 0,
+            "own_max_rel": own,
+            "loss_error": loss,
+            "own_by_module": {},
+            "reason": "",
+            "flagged": False,
+            "fp32_ms": fp32_ms,
+            "lists_ms": lists_ms,
+            "cast_ms": None,
+        }
 
-    rows = [row(op, 0.2, 1e-3, 1.5, 0.5), row("nan_op", float("nan"), float("inf")), row("zero_op", 0.0, 0.0),
-            row("quiet", 0.0, 0.0, casts=0)]
+    rows = [
+        row(op, 0.2, 1e-3, 1.5, 0.5),
+        row("nan_op", float("nan"), float("inf")),
+        row("zero_op", 0.0, 0.0),
+        row("quiet", 0.0, 0.0, casts=0),
+    ]
     rows[0].update(flagged=True, reason="error 0.2 > 0.05 <&>")
-    module = {"path": path, "class": "torch.nn.modules.linear.Linear", "type": torch.nn.Linear, "calls": 1,
-              "max_rel": 0.01, "mean_rel": 0.01, "nonfinite": 0, "own_max_rel": 0.2, "own_op": op,
-              "made_max_rel": 0.2}
+    module = {
+        "path": path,
+        "class": "torch.nn.modules.linear.Linear",
+        "type": torch.nn.Linear,
+        "calls": 1,
+        "max_rel": 0.01,
+        "mean_rel": 0.01,
+        "nonfinite": 0,
+        "own_max_rel": 0.2,
+        "own_op": op,
+        "made_max_rel": 0.2,
+    }
     return AuditReport(rows, 0.01, 0.05, 2e-3, [module], {"x<y>": 3})
 
 
 def test_text_is_escaped_and_odd_values_get_notes():
-    op, path = '<b>&"mul\'', "blocks.<0>&a"
+    op, path = "<b>&\"mul'", "blocks.<0>&a"
     page = report.render(audit=fake_report(op, path), title="<script>alert(1)</script>")
     assert "<b>" not in page and "<script>" not in page and "<0>" not in page and "x<y>" not in page
     charts = svgs(page)  # parses only if every & and < is escaped
@@ -313,8 +341,9 @@ def test_tune_page_has_trials_and_validation(tuned):
     assert sorted(labels(charts["ops"])) == sorted(r["op"] for r in tuned.audit.rows)
     outcomes = [el.text for el in charts["trials"].iter("text") if el.text and el.text.startswith(("kept", "not kept"))]
     assert len(outcomes) == len(tuned.trials)
-    assert [o == "kept in BF16" for o in outcomes] == [t["accepted"] for _, t in sorted(
-        tuned.trials.items(), key=lambda kv: (-kv[1]["seconds"], kv[0]))]
+    assert [o == "kept in BF16" for o in outcomes] == [
+        t["accepted"] for _, t in sorted(tuned.trials.items(), key=lambda kv: (-kv[1]["seconds"], kv[0]))
+    ]
     for name, loss in tuned.validation.items():
         assert f"<td>{name}" in page and f'<td class="num">{loss:.5f}</td>' in page
     assert "Validation" in page and "reference" in page
@@ -326,8 +355,11 @@ values = st.one_of(st.floats(min_value=1e-40, max_value=1e6), st.sampled_from([0
 
 
 @settings(deadline=None)
-@given(st.lists(values, min_size=1, max_size=30), st.floats(min_value=40, max_value=600),
-       st.floats(min_value=1e-6, max_value=10))
+@given(
+    st.lists(values, min_size=1, max_size=30),
+    st.floats(min_value=40, max_value=600),
+    st.floats(min_value=1e-6, max_value=10),
+)
 def test_log_axis_bars(vals, width, threshold):
     axis = report.LogAxis(vals, width, [threshold])
     drawn = []
@@ -352,7 +384,7 @@ def test_log_axis_bars(vals, width, threshold):
                 assert axis.bar(v)[1].startswith("below"), v
     # the oracle: bars grow with the value, and in proportion to its log where no bar is clamped
     drawn.sort()
-    for (a, la), (b, lb) in zip(drawn, drawn[1:]):
+    for (_, la), (_, lb) in zip(drawn, drawn[1:]):
         assert la <= lb + 1e-9
     unclamped = [(v, n) for v, n in drawn if n > report.MIN_BAR]
     if len(unclamped) >= 3 and unclamped[-1][0] > unclamped[0][0] * 1.01:
@@ -363,7 +395,9 @@ def test_log_axis_bars(vals, width, threshold):
     ticks = axis.ticks()
     for (_, xa, ta), (_, xb, tb) in zip(ticks, ticks[1:]):
         gap = xb - xa
-        assert gap > 0 and gap >= (report.text_width(ta, report.TICK_FONT) + report.text_width(tb, report.TICK_FONT)) / 2
+        assert (
+            gap > 0 and gap >= (report.text_width(ta, report.TICK_FONT) + report.text_width(tb, report.TICK_FONT)) / 2
+        )
 
 
 @settings(deadline=None)
@@ -379,7 +413,7 @@ def test_linear_axis_bars(vals, width):
         elif v > 0:
             lengths.append((v, length))
     lengths.sort()
-    for (a, la), (b, lb) in zip(lengths, lengths[1:]):
+    for (_a, la), (_b, lb) in zip(lengths, lengths[1:]):
         assert la <= lb + 1e-9
     ticks = axis.ticks()
     assert ticks[0][1] == 0 and all(x <= width + 1e-9 for _, x, _ in ticks)
@@ -391,10 +425,25 @@ names = st.text(alphabet="abcxyz_.<>&'\"0123456789", min_size=1, max_size=24)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(names, values, values, values), min_size=1, max_size=8, unique_by=lambda t: t[0]))
 def test_any_op_chart_keeps_its_labels_apart(ops):
-    rows = [{"op": name, "list": ["bf16", "fp32", "promote", None][i % 4], "calls": 1, "casts": 1,
-             "max_rel": 0.0, "mean_rel": 0.0, "nonfinite": 0, "own_max_rel": own, "loss_error": loss,
-             "own_by_module": {}, "reason": "", "flagged": False, "fp32_ms": ms, "lists_ms": ms}
-            for i, (name, own, loss, ms) in enumerate(ops)]
+    rows = [
+        {
+            "op": name,
+            "list": ["bf16", "fp32", "promote", None][i % 4],
+            "calls": 1,
+            "casts": 1,
+            "max_rel": 0.0,
+            "mean_rel": 0.0,
+            "nonfinite": 0,
+            "own_max_rel": own,
+            "loss_error": loss,
+            "own_by_module": {},
+            "reason": "",
+            "flagged": False,
+            "fp32_ms": ms,
+            "lists_ms": ms,
+        }
+        for i, (name, own, loss, ms) in enumerate(ops)
+    ]
     for r in rows:  # an error is never None: audit measures one for every row
         r["own_max_rel"] = 0.0 if r["own_max_rel"] is None else r["own_max_rel"]
         r["loss_error"] = 0.0 if r["loss_error"] is None else r["loss_error"]

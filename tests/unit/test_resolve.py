@@ -5,10 +5,10 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import write
 
 import hmp
-from helpers import write
-from hmp.resolve import ORIGINAL, Resolver
+from hmp.core.resolve import ORIGINAL, Resolver
 
 
 def labels(name):
@@ -17,20 +17,32 @@ def labels(name):
 
 def test_mul_binds_function_method_dunders_and_inplace():
     assert {
-        "torch.mul", "torch.Tensor.mul", "torch.Tensor.mul_",
-        "torch.Tensor.__mul__", "torch.Tensor.__rmul__", "torch.Tensor.__imul__",
+        "torch.mul",
+        "torch.Tensor.mul",
+        "torch.Tensor.mul_",
+        "torch.Tensor.__mul__",
+        "torch.Tensor.__rmul__",
+        "torch.Tensor.__imul__",
     } <= labels("mul")
 
 
 def test_matmul_and_truediv_bind_operators():
-    assert {"torch.matmul", "torch.Tensor.matmul", "torch.Tensor.__matmul__", "torch.Tensor.__rmatmul__"} <= labels("matmul")
+    assert {"torch.matmul", "torch.Tensor.matmul", "torch.Tensor.__matmul__", "torch.Tensor.__rmatmul__"} <= labels(
+        "matmul"
+    )
     assert {"torch.Tensor.__truediv__", "torch.Tensor.__rtruediv__", "torch.Tensor.__itruediv__"} <= labels("truediv")
 
 
 def test_relu_binds_functional_and_inplace_forms():
     found = labels("relu")
-    assert {"torch.relu", "torch.relu_", "torch.nn.functional.relu", "torch.nn.functional.relu_",
-            "torch.Tensor.relu", "torch.Tensor.relu_"} <= found
+    assert {
+        "torch.relu",
+        "torch.relu_",
+        "torch.nn.functional.relu",
+        "torch.nn.functional.relu_",
+        "torch.Tensor.relu",
+        "torch.Tensor.relu_",
+    } <= found
     inplace = {s.label for s in Resolver().sites("relu") if s.inplace}
     assert inplace == {"torch.relu_", "torch.nn.functional.relu_", "torch.Tensor.relu_"}
     (f_relu,) = [s for s in Resolver().sites("relu") if s.label == "torch.nn.functional.relu"]

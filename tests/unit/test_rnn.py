@@ -7,12 +7,11 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
+from helpers import skip_without_bf16_lstm, write
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import hmp
-from hmp.resolve import RNN_KERNELS
-
-from helpers import skip_without_bf16_lstm, write
+from hmp.core.resolve import RNN_KERNELS
 
 MODULES = {
     "lstm": lambda: nn.LSTM(8, 6, num_layers=2),
@@ -31,8 +30,10 @@ DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def convert_with(tmp_path, kind, names):
     """Lists holding only ``names`` in ``kind`` (the other lists empty)."""
-    files = {k: write(tmp_path, f"{k}.txt", "\n".join(names) + "\n" if k == kind else "\n")
-             for k in ("bf16", "fp32", "promote")}
+    files = {
+        k: write(tmp_path, f"{k}.txt", "\n".join(names) + "\n" if k == kind else "\n")
+        for k in ("bf16", "fp32", "promote")
+    }
     hmp.convert(bf16_file_path=files["bf16"], fp32_file_path=files["fp32"], promote_file_path=files["promote"])
 
 
@@ -48,8 +49,9 @@ def reference(make, dtype, *inputs):
     inputs in ``dtype``, outside hmp."""
     torch.manual_seed(0)
     module = make().to(dtype)
-    cast = [x.to(dtype) if isinstance(x, (torch.Tensor, PackedSequence)) else tuple(h.to(dtype) for h in x)
-            for x in inputs]
+    cast = [
+        x.to(dtype) if isinstance(x, (torch.Tensor, PackedSequence)) else tuple(h.to(dtype) for h in x) for x in inputs
+    ]
     with hmp.disable_casts():
         return module(*cast)
 

@@ -1,4 +1,4 @@
-"""Optimizer steps run uncast by themselves while converted (hmp/steps.py)."""
+"""Optimizer steps run uncast by themselves while converted (hmp/rules/steps.py)."""
 
 import threading
 
@@ -116,7 +116,7 @@ def test_schedulers_param_groups_zero_grad_and_state_stay_fp32():
         sched.step()
         opt.zero_grad()
         assert hmp.casts_enabled()
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
     for state in opt.state.values():
         for v in state.values():
             assert v.dtype == torch.float32

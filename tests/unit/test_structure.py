@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import hmp
-from hmp import wrap
+from hmp.core import wrap
 
 PACKAGE = Path(hmp.__file__).resolve().parent
 # optional or platform-only modules may be imported where they are needed
@@ -51,8 +51,9 @@ def imported(module, tree):
 
 
 def graph():
-    return {m: {name for _, name, _ in imported(m, tree) if name in SOURCES and name != m}
-            for m, tree in SOURCES.items()}
+    return {
+        m: {name for _, name, _ in imported(m, tree) if name in SOURCES and name != m} for m, tree in SOURCES.items()
+    }
 
 
 def cycles(edges):
@@ -99,16 +100,24 @@ def test_no_import_cycle_between_hmp_modules():
 
 def test_state_is_a_leaf():
     # torch_private (a leaf too) is the one module state may use
-    assert graph()["hmp.state"] <= {"hmp.torch_private"}
-    assert graph()["hmp.torch_private"] == set()
-    assert not [name for _, name, _ in imported("hmp.state", SOURCES["hmp.state"])
-                if name.startswith("hmp") and name != "hmp.torch_private"]
+    assert graph()["hmp.core.state"] <= {"hmp.core.torch_private"}
+    assert graph()["hmp.core.torch_private"] == set()
+    assert not [
+        name
+        for _, name, _ in imported("hmp.core.state", SOURCES["hmp.core.state"])
+        if name.startswith("hmp") and name != "hmp.core.torch_private"
+    ]
 
 
 def test_imports_are_at_module_level():
-    local = [f"{m}:{node.lineno} {name}" for m, tree in SOURCES.items() for node, name, top in imported(m, tree)
-             if not top and name not in LOCAL_IMPORTS_ALLOWED
-             and not (isinstance(node, ast.Import) and all(a.name in LOCAL_IMPORTS_ALLOWED for a in node.names))]
+    local = [
+        f"{m}:{node.lineno} {name}"
+        for m, tree in SOURCES.items()
+        for node, name, top in imported(m, tree)
+        if not top
+        and name not in LOCAL_IMPORTS_ALLOWED
+        and not (isinstance(node, ast.Import) and all(a.name in LOCAL_IMPORTS_ALLOWED for a in node.names))
+    ]
     assert local == []
 
 
@@ -120,10 +129,14 @@ def test_only_conversion_writes_the_runtime():
             for t in targets:
                 while isinstance(t, (ast.Attribute, ast.Subscript)):
                     t = t.value
-                    if isinstance(t, ast.Name) and t.id in ("runtime", "rt") or \
-                            isinstance(t, ast.Attribute) and t.attr == "runtime":
+                    if (
+                        isinstance(t, ast.Name)
+                        and t.id in ("runtime", "rt")
+                        or isinstance(t, ast.Attribute)
+                        and t.attr == "runtime"
+                    ):
                         writers.add(m)
-    assert writers == {"hmp.conversion"}
+    assert writers == {"hmp.core.conversion"}
 
 
 def _thread_state_writes(tree):
@@ -133,7 +146,7 @@ def _thread_state_writes(tree):
         if isinstance(node, (ast.Assign, ast.AugAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
-                for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                for el in t.elts if isinstance(t, ast.Tuple) else [t]:
                     if isinstance(el, ast.Attribute) and el.attr in ("off", "lower_mode"):
                         found.append(node.lineno)
     return found
@@ -143,17 +156,19 @@ def test_one_protocol_writes_the_thread_cast_state():
     # state.enter()/leave() everywhere; the per-call bodies (wrap.py, the
     # BF16 module's mode) inline the pair, and only from off == 0 back to 0
     writers = {m for m, tree in SOURCES.items() if _thread_state_writes(tree)}
-    assert writers == {"hmp.state", "hmp.wrap", "hmp.modules"}
-    for m in ("hmp.wrap", "hmp.modules"):
+    assert writers == {"hmp.core.state", "hmp.core.wrap", "hmp.core.modules"}
+    for m in ("hmp.core.wrap", "hmp.core.modules"):
         lines = SOURCE_TEXT[m].splitlines()
         for n in _thread_state_writes(SOURCES[m]):
-            assert lines[n - 1].strip() in ("st.off = OFF", "st.off = 0") or \
-                lines[n - 1].strip().startswith("st.off = OFF  #"), f"{m}:{n}: {lines[n - 1].strip()}"
+            assert lines[n - 1].strip() in ("st.off = OFF", "st.off = 0") or lines[n - 1].strip().startswith(
+                "st.off = OFF  #"
+            ), f"{m}:{n}: {lines[n - 1].strip()}"
 
 
 def test_no_public_name_shadows_a_module():
-    shadowed = [name for name in dir(hmp) if f"hmp.{name}" in SOURCES
-                and not isinstance(getattr(hmp, name), types.ModuleType)]
+    shadowed = [
+        name for name in dir(hmp) if f"hmp.{name}" in SOURCES and not isinstance(getattr(hmp, name), types.ModuleType)
+    ]
     assert shadowed == []
 
 
@@ -176,8 +191,15 @@ def test_every_kind_of_wrapper_runs_one_body():
     hmp.register(Square, "apply", "fp32")
     try:
         with hmp.converted():
-            for fn in (F.linear, torch.Tensor.mul, torch.Tensor.__iadd__, torch.softmax, Square.apply, user_fn,
-                       hmp.op_wrap(torch.relu, hmp.to_bf16)):
+            for fn in (
+                F.linear,
+                torch.Tensor.mul,
+                torch.Tensor.__iadd__,
+                torch.softmax,
+                Square.apply,
+                user_fn,
+                hmp.op_wrap(torch.relu, hmp.to_bf16),
+            ):
                 bodies.add(fn.__code__)
             assert user_fn(torch.ones(2)).dtype == torch.bfloat16
     finally:
@@ -192,7 +214,8 @@ def test_module_is_importable_under_its_name(name):
     assert isinstance(__import__(f"hmp.{name}", fromlist=["_"]), types.ModuleType)
 
 
-# -- private torch names live in hmp/torch_private.py only ------------------------------------------
+# -- private torch names live in hmp/core/torch_private.py only ------------------------------------------
+
 
 def _private(name):
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
@@ -219,11 +242,15 @@ def _owned_private_names():
     """Private attribute names torch_private reaches (``_version``, ``_enabled``
     ...): no other module may name them, as attributes or as strings."""
     owned = set()
-    for node in ast.walk(SOURCES["hmp.torch_private"]):
+    for node in ast.walk(SOURCES["hmp.core.torch_private"]):
         if isinstance(node, ast.Attribute) and _private(node.attr):
             owned.add(node.attr)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier() \
-                and _private(node.value):
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.isidentifier()
+            and _private(node.value)
+        ):
             owned.add(node.value)
     return owned
 
@@ -238,18 +265,37 @@ def private_torch_accesses(module, tree, owned):
             if parts[0] == "torch" and (any(map(_private, parts)) or any(_private(a.name) for a in node.names)):
                 found.append(f"{where} from {node.module} import ...")
         elif isinstance(node, ast.Import):
-            found += [f"{where} import {a.name}" for a in node.names
-                      if a.name.split(".")[0] == "torch" and any(map(_private, a.name.split(".")))]
-        elif isinstance(node, ast.Attribute) and _private(node.attr) and (_rooted(node.value, roots)
-                                                                            or node.attr in owned):
+            found += [
+                f"{where} import {a.name}"
+                for a in node.names
+                if a.name.split(".")[0] == "torch" and any(map(_private, a.name.split(".")))
+            ]
+        elif (
+            isinstance(node, ast.Attribute)
+            and _private(node.attr)
+            and (_rooted(node.value, roots) or node.attr in owned)
+        ):
             found.append(f"{where} .{node.attr}")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1 \
-                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str) \
-                and _private(node.args[1].value) and _rooted(node.args[0], roots):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+            and _rooted(node.args[0], roots)
+        ):
             found.append(f"{where} {node.func.id}(..., {node.args[1].value!r})")
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (
-                node.value in owned or re.fullmatch(r"torch(\.\w+)+", node.value) and any(map(_private, node.value.split(".")))):
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and (
+                node.value in owned
+                or re.fullmatch(r"torch(\.\w+)+", node.value)
+                and any(map(_private, node.value.split(".")))
+            )
+        ):
             found.append(f"{where} {node.value!r}")
     return found
 
@@ -257,12 +303,16 @@ def private_torch_accesses(module, tree, owned):
 def test_private_torch_names_only_in_torch_private():
     owned = _owned_private_names()
     assert {"_version", "_enabled", "_flat_weights", "_worker_loop", "_engine_run_backward"} <= owned
-    found = [hit for m, tree in SOURCES.items() if m != "hmp.torch_private"
-             for hit in private_torch_accesses(m, tree, owned)]
+    found = [
+        hit
+        for m, tree in SOURCES.items()
+        if m != "hmp.core.torch_private"
+        for hit in private_torch_accesses(m, tree, owned)
+    ]
     assert found == []
 
 
-PLANTED = '''
+PLANTED = """
 import torch
 import torch.utils.checkpoint as ckpt
 from torch.utils._pytree import tree_map
@@ -273,7 +323,7 @@ c = getattr(torch.autograd, "_engine_run_backward", None)
 d = t._version
 e = "torch._C._nn"
 f = torch.nn.functional.linear
-'''
+"""
 
 
 def test_the_private_name_check_finds_planted_accesses():
@@ -297,8 +347,15 @@ def test_tests_are_filed_by_kind():
 
 
 def test_tests_import_shared_code_from_helpers_not_conftest():
-    offenders = [str(p.relative_to(TESTS)) for p in TESTS.rglob("*.py")
-                 if any(isinstance(n, ast.ImportFrom) and n.module == "conftest" or
-                        isinstance(n, ast.Import) and any(a.name == "conftest" for a in n.names)
-                        for n in ast.walk(ast.parse(p.read_text())))]
+    offenders = [
+        str(p.relative_to(TESTS))
+        for p in TESTS.rglob("*.py")
+        if any(
+            isinstance(n, ast.ImportFrom)
+            and n.module == "conftest"
+            or isinstance(n, ast.Import)
+            and any(a.name == "conftest" for a in n.names)
+            for n in ast.walk(ast.parse(p.read_text()))
+        )
+    ]
     assert not offenders, offenders

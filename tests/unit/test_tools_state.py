@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import hmp
-from hmp.conversion import current
+from hmp.core.conversion import current
 
 
 def data(seed=0, n=32, features=16, out=8):
@@ -22,8 +22,12 @@ def same(a, b):
     """Bit for bit (0.0 and -0.0 differ)."""
     if a is None or b is None:
         return a is b
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) and \
-        (not a.is_floating_point() or torch.equal(torch.signbit(a), torch.signbit(b)))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a, b)
+        and (not a.is_floating_point() or torch.equal(torch.signbit(a), torch.signbit(b)))
+    )
 
 
 def copies(tensors):
@@ -280,8 +284,9 @@ def test_tune_takes_a_step_returning_a_model_output():
 
 # -- writing the list files --------------------------------------------------------------------------
 
+
 def result():
-    from hmp.tuning import TuneResult
+    from hmp.tools.tuning import TuneResult
 
     lists = {"bf16": ["linear", "mm"], "fp32": ["softmax"], "promote": []}
     return TuneResult(lists, lists, None, {}, {"fp32": 1.0}, {})
@@ -291,8 +296,11 @@ def test_write_checks_both_paths_before_writing_either(tmp_path):
     bf16 = tmp_path / "b.txt"
     bf16.write_text("linear\n")
     (tmp_path / "file").write_text("")
-    for fp32, why in [(tmp_path / "missing" / "f.txt", "does not exist"), (tmp_path / "file" / "f.txt", "is not a directory"),
-                      (tmp_path, "is a directory")]:
+    for fp32, why in [
+        (tmp_path / "missing" / "f.txt", "does not exist"),
+        (tmp_path / "file" / "f.txt", "is not a directory"),
+        (tmp_path, "is a directory"),
+    ]:
         with pytest.raises(ValueError, match=f"hmp.tune: cannot write .*{why}"):
             result().write(bf16, fp32)
         assert bf16.read_text() == "linear\n"  # the existing BF16 file is untouched
@@ -309,7 +317,7 @@ def test_write_rejects_one_file_for_both_lists(tmp_path):
 
 
 def test_write_is_all_or_nothing_when_writing_fails(tmp_path, monkeypatch):
-    from hmp import files
+    from hmp.tools import files
 
     bf16, fp32 = tmp_path / "b.txt", tmp_path / "f.txt"
     bf16.write_text("old bf16\n")
@@ -334,8 +342,8 @@ def test_write_is_all_or_nothing_when_writing_fails(tmp_path, monkeypatch):
 
 
 def test_tune_cli_checks_its_output_paths_before_tuning(tmp_path, monkeypatch, capsys):
-    from hmp import tuning
     from hmp.__main__ import main
+    from hmp.tools import tuning
 
     def tune(*args, **kwargs):
         raise AssertionError("tuned before checking the output paths")

@@ -2,14 +2,13 @@
 the running torch: a new release that breaks one fails here, by name."""
 
 import re
-import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-from hmp import torch_private as tp
 from helpers import clone_with_backward
+
+from hmp.core import torch_private as tp
 
 
 def test_tensor_base_has_the_cast_methods():
@@ -76,6 +75,7 @@ def test_vf_serves_the_rnn_kernels():
 
 def test_private_aten_homes_hold_aten_builtins():
     import importlib
+
     for home in tp.ATEN_PRIVATE_HOMES:
         module = importlib.import_module(home)
         assert any(isinstance(v, type(torch.relu)) for v in vars(module).values()), home
@@ -167,8 +167,10 @@ def test_checkpoint_generator_is_what_non_reentrant_checkpoint_calls():
 
     setattr(module, name, counting)
     try:
+
         def body(x):
             return x.sin()
+
         module.checkpoint(body, torch.ones(2, requires_grad=True), use_reentrant=False).sum().backward()
     finally:
         setattr(module, name, original)

@@ -12,15 +12,15 @@ module class, ``Recenter``, while ``sub`` also runs harmlessly in another
 
 import json
 
-from helpers import planted
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import planted
 
 import hmp
-from hmp.conversion import current
-from hmp.record import Recorder
-from hmp.tuning import TuneResult
+from hmp.core.conversion import current
+from hmp.tools.record import Recorder
+from hmp.tools.tuning import TuneResult
 
 OFFSET = planted.OFFSET
 
@@ -61,7 +61,7 @@ def hooks_left(model):
 
 @pytest.fixture
 def unsafe_lists(tmp_path):
-    from hmp.lists import default_path
+    from hmp.core.lists import default_path
 
     path = tmp_path / "bf16.txt"
     path.write_text(default_path("bf16.txt").read_text() + "sub\n")
@@ -99,8 +99,11 @@ def losses_after(make_problem, unsafe, bf16, fp32, steps=60):
     """Final training losses from the same start: fp32, the unsafe lists,
     and the list files tune wrote (``bf16``, ``fp32``)."""
     losses = {}
-    for name, kwargs in [("fp32", None), ("unsafe", {"bf16_file_path": unsafe}),
-                         ("tuned", {"bf16_file_path": bf16, "fp32_file_path": fp32})]:
+    for name, kwargs in [
+        ("fp32", None),
+        ("unsafe", {"bf16_file_path": unsafe}),
+        ("tuned", {"bf16_file_path": bf16, "fp32_file_path": fp32}),
+    ]:
         model, opt, step, x, y = make_problem()
         hmp.revert()
         if kwargs is not None:
@@ -133,7 +136,7 @@ def test_recorder_is_gone_after_profile():
     hmp.convert()
     hmp.profile(step, x, y, state=(model, opt))
     # an ordinary wrapper: no recorder closure anywhere in the live conversion
-    from hmp.state import runtime
+    from hmp.core.state import runtime
 
     assert runtime.wrappers.recorder is None
     assert not any(isinstance(c.cell_contents, Recorder) for c in (F.linear.__closure__ or ()))
@@ -204,7 +207,9 @@ def test_audit_names_the_unsafe_module_class(unsafe_lists):
     lines = report.table().splitlines()
     ops, top_module, top_class = [lines[i + 1] for i, line in enumerate(lines) if line.startswith("|---")]
     assert top_module.startswith("| recenter | helpers.planted.Recenter | 1 |")
-    assert top_class.startswith("| helpers.planted.Recenter | 1 | 1 |") and top_class.endswith("| sub error 0.96 > 0.05 |")
+    assert top_class.startswith("| helpers.planted.Recenter | 1 | 1 |") and top_class.endswith(
+        "| sub error 0.96 > 0.05 |"
+    )
     assert hooks_left(model) == []
     assert_same_state(before, model, opt)
 
@@ -252,8 +257,11 @@ def test_write_module_classes_as_import_paths(tmp_path):
     assert current().modules["fp32"] == (planted.Recenter,) and "sub" in current().lists["bf16"]
 
     result.modules = {"bf16": (), "fp32": (planted.Recenter, Local)}
-    with pytest.raises(ValueError, match=r"Local .*'test_tune\.test_write_module_classes_as_import_paths\.<locals>"
-                                         r"\.Local' does not load it"):
+    with pytest.raises(
+        ValueError,
+        match=r"Local .*'test_tune\.test_write_module_classes_as_import_paths\.<locals>"
+        r"\.Local' does not load it",
+    ):
         result.write(tmp_path / "b2.txt", tmp_path / "f2.txt")
     assert not (tmp_path / "b2.txt").exists() and not (tmp_path / "f2.txt").exists()
 

@@ -139,8 +139,9 @@ def test_no_lost_type_and_no_new_errors(kind):
             problems.append(f"{name}: {type(got).__name__}, torch gives {type(plain).__name__}")
         shapes = (None, None) if got.is_nested else (tuple(got.shape), tuple(plain.shape))
         if got.layout != plain.layout or got.device != plain.device or shapes[0] != shapes[1]:
-            problems.append(f"{name}: {got.layout}/{got.device}/{shapes[0]} vs "
-                            f"{plain.layout}/{plain.device}/{shapes[1]}")
+            problems.append(
+                f"{name}: {got.layout}/{got.device}/{shapes[0]} vs {plain.layout}/{plain.device}/{shapes[1]}"
+            )
         if name in INPLACE:
             if got is not x or got.dtype != dtype:
                 problems.append(f"{name}: in-place result is not the written tensor with its dtype")
@@ -161,8 +162,12 @@ def test_parameter_and_subclasses_keep_their_type():
         assert F.relu(p, inplace=True) is p and type(p) is torch.nn.Parameter
     for cls in (Sub, Traced):
         x = torch.randn(4, 4).as_subclass(cls)
-        for out, dtype in ((torch.mm(x, x), BF16), (torch.softmax(x.bfloat16(), -1), FP32),
-                           (torch.add(x, x.bfloat16()), FP32), (x @ x, BF16)):
+        for out, dtype in (
+            (torch.mm(x, x), BF16),
+            (torch.softmax(x.bfloat16(), -1), FP32),
+            (torch.add(x, x.bfloat16()), FP32),
+            (x @ x, BF16),
+        ):
             assert type(out) is cls and out.dtype == dtype
         y = x.clone()
         assert y.mul_(x.bfloat16()) is y and type(y) is cls and y.dtype == FP32
@@ -183,8 +188,12 @@ def test_meta_and_zero_size_follow_the_rules():
 def test_views_compute_what_explicit_casts_compute():
     hmp.convert()
     base = torch.randn(6, 8)
-    views = {"t": base.t(), "strided": base[:, ::2], "expand": base[:, :1].expand(6, 6),
-             "as_strided": base.view(-1).as_strided((6, 6), (1, 1))}
+    views = {
+        "t": base.t(),
+        "strided": base[:, ::2],
+        "expand": base[:, :1].expand(6, 6),
+        "as_strided": base.view(-1).as_strided((6, 6), (1, 1)),
+    }
     for name, v in views.items():
         with hmp.disable_casts():
             expect_mm = torch.mm(v.bfloat16(), v.t().bfloat16())
@@ -238,7 +247,7 @@ def test_sparse_coo_runs_in_the_lower_dtype_like_dense():
 
 @pytest.fixture
 def fresh_no_kernel_warnings(monkeypatch):
-    from hmp import state
+    from hmp.core import state
 
     monkeypatch.setattr(state, "warned", set())
 
@@ -277,7 +286,7 @@ def test_no_kernel_falls_back_to_fp32_when_an_input_was_already_lowered(fresh_no
 
 
 def test_the_fp32_fallback_never_replaces_a_written_tensor():
-    from hmp.errors import Wrapped
+    from hmp.diagnostics.errors import Wrapped
 
     assert Wrapped("torch.Tensor.mul_", "mul", "bf16", inplace=True).writes((1, 2), {})
     assert Wrapped("torch.mm", "mm", "bf16").writes((1, 2), {"out": 3})
@@ -308,6 +317,11 @@ def test_fake_tensors_stay_fake():
     hmp.convert()
     with fake_tensor.FakeTensorMode():
         x = torch.randn(4, 4)
-        for out, dtype in ((torch.mm(x, x), BF16), (F.linear(x, x), BF16), (torch.softmax(x.bfloat16(), -1), FP32),
-                           (torch.add(x, x.bfloat16()), FP32), (x.mul_(x.bfloat16()), FP32)):
+        for out, dtype in (
+            (torch.mm(x, x), BF16),
+            (F.linear(x, x), BF16),
+            (torch.softmax(x.bfloat16(), -1), FP32),
+            (torch.add(x, x.bfloat16()), FP32),
+            (x.mul_(x.bfloat16()), FP32),
+        ):
             assert isinstance(out, fake_tensor.FakeTensor) and out.dtype == dtype

@@ -5,9 +5,9 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same, snapshot, write
 
 import hmp
-from helpers import assert_same, snapshot, write
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -42,7 +42,9 @@ def test_explicit_argument_wins_over_env(tmp_path, monkeypatch):
 
 def test_env_list_errors_name_the_variable(tmp_path, monkeypatch, pristine):
     monkeypatch.setenv("FP32_LIST", str(write(tmp_path, "bad.txt", "sofmax\n")))
-    with pytest.raises(ValueError, match=r"\$FP32_LIST.*bad\.txt.*\n.*line 1: unknown op 'sofmax'; did you mean softmax"):
+    with pytest.raises(
+        ValueError, match=r"\$FP32_LIST.*bad\.txt.*\n.*line 1: unknown op 'sofmax'; did you mean softmax"
+    ):
         hmp.convert()
     monkeypatch.setenv("FP32_LIST", str(tmp_path / "missing.txt"))
     with pytest.raises(OSError, match="FP32_LIST.*missing.txt"):

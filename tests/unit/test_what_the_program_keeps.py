@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import write
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from helpers import write
 
 FP32, BF16 = torch.float32, torch.bfloat16
 
@@ -64,8 +64,14 @@ def test_a_model_built_after_convert_holds_what_plain_torch_builds(scale, init_v
 
 def test_from_pretrained_after_convert_loads_the_checkpoints_values(tmp_path):
     transformers = pytest.importorskip("transformers")
-    config = transformers.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2,
-                                         num_labels=2, layer_scale_init_value=0.1234567)
+    config = transformers.ConvNextConfig(
+        num_channels=3,
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        num_stages=2,
+        num_labels=2,
+        layer_scale_init_value=0.1234567,
+    )
     torch.manual_seed(0)
     transformers.ConvNextForImageClassification(config).save_pretrained(tmp_path)
     plain = transformers.ConvNextForImageClassification.from_pretrained(tmp_path).state_dict()
@@ -83,7 +89,8 @@ def _package(tmp_path, name):
     root = tmp_path / "site"
     (root / name).mkdir(parents=True)
     (root / name / "__init__.py").write_text("")
-    (root / name / "updates.py").write_text(textwrap.dedent("""
+    (root / name / "updates.py").write_text(
+        textwrap.dedent("""
         import torch
 
         def soft(target, source, tau):
@@ -92,12 +99,13 @@ def _package(tmp_path, name):
         class Updater:
             def update(self, x):
                 return x * 0.5, torch.is_grad_enabled()
-    """))
+    """)
+    )
     return root
 
 
 def test_an_entry_of_a_module_imported_after_convert_runs_uncast(tmp_path, monkeypatch):
-    name = f"hmp_late_{id(tmp_path) & 0xffff:x}"
+    name = f"hmp_late_{id(tmp_path) & 0xFFFF:x}"
     monkeypatch.syspath_prepend(str(_package(tmp_path, name)))
     entries = write(tmp_path, "uncast.txt", f"include default\n{name}.updates.soft\n{name}.updates.Updater.update\n")
     x = torch.randn(4)
@@ -114,7 +122,7 @@ def test_an_entry_of_a_module_imported_after_convert_runs_uncast(tmp_path, monke
         assert (x * 0.5).dtype == BF16  # the same op outside the entries still casts
     assert not hasattr(updates.soft, "__hmp_original__")  # the module's own function again
     assert not hasattr(Mine.update, "__hmp_original__")
-    assert not any(type(f).__module__ == "hmp.imports" for f in sys.meta_path)
+    assert not any(type(f).__module__ == "hmp.core.imports" for f in sys.meta_path)
 
 
 def test_a_user_list_of_entries_is_checked_and_can_take_one_out(tmp_path):
@@ -146,13 +154,21 @@ def test_the_shipped_entries_are_shown_and_every_line_is_a_dotted_path():
 def test_peft_merge_while_converted_is_a_plain_merge():
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
     def merged(convert):
         torch.manual_seed(0)
-        model = peft.get_peft_model(transformers.LlamaForCausalLM(config),
-                                    peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        model = peft.get_peft_model(
+            transformers.LlamaForCausalLM(config),
+            peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        )
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 nn.init.normal_(p, std=0.05)
@@ -185,18 +201,20 @@ def test_a_diffusers_scheduler_step_runs_uncast_and_keeps_latents_float32():
 
 
 def test_default_module_entries_are_shown_and_resolve_when_imported(tmp_path, monkeypatch):
-    name = f"hmp_rope_{id(tmp_path) & 0xffff:x}"
+    name = f"hmp_rope_{id(tmp_path) & 0xFFFF:x}"
     root = tmp_path / "site"
     (root / name / "models" / "tiny").mkdir(parents=True)
     for d in (root / name, root / name / "models", root / name / "models" / "tiny"):
         (d / "__init__.py").write_text("")
-    (root / name / "models" / "tiny" / "modeling_tiny.py").write_text(textwrap.dedent("""
+    (root / name / "models" / "tiny" / "modeling_tiny.py").write_text(
+        textwrap.dedent("""
         import torch
 
         class TinyRotaryEmbedding(torch.nn.Module):
             def forward(self, position_ids, inv_freq):
                 return (position_ids[:, None].float() * inv_freq[None]).cos()
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(root))
     fp32 = write(tmp_path, "f.txt", f"include default\n{name}.models.*.modeling_*.*RotaryEmbedding\n")
     positions, inv_freq = torch.arange(4000, 4016), torch.tensor([1.0, 0.5])
@@ -214,8 +232,15 @@ def test_llama_rotary_angles_at_long_positions_are_float32():
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama import modeling_llama
 
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    )
     rope = modeling_llama.LlamaRotaryEmbedding(config=config)
     x = torch.randn(1, 16, 32)
     positions = torch.arange(4000, 4016)[None]
@@ -234,7 +259,7 @@ def test_llama_rotary_angles_at_long_positions_are_float32():
 def test_training_lower_precision_parameters_is_said_once(dtype):
     model = nn.Linear(4, 2).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    hmp.state.warned.discard(("no master weights", torch.optim.SGD))
+    hmp.core.state.warned.discard(("no master weights", torch.optim.SGD))
     with hmp.converted():
         with pytest.warns(UserWarning, match="no float32 master weights") as record:
             for _ in range(3):

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import write
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from helpers import write
-from hmp.resolve import Resolver
+from hmp.core.resolve import Resolver
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DTYPES = st.sampled_from([BF16, FP16, FP32])
@@ -68,8 +68,11 @@ def test_every_site_knows_the_arguments_its_schema_writes():
 def test_running_statistics_are_written_into_the_modules_buffers(tmp_path_factory, kind, dtype, momentum, norm):
     tmp_path = tmp_path_factory.mktemp("lists")
     torch.manual_seed(0)
-    make = (lambda: nn.BatchNorm1d(4, momentum=momentum)) if norm == "batch" else (
-        lambda: nn.InstanceNorm1d(4, momentum=momentum, track_running_stats=True))
+    make = (
+        (lambda: nn.BatchNorm1d(4, momentum=momentum))
+        if norm == "batch"
+        else (lambda: nn.InstanceNorm1d(4, momentum=momentum, track_running_stats=True))
+    )
     x = torch.randn(6, 4, 5) * 3 + 2
     plain, mixed = make().to(dtype).train(), make().to(dtype).train()
     for _ in range(3):
@@ -77,7 +80,9 @@ def test_running_statistics_are_written_into_the_modules_buffers(tmp_path_factor
     with _listed(tmp_path, kind, [f"{norm}_norm"]):
         for _ in range(3):
             mixed(x.to(dtype))
-    assert mixed.running_mean.dtype == dtype and not torch.equal(mixed.running_mean, torch.zeros_like(plain.running_mean))
+    assert mixed.running_mean.dtype == dtype and not torch.equal(
+        mixed.running_mean, torch.zeros_like(plain.running_mean)
+    )
     # the BF16 rule computes the stats in bf16 (the default BF16 list names both norms and wins over promote)
     computed = BF16 if kind != "fp32" and dtype == FP32 else dtype
     tol = {BF16: 3e-2, FP16: 3e-3, FP32: 1e-3}[computed]
@@ -122,7 +127,7 @@ def test_a_partial_write_rounds_nothing_else():
     def set_first(x):
         x[0] = 7.0
 
-    x = torch.tensor([1.0, 1.0 + 2 ** -20, 3.14159265])
+    x = torch.tensor([1.0, 1.0 + 2**-20, 3.14159265])
     expected = x.clone()
     expected[0] = 7.0
     with hmp.converted():

@@ -1,0 +1,182 @@
+"""The weight-cast cache: lower-precision copies of weights that cannot go stale.
+
+Correct by construction: no copy outlives the reason it was made.
+
+- Grad mode: a copy is held only through a weak reference. torch keeps a
+  tensor's Python object alive while the autograd graph saves it, so the
+  copy lives exactly as long as the graph that uses it: backward, or
+  dropping the output, frees it. A weight
+  used several times in one forward (tied embeddings, an RNN cell) is cast
+  once; the next step casts again.
+- No grad: copies are not kept across calls, except inside
+  ``hmp.frozen_weights()``, where the caller states the weights do not
+  change; there they persist (per thread) until the outermost block exits.
+- Every optimizer step (torch's global step post hook, see hmp/rules/steps.py)
+  and ``clear_cache()`` drop every copy.
+
+Within those lifetimes an entry (named fields, see ``_Entry``) is also
+checked against what can change cheaply (version counter, data pointer,
+requires_grad), and it holds the source storage so its address cannot be
+reused. A write through the
+``p.data`` alias bumps no counter: it is invisible only while a graph that
+saved the old copy is still alive (``retain_graph=True``) or inside
+``frozen_weights()``. The cache steps aside for inference tensors (no
+version counter), under functorch transforms (their tensors have no
+storage), while ``torch.jit.trace`` runs (a cached copy would be recorded
+as a constant) and while torch.compile traces (fake tensors).
+"""
+
+import contextlib
+import weakref
+
+import torch
+
+from hmp.core import torch_private
+from hmp.core.policy import CASTS
+from hmp.core.state import copies, tls
+
+_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
+_tracing_state = torch_private.tracing_state
+_transforms_active = torch_private.functorch_transforms_active
+_version = torch_private.version_of
+_Parameter = torch.nn.Parameter
+_Fake = torch_private.FakeTensor
+
+
+class _Frozen:
+    """One thread's frozen_weights() stores, registered so clear() reaches them."""
+
+    __slots__ = ("stores", "__weakref__")
+
+    def __init__(self):
+        self.stores = {d: {} for d in copies.dtypes}
+
+
+class _Entry:
+    """A cached copy and what it was cast from. ``copy``: a weak reference to
+    the copy (grad mode) or the copy itself (frozen_weights); ``version``,
+    ``ptr``, ``grad``: the source's version counter, data pointer and
+    requires_grad at the cast; ``storage`` holds the source storage so its
+    address cannot be reused; ``source``: a weak reference to the source
+    that drops the entry with it."""
+
+    __slots__ = ("copy", "version", "ptr", "grad", "storage", "source")
+
+
+def _forget(store, key):
+    return lambda _ref: store.pop(key, None)
+
+
+def _keep(store, t, copy, old, weak):
+    """Record ``copy`` of ``t`` in ``store`` (replacing ``old``), unless
+    ``t`` has nothing stable to check a later call against."""
+    if isinstance(t, _Fake):  # no real storage (FakeTensorMode)
+        return
+    try:
+        version, ptr = _version(t), t.data_ptr()
+    except RuntimeError:  # an inference tensor (no version counter); a fake one (torch < 2.6 compiles eagerly)
+        return
+    if _transforms_active():  # the copy is wrapped at the transform's level: it must not escape
+        return
+    e = _Entry()  # a new entry, stored in one step: a thread reading the old one never sees a mix
+    # torch keeps a tensor's Python object alive while C++ (a graph's saved
+    # tensors) holds it, so the weak reference lives as long as that (2.4 to 2.14)
+    e.copy = weakref.ref(copy) if weak else copy
+    e.version, e.ptr, e.grad, e.storage = version, ptr, t.requires_grad, t.untyped_storage()
+    key = id(t)
+    e.source = old.source if old is not None else weakref.ref(t, _forget(store, key))
+    store[key] = e
+
+
+def size():
+    """Usable entries: live grad-mode copies and this thread's frozen ones."""
+    n = sum(1 for s in copies.live.values() for e in list(s.values()) if e.copy() is not None)
+    frozen = tls.frozen
+    return n + (sum(len(s) for s in frozen.stores.values()) if frozen is not None else 0)
+
+
+def _dead():
+    return None
+
+
+def clear_cache():
+    """Drop every cached lower-precision copy. A grad-mode entry stays as an
+    empty one, so the weight's next cast (each training step) reuses its
+    weak reference to the weight instead of making another."""
+    for store in copies.live.values():
+        for e in list(store.values()):
+            e.copy, e.storage = _dead, None
+    for frozen in list(copies.frozen):
+        for store in frozen.stores.values():
+            store.clear()
+
+
+def caster(dtype):
+    """A one-argument cast to ``dtype`` that goes through the cache for
+    parameters and other leaf tensors that require grad. A hit is one
+    dictionary lookup and a check of the entry's named fields."""
+    plain = CASTS[dtype]
+    live = copies.live[dtype]
+
+    def cast(t):
+        if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
+            return plain(t)
+        if _is_compiling() or _tracing_state() is not None:
+            return plain(t)  # compile: fake tensors; jit.trace: a cached copy would become a constant
+        if _grad_enabled():
+            e = live.get(id(t))
+            if e is not None:
+                copy = e.copy()
+                if (
+                    copy is not None
+                    and e.version == _version(t)
+                    and e.ptr == t.data_ptr()
+                    and e.grad is t.requires_grad
+                ):
+                    return copy
+            copy = plain(t)
+            _keep(live, t, copy, e, True)
+            return copy
+        frozen = tls.frozen
+        if frozen is None:
+            return plain(t)
+        store = frozen.stores[dtype]
+        e = store.get(id(t))
+        if e is not None and e.version == _version(t) and e.ptr == t.data_ptr():
+            return e.copy
+        copy = plain(t)
+        _keep(store, t, copy, e, False)
+        return copy
+
+    return cast
+
+
+def casters():
+    """dtype -> cast through the cache, for every dtype hmp casts to."""
+    return {dtype: caster(dtype) for dtype in CASTS}
+
+
+@contextlib.contextmanager
+def frozen_weights():
+    """A block in which the weights do not change, so no-grad casts of them
+    are kept across calls (fast repeated inference); dropped on exit.
+
+    Thread-local and nestable, like ``torch.autocast``. hmp still sees
+    in-place ops, ``p.data = ...``, ``load_state_dict`` and optimizer steps
+    inside the block; what it cannot see is an in-place write through the
+    ``p.data`` alias, which is what you promise not to do here. Outside the
+    block no-grad casts are never reused, so the default is always exact."""
+    st = tls
+    if st.frozen_depth == 0:
+        st.frozen = _Frozen()
+        copies.frozen.add(st.frozen)
+    st.frozen_depth += 1
+    try:
+        yield
+    finally:
+        st.frozen_depth -= 1
+        if st.frozen_depth == 0:
+            for store in st.frozen.stores.values():
+                store.clear()
+            st.frozen = None

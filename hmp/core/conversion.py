@@ -1,0 +1,416 @@
+"""convert() and revert(): the pipeline, and the only writer of ``state.runtime``
+(the conversion in force; threads' cast state goes through ``state.enter``/``leave``).
+
+convert() validates its options, loads the lists (lists.py), resolves their
+names to the sites they bind (resolve.py), builds each site's wrapper with
+the policy its list gives it (wrap.py, policy.py) and only then patches,
+through the undo log (patch.py). Everything that can fail happens before
+the first namespace changes, so a failed convert() leaves torch as it was.
+"""
+
+import contextlib
+import logging
+import os
+from typing import NamedTuple
+
+import torch
+
+from hmp import tested
+from hmp.core import cache, imports, lists, modules, wrap
+from hmp.core.cache import clear_cache
+from hmp.core.patch import PatchLog
+from hmp.core.policy import CASTS
+from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label, returns_view, unwrap
+from hmp.core.state import close_block, runtime
+from hmp.diagnostics import errors, interop
+from hmp.rules import (
+    buffers,
+    checkpoint,
+    functions,
+    pickling,
+    region_factories,
+    regions,
+    rnn,
+    steps,
+    uncast_calls,
+    weight_writes,
+)
+
+log = logging.getLogger("hmp")
+
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class Options(NamedTuple):
+    opt_level: str = "O1"
+    low: torch.dtype = torch.bfloat16  # the lower-precision dtype
+    verbose: bool = False
+    cache: bool = True  # the weight-cast cache (hmp/core/cache.py)
+
+
+NO_MODULES = {"bf16": (), "fp32": ()}
+
+
+class Conversion(NamedTuple):
+    """What one convert() installed; ``apply()`` installs it again."""
+
+    lists: dict  # "bf16", "fp32", "promote" -> set of op names
+    options: Options
+    extra: tuple = ()  # (namespace, attr, value) patched along with it (the Lightning plugin's)
+    modules: dict = NO_MODULES  # "bf16", "fp32" -> module classes and instances (hmp/core/modules.py)
+    uncast: tuple = ()  # uncast_calls.Entry: code that runs with casts off (building, averaging, merging)
+
+
+def _looks_like_path(text):
+    """A string a Habana-era caller meant as fp16_file_path (a separator, a
+    file suffix, or a file that exists), not a word like "yes"."""
+    text = os.fsdecode(text)
+    return os.sep in text or "/" in text or os.path.splitext(text)[1] != "" or os.path.exists(text)
+
+
+def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bfloat16, cache=True):
+    if opt_level not in lists.OPT_LEVELS:
+        raise ValueError(f"hmp: opt_level must be one of {', '.join(lists.OPT_LEVELS)}, got {opt_level!r}")
+    if low_precision_type not in LOW_DTYPES:
+        raise ValueError(f"hmp: low_precision_type must be torch.bfloat16 or torch.float16, got {low_precision_type!r}")
+    if isinstance(isVerbose, (str, bytes)) and not _looks_like_path(isVerbose):
+        raise TypeError(f"hmp: isVerbose must be a bool (True or False), got the string {isVerbose!r}")
+    if isinstance(isVerbose, (str, bytes)) or hasattr(isVerbose, "__fspath__"):
+        raise TypeError(
+            f"hmp: isVerbose must be a bool, got the path {isVerbose!r}: hmp's 4th positional parameter "
+            f"is isVerbose (Habana's later HMP put fp16_file_path there); pass fp16_file_path= by keyword"
+        )
+    if not isinstance(isVerbose, bool):
+        raise TypeError(f"hmp: isVerbose must be a bool, got {isVerbose!r}")
+    if not isinstance(cache, bool):
+        raise TypeError(f"hmp: cache must be a bool, got {cache!r}")
+    return Options(opt_level, low_precision_type, isVerbose, cache)
+
+
+def plan(
+    opt_level="O1",
+    bf16_file_path="",
+    fp32_file_path="",
+    isVerbose=False,
+    low_precision_type=torch.bfloat16,
+    *,
+    promote_file_path="",
+    cache=True,
+    fp16_file_path="",
+    fp32_modules=None,
+    bf16_modules=None,
+    model=None,
+    uncast_file_path="",
+    resolver=None,
+):
+    """The Conversion convert() would install, checked; changes nothing."""
+    options = check_options(opt_level, isVerbose, low_precision_type, cache)
+    effective, classes = lists.effective(
+        resolver or Resolver(),
+        opt_level,
+        bf16_file_path,
+        fp32_file_path,
+        promote_file_path,
+        fp16=fp16_file_path,
+        low=low_precision_type,
+    )
+    fp32 = modules.targets(fp32_modules, model, "fp32_modules")
+    bf16 = modules.targets(bf16_modules, model, "bf16_modules")
+    return Conversion(effective, options, (), modules.merge(classes, fp32, bf16), uncast_calls.load(uncast_file_path))
+
+
+def convert(
+    opt_level="O1",
+    bf16_file_path="",
+    fp32_file_path="",
+    isVerbose=False,
+    low_precision_type=torch.bfloat16,
+    *,
+    promote_file_path="",
+    cache=True,
+    fp16_file_path="",
+    fp32_modules=None,
+    bf16_modules=None,
+    model=None,
+    uncast_file_path="",
+):
+    """Patch torch so listed ops run in the dtypes their lists say.
+
+    ``""`` or ``None`` for a path means the list named by the environment
+    (``LOWER_LIST``/``FP32_LIST``, then ``PT_HPU_AUTOCAST_*``), else the
+    default. Calling it again re-configures; it never wraps a wrapper. Raises
+    before patching anything. ``cache=False`` turns off the weight-cast cache
+    (see hmp/core/cache.py). ``fp16_file_path`` has the meaning of Habana's HMP:
+    the lower-precision list when ``low_precision_type=torch.float16``
+    (ignored, with a warning, under bfloat16). ``fp32_modules`` /
+    ``bf16_modules``: module classes, instances, or names matched against
+    ``model.named_modules()`` (``"lm_head"``, ``"*.post_attention_layernorm"``)
+    whose whole forward runs under that list's rule (hmp/core/modules.py), as
+    module entries of the list files do. ``uncast_file_path``: the entry
+    points that run with casts off (hmp/rules/uncast_calls.py); ``""`` is the
+    shipped list.
+    """
+    with runtime.lock:
+        resolver = Resolver()  # one for checking the lists and binding them: names resolve once
+        wanted = plan(
+            opt_level,
+            bf16_file_path,
+            fp32_file_path,
+            isVerbose,
+            low_precision_type,
+            promote_file_path=promote_file_path,
+            cache=cache,
+            fp16_file_path=fp16_file_path,
+            fp32_modules=fp32_modules,
+            bf16_modules=bf16_modules,
+            model=model,
+            uncast_file_path=uncast_file_path,
+            resolver=resolver,
+        )
+        interop.warn_inside_autocast()  # before patching: a warnings filter set to "error" patches nothing
+        tested.warn_if_newer()
+        apply(wanted, resolver)
+
+
+@contextlib.contextmanager
+def converted(*args, **kwargs):
+    """``convert(*args, **kwargs)`` for a block; on exit, also when the block
+    raises, the configuration in force before it is back (none: reverted).
+
+    A conversion is process-wide, so blocks in several threads form one
+    stack: the newest open block's configuration is in force, and once
+    every block has exited, the one before the first is back. A block that
+    exits while a newer one is open (thread A's block ends inside B's)
+    changes nothing then; the newer block, on its exit, restores what the
+    older one found.
+    """
+    with runtime.lock:
+        entry = [current()]  # what this block restores; a list: an older block's exit may hand it its own
+        convert(*args, **kwargs)
+        runtime.blocks.append(entry)
+    try:
+        yield
+    finally:
+        with runtime.lock:
+            _leave_block(entry)
+
+
+def _leave_block(entry):
+    # not on the stack (cannot happen through converted()): restore as asked
+    if close_block(runtime.blocks, entry) is not False:
+        restore(entry[0])
+
+
+def _registration(wrappers, owner, name, kind):
+    if not callable(getattr(owner, name, None)):
+        raise ValueError(f"hmp: registered {owner_label(owner)}.{name} is gone")
+    original = unwrap(getattr(owner, name))
+    return owner, name, wrappers.site(Binding(attribute_site(owner, name), kind, name), original)
+
+
+def apply(conversion, resolver=None, recorder=None, passthrough=False):
+    """Install ``conversion`` (a Conversion with checked lists) in place of
+    the current one. profile/audit/tune pass a ``recorder`` (hmp/tools/record.py)
+    and ``passthrough``."""
+    with runtime.lock:
+        effective, options, extra, by_module, uncast = conversion
+        casters = cache.casters() if options.cache else dict(CASTS)
+        watch = imports.Watch()  # entries whose module the program imports later
+        wrappers = wrap.Wrappers(options.low, casters, options.verbose, recorder, passthrough)
+        # an op returning a view of its input is never wrapped (see resolve.returns_view); ops in no list
+        # that have no kernel for the lower dtype or need one dtype run as they would without hmp's casts
+        fallback = lists.fallback_names(options.low)
+        patches = [
+            (b.site.namespace, b.site.attr, wrappers.site(b, b.site.original()))
+            for b in (resolver or Resolver()).bind(effective, fallback)
+            if not returns_view(b.name)
+        ]
+        patches += [_registration(wrappers, *entry) for entry in runtime.registered]
+        if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
+            no_kernel = dict(fallback).get("fp32", ())
+            fp32_names = set(effective["fp32"]).union(n for n in no_kernel if not _listed(n, effective))
+            forwards = modules.Forwards(options.low, casters, fp32_names)
+            patches += modules.patches(by_module, forwards)
+            modules.watch(by_module, watch, forwards)
+            patches += rnn.check_input_patches(effective, lower_modules=bool(by_module["bf16"]))
+        patches += checkpoint.patches()  # recomputes run under their forward's hmp state
+        patches += functions.patches()  # custom_fwd/custom_bwd Functions: the author's choice wins
+        patches += regions.patches()  # autocast regions, backward, GradScaler, DataLoader: left alone
+        patches += steps.patches()
+        patches += weight_writes.patches()  # lower-precision values loaded into float32 weights: said once
+        calls = uncast_calls.Calls(uncast)
+        patches += calls.patches()  # building, averaging, merging, sampling: what the program keeps, uncast
+        calls.watch(watch)
+        factories = region_factories.Factories(region_factories.load())
+        patches += factories.patches()  # an author's autocast region however a library builds it
+        factories.watch(watch)
+        patches += list(extra)
+        user = {w: wrappers.user_prepare(kind, w.__qualname__) for w, kind in list(runtime.decorated.items())}
+        hooks = errors.excepthook_patches()
+
+        _revert_locked()
+        log_ = runtime.patches = runtime.patches or PatchLog()
+        try:
+            for namespace, attr, value in patches:
+                log_.setattr(namespace, attr, value)
+            runtime.pickle_names = pickling.names(log_.entries())
+            for namespace, attr, value in pickling.patches():
+                log_.setattr(namespace, attr, value)
+            for namespace, attr, value in hooks:
+                log_.setattr(namespace, attr, value, if_unchanged=True)
+            runtime.hooks = steps.add_hooks() + [buffers.add_hook()] + ([watch.hook()] if watch.patterns else [])
+        except BaseException:
+            _revert_locked()
+            raise
+        for w, prepare in user.items():
+            wrap.resume(w, prepare)
+        runtime.conversion = Conversion(
+            {k: frozenset(v) for k, v in effective.items()}, options, tuple(extra), by_module, uncast
+        )
+        runtime.wrappers = wrappers
+        if options.verbose:
+            _log_conversion(log_)
+
+
+def _listed(name, effective):
+    return any(name in names for names in effective.values())
+
+
+def _log_conversion(patches):
+    runtime.log_restore = _start_verbose_logging()
+    options, effective = runtime.conversion.options, runtime.conversion.lists
+    log.info("hmp: convert opt_level=%s, lower dtype %s", options.opt_level, str(options.low).replace("torch.", ""))
+    for kind in lists.KINDS:
+        log.info("hmp: %s list: %s", kind, ", ".join(sorted(effective[kind])))
+        views = sorted(n for n in effective[kind] if returns_view(n))
+        if views:
+            log.info(
+                "hmp: %s return views of their input: left uncast, so writes through them reach it", ", ".join(views)
+            )
+    for kind, targets in runtime.conversion.modules.items():
+        if targets:
+            log.info("hmp: %s modules: %s", kind, ", ".join(modules.label(t) for t in targets))
+    for label in patches.labels():
+        log.info("hmp: patched %s", label)
+
+
+def _start_verbose_logging():
+    previous_level = log.level
+    handler = None
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+
+    def restore():
+        log.setLevel(previous_level)
+        if handler is not None:
+            log.removeHandler(handler)
+
+    return restore
+
+
+def _revert_locked():
+    rt = runtime
+    for w in list(rt.decorated):
+        wrap.pause(w)
+    for handle in rt.hooks:
+        handle.remove()
+    rt.hooks = []
+    patches = rt.patches
+    installed = patches.values() if patches is not None else []
+    try:
+        if patches is not None:
+            patches.undo()
+    finally:
+        left = {id(v) for v in patches.values()} if patches is not None else set()
+        for value in installed:  # entries that could not be undone stay live
+            if id(value) not in left:
+                wrap.retire(value)
+        regions.forget_open_regions()
+        steps.forget_open_steps()
+        clear_cache()
+        rt.pickle_names = {}
+        rt.conversion = None
+        rt.wrappers = None
+        if rt.log_restore is not None:
+            rt.log_restore()
+            rt.log_restore = None
+
+
+def revert():
+    """Undo convert() completely; a no-op when not converted."""
+    with runtime.lock:
+        _revert_locked()
+
+
+def is_converted():
+    return runtime.conversion is not None
+
+
+def current():
+    """The Conversion in force, or None; ``restore()`` takes it."""
+    return runtime.conversion
+
+
+def restore(saved):
+    """Put back what current() returned: that conversion, or none."""
+    if saved is None:
+        revert()
+    else:
+        apply(saved)
+
+
+@contextlib.contextmanager
+def applied(conversion, recorder=None, passthrough=False):
+    """``conversion`` installed for a block (None: plain torch); the one in
+    force before is back on exit."""
+    with runtime.lock:
+        saved = current()
+        if conversion is None:
+            revert()
+        else:
+            apply(conversion, recorder=recorder, passthrough=passthrough)
+    try:
+        yield
+    finally:
+        restore(saved)
+
+
+def effective_lists():
+    """``{"bf16", "fp32", "promote"}`` to the sorted op names of each list
+    and, after them, its module entries as a list file names them (a
+    class's import path, or a pattern); empty when not converted."""
+    conversion = runtime.conversion
+    if conversion is None:
+        return {k: [] for k in lists.KINDS}
+    named = {
+        k: sorted(lists.entry_key(t) for t in conversion.modules.get(k, ()) if isinstance(t, (type, lists.Pattern)))
+        for k in lists.KINDS
+    }
+    return {k: sorted(v) + named[k] for k, v in conversion.lists.items()}
+
+
+def register(owner, name, kind):
+    """Record ``hmp.register(owner, name, kind)``; wrap it now if converted."""
+    with runtime.lock:
+        unregister(owner, name)
+        runtime.registered.append((owner, name, kind))
+        if runtime.conversion is not None:
+            namespace, attr, wrapper = _registration(runtime.wrappers, owner, name, kind)
+            runtime.patches.setattr(namespace, attr, wrapper)
+
+
+def unregister(owner, name):
+    with runtime.lock:
+        runtime.registered[:] = [e for e in runtime.registered if not (e[0] is owner and e[1] == name)]
+
+
+def adopt(wrapper, kind):
+    """Take a ``@hmp.*_function`` wrapper (wrap.user_function) into every
+    conversion: resumed while converted, paused otherwise."""
+    with runtime.lock:
+        runtime.decorated[wrapper] = kind
+        if runtime.wrappers is not None:
+            wrap.resume(wrapper, runtime.wrappers.user_prepare(kind, wrapper.__qualname__))

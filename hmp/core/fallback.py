@@ -1,0 +1,78 @@
+"""What a wrapper does when its op raises: no new errors.
+
+When torch reports that the op has no kernel for the dtype hmp cast to
+(``"addmm_..." not implemented for 'BFloat16'``, e.g. sparse matmul on
+CPU), the op is run again with its arguments as given, as if it were in no
+list, or, when that fails too and the call writes none of its arguments,
+with its lower-precision arguments in float32 (an earlier listed op may have
+made them bf16); hmp warns once per op. Only when the op itself raised that
+error (a C function, so nothing ran before the kernel was chosen) and hmp
+had cast something. Any other error is raised as it was, with the note
+hmp/diagnostics/errors.py adds to a dtype mismatch.
+
+Everything here runs only on the error path, from the wrapper's ``except``
+clause (free in Python 3.11 when nothing is raised).
+"""
+
+import re
+import warnings
+
+from hmp.core import state, torch_private
+from hmp.core.policy import FP32, PLAIN_CASTS, fp32
+from hmp.diagnostics import culprit, errors
+
+RAISE = object()  # rescue(): the wrapper re-raises its exception
+
+_NO_KERNEL = re.compile(torch_private.NO_KERNEL_MESSAGE)
+_to_fp32 = fp32(None, PLAIN_CASTS)
+
+
+def rescue(exc, op, wrapped, args, kwargs, cast_args, cast_kwargs):
+    """A result for a call whose op raised ``exc``, or RAISE (after noting
+    ``exc``). ``args``/``kwargs`` are the call as given, ``cast_*`` as hmp
+    changed it; casting is still off in this thread."""
+    try:
+        cast_something = cast_args is not args or cast_kwargs is not kwargs
+        if (
+            cast_something
+            and isinstance(exc, (NotImplementedError, RuntimeError))
+            and exc.args
+            and _NO_KERNEL.search(str(exc.args[0]))
+            and culprit.raised_by_the_op(exc)
+        ):
+            result, how = _without_the_cast(op, wrapped, args, kwargs)
+            if how is not None:
+                label = wrapped.label if wrapped else getattr(op, "__name__", repr(op))
+                if state.first_time(("no kernel", label)):
+                    first = str(exc.args[0]).splitlines()[0]
+                    warnings.warn(
+                        f"hmp: {label} has no kernel for the dtype hmp cast its inputs to ({first}); "
+                        f"it ran {how}. Call it inside hmp.disable_casts() or change its list to "
+                        f"silence this.",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                return result
+    except Exception:
+        pass
+    errors.annotate(exc, wrapped)
+    return RAISE
+
+
+def _without_the_cast(op, wrapped, args, kwargs):
+    """Run the op with its arguments as given, or else (when it writes none
+    of them) with its lower-precision arguments in float32. Returns
+    ``(result, how)``; ``how`` is None when both fail."""
+    try:
+        return op(*args, **kwargs), "with its inputs as given"
+    except Exception:
+        pass
+    if wrapped is None or wrapped.writes(args, kwargs):
+        return None, None  # a written tensor is never replaced by a copy
+    up_args, up_kwargs = _to_fp32(args, kwargs)
+    if up_args is args and up_kwargs is kwargs:
+        return None, None
+    try:
+        return op(*up_args, **up_kwargs), f"in {str(FP32).replace('torch.', '')}"
+    except Exception:
+        return None, None

@@ -1,0 +1,624 @@
+"""Op list files: reading, validating and combining them into effective lists.
+
+Everything here runs before anything is patched, so a bad file raises with
+torch untouched. Which file each list comes from, first match wins: the
+argument, the environment (ENV_LISTS), the shipped default (``default_file``).
+
+Besides op names and module paths, a line may be ``include default`` (the
+default list of the file's kind), ``include <name>`` (a shipped list,
+``list_path(name)``) or ``-name`` (take ``name`` out of what the file
+holds), so a file can extend a default list instead of replacing it. A list
+holds precision choices only: names of ops that alias, copy, move or only
+write data are refused (``refusal``).
+"""
+
+import fnmatch
+import functools
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from hmp.core import imports, state
+from hmp.core.resolve import BOUND, NO_PYTHON, UNKNOWN, is_module_path, module_class, returns_view
+
+log = logging.getLogger("hmp")
+
+KINDS = ("bf16", "fp32", "promote")
+FILE_TITLE = {"bf16": "BF16 list file", "fp32": "FP32 list file", "promote": "promote list file"}
+FP16_FILE_TITLE = "FP16 list file"
+LIST_TITLE = {"bf16": "BF16", "fp32": "FP32", "promote": "promote"}  # the list itself, in messages
+PARAMS = {"bf16": "bf16_file_path", "fp32": "fp32_file_path", "promote": "promote_file_path"}
+DEFAULT_FILES = {
+    "O1": {"bf16": "bf16.txt", "fp32": "fp32.txt", "promote": "promote.txt"},
+    "O2": {"bf16": "o2_bf16.txt", "fp32": "o2_fp32.txt", "promote": "promote.txt"},
+}
+OPT_LEVELS = tuple(DEFAULT_FILES)
+# float16 overflows above 65504: its O1 lower list is the GEMM/convolution
+# family, as torch.autocast's and apex O1's float16 lists (the seed's BF16
+# list stays available: ``include bf16``). O2's lower list already is.
+FP16_LOWER_FILE = "fp16.txt"
+# Environment variables naming list files when convert() gets no path, in
+# order of precedence: the names Lightning's HPU docs use, then the names
+# Habana's autocast reads.
+ENV_LISTS = {
+    "bf16": ("LOWER_LIST", "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST"),
+    "fp32": ("FP32_LIST", "PT_HPU_AUTOCAST_FP32_OPS_LIST"),
+}
+
+
+class Names(NamedTuple):
+    """Op names given directly (a gaudi config's list), already checked;
+    they stand where a list file's path would."""
+
+    names: list
+    source: str  # where they came from, for messages
+
+
+def list_dir():
+    """The folder holding the shipped list files.
+
+    Installed, it is ``hmp/op_lists``; in a source checkout it is the
+    repository's ``op_lists/`` next to the package.
+    """
+    here = Path(__file__).resolve().parent.parent  # hmp/
+    installed = here / "op_lists"
+    return installed if installed.is_dir() else here.parent / "op_lists"
+
+
+def default_path(name):
+    return list_dir() / name
+
+
+# Ops in no list that fail when a lower-precision tensor reaches them (no
+# kernel for its dtype, or they need one dtype), found from torch itself by
+# benchmarks/kernel_lists.py: they run as they would without hmp's cast.
+NO_KERNEL_FILES = {torch.bfloat16: "no_kernel_bf16.txt", torch.float16: "no_kernel_fp16.txt"}
+ONE_DTYPE_FILE = "one_dtype.txt"
+
+
+@functools.lru_cache(maxsize=None)
+def fallback_names(low):
+    """``(("fp32", names), ("promote", names))``: the ops that get the FP32
+    rule (no kernel for ``low``) and the promote rule (they need one dtype)
+    when they are in no list. Shipped and checked by the test suite, so
+    read without checking each name again."""
+    return (
+        ("fp32", tuple(n for _, n in read_names(default_path(NO_KERNEL_FILES[low])))),
+        ("promote", tuple(n for _, n in read_names(default_path(ONE_DTYPE_FILE)))),
+    )
+
+
+def default_file(opt_level, kind, low=torch.bfloat16):
+    """The shipped file of ``kind``'s default list."""
+    if kind == "bf16" and low == torch.float16 and opt_level == "O1":
+        return FP16_LOWER_FILE
+    return DEFAULT_FILES[opt_level][kind]
+
+
+def shipped_names():
+    """The names of the shipped lists (``include <name>``, ``list_path``)."""
+    return sorted(p.stem for p in list_dir().glob("*.txt"))
+
+
+def list_path(name):
+    """The path of the shipped list ``name`` (``"bf16"``, ``"fp32"``,
+    ``"promote"``, ``"fp16"``, ``"o2_bf16"``, ``"autocast_cpu_bf16"``, ...):
+    the file to read, copy or name in ``include``."""
+    if isinstance(name, str) and name.isidentifier() and (list_dir() / f"{name}.txt").is_file():
+        return list_dir() / f"{name}.txt"
+    raise ValueError(f"hmp: no shipped list named {name!r}; the shipped lists are {', '.join(shipped_names())}")
+
+
+def _check_path(path, what):
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"hmp: {what} must be a str or os.PathLike, got {type(path).__name__}: {path!r}")
+    return Path(os.fspath(path))
+
+
+MAX_BYTES = 64 << 20  # a list of every op torch has is under 100 KiB
+
+
+def read_names(path, what="list file"):
+    """Return ``[(line_number, text), ...]`` from a list file: each text an
+    op name or module path, ``-name`` or ``include <list>``.
+
+    Tolerates a UTF-8 BOM, CRLF, blank lines, surrounding whitespace and
+    ``#`` comments. Raises OSError naming the path when it cannot be read and
+    ValueError naming the path and line for text that is not a valid line.
+    """
+    entries, errors = _read_lines(path, what)
+    if errors:
+        raise ValueError(_error_text(_check_path(path, what), what, [e for _, e in errors]))
+    return entries
+
+
+def _read_lines(path, what):
+    """``(entries, errors)``: the lines of a list file, and ``(line number,
+    message)`` for each line that is not a valid one."""
+    path = _check_path(path, what)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)  # bounded: /dev/zero or a runaway pipe must not eat all memory
+    except OSError as e:
+        raise type(e)(e.errno, f"hmp: cannot read {what} {str(path)!r}: {e.strerror}", str(path)) from None
+    except ValueError as e:  # a path the OS cannot take (an embedded NUL byte)
+        raise ValueError(f"hmp: cannot read {what} {str(path)!r}: {e}") from None
+    if len(data) > MAX_BYTES:
+        raise ValueError(
+            f"hmp: bad {what} {str(path)!r}: larger than {MAX_BYTES >> 20} MiB; a list file holds one op name per line"
+        )
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    entries = []
+    errors = []
+    # split on \n only so line numbers match what an editor shows
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            errors.append((number, f"line {number}: not valid UTF-8 ({e.reason} at byte {e.start})"))
+            continue
+        line = _line(text.split("#", 1)[0])
+        if line is None:
+            errors.append(
+                (
+                    number,
+                    f"line {number}: {_short(text.split('#', 1)[0].strip())!r} is not an op name, "
+                    f"a module class's import path, '-name' or 'include <list>'",
+                )
+            )
+        elif line:
+            entries.append((number, line))
+    return entries, errors
+
+
+INCLUDE = "include "
+
+
+def _line(text):
+    """The normalised text of a list line ("" for a blank one), or None
+    when it is not a valid line."""
+    text = text.strip()
+    if not text or is_name(text) or is_pattern(text):
+        return text
+    if text.startswith("-") and is_name(text[1:].strip()):
+        return "-" + text[1:].strip()
+    words = text.split()
+    if len(words) == 2 and words[0] == INCLUDE.strip() and is_name(words[1]):
+        return INCLUDE + words[1]
+    return None
+
+
+def is_name(text):
+    """An op name (an identifier, or an aten operator and its overload,
+    ``pow.Tensor_Scalar``, as Habana's autocast lists write them) or a
+    module class's import path (``torch.nn.LSTM``): dotted identifiers."""
+    return all(p.isascii() and p.isidentifier() for p in text.split("."))
+
+
+def is_pattern(text):
+    """A module class's import path with ``fnmatch`` wildcards in its parts
+    (``transformers.models.*.modeling_*.*RotaryEmbedding``)."""
+    parts = text.split(".")
+    return (
+        len(parts) > 1
+        and any(c in text for c in "*?")
+        and all(p.isascii() and p.replace("*", "x").replace("?", "x").isidentifier() for p in parts)
+    )
+
+
+_SANE = 80  # longer than any op name torch has
+
+
+def _short(text, limit=_SANE):
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+SHOWN = 10  # errors listed in a message; the rest are counted
+
+
+def _error_text(path, what, errors, limit=SHOWN):
+    more = f"\n  ... and {len(errors) - limit} more" if len(errors) > limit else ""
+    return f"hmp: bad {what} {str(path)!r}:\n  " + "\n  ".join(errors[:limit]) + more
+
+
+class Entries(NamedTuple):
+    """What one list holds: op names and module classes, in file order;
+    ``explicit``: the op names the file itself names (not through ``include``)."""
+
+    ops: list
+    modules: list
+    explicit: frozenset = frozenset()
+
+
+def load(path, known, what, modules=True, default=None):
+    """Read a list file and check every name with ``known.check(name)``
+    (hmp.core.resolve.Resolver.check); a module class's import path is imported
+    (the only code a list file can cause to run). ``modules=False``: module
+    entries are an error (the promote list). ``default``: the path that
+    ``include default`` reads.
+
+    Returns Entries: op names in file order, duplicates dropped, an overload
+    qualified name as its op (``pow.Tensor_Scalar`` -> ``pow``), and the
+    classes. A real aten operator that no Python name reaches is left out
+    with one warning for the file; bad lines (syntax, unknown or refused
+    names, all of them at once) raise ValueError naming the file and lines.
+    """
+    entries, syntax = _read_lines(path, what)
+    errors, unreachable = [], []
+    names, classes, explicit, removed = {}, {}, set(), {}
+    for number, name in entries:
+        if name.startswith(INCLUDE):
+            target = name[len(INCLUDE) :]
+            try:
+                source = default if target == "default" else list_path(target)
+                if source is None:
+                    raise ValueError("no default list here")
+                included = load(source, known, f"list {target!r}", modules)
+            except ValueError as e:
+                errors.append((number, f"line {number}: {name!r}: {str(e).replace('hmp: ', '')}"))
+                continue
+            for op in included.ops:
+                names.setdefault(op, number)
+            for entry in included.modules:
+                classes.setdefault(entry_key(entry), entry)
+            continue
+        remove = name.startswith("-")
+        name = name[1:] if remove else name
+        if not remove and (name in explicit or name in classes):
+            continue
+        if is_pattern(name) or is_module_path(name):
+            try:
+                if not modules:
+                    raise ValueError(f"{name!r}: module entries go in the BF16 or FP32 list")
+                entry = _module_entry(name, path)
+                if remove:
+                    removed[entry_key(entry)] = number
+                else:
+                    classes[name] = entry
+            except ValueError as e:
+                op = name.rpartition(".")[2]
+                if known.exists(op):  # torch.relu: an op written with its module
+                    e = f"unknown op {name!r}; did you mean {op}? (an op is listed by its name alone; {e})"
+                errors.append((number, f"line {number}: {e}"))
+            continue
+        # suggestions cost milliseconds each (seconds for a huge name):
+        # only for the errors shown, and only for names of a sane length
+        sane = len(name) <= _SANE
+        op, status, message = known.check(name, hint=sane and len(errors) < SHOWN)
+        if status == UNKNOWN:
+            errors.append((number, f"line {number}: {message if sane else f'unknown op {_short(name)!r}'}"))
+            continue
+        reason = refusal(op) if status == BOUND else None  # an unbindable name is skipped below anyway
+        if reason is not None and not remove:
+            errors.append(
+                (
+                    number,
+                    f"line {number}: {op!r} {reason}; a list holds precision choices only, so hmp "
+                    f"refuses it (docs/lists.md)",
+                )
+            )
+            continue
+        if op != name:
+            log.info(
+                "hmp: %s %s line %d: %s stands for aten::%s as a whole (hmp binds Python functions, "
+                "which reach every overload)",
+                what,
+                str(path),
+                number,
+                name,
+                op,
+            )
+        if remove:
+            removed[op] = number
+            continue
+        if status == NO_PYTHON:
+            if op not in (o for _, o in unreachable):
+                unreachable.append((number, op))
+            continue
+        names.setdefault(op, number)
+        explicit.add(op)
+    both = [(n, op) for op, n in removed.items() if op in explicit]
+    errors += [(n, f"line {n}: {op!r} is both listed (line {names[op]}) and taken out ('-{op}')") for n, op in both]
+    if errors or syntax:
+        errors = [e for _, e in sorted(syntax + errors, key=lambda e: e[0])]
+        raise ValueError(_error_text(_check_path(path, what), what, errors))
+    if unreachable:
+        where = ", ".join(f"line {n}: aten::{op}" for n, op in unreachable)
+        warn_unreachable(f"{what} {str(path)!r}: {where}")
+    ops = [op for op in names if op not in removed]
+    found = [entry for key, entry in classes.items() if key not in removed and entry_key(entry) not in removed]
+    return Entries(ops, list(dict.fromkeys(found)), frozenset(explicit))
+
+
+def _module_entry(name, path):
+    """The class a module line names, imported; or a Pattern, resolved when
+    the program imports its module: a line with wildcards, and a shipped
+    list's class path in a package the program has not imported (a shipped
+    list never imports a library)."""
+    if is_pattern(name):
+        return Pattern(name)
+    shipped = Path(os.fspath(path)).resolve().parent == list_dir().resolve()
+    if shipped and name.split(".")[0] not in sys.modules:
+        return Pattern(name)
+    return module_class(name)
+
+
+def entry_key(entry):
+    """The text a module entry is known by: its class's path, or the pattern."""
+    return entry.path if isinstance(entry, Pattern) else class_path(entry)
+
+
+# Names hmp refuses in a list: calls that alias, copy, move or only write
+# data. A cast there does not choose a precision, it breaks the program:
+# `x[i] = v` writing a cast copy of x, `clone()` making a bf16 copy of a
+# parameter, `x.float()` returning bfloat16. Views (a result that aliases an
+# input, by torch's schema) and the `X_copy` forms of views are found from
+# torch's schemas; these are the rest, which no schema marks.
+MOVES = frozenset(
+    (
+        "__getitem__",
+        "__setitem__",
+        "__delitem__",  # indexing: a view or a copy, a write
+        "clone",
+        "copy",
+        "_to_copy",
+        "type",
+        "type_as",
+        "float",
+        "double",
+        "half",
+        "bfloat16",
+        "new_tensor",
+        "to_dense",
+        "to_sparse",  # copies and conversions (`to`, `cpu`, `contiguous` are views by their schemas)
+        "copy_",
+        "fill_",
+        "zero_",
+        "set_",
+        "resize_",
+        "resize_as_",
+        "detach_",
+        "requires_grad_",  # writes only
+    )
+)
+# Habana's published default lists name `t` (a view): scripts written for
+# them keep working; a view is never cast, so the line binds nothing.
+SEED_VIEWS = frozenset(("t",))
+
+
+def refusal(op):
+    """Why ``op`` may not be in a list (a phrase), or None when it may."""
+    if op in SEED_VIEWS:
+        return None
+    if op in MOVES:
+        return "copies, moves or writes data rather than computing"
+    if returns_view(op):
+        return "returns a view of its input (a cast copy would not be one)"
+    base = op[: -len("_copy")] if op.endswith("_copy") else None
+    if base and returns_view(base):
+        return f"copies the view {base} returns"
+    return None
+
+
+def how_to_add(name, kind):
+    """Advice that keeps the default list: how to put ``name`` in ``kind``'s list."""
+    return (
+        f"put '{name}' in a file whose first line is 'include default' and pass it as {PARAMS[kind]}, so the "
+        f"default {LIST_TITLE[kind]} list stays in force"
+    )
+
+
+class Pattern(NamedTuple):
+    """A module entry resolved when the program imports its module: a class
+    path whose parts may hold ``fnmatch`` wildcards
+    (``transformers.models.*.modeling_*.*RotaryEmbedding``), or a plain
+    class path in a package not imported yet. hmp imports nothing for it."""
+
+    path: str
+
+    @property
+    def module(self):
+        return self.path.rpartition(".")[0]
+
+    def classes(self, module=None):
+        """The ``nn.Module`` subclasses it names in ``module``, or in every
+        imported module it matches."""
+        name = self.path.rpartition(".")[2]
+        found = []
+        for m in [module] if module is not None else imports.imported(self.module):
+            for value in list(vars(m).values()):
+                if (
+                    isinstance(value, type)
+                    and issubclass(value, torch.nn.Module)
+                    and value.__module__ == m.__name__
+                    and fnmatch.fnmatchcase(value.__name__, name)
+                ):
+                    found.append(value)
+        return found
+
+
+def warn_unreachable(where):
+    """The one warning for real aten operators that hmp cannot bind."""
+    warnings.warn(
+        f"hmp: {where}: nothing to bind in Python; calls reach it from C++, so hmp skips it "
+        f"(list the Python-level op that calls it instead, such as conv2d for convolutions)",
+        UserWarning,
+        stacklevel=state.user_stacklevel(),
+    )
+
+
+def combine(bf16, fp32, promote, sources):
+    """Apply the precedence rules to three Entries and return ``{"bf16",
+    "fp32", "promote"}`` sets.
+
+    An op a file names itself wins over the same op included in the other
+    list (a user BF16 file naming softmax takes it out of the default FP32
+    list); named in both, or included in both, it is an error. The BF16 and
+    FP32 lists win over the promote list.
+    """
+    low, high = set(bf16.ops), set(fp32.ops)
+    both = low & high
+    clash = sorted(op for op in both if (op in bf16.explicit) == (op in fp32.explicit))
+    if clash:
+        raise ValueError(
+            f"hmp: ops in both the BF16 list {sources['bf16']!r} and the FP32 list "
+            f"{sources['fp32']!r}: {', '.join(clash)}"
+        )
+    moved = {
+        "bf16": sorted(op for op in both if op in bf16.explicit),
+        "fp32": sorted(op for op in both if op in fp32.explicit),
+    }
+    if moved["bf16"]:
+        log.info("hmp: BF16 list %s takes %s out of the FP32 list", sources["bf16"], ", ".join(moved["bf16"]))
+    if moved["fp32"]:
+        log.info("hmp: FP32 list %s takes %s out of the BF16 list", sources["fp32"], ", ".join(moved["fp32"]))
+    high -= set(moved["bf16"])
+    low -= set(moved["fp32"])
+    return {"bf16": low, "fp32": high, "promote": set(promote.ops) - low - high}
+
+
+def given(path):
+    """True for a path or names the caller gave; ``""`` and None mean "not given"."""
+    return path is not None and not (isinstance(path, str) and path == "")
+
+
+def _env_path(kind, environ):
+    for var in ENV_LISTS.get(kind, ()):
+        value = environ.get(var, "")
+        if value:
+            return value, var
+    return "", None
+
+
+def _low_list(bf16, fp16, low):
+    """``(source, title)`` of the lower-precision list, as Habana's HMP chose
+    it: ``fp16_file_path`` is that list when the lower dtype is float16 and
+    is ignored (with a warning) under bfloat16. hmp also lets
+    bf16_file_path name it under float16 when no fp16_file_path is given."""
+    if not given(fp16):
+        return bf16, FILE_TITLE["bf16"]
+    if low != torch.float16:
+        warnings.warn(
+            f"hmp: fp16_file_path {fp16!r} is ignored: it names the list for "
+            f"low_precision_type=torch.float16, and the lower dtype is {low}",
+            stacklevel=state.user_stacklevel(),
+        )
+        return bf16, FILE_TITLE["bf16"]
+    if given(bf16):
+        warnings.warn(
+            f"hmp: bf16_file_path {bf16!r} is ignored: with low_precision_type=torch.float16 "
+            f"the lower-precision list is fp16_file_path {fp16!r}",
+            stacklevel=state.user_stacklevel(),
+        )
+    return fp16, FP16_FILE_TITLE
+
+
+def _load_one(source, resolver, title, kind, default):
+    """``(Entries, printable source)`` for one list: a path or Names."""
+    if isinstance(source, Names):
+        return Entries(list(source.names), [], frozenset(source.names)), source.source
+    printable = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source
+    return load(source, resolver, title, modules=kind != "promote", default=default), printable
+
+
+def effective(resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16="", low=torch.bfloat16, environ=None):
+    """Read, validate and combine the lists: ``({"bf16", "fp32", "promote"}
+    -> set of op names, {"bf16", "fp32"} -> module classes)``. Each of
+    ``bf16``/``fp32``/``promote`` is a path, a Names, or ``""``/None for the
+    environment's list, else the shipped default. ``fp16`` is the
+    lower-precision list under ``low=torch.float16``. Raises before anything
+    changes."""
+    environ = os.environ if environ is None else environ
+    titles = dict(FILE_TITLE)
+    bf16, titles["bf16"] = _low_list(bf16, fp16, low)
+    sources = {"bf16": bf16, "fp32": fp32, "promote": promote}
+    for kind in ("bf16", "fp32"):
+        if not given(sources[kind]):
+            sources[kind], var = _env_path(kind, environ)
+            if var:
+                titles[kind] = f"{FILE_TITLE[kind]} (from ${var})"
+                log.info("hmp: %s list from $%s: %s", kind, var, sources[kind])
+    if opt_level == "O2":
+        ignored = [titles[k] for k in ("bf16", "fp32") if given(sources[k])]
+        if ignored:
+            warnings.warn(
+                f"hmp: opt_level O2 uses its own lists; ignoring the given {' and '.join(ignored)}",
+                stacklevel=state.user_stacklevel(),
+            )
+        sources["bf16"] = sources["fp32"] = ""
+    from_user = {k: given(v) for k, v in sources.items()}
+    loaded, printable = {}, {}
+    for kind in KINDS:
+        default = default_path(default_file(opt_level, kind, low))
+        source = sources[kind] if from_user[kind] else default
+        loaded[kind], printable[kind] = _load_one(source, resolver, titles[kind], kind, default)
+        if not from_user[kind]:  # a default list names nothing on the user's behalf
+            loaded[kind] = loaded[kind]._replace(explicit=frozenset())
+    ops = combine(*(loaded[k] for k in KINDS), printable)
+    _warn_dropped(
+        ops,
+        loaded,
+        {k: from_user[k] and not isinstance(sources[k], Names) for k in KINDS},
+        printable,
+        titles,
+        opt_level,
+        low,
+        resolver,
+    )
+    classes = {k: loaded[k].modules for k in ("bf16", "fp32")}
+    both = [c for c in classes["bf16"] if c in classes["fp32"]]
+    if both:
+        raise ValueError(
+            f"hmp: module classes in both the BF16 list {printable['bf16']!r} and the FP32 list "
+            f"{printable['fp32']!r}: {', '.join(entry_key(c) for c in both)}"
+        )
+    return ops, classes
+
+
+# user files that leave out default ops get a warning: the FP32 list keeps
+# losses and softmax out of the lower dtype, the promote list gives mixed
+# inputs one dtype; a BF16 file that leaves some out only runs them in fp32
+_GUARDED = ("fp32", "promote")
+
+
+def _warn_dropped(ops, loaded, from_user, printable, titles, opt_level, low, resolver):
+    """One warning per file for a user list that is empty, or that replaces
+    a default FP32 or promote list and leaves out ops it holds."""
+    for kind in KINDS:
+        if not from_user[kind]:  # a default, or a gaudi config's complete list
+            continue
+        entries = loaded[kind]
+        if not entries.ops and not entries.modules:
+            if state.first_time(("empty list", kind, printable[kind])):
+                warnings.warn(
+                    f"hmp: {titles[kind]} {printable[kind]!r} is empty, so the {LIST_TITLE[kind]} list "
+                    f"is empty. To extend the default list instead, start the file with "
+                    f"'include default' (docs/lists.md).",
+                    UserWarning,
+                    stacklevel=state.user_stacklevel(),
+                )
+            continue
+        if kind not in _GUARDED:
+            continue
+        default = load(default_path(default_file(opt_level, kind, low)), resolver, "default list").ops
+        elsewhere = set().union(*(ops[k] for k in KINDS if k != kind))
+        dropped = sorted(set(default) - ops[kind] - elsewhere)
+        if dropped and state.first_time(("dropped defaults", kind, printable[kind], tuple(dropped))):
+            warnings.warn(
+                f"hmp: {titles[kind]} {printable[kind]!r} replaces the default {LIST_TITLE[kind]} list and "
+                f"leaves out {', '.join(dropped)}: they now run in their inputs' dtypes. Start the file "
+                f"with 'include default' to extend the default list instead (docs/lists.md).",
+                UserWarning,
+                stacklevel=state.user_stacklevel(),
+            )
+
+
+def class_path(cls):
+    """The import path a list file names ``cls`` by."""
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -1,0 +1,390 @@
+"""Precision by module: every call of a module class (or of one instance)
+runs its whole ``forward`` under one list's rule.
+
+- **FP32 list**: lower-precision floating inputs go to float32, nothing is
+  cast inside (the module computes in float32 with its float32
+  parameters), lower-precision floating outputs go to float32.
+- **BF16 list**: float32 floating inputs go to the lower dtype, and inside,
+  every op computes in the lower dtype as if the module had been converted
+  with ``.to(bfloat16)`` for the call: listed ops through their wrappers,
+  every other op through a TorchFunctionMode pushed only while such a
+  module runs, which casts float32 arguments (parameters and buffers
+  through the weight cache) before the op. Ops of the FP32 list stay
+  float32; a tensor written in place keeps its dtype. The stored parameters
+  stay float32 and get float32 gradients.
+
+The innermost module policy wins. ``disable_casts()``, torch.autocast
+regions, backward and a listed op around the call win over every module
+policy: the forward then runs as written. Each policy is entered and left
+with the forward, per thread, on every exit path.
+
+A class entry patches ``__call__`` on the class and on each of its
+subclasses that defines its own (a subclass listed itself keeps its own
+rule), so the class's ``forward`` stays its own: what the class's
+machinery checks of it still holds. An instance entry sets ``forward`` on
+the instance (``type(module).forward`` is untouched). Both go through the
+patch log, so revert() restores every class and instance exactly, and
+modules without a policy get no rule (their constructors run uncast:
+hmp/rules/uncast_calls.py).
+"""
+
+import fnmatch
+import inspect
+import types
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from hmp.core import lists, policy
+from hmp.core.resolve import ORIGINAL, is_module_path, module_class, returns_view, unwrap
+from hmp.core.state import MODULE, OFF, enter, leave, runtime, tls
+from hmp.core.torch_private import tree_map_only
+
+Module = torch.nn.Module
+_is_compiling = torch.compiler.is_compiling
+
+# calls the lower-precision mode leaves alone: dtype and device conversions
+# (they say what dtype they want), and questions about a tensor
+_UNCAST = frozenset(
+    (
+        "__get__",
+        "__set__",
+        "__delete__",
+        "to",
+        "type",
+        "type_as",
+        "float",
+        "double",
+        "half",
+        "bfloat16",
+        "cpu",
+        "cuda",
+        "numpy",
+        "tolist",
+        "item",
+        "size",
+        "dim",
+        "numel",
+        "stride",
+        "storage_offset",
+        "data_ptr",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "is_contiguous",
+        "__len__",
+        "__repr__",
+        "__format__",
+        "__bool__",
+        "__int__",
+        "__float__",
+        "__index__",
+        "__reduce_ex__",
+        "__deepcopy__",
+        "__hash__",
+        "__array__",
+    )
+)
+
+
+def _writes_first(name):
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"
+
+
+class LowerMode(TorchFunctionMode):
+    """Inside a BF16 module: each op not in a listed wrapper casts its float32
+    arguments to the lower dtype first (the FP32 list's ops to float32, an
+    in-place op's arguments to the dtype of the tensor it writes)."""
+
+    def __init__(self, low, casters, fp32_names):
+        super().__init__()
+        self._lower = policy.lower(low, casters, policy.inplace_out(casters))
+        self._fp32 = policy.fp32(low, casters, policy.inplace_out(casters))
+        self._into = policy.inplace_self(casters)
+        self._fp32_names = fp32_names
+        self._prepares = {}
+
+    def _prepare(self, func):
+        prepare = self._prepares.get(func)
+        if prepare is None:
+            name = getattr(func, "__name__", "")
+            op = name[2:-2] if name.startswith("__") and name.endswith("__") else name
+            if name in _UNCAST or returns_view(op) or name == "__getitem__":  # a view must stay a view
+                prepare = policy.cast_nothing
+            elif _writes_first(name):
+                prepare = self._into
+            else:
+                prepare = self._fp32 if op in self._fp32_names else self._lower
+            self._prepares[func] = prepare
+        return prepare
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        st = tls
+        if st.off:  # a listed op, an FP32 module, disable_casts(): they decided
+            return func(*args, **kwargs)
+        a, k = self._prepare(func)(args, kwargs)
+        st.off = OFF  # the outermost op decides: state.enter/leave, inlined as in wrap.py
+        try:
+            result = func(*a, **k)
+            if not _is_compiling() and (a is not args or k is not kwargs):  # writes reach the caller's tensor
+                policy.write_back(a, args, k, kwargs)
+            return result
+        finally:
+            st.off = 0
+
+
+def _fp32_forward(original, cast_in, cast_out):
+    def forward(self, *args, **kwargs):
+        if tls.off == OFF:  # casts are off for another reason than a module: it wins
+            return original(self, *args, **kwargs)
+        cast_args, cast_kwargs = cast_in(args, kwargs)
+        found = enter(MODULE)
+        try:
+            out = original(self, *cast_args, **cast_kwargs)
+            if not _is_compiling() and (cast_args is not args or cast_kwargs is not kwargs):  # input writes too
+                policy.write_back(cast_args, args, cast_kwargs, kwargs)
+        finally:
+            leave(found)
+        return cast_out(out)
+
+    return forward
+
+
+def _lower_forward(original, cast_in, mode):
+    def forward(self, *args, **kwargs):
+        if tls.off == OFF:
+            return original(self, *args, **kwargs)
+        args, kwargs = cast_in(args, kwargs)
+        found = enter(0, mode)
+        try:
+            if found[1] is mode:  # already pushed by an enclosing BF16 module
+                return original(self, *args, **kwargs)
+            with mode:
+                return original(self, *args, **kwargs)
+        finally:
+            leave(found)
+
+    return forward
+
+
+class Forwards:
+    """The forward replacements of one conversion."""
+
+    def __init__(self, low, casters, fp32_names):
+        to_fp32, lower = casters[torch.float32], (torch.bfloat16, torch.float16)
+
+        def up(t):
+            return to_fp32(t) if t.dtype in lower else t
+
+        self._fp32_in = policy.fp32(low, casters)
+        self._fp32_out = lambda out: tree_map_only(torch.Tensor, up, out)  # any nesting: tuples, ModelOutput
+        self._lower_in = policy.lower_tensors(low, casters)
+        self._mode = LowerMode(low, casters, fp32_names)
+
+    def forward(self, kind, original, name="forward"):
+        """``name(self, ...)`` (a module's ``forward``, or a class's
+        ``__call__``) running ``original`` under ``kind``'s rule."""
+        if kind == "fp32":
+            fn = _fp32_forward(original, self._fp32_in, self._fp32_out)
+        else:
+            fn = _lower_forward(original, self._lower_in, self._mode)
+        fn.__name__ = name  # a bound copy pickles as getattr(module, "forward")
+        fn.__qualname__ = getattr(original, "__qualname__", name)
+        fn.__doc__ = getattr(original, "__doc__", None)
+        setattr(fn, ORIGINAL, original)
+        return fn
+
+
+def resolved(modules):
+    """``modules`` (kind -> targets) with each Pattern replaced by the classes
+    it names now."""
+    return {
+        kind: tuple(dict.fromkeys(c for t in targets for c in (t.classes() if isinstance(t, lists.Pattern) else [t])))
+        for kind, targets in modules.items()
+    }
+
+
+def watch(modules, watch, forwards):
+    """Have ``watch`` (imports.Watch) give the classes of a Pattern in a
+    module imported later their entry (a class that already has one keeps it)."""
+    taken = {c for targets in resolved(modules).values() for c in targets if isinstance(c, type)}
+    for kind, targets in modules.items():
+        for target in targets:
+            if isinstance(target, lists.Pattern):
+                watch.add(target.module, _late(target, kind, forwards, taken))
+
+
+def _late(pattern, kind, forwards, taken):
+    def resolve(module):
+        found = [c for c in pattern.classes(module) if c not in taken]
+        taken.update(found)
+        for namespace, attr, value in patches({kind: found}, forwards):
+            runtime.patches.setattr(namespace, attr, value)
+
+    return resolve
+
+
+def patches(modules, forwards):
+    """``[(namespace, "forward", replacement)]`` for ``modules`` (kind ->
+    classes, instances and Patterns); builds everything, changes nothing."""
+    modules = resolved(modules)
+    listed = {t for targets in modules.values() for t in targets if isinstance(t, type)}
+    out, seen = [], set()
+    for kind, targets in modules.items():
+        for target in targets:
+            if isinstance(target, type):
+                # a class's rule wraps its __call__: forward stays the class's own, so what the class's
+                # machinery checks of it holds (transformers' GradientCheckpointingLayer checkpoints only
+                # while type(self).forward is its own wrapper)
+                for cls in _classes_under(target, listed, CALL):
+                    if cls not in seen:
+                        seen.add(cls)
+                        original = unwrap(inspect.getattr_static(cls, CALL))
+                        out.append((cls, CALL, forwards.forward(kind, original, CALL)))
+            else:
+                fn = forwards.forward(kind, _instance_forward(target))
+                setattr(fn, _OWN, _own(target, "forward"))
+                out.append((target, "forward", types.MethodType(fn, target)))
+                out.append((target, "__getstate__", types.MethodType(_getstate(_own(target, "__getstate__")), target)))
+    return out
+
+
+# on an instance entry's functions: what the instance held in its own
+# __dict__ under that name before hmp (None: nothing)
+_OWN = "__hmp_own__"
+
+
+def _is_entry(value, module):
+    return isinstance(value, types.MethodType) and value.__self__ is module and hasattr(value.__func__, _OWN)
+
+
+def _own(module, name):
+    """What ``module`` holds in its own __dict__ under ``name`` without hmp
+    (an entry of a conversion still in place is looked through)."""
+    own = module.__dict__.get(name)
+    return getattr(own.__func__, _OWN) if _is_entry(own, module) else own
+
+
+def _getstate(own):
+    """``__getstate__`` of a module with an instance entry: a copy or a
+    pickle of it (``copy.deepcopy``, ``torch.save(model)``) gets the module
+    as it is without hmp. The entry names one object: a copy runs as any
+    other module of its class, and nothing of hmp outlives revert() in it.
+    Set on the instance (the copy protocol looks it up there), so classes
+    without a policy stay untouched."""
+
+    def __getstate__(self):
+        state = own() if own is not None else type(self).__getstate__(self)
+        state = dict(state)
+        for name in ("forward", "__getstate__"):
+            value = state.get(name)
+            if _is_entry(value, self):
+                previous = getattr(value.__func__, _OWN)
+                if previous is None:
+                    del state[name]
+                else:
+                    state[name] = previous
+        return state
+
+    setattr(__getstate__, _OWN, own)
+    return __getstate__
+
+
+CALL = "__call__"
+
+
+def _classes_under(cls, listed, attr):
+    """``cls`` and its subclasses that define their own ``attr``, except
+    those under another listed class (that one's rule is closer)."""
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        if c is not cls and c in listed:
+            continue
+        if c is cls or attr in c.__dict__:
+            out.append(c)
+        todo.extend(c.__subclasses__())
+    return out
+
+
+def _instance_forward(module):
+    """What ``module.forward`` runs without hmp, as ``f(self, ...)``."""
+    own = _own(module, "forward")
+    if own is None:
+        return unwrap(inspect.getattr_static(type(module), "forward"))
+    if isinstance(own, types.MethodType) and own.__self__ is module:
+        return unwrap(own.__func__)
+    return lambda self, *args, **kwargs: own(*args, **kwargs)  # someone's own per-instance forward
+
+
+# -- what convert() was given ------------------------------------------------------------------
+
+
+def targets(given, model, what):
+    """The classes and instances named by ``given`` (an iterable of classes,
+    module instances, or strings: name patterns matched against
+    ``model.named_modules()``, else a class's import path). ``what``
+    names the argument in errors. Raises before anything changes."""
+    if given is None:
+        return []
+    if isinstance(given, (str, type, Module)):
+        given = [given]
+    out = []
+    names = dict(model.named_modules()) if isinstance(model, Module) else None
+    for i, item in enumerate(given):
+        where = f"hmp: {what}[{i}]"
+        if isinstance(item, type):
+            if not issubclass(item, Module):
+                raise TypeError(f"{where}: {item.__qualname__} is not a torch.nn.Module subclass")
+            out.append(item)
+        elif isinstance(item, Module):
+            out.append(item)
+        elif isinstance(item, str):
+            out += _by_name(item, names, where)
+        else:
+            raise TypeError(
+                f"{where}: expected a module class, a module or a name, got {type(item).__name__}: {item!r}"
+            )
+    return list(dict.fromkeys(out))
+
+
+def _by_name(pattern, names, where):
+    if names is not None:
+        found = [m for name, m in names.items() if name and fnmatch.fnmatchcase(name, pattern)]
+        if found:
+            return found
+    if is_module_path(pattern):
+        try:
+            return [module_class(pattern)]
+        except ValueError as e:
+            if names is None:
+                raise ValueError(f"{where}: {e}") from None
+    if names is None:
+        raise ValueError(
+            f"{where}: {pattern!r} is a module name pattern, and convert() got no model= to match "
+            f"it against (or give the class, an instance or a class's import path)"
+        )
+    close = fnmatch.filter(names, f"*{pattern.strip('*')}*")[:3] or [n for n in names if n][:3]
+    raise ValueError(
+        f"{where}: {pattern!r} matches no module of the model (its names look like "
+        f"{', '.join(close)}) and is no module class's import path"
+    )
+
+
+def merge(from_files, fp32, bf16):
+    """kind -> tuple of targets: the list files' classes, then those given;
+    one target in both kinds is an error."""
+    merged = {"bf16": list(from_files.get("bf16", ())) + bf16, "fp32": list(from_files.get("fp32", ())) + fp32}
+    both = [t for t in merged["bf16"] if any(t is u for u in merged["fp32"])]
+    if both:
+        raise ValueError(f"hmp: modules under both the BF16 and the FP32 rule: {', '.join(label(t) for t in both)}")
+    return {k: tuple(dict.fromkeys(v)) for k, v in merged.items()}
+
+
+def label(target):
+    if isinstance(target, type):
+        return lists.class_path(target)
+    if isinstance(target, lists.Pattern):
+        return target.path
+    return f"{type(target).__qualname__} instance at {id(target):#x}"

@@ -1,0 +1,568 @@
+"""Cast policies: which arguments of a call are cast, and to which dtype.
+
+Each policy is a small factory returning ``prepare(args, kwargs) ->
+(args, kwargs)``. ``prepare`` returns its inputs unchanged (the same
+objects) when nothing needs a cast, and never mutates them. ``casters`` maps a
+dtype to a one-argument cast function; it is chosen at convert time (plain,
+or through the weight cache). ``for_site`` picks the one prepare a wrapper
+calls: the list's rule, with the in-place rule for calls that write a
+tensor (``out=``, ``inplace=True``, an argument the op's schema marks
+written) checked inside it.
+
+The casts hmp makes (``CASTS``) keep a finite value finite; ``write_back``
+carries a write an op made into a copy back to the caller's tensor;
+``needs`` says when an op in no list must step in (docs/never-changes.md).
+"""
+
+import decimal
+import numbers
+
+import torch
+
+from hmp.core import torch_private
+
+Tensor = torch.Tensor
+FP16, BF16, FP32, FP64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+FLOATS = frozenset((FP16, BF16, FP32, FP64))
+# every floating dtype but the key: what a cast *to* the key converts
+OTHER_FLOATS = {d: FLOATS - {d} for d in FLOATS}
+_promote_types = torch.promote_types  # captured: listing promote_types cannot recurse
+
+# Casts go straight to TensorBase's C methods, never through a name hmp may
+# patch (so listing `to` or `float` cannot recurse). The per-dtype methods
+# parse their arguments faster than `to`; all of them are differentiable.
+# PLAIN_CASTS round as torch does (a value beyond the target's range is inf);
+# they are used where torch's own rounding is the contract (custom_fwd's
+# cast_inputs) and for casts that widen.
+_TB = torch_private.TensorBase
+PLAIN_CASTS = {FP16: _TB.half, BF16: _TB.bfloat16, FP32: _TB.float, FP64: _TB.double}
+
+_NAN = float("nan")
+_nan_to_num_, _set_grad, _grad_on = _TB.nan_to_num_, torch_private.set_grad_enabled, torch.is_grad_enabled
+
+
+def _finite(dtype):
+    """The cast to a lower dtype that keeps a finite value finite
+    (docs/never-changes.md): torch's rounding, then a value beyond the
+    dtype's range (inf after rounding) becomes its largest finite value, as
+    saturating conversions do. One in-place pass over the copy, outside
+    autograd (the copy's gradient is the plain cast's), so the copy is the
+    only tensor made; NaN stays NaN. It bumps the copy's version once
+    (``written`` relies on that)."""
+    cast, top = PLAIN_CASTS[dtype], torch.finfo(dtype).max
+
+    def cast_finite(t):
+        y = cast(t)
+        grad = _grad_on() and y.requires_grad
+        if grad:
+            _set_grad(False)
+        try:
+            _nan_to_num_(y, _NAN, top, -top)
+        except (RuntimeError, NotImplementedError):  # a layout without the op (nested): torch's rounding
+            pass
+        finally:
+            if grad:
+                _set_grad(True)
+        return y
+
+    cast_finite.__name__ = cast_finite.__qualname__ = f"to_{str(dtype).replace('torch.', '')}_finite"
+    return cast_finite
+
+
+# The casts hmp makes: to a lower dtype, finite values stay finite.
+CASTS = {FP16: _finite(FP16), BF16: _finite(BF16), FP32: _TB.float, FP64: _TB.double}
+
+NORM_OPS = frozenset(
+    (
+        "batch_norm",
+        "layer_norm",
+        "group_norm",
+        "instance_norm",
+        "rms_norm",
+        "native_batch_norm",
+        "native_layer_norm",
+        "native_group_norm",
+    )
+)
+# Norms without running statistics. Some devices' kernels reject a bf16 input
+# with fp32 weight and bias (CUDA's layer_norm); there these fall back to
+# casting weight and bias too (see wrap.mixed_or_lower).
+AFFINE_ONLY_NORMS = frozenset(("layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm"))
+
+
+def cast_seq(seq, src, cast, refuse=None):
+    """``seq`` with every tensor whose dtype is in ``src`` passed through ``cast``.
+
+    Looks into list/tuple items, at any depth (``torch.cat([a, b])``).
+    Returns ``seq`` itself when nothing was cast. A tensor subclass whose
+    cast raises (``MaskedTensor`` refuses bfloat16) is left as it is: the op
+    then runs as it would without hmp. ``refuse``: a check of the numbers
+    in ``seq`` (Python, numpy or any other real number, at any depth); when
+    it says True, the result is None (the BF16 rule's overflow check: see
+    ``lower``). ``refuse.decay``, when set: a factor that makes the result
+    None when a tensor of ``seq`` itself was cast (a decay of float32
+    values); a scalar tensor on the CPU counts as such a factor (reading it
+    costs no device sync).
+    """
+    out, decay = None, False
+    for i, a in enumerate(seq):
+        if isinstance(a, Tensor):
+            if a.dtype in src:
+                if refuse is not None and refuse.decay and not a.dim() and a.is_cpu and refuse.decay(a.item()):
+                    decay = True
+                try:
+                    c = cast(a)
+                except Exception:
+                    if type(a) is Tensor or type(a) is _Parameter:
+                        raise
+                    continue  # a subclass that refuses the cast stays uncast
+                if out is None:
+                    out = list(seq)
+                out[i] = c
+        elif type(a) is list or type(a) is tuple:
+            b = cast_seq(a, src, cast, refuse)
+            if b is None:
+                return None
+            if b is not a:
+                if out is None:
+                    out = list(seq)
+                out[i] = b
+        elif refuse is not None:
+            if type(a) is not float and type(a) is not int:
+                if not _is_number(type(a)):
+                    continue
+                a = float(a)  # numpy's: by their exact value
+            if refuse(a):
+                return None
+            if refuse.decay and refuse.decay(a):
+                decay = True
+    if out is None:
+        return seq
+    if decay:
+        return None
+    return out if type(seq) is list else tuple(out)
+
+
+_Parameter = torch.nn.Parameter
+_NUMBER_TYPES = {bool: False, type(None): False, str: False}  # type -> a real number other than bool
+
+
+def _is_number(t):
+    """True for a real number type other than float, int and bool: numpy's
+    scalars (``np.float32``, ``np.float64``), ``fractions.Fraction``,
+    ``decimal.Decimal``. Decided once per type."""
+    known = _NUMBER_TYPES.get(t)
+    if known is None:
+        known = _NUMBER_TYPES[t] = issubclass(t, (numbers.Real, decimal.Decimal)) and t is not bool
+    return known
+
+
+def cast_kwargs(kwargs, src, cast):
+    """``cast_seq`` for keyword arguments: ``kwargs`` itself when nothing was cast."""
+    values = tuple(kwargs.values())
+    cast_values = cast_seq(values, src, cast)
+    return kwargs if cast_values is values else dict(zip(kwargs, cast_values))
+
+
+def cast_nothing(args, kwargs):
+    """The policy of a call left as given."""
+    return args, kwargs
+
+
+def to_dtype(src, cast, out=None):
+    """Cast every tensor argument whose dtype is in ``src`` with ``cast``; a
+    call with ``out=`` goes to ``out`` instead (the in-place rule)."""
+
+    def prepare(args, kwargs):
+        if kwargs:
+            if out is not None and kwargs.get("out") is not None:
+                return out(args, kwargs)
+            kwargs = cast_kwargs(kwargs, src, cast)
+        return cast_seq(args, src, cast), kwargs
+
+    return prepare
+
+
+def overflow_limit(low):
+    """Numbers beyond this magnitude are not finite values of ``low``. (The
+    exact point where rounding reaches inf lies a little above it, and
+    moves when a kernel rounds through float32 first: the largest finite
+    value is the bound that holds for every kernel.)"""
+    return torch.finfo(low).max
+
+
+_INF = float("inf")
+FP32_ONLY = frozenset((FP32,))
+HALVES = frozenset((BF16, FP16))
+MULTIPLICATIONS = frozenset(("mul", "multiply"))
+
+
+# A multiplication by a factor this close to 1 is a decay (a moving average,
+# a soft target update: x * 0.995 + y * 0.005): in the lower dtype its result
+# rounds back to about the value multiplied, so an update applied step after
+# step stalls. Such a call runs under the FP32 rule.
+DECAY = (0.9, 1.1)
+
+
+def numbers_check(low, name):
+    """The BF16 rule's check of a number: True (refuse the rule: the call
+    runs under the FP32 rule) for a finite number beyond the lower dtype's
+    largest value; ``.decay``, for a multiplication, a decay-like factor
+    (``DECAY``; 1 too: ``1.0 * p`` is a hard copy of weights), which refuses
+    the rule only when float32 values would be cast (``cast_seq``): a
+    product of lower-precision values loses nothing in the lower dtype."""
+    limit = overflow_limit(low)
+    low_decay, high_decay = DECAY
+
+    def refuse(a):
+        return (a > limit or a < -limit) and a != _INF and a != -_INF
+
+    def decay(a):
+        return low_decay <= a <= high_decay
+
+    refuse.decay = decay if name in MULTIPLICATIONS else None
+    return refuse
+
+
+def lower(low, casters, out=None, name=None):
+    """BF16 list: float32 tensors go to the lower dtype; nothing else is
+    touched. A call given a Python number that the lower dtype cannot hold
+    as a finite value (``torch.finfo(torch.float32).min``, the usual
+    attention-mask fill, is -inf in bfloat16) runs under the FP32 rule
+    instead: a finite value never turns inf (docs/never-changes.md); so
+    does a multiplication by a decay-like factor. ``name``: the op."""
+    cast, refuse = casters[low], numbers_check(low, name)
+    up = fp32(low, casters, out)
+
+    def prepare(args, kwargs):
+        if not kwargs:
+            cast_args = cast_seq(args, FP32_ONLY, cast, refuse)
+            return up(args, kwargs) if cast_args is None else (cast_args, kwargs)
+        if out is not None and kwargs.get("out") is not None:
+            return out(args, kwargs)
+        both = tuple(args) + tuple(kwargs.values())  # one scan: a factor and its tensor may sit on either side
+        cast_both = cast_seq(both, FP32_ONLY, cast, refuse)
+        if cast_both is None:
+            return up(args, kwargs)
+        if cast_both is both:
+            return args, kwargs
+        n = len(args)
+        return tuple(cast_both[:n]), dict(zip(kwargs, cast_both[n:]))
+
+    return prepare
+
+
+def lower_tensors(low, casters):
+    """float32 tensors to the lower dtype, numbers unchecked: a module's
+    inputs (a BF16 module's ops check their own numbers)."""
+    return to_dtype(FP32_ONLY, casters[low])
+
+
+def fp32(low, casters, out=None):
+    """FP32 list: bfloat16 and float16 tensors go to float32."""
+    return to_dtype(HALVES, casters[FP32], out)
+
+
+def lower_input_only(low, casters, out=None):
+    """Normalization ops: only the input is cast; weight, bias and running
+    statistics keep their dtype (BatchNorm's running stats stay fp32)."""
+    cast = casters[low]
+
+    def prepare(args, kwargs):
+        if kwargs and out is not None and kwargs.get("out") is not None:
+            return out(args, kwargs)
+        if args:
+            x = args[0]
+            if isinstance(x, Tensor) and x.dtype is FP32:
+                args = cast_seq(args[:1], FP32_ONLY, cast) + args[1:]
+        elif kwargs:
+            x = kwargs.get("input")
+            if isinstance(x, Tensor) and x.dtype is FP32:
+                kwargs = dict(kwargs, input=cast_seq((x,), FP32_ONLY, cast)[0])
+        return args, kwargs
+
+    return prepare
+
+
+def _floating_dtypes(seq, seen, dimensioned=False):
+    """``seen`` with the floating dtypes of the tensors in ``seq`` (at any
+    depth) added; ``dimensioned``: of tensors with at least one dimension."""
+    for a in seq:
+        if isinstance(a, Tensor):
+            d = a.dtype
+            if d in FLOATS and (not dimensioned or a.dim()):
+                seen.add(d)
+        elif type(a) is list or type(a) is tuple:
+            _floating_dtypes(a, seen, dimensioned)
+    return seen
+
+
+def one_dtype(seq, seen):
+    """The one floating dtype of the tensors in ``seq`` (at any depth) and
+    ``seen`` (a dtype or None), None when there is none, False when there
+    are two or more."""
+    for a in seq:
+        if isinstance(a, Tensor):
+            d = a.dtype
+            if d in FLOATS:
+                if seen is None:
+                    seen = d
+                elif d is not seen:
+                    return False
+        elif type(a) is list or type(a) is tuple:
+            seen = one_dtype(a, seen)
+            if seen is False:
+                return False
+    return seen
+
+
+def widest(args, kwargs):
+    """The floating dtype ``torch.result_type`` would give the tensor
+    arguments, or None when they share one dtype (or have none), so nothing
+    needs a cast.
+
+    As in torch, 0-dim tensors do not widen dimensioned ones: ``x +
+    torch.tensor(0.5, dtype=torch.float64)`` stays in ``x``'s dtype, and
+    only when no dimensioned tensor is floating do 0-dim ones decide.
+    Python scalars are not tensors and never count."""
+    one = one_dtype(args, None)
+    if one is not False and kwargs:
+        one = one_dtype(kwargs.values(), one)
+    if one is not False:  # one floating dtype or none: the common case, one pass
+        return None
+    # mixed dtypes (rare): dimensioned tensors decide, else every floating one
+    values = (args, tuple(kwargs.values())) if kwargs else (args,)
+    dims = iter(_floating_dtypes(values, set(), True) or _floating_dtypes(values, set()))
+    dt = next(dims)
+    for d in dims:
+        dt = _promote_types(dt, d)
+    return dt
+
+
+def promote(low, casters, out=None):
+    """Promote list: every floating tensor goes to the dtype torch's type
+    promotion gives them (``widest``); 0-dim ones are cast too, so ops that
+    insist on one dtype (index_put, lerp) get it."""
+
+    def prepare(args, kwargs):
+        if kwargs and out is not None and kwargs.get("out") is not None:
+            return out(args, kwargs)
+        dt = widest(args, kwargs)
+        if dt is None:  # one floating dtype or none: the common case, one pass
+            return args, kwargs
+        src, cast = OTHER_FLOATS[dt], casters[dt]
+        args = cast_seq(args, src, cast)
+        if kwargs:
+            kwargs = cast_kwargs(kwargs, src, cast)
+        return args, kwargs
+
+    return prepare
+
+
+def _first_tensor(value):
+    if isinstance(value, Tensor):
+        return value
+    if type(value) is list or type(value) is tuple:
+        for v in value:
+            if isinstance(v, Tensor):
+                return v
+    return None
+
+
+def _into(target, args, kwargs, casters, keep=()):
+    """Cast every floating argument except ``target`` (and the written ones
+    at the positions in ``keep``) to ``target``'s dtype."""
+    if target is None or target.dtype not in FLOATS:
+        return args, kwargs
+    dst = target.dtype
+    src, cast = OTHER_FLOATS[dst], casters[dst]
+    # target already has dtype dst, so it is never in src and never copied
+    cast_args = cast_seq(args, src, cast)
+    if keep and cast_args is not args:
+        cast_args = list(cast_args)
+        for i in keep:
+            if i < len(args):
+                cast_args[i] = args[i]
+        cast_args = tuple(cast_args)
+    if kwargs:
+        out = kwargs.get("out")
+        if out is None:
+            kwargs = cast_kwargs(kwargs, src, cast)
+        else:  # every out tensor is written as given, never a cast copy
+            rest = dict(kwargs)
+            del rest["out"]
+            kwargs = dict(cast_kwargs(rest, src, cast), out=out)
+    return cast_args, kwargs
+
+
+def inplace_self(casters):
+    """``X_`` and ``__iX__``: the first argument is written."""
+
+    def prepare(args, kwargs):
+        target = args[0] if args else None
+        return _into(target if isinstance(target, Tensor) else None, args, kwargs, casters)
+
+    return prepare
+
+
+def inplace_out(casters):
+    """A call with ``out=``: the out tensor is written."""
+
+    def prepare(args, kwargs):
+        return _into(_first_tensor(kwargs["out"]), args, kwargs, casters)
+
+    return prepare
+
+
+def inplace_input(casters):
+    """A call with ``inplace=True``: the input (first argument) is written."""
+
+    def prepare(args, kwargs):
+        target = args[0] if args else kwargs.get("input")
+        return _into(target if isinstance(target, Tensor) else None, args, kwargs, casters)
+
+    return prepare
+
+
+def _checking_inplace(main, into, position):
+    """``main``, except for calls with ``inplace=True`` (positional at
+    ``position``, or by keyword): those follow the in-place rule."""
+
+    def prepare(args, kwargs):
+        if len(args) > position:
+            inplace = args[position]
+        else:
+            inplace = kwargs.get("inplace", False) if kwargs else False
+        return into(args, kwargs) if inplace else main(args, kwargs)
+
+    return prepare
+
+
+def written_into(written, main, casters):
+    """``main``, unless it would replace a tensor the op writes (``written``:
+    ``(position, name)`` pairs, from the op's schema) by a cast copy: such a
+    call runs in the written tensor's dtype instead, every other floating
+    argument cast to it and no written one touched. (A norm's BF16 rule
+    casts only the input, so its running statistics stay as they are.)"""
+    positions = tuple(i for i, _ in written)
+
+    def prepare(args, kwargs):
+        a, k = main(args, kwargs)
+        if a is args and k is kwargs:
+            return a, k
+        for i, name in written:
+            if i < len(args):
+                target, copy = args[i], a[i]
+            elif name in kwargs:
+                target, copy = kwargs[name], k.get(name)
+            else:
+                continue
+            if copy is not target and isinstance(target, Tensor):
+                return _into_written(target, args, kwargs, casters, written, positions)
+        return a, k
+
+    return prepare
+
+
+def _into_written(target, args, kwargs, casters, written, positions):
+    kept = {name: kwargs[name] for i, name in written if i >= len(args) and name in kwargs}
+    a, k = _into(
+        target, args, {n: v for n, v in kwargs.items() if n not in kept} if kept else kwargs, casters, positions
+    )
+    return a, (dict(k, **kept) if kept else k)
+
+
+_version = torch_private.version_of
+_no_grad = torch.no_grad
+
+
+def write_back(cast_args, args, cast_kwargs, kwargs):
+    """After an op ran on hmp's copies of its arguments: what it wrote into
+    a copy is written into the caller's tensor, element by element (a
+    written argument is the caller's tensor: docs/never-changes.md). This
+    catches writes no schema declares (``F.embedding``'s ``max_norm``
+    renormalises the weight it is given). A copy was written when its
+    version counter moved past the cast's own (``_finite`` bumps it once)."""
+    if cast_args is not args:
+        _back_seq(cast_args, args)
+    if cast_kwargs is not kwargs:
+        for key, original in kwargs.items():
+            copy = cast_kwargs.get(key)
+            if copy is not original:
+                _back_seq((copy,), (original,))
+
+
+_CAST_VERSION = {BF16: 1, FP16: 1, FP32: 0, FP64: 0}  # a fresh copy's version: _finite bumps it once
+
+
+def _back_seq(copies, originals):
+    for c, o in zip(copies, originals):
+        if c is o:
+            continue
+        if isinstance(c, Tensor):
+            try:
+                written = _version(c) > _CAST_VERSION.get(c.dtype, 0)
+            except RuntimeError:  # an inference tensor keeps no version counter
+                continue
+            if written and isinstance(o, Tensor):
+                _write_into(o, c)
+        elif (type(c) is list or type(c) is tuple) and (type(o) is list or type(o) is tuple):
+            _back_seq(c, o)
+
+
+def _write_into(original, copy):
+    """The elements of ``copy`` that differ from a fresh cast of
+    ``original`` go into ``original`` (in its dtype); the others keep their
+    exact value, so a write to a few rows of a cast copy rounds nothing else."""
+    if copy.shape != original.shape:
+        return  # resized by the op: nothing to map back element by element
+    with _no_grad():
+        fresh = CASTS[copy.dtype](original)
+        changed = copy != fresh
+        if changed.any():
+            original.copy_(torch.where(changed, copy.to(original.dtype), original))
+
+
+def needs(kind):
+    """``needs(args, kwargs)`` for an op in no list that gets ``kind``'s
+    rule only where it must (lists.fallback_names): under the FP32 rule, a
+    call given a lower-precision tensor; under the promote rule, a call
+    given floating tensors of two dtypes. Any other call runs as if hmp had
+    not wrapped the op."""
+    if kind == "fp32":
+        return lambda args, kwargs: bool(_floating_dtypes((args, tuple(kwargs.values())), set()) & HALVES)
+    return lambda args, kwargs: widest(args, kwargs) is not None
+
+
+RULES = {"bf16": lower, "fp32": fp32, "promote": promote}  # list kind -> policy factory
+
+
+def for_kind(kind, low, casters):
+    """The rule of list ``kind`` for a whole call (user functions, registered ops)."""
+    return RULES[kind](low, casters, inplace_out(casters))
+
+
+def for_site(kind, name, site, low, casters):
+    """The one prepare for calls of ``site`` (a resolve.Site) bound by list
+    entry ``name`` of list ``kind``."""
+    if site.inplace:
+        return inplace_self(casters)
+    if kind == "bf16":
+        main = (
+            lower_input_only(low, casters, inplace_out(casters))
+            if name in NORM_OPS
+            else lower(low, casters, inplace_out(casters), name)
+        )
+    else:
+        main = RULES[kind](low, casters, inplace_out(casters))
+    if site.written:
+        main = written_into(site.written, main, casters)
+    if site.inplace_param is None:
+        return main
+    return _checking_inplace(main, inplace_input(casters), site.inplace_param)
+
+
+def rejects_mixed(kind, name):
+    """True for a site whose kernel may reject its input cast alone (a BF16
+    norm without running statistics: see wrap.mixed_or_lower)."""
+    return kind == "bf16" and name in AFFINE_ONLY_NORMS

@@ -1,0 +1,510 @@
+"""Op names to the places they live, resolved from torch itself.
+
+A list name ``X`` binds every entry point of the op: ``torch.X``,
+``torch.nn.functional.X``, ``torch.Tensor.X``, the dunders ``__X__``,
+``__rX__`` and ``__iX__``, the in-place forms ``X_``, and
+``torchvision.ops.X`` when torchvision is installed. A name may also be an
+aten operator, alone or as ``op.overload`` (``pow.Tensor_Scalar``): it binds
+every builtin Python function generated from that operator (see
+``aten_entry_points``). Nothing is hand-kept, so a name torch does not have
+is an error rather than a silent skip.
+"""
+
+import difflib
+import functools
+import importlib
+import importlib.util
+import inspect
+import logging
+import types
+import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from hmp.core import state, torch_private
+
+log = logging.getLogger("hmp")
+
+# Fused kernels that contain a listed op but are reached without passing
+# through its name (nn.TransformerEncoder's eval fast path calls
+# torch._transformer_encoder_layer_fwd directly). They follow the list of the
+# op they contain unless they are listed themselves.
+FUSED = {
+    "linear": torch_private.FUSED_LINEAR_KERNELS,
+    "matmul": ("scaled_dot_product_attention",),
+}
+
+# The kernels nn.RNN, nn.LSTM, nn.GRU and their cells call. They call them as
+# torch._VF.X, and torch._VF serves torch._C._VariableFunctions through a
+# module __getattr__, so binding torch.X alone would never reach them.
+RNN_KERNELS = frozenset(
+    ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
+)
+
+ORIGINAL = "__hmp_original__"  # set on every hmp wrapper, points at what it wraps
+
+
+def unwrap(obj):
+    return getattr(obj, ORIGINAL, obj)
+
+
+def stand_in(wrapper, original):
+    """Make ``wrapper`` stand in for ``original``: its name, docstring and
+    ``__wrapped__``, and ``ORIGINAL`` pointing at torch's own (what revert
+    and a later convert unwrap to; through a stand-in of a stand-in too).
+    Returns ``wrapper``."""
+    try:
+        functools.update_wrapper(wrapper, original)
+    except (AttributeError, TypeError):  # a builtin without some of the names
+        wrapper.__wrapped__ = original
+    setattr(wrapper, ORIGINAL, unwrap(original))
+    return wrapper
+
+
+@dataclass(frozen=True)
+class Site:
+    """One attribute that a list name binds."""
+
+    namespace: object
+    attr: str
+    owner: str  # printable namespace name
+    inplace: bool  # the op writes its first argument (``X_``, ``__iX__``, or by its schema)
+    inplace_param: object = None  # position of an ``inplace=`` parameter, if the function has one
+    written: tuple = ()  # (position, name) of other arguments it writes (``Tensor(a!)``)
+
+    @property
+    def label(self):
+        return f"{self.owner}.{self.attr}"
+
+    def original(self):
+        """What this attribute holds without hmp (its wrapper's original while converted)."""
+        ns = self.namespace
+        if isinstance(ns, type):
+            return unwrap(inspect.getattr_static(ns, self.attr))
+        own = ns.__dict__
+        # torch._VF serves its functions through __getattr__: none is its own attribute
+        return unwrap(own[self.attr] if self.attr in own else getattr(ns, self.attr))
+
+
+class Binding(NamedTuple):
+    """A site and the list entry that binds it."""
+
+    site: Site
+    kind: str  # "bf16", "fp32" or "promote"
+    name: str  # the list name
+    fallback: bool = False  # an op in no list, bound so a lower-precision input cannot break it
+
+
+def make_site(namespace, attr, owner, inplace, fn, inplace_param=None):
+    """The Site of ``namespace.attr`` (holding ``fn``), with the arguments
+    the op writes (``writes``), so a written tensor is never replaced by a
+    cast copy whatever the op's name says."""
+    written = writes(fn, attr)
+    if any(i == 0 for i, _ in written):
+        inplace, written = True, tuple(w for w in written if w[0])
+    return Site(namespace, attr, owner, inplace, None if inplace else inplace_param, written)
+
+
+BUILTINS = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
+# batch_norm's schema does not mark what it writes (its running statistics,
+# written in C++ without a version bump); the schema of its functional form,
+# _native_batch_norm_legit, marks them. The one rule by function name in
+# here, a last resort: these read those parameters' names from that schema.
+UNMARKED_WRITERS = ("batch_norm", "native_batch_norm", "_batch_norm_impl_index", "instance_norm")
+_MARKED_FORM = "_native_batch_norm_legit"
+
+
+def writes(fn, attr):
+    """``((position, name), ...)``: the positional tensor arguments ``fn``
+    writes, from the aten schema of the op it is (``Tensor(a!)``) and, for
+    UNMARKED_WRITERS, of their functional form: a builtin's by position, a
+    Python function's by parameter name (``F.batch_norm`` orders its
+    parameters its own way). A Python function's other writes are declared
+    nowhere: the wrapper finds them after the call (policy.write_back)."""
+    builtin = isinstance(fn, BUILTINS)
+    own = schema_writes(getattr(fn, "__name__", attr) if builtin else attr)
+    names = {name for _, name in own}
+    if attr in UNMARKED_WRITERS:
+        names |= {name for _, name in schema_writes(_MARKED_FORM)}
+    found = set(own) if builtin else set()
+    if names - {name for _, name in found}:
+        found |= {(i, name) for i, name in enumerate(_parameters(fn, attr)) if name in names}
+    return tuple(sorted(found))
+
+
+def _parameters(fn, attr):
+    """The names of ``fn``'s positional parameters: its signature, else its aten schema's."""
+    try:
+        return [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        packet = aten_op(getattr(fn, "__name__", attr))
+        if packet is None or not packet.overloads():
+            return []
+        schema = getattr(packet, packet.overloads()[0])._schema
+        return [a.name for a in schema.arguments if not a.kwarg_only]
+
+
+def subclasses(cls):
+    """``cls`` and every class derived from it, at any depth, as defined now."""
+    found, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        found.append(c)
+        todo.extend(c.__subclasses__())
+    return found
+
+
+def owner_label(owner):
+    return getattr(owner, "__qualname__", None) or getattr(owner, "__name__", None) or type(owner).__name__
+
+
+def attribute_site(owner, name):
+    """The Site of ``owner.name`` for ``hmp.register()``."""
+    fn = unwrap(getattr(owner, name))
+    return make_site(owner, name, owner_label(owner), False, fn, _inplace_param(fn))
+
+
+def _is_op(raw):
+    """A plain callable, not a class, module, property or static/class method."""
+    if isinstance(raw, (type, types.ModuleType, staticmethod, classmethod, property)):
+        return False
+    return callable(raw)
+
+
+def _inplace_param(fn):
+    """The position of ``fn``'s ``inplace`` parameter, or None. Builtins
+    have none (their writes are in their schemas); a Python function's
+    code object names its parameters (cheaper than inspect.signature)."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is None:
+        return None
+    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    return names.index("inplace") if "inplace" in names else None
+
+
+def _torchvision_ops():
+    try:
+        if importlib.util.find_spec("torchvision") is None:
+            return None
+        return importlib.import_module("torchvision.ops")
+    except Exception as e:  # a stub without __spec__ (find_spec raises), a broken install: never fatal
+        _warn_optional("torchvision.ops", e)
+        return None
+
+
+def _warn_optional(module, error):
+    """Warn once per process that an optional module is unusable."""
+    if not state.first_time(("optional module", module)):
+        return
+    try:
+        warnings.warn(
+            f"hmp: {module} is present but cannot be imported ({type(error).__name__}: {error}); hmp binds "
+            f"no ops there. (hmp warns about this once per process.)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    except Warning:  # warnings turned into errors: still not a reason for convert() to fail
+        pass
+
+
+def _vf_sites(name):
+    """torch._VF.X for an RNN kernel: set as an attribute of torch._VF (which
+    revert deletes again), it shadows __getattr__ for nn.RNNBase's calls."""
+    vf = torch_private.VF
+    if name not in RNN_KERNELS or not _is_op(getattr(vf, name, None)):
+        return []
+    return [make_site(vf, name, torch_private.VF_LABEL, False, getattr(vf, name))]
+
+
+class Resolver:
+    def __init__(self):
+        self.modules = [("torch", torch), ("torch.nn.functional", F)]
+        tv = _torchvision_ops()
+        if tv is not None:
+            self.modules.append(("torchvision.ops", tv))
+        self._cache = {}
+        self._universe = None
+        self._attrs = None  # every attribute name a lookup could find
+
+    def _may_exist(self, name):
+        """False when no attribute ``sites`` would look up exists at all: a
+        set lookup instead of a dozen ``getattr_static`` calls, so a list of
+        100k unknown names is checked in well under a second."""
+        if self._attrs is None:
+            attrs = set()
+            for _, module in self.modules:
+                attrs.update(module.__dict__)
+            for klass in torch.Tensor.__mro__:
+                attrs.update(vars(klass))
+            self._attrs = attrs
+        attrs = self._attrs
+        return name in attrs or name + "_" in attrs or f"__{name}__" in attrs
+
+    def _lookup(self, namespace, attr, in_class):
+        if in_class:
+            try:
+                raw = inspect.getattr_static(namespace, attr)
+            except AttributeError:
+                return None
+        else:
+            raw = namespace.__dict__.get(attr)
+        raw = unwrap(raw)
+        return raw if raw is not None and _is_op(raw) else None
+
+    def sites(self, name):
+        """Every Site that ``name`` binds; empty when torch has no such op."""
+        if name in self._cache:
+            return self._cache[name]
+        found = []
+        if not self._may_exist(name) and aten_op(name) is None:
+            self._cache[name] = found
+            return found
+        inplace_name = None if name.endswith("_") else name + "_"
+        explicit_inplace = name.endswith("_") and not name.endswith("__")
+        for owner, module in self.modules:
+            for attr in (name, inplace_name):
+                if attr is None:
+                    continue
+                fn = self._lookup(module, attr, in_class=False)
+                if fn is not None:
+                    inplace = attr is inplace_name or explicit_inplace
+                    found.append(make_site(module, attr, owner, inplace, fn, _inplace_param(fn)))
+        T = torch.Tensor
+        attrs = [(name, explicit_inplace), (inplace_name, True)]
+        dunder = f"__{name}__"
+        if not name.startswith("_") and self._lookup(T, dunder, in_class=True) is not None:
+            if name.startswith("i") and self._lookup(T, f"__{name[1:]}__", in_class=True) is not None:
+                attrs.append((dunder, True))  # Habana's "iadd": the in-place operator `a += b` itself
+            else:
+                attrs += [(dunder, False), (f"__r{name}__", False), (f"__i{name}__", True)]
+        for attr, inplace in attrs:
+            fn = None if attr is None else self._lookup(T, attr, in_class=True)
+            if fn is not None:
+                found.append(make_site(T, attr, "torch.Tensor", inplace, fn))
+        found += _vf_sites(name)
+        found += self._aten_sites(name, found)
+        self._cache[name] = found
+        return found
+
+    def exists(self, name):
+        return bool(self.sites(name))
+
+    def bind(self, effective, fallback=()):
+        """``[Binding]`` for every entry point the effective lists (kind ->
+        names, in the order the kinds bind) bind, each site once: listed
+        names first, so a fused kernel listed by name keeps its own list;
+        then the fused kernels of listed ops (FUSED); then ``fallback``
+        (``(kind, names)`` pairs: ops in no list that get a rule anyway)."""
+        named = [(kind, name) for kind, names in effective.items() for name in sorted(names)]
+        fused = [(kind, f) for kind, name in named for f in FUSED.get(name, ())]
+        listed = {name for _, name in named}
+        extra = [(kind, name) for kind, names in fallback for name in names if name not in listed]
+        out, seen = [], set()
+        first_extra = len(named) + len(fused)
+        for i, (kind, name) in enumerate(named + fused + extra):
+            for site in self.sites(name):
+                key = (id(site.namespace), site.attr)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(Binding(site, kind, name, i >= first_extra))
+        return out
+
+    def _aten_sites(self, name, found):
+        """Sites of the builtins generated from ``aten::name`` (and its
+        in-place ``name_``) that the Python-name lookup above did not find."""
+        seen = {(id(s.namespace), s.attr) for s in found}
+        extra = []
+        for op in (name,) if name.endswith("_") else (name, name + "_"):
+            for owner, module, attr in aten_entry_points().get(op, ()):
+                if (id(module), attr) not in seen:
+                    seen.add((id(module), attr))
+                    extra.append(make_site(module, attr, owner, op.endswith("_"), getattr(module, attr)))
+        return extra
+
+    def check(self, name, hint=True):
+        """``(op name, status, message)`` for a list entry.
+
+        ``op.overload`` must name a real overload of an aten operator and
+        stands for the operator as a whole (hmp binds Python functions, which
+        reach every overload), so the op name returned drops the overload.
+        Status: BOUND (something to wrap), NO_PYTHON (a real aten operator
+        that no Python name reaches) or UNKNOWN (``message`` says why, with
+        close matches when ``hint``).
+        """
+        base, dot, overload = name.partition(".")
+        if dot:
+            packet = aten_op(base)
+            if packet is None:
+                message = f"unknown op {name!r} (a dotted name is an aten operator and its overload)"
+                close = [overload] if hint and self.sites(overload) else self.suggest(base) if hint else []
+                return name, UNKNOWN, message + (f"; did you mean {', '.join(close)}?" if close else "")
+            overloads = packet.overloads()
+            if overload not in overloads:
+                close = suggest(overload, overloads) if hint else []
+                shown = close or overloads[:6]
+                more = ", ..." if not close and len(overloads) > len(shown) else ""
+                return (
+                    name,
+                    UNKNOWN,
+                    (f"unknown overload {name!r}: aten::{base} has {', '.join(f'{base}.{o}' for o in shown)}{more}"),
+                )
+            name = base
+        if self.sites(name):
+            return name, BOUND, ""
+        if aten_op(name) is not None:
+            return name, NO_PYTHON, ""
+        close = self.suggest(name) if hint else []
+        return name, UNKNOWN, f"unknown op {name!r}" + (f"; did you mean {', '.join(close)}?" if close else "")
+
+    def suggest(self, name):
+        if self._universe is None:
+            names = set()
+            for _, module in self.modules:
+                names.update(a for a in dir(module) if not a.startswith("__"))
+            for a in dir(torch.Tensor):
+                names.add(a[2:-2] if a.startswith("__") and a.endswith("__") else a)
+            names.update(_aten_names())
+            self._universe = sorted(names)
+        return suggest(name, self._universe)
+
+
+def is_module_path(name):
+    """A dotted name that is not an aten operator and its overload: a
+    module class's import path (``torch.nn.LSTM``)."""
+    base, dot, rest = name.partition(".")
+    return bool(dot) and ("." in rest or aten_op(base) is None)
+
+
+def module_class(path):
+    """The ``torch.nn.Module`` subclass the dotted import path names
+    (``transformers.models.llama.modeling_llama.LlamaRMSNorm``), imported.
+    Raises ValueError saying what was found instead."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        name = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(name)
+            break
+        except ModuleNotFoundError as e:
+            if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
+                raise ValueError(f"importing {name!r} failed: {type(e).__name__}: {e}") from None
+        except Exception as e:  # the module itself raised while importing
+            raise ValueError(f"importing {name!r} failed: {type(e).__name__}: {e}") from None
+    else:
+        raise ValueError(f"{path!r} is no op and no importable path: no module named {parts[0]!r}")
+    for j in range(i, len(parts)):
+        try:
+            obj = getattr(obj, parts[j])
+        except AttributeError:
+            raise ValueError(f"{path!r}: {'.'.join(parts[:j])!r} has no attribute {parts[j]!r}") from None
+    if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
+        return obj
+    if isinstance(obj, type):
+        raise ValueError(f"{path!r} is a class but not a torch.nn.Module subclass")
+    if callable(obj):
+        raise ValueError(f"{path!r} is a function, not a torch.nn.Module subclass")
+    raise ValueError(f"{path!r} is a {type(obj).__name__}, not a torch.nn.Module subclass")
+
+
+def suggest(name, universe, n=3):
+    """Close matches of ``name`` in ``universe``, for error messages."""
+    return difflib.get_close_matches(name, universe, n=n, cutoff=0.6)
+
+
+# -- aten operator names ----------------------------------------------------------------------
+
+BOUND, NO_PYTHON, UNKNOWN = "bound", "no-python", "unknown"
+
+# Where builtin functions generated from aten operators live. Each such
+# builtin carries its operator's name (torch.linalg.multi_dot.__name__ ==
+# "linalg_multi_dot", F.logsigmoid.__name__ == "log_sigmoid"), so scanning
+# these namespaces maps an operator to every Python name that calls it,
+# private ones included (F.cross_entropy looks up
+# torch._C._nn.cross_entropy_loss at call time). torch._C._VariableFunctions
+# is left out: torch.X is the public name of each of its builtins.
+ATEN_HOMES = (
+    "torch",
+    "torch.nn.functional",
+    *torch_private.ATEN_PRIVATE_HOMES,
+    "torch.linalg",
+    "torch.special",
+    "torch.fft",
+)
+
+
+def aten_op(name):
+    """``torch.ops.aten.<name>`` (an OpOverloadPacket) when torch's operator
+    registry has that operator, else None."""
+    if not name.isidentifier() or name.startswith("__"):
+        return None
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+    return packet if isinstance(packet, torch_private.OpOverloadPacket) else None
+
+
+@functools.lru_cache(maxsize=None)
+def returns_view(name):
+    """True when ``aten::name`` returns a view of an input (by its schema:
+    a result that aliases an argument without writing it, as ``t``,
+    ``transpose``, ``view``, ``reshape``, ``split``, ``to``). Such an op is
+    never cast: its result must be a view of the tensor it was given, so
+    writes through it reach that tensor (docs/never-changes.md)."""
+    packet = aten_op(name)
+    if packet is None:
+        return False
+    for overload in packet.overloads():
+        for ret in getattr(packet, overload)._schema.returns:
+            alias = ret.alias_info
+            if alias is not None and not alias.is_write:
+                return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def schema_writes(name):
+    """``((position, name), ...)`` of the tensor arguments ``aten::name``
+    writes (``Tensor(a!)``), over all its overloads; keyword-only ones
+    (``out``) are left to the ``out=`` rule."""
+    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None  # dunders too (__iand__)
+    if not isinstance(packet, torch_private.OpOverloadPacket):
+        return ()
+    found = set()
+    for overload in packet.overloads():
+        for i, arg in enumerate(getattr(packet, overload)._schema.arguments):
+            alias = arg.alias_info
+            if alias is not None and alias.is_write and not arg.kwarg_only and "Tensor" in str(arg.type):
+                found.add((i, arg.name))
+    return tuple(sorted(found))
+
+
+@functools.lru_cache(maxsize=None)
+def aten_entry_points():
+    """``{aten op name: [(owner, module, attr), ...]}`` for every builtin in
+    ATEN_HOMES whose name is an aten operator; built once (a namespace entry
+    hmp has wrapped is looked at through its original)."""
+    table = {}
+    for owner in ATEN_HOMES:
+        module = importlib.import_module(owner)
+        for attr, value in list(vars(module).items()):
+            fn = unwrap(value)
+            if attr.startswith("__") or not isinstance(fn, types.BuiltinFunctionType):
+                continue
+            op = getattr(fn, "__name__", None)
+            if isinstance(op, str) and aten_op(op) is not None:
+                table.setdefault(op, []).append((owner, module, attr))
+    return table
+
+
+def _aten_names():
+    """Every aten operator name the registry reports, for suggestions only."""
+    schemas = torch_private.all_schemas()  # [] when it fails: suggestions are a nicety
+    return {s.name[6:] for s in schemas if s.name.startswith("aten::")}

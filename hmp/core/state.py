@@ -1,0 +1,182 @@
+"""Everything hmp keeps between calls, in one place; imports nothing from hmp
+but torch_private (a leaf too).
+
+- ``tls``: per thread. ``off`` is the only thing the per-call wrapper
+  reads: ``OFF`` inside ``disable_casts()``, inside a listed op (so ops it
+  calls are not cast again: the outermost op decides), in backward and in
+  the other regions hmp leaves alone; ``MODULE`` inside an FP32 module
+  (a BF16 module inside it casts again); 0 where hmp casts. Every writer
+  follows one rule, ``enter()`` where its region starts and ``leave()``
+  with what enter returned where it ends, on every exit path.
+- ``runtime``: the process-wide conversion. Only hmp/core/conversion.py writes
+  it, under ``runtime.lock``.
+- ``copies``: the weight-cast cache's stores (hmp/core/cache.py writes them).
+- ``warned``: keys of the warn-once messages already given.
+"""
+
+import os
+import sys
+import sysconfig
+import threading
+import weakref
+
+import torch
+
+from hmp.core import torch_private
+
+# -1 outside a backward pass; autograd's device threads run nothing else
+_graph_task_id = torch_private.current_graph_task_id()
+
+
+OFF = 1  # casts off: disable_casts(), an op in progress, backward, a step, a region hmp leaves alone
+MODULE = 2  # casts off for an FP32 module's forward (modules.py): a BF16 module inside turns them on
+
+
+class ThreadState(threading.local):
+    # class attributes: every new thread starts with casting on ...
+    off = 0
+    lower_mode = None  # the TorchFunctionMode of an enclosing BF16 module (modules.py), while pushed
+
+    def __init__(self):
+        # ... except one first seen inside a backward pass: an autograd
+        # device thread (CUDA runs backward there), which only ever runs
+        # backward, where hmp casts nothing. Runs once per thread.
+        if _graph_task_id is not None and _graph_task_id() != -1:
+            self.off = OFF
+        self.frames = []  # open regions' frames (enter/leave), oldest first
+        self.regions = []  # [(id(autocast region), what enter() returned)] entered under hmp (regions.py)
+        self.steps = []  # what enter() returned at each optimizer step in progress (steps.py)
+        self.frozen_depth = 0  # frozen_weights() nesting (cache.py)
+        self.frozen = None  # that block's stores, {dtype: {id(tensor): entry}}
+
+
+tls = ThreadState()
+_KEEP = object()
+
+
+def enter(off, lower_mode=_KEEP):
+    """Set the calling thread's cast state where a region starts: ``off``
+    (0, OFF or MODULE) and, for a BF16 module, its mode. Returns the
+    region's frame (the state it found), for ``leave()`` where it ends.
+    (The per-call wrappers inline the pair: they run only where ``off`` is
+    0, and nothing they call outlives them.)"""
+    st = tls
+    frame = [st.off, st.lower_mode]
+    st.frames.append(frame)
+    st.off = off
+    if lower_mode is not _KEEP:
+        st.lower_mode = lower_mode
+    return frame
+
+
+def leave(frame):
+    """End the region ``enter()`` returned ``frame`` for (``close_block``'s
+    rule). A frame already left (by revert()'s unwinding) is ignored."""
+    if close_block(tls.frames, frame):
+        tls.off, tls.lower_mode = frame
+
+
+def close_block(stack, block):
+    """Take ``block`` (a list of what it found when it opened) off ``stack``
+    (oldest first), the one rule of hmp's nested blocks: thread cast-state
+    regions and converted() blocks. True: it was the innermost, and the
+    caller puts back what it found. False: a newer block is open (a
+    generator closed inside a block it did not open); it stays in force and
+    now holds what this one found, to put back when it closes. None: not on
+    the stack."""
+    if stack and stack[-1] is block:
+        stack.pop()
+        return True
+    for i in range(len(stack) - 2, -1, -1):
+        if stack[i] is block:
+            stack[i + 1][:] = block
+            del stack[i]
+            return False
+    return None
+
+
+def current():
+    """The calling thread's cast state ``(off, lower_mode)``, for ``casts.run_as``."""
+    st = tls
+    return st.off, st.lower_mode
+
+
+class Runtime:
+    """The current conversion and what it installed."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.patches = None  # patch.PatchLog, made by the first convert(); kept for retries of a failed undo
+        self.conversion = None  # conversion.Conversion in force; None: not converted
+        self.wrappers = None  # wrap.Wrappers of this conversion, for register() while converted
+        self.hooks = []  # handles of torch's global hooks hmp registered (optimizer steps, buffers)
+        self.pickle_names = {}  # id(function) -> (function, "module:attr") (pickling.py)
+        self.log_restore = None  # puts the "hmp" logger back after a verbose conversion
+        self.blocks = []  # open converted() blocks, oldest first: [configuration to restore] each
+        # kept across conversions
+        self.registered = []  # (owner, name, kind) from hmp.register()
+        self.decorated = weakref.WeakKeyDictionary()  # @hmp.*_function wrapper -> kind
+
+
+runtime = Runtime()
+
+
+class Copies:
+    """Lower-precision copies of weights (hmp/core/cache.py)."""
+
+    def __init__(self):
+        dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        self.live = {d: {} for d in dtypes}  # grad mode: dtype -> {id(tensor): entry}
+        self.frozen = weakref.WeakSet()  # every thread's frozen_weights() stores
+        self.dtypes = dtypes
+
+
+copies = Copies()
+
+warned = set()
+
+
+def first_time(key):
+    """True the first time ``key`` is seen in this process (warn once)."""
+    if key in warned:
+        return False
+    warned.add(key)
+    return True
+
+
+def _folder(path):
+    return os.path.dirname(os.path.abspath(path))
+
+
+_HMP_AND_TORCH = (os.path.dirname(_folder(__file__)), _folder(torch.__file__))  # hmp/, torch/
+# where a warning would point at a library's line instead of the user's: the standard library
+# (contextlib's __enter__ when a library opens a region with a contextmanager) and installed packages
+_LIBRARIES = tuple(
+    dict.fromkeys(
+        os.path.abspath(p)
+        for p in (sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib"))
+        if p
+    )
+)
+
+
+def _in_folders(filename, tops):
+    folder = _folder(filename)
+    return any(folder == top or folder.startswith(top + os.sep) for top in tops)
+
+
+def user_stacklevel():
+    """``stacklevel`` for a warning raised inside hmp: the first frame
+    outside hmp, torch, the standard library and installed packages, so the
+    warning shows the user's line (a Trainer's caller, not contextlib); the
+    first frame outside hmp and torch when every frame is a library's."""
+    first_library = None
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not _in_folders(name, _HMP_AND_TORCH):
+            if not _in_folders(name, _LIBRARIES):
+                return level
+            first_library = first_library or level
+        frame, level = frame.f_back, level + 1
+    return first_library or level

@@ -1,0 +1,278 @@
+"""Every private torch name hmp reaches, in one module.
+
+torch's private names change between releases without notice; keeping them
+here means one file to read when a new release breaks something, and
+tests/unit/test_structure.py fails if another module reaches one directly.
+tests/unit/test_torch_private.py checks each of them on the running torch.
+
+Each entry says why hmp needs it and the releases it is known for (the
+tested releases: hmp/tested.py). A name a release lacks
+gets a fallback here, never an AttributeError at ``import hmp``; where no
+fallback keeps hmp's promise, convert() says what is missing (``missing()``).
+"""
+
+import operator
+
+import torch
+import torch.utils.checkpoint as _checkpoint
+from torch._subclasses import fake_tensor as _fake_tensor
+from torch.jit import _builtins as _jit_builtins
+from torch.utils import _pytree
+from torch.utils.data import dataloader as _dataloader
+from torch.utils.data._utils import worker as _worker
+
+VERSION = torch.__version__.split("+")[0]
+
+# -- tensors ----------------------------------------------------------------------------------
+
+# Casts call TensorBase's C methods directly, never a name hmp may patch on
+# torch.Tensor (listing `to` or `float` cannot recurse). 2.1: torch._C._TensorBase.
+TensorBase = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
+
+# The in-place write counter the weight-cast cache checks; a C attrgetter, as
+# cheap as the attribute on the hot path.
+version_of = operator.attrgetter("_version")
+
+# Grad mode switched without a context manager object: the saturating cast
+# fixes its copy in place outside autograd on every activation cast.
+set_grad_enabled = torch._C._set_grad_enabled
+
+
+def current_graph_task_id():
+    """The C function giving -1 outside a backward pass, or None (an autograd
+    device thread then cannot be told apart: it casts until a region says not)."""
+    return getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _none():
+    return None
+
+
+def _false():
+    return False
+
+
+# torch.jit.is_tracing() is the public name, but it is a Python function that
+# also asks about scripting; the cache asks on every call.
+tracing_state = getattr(torch._C, "_get_tracing_state", None) or _none
+# True under vmap/grad/jvp: their tensors have no storage to cache by.
+functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None) or _false
+
+# Parameters made under FakeTensorMode: they have no real storage, and
+# torch warns (later: raises) when asked for their data pointer. torch
+# imports this module itself (2.4 to 2.14).
+FakeTensor = _fake_tensor.FakeTensor
+
+# -- custom autograd Functions ----------------------------------------------------------------
+
+# torch.amp.custom_fwd / custom_bwd mark nothing on what they decorate: a
+# decorated forward or backward is told by its code object (one per
+# decorator), and custom_fwd's ``cast_inputs`` is read from its closure.
+# 2.4 to 2.14: torch.cuda.amp's deprecated decorators call torch.amp's.
+
+
+def _decorated_code(decorator, **kwargs):
+    try:
+        return decorator(lambda *args: None, **kwargs).__code__
+    except Exception:  # a torch without it: nothing is ever recognised
+        return None
+
+
+_CUSTOM_FWD = _decorated_code(torch.amp.custom_fwd, device_type="cpu", cast_inputs=torch.float32)
+_CUSTOM_BWD = _decorated_code(torch.amp.custom_bwd, device_type="cpu")
+
+
+def _closure_value(fn, name):
+    code = fn.__code__
+    return fn.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def custom_fwd_cast(fn):
+    """For a forward decorated with ``torch.amp.custom_fwd``: its
+    ``cast_inputs`` dtype, or None when it has none; False when ``fn`` is
+    not such a forward."""
+    if _CUSTOM_FWD is None or getattr(fn, "__code__", None) is not _CUSTOM_FWD:
+        return False
+    return _closure_value(fn, "cast_inputs")
+
+
+def custom_bwd_inner(fn):
+    """The backward ``torch.amp.custom_bwd`` decorated, or None when ``fn``
+    is not a decorated backward."""
+    if _CUSTOM_BWD is None or getattr(fn, "__code__", None) is not _CUSTOM_BWD:
+        return None
+    return _closure_value(fn, "bwd")
+
+
+# What autograd calls to run a custom Function's backward: its ``apply``
+# gets the Function's ctx (the outputs' grad_fn) as ``self``.
+BackwardCFunction = torch.autograd.function.BackwardCFunction
+
+# -- ops and their namespaces -----------------------------------------------------------------
+
+# nn.RNN/LSTM/GRU call their kernels as torch._VF.X (a module serving
+# torch._C._VariableFunctions through __getattr__).
+VF = torch._VF
+VF_LABEL = "torch._VF"
+
+# Namespaces where builtins generated from aten ops live under a private name
+# (F.cross_entropy calls torch._C._nn.cross_entropy_loss).
+ATEN_PRIVATE_HOMES = ("torch._C._nn", "torch._C._linalg", "torch._C._special", "torch._C._fft")
+
+# Fused kernels nn.TransformerEncoder's eval fast path and nn.MultiheadAttention
+# call directly: they contain a linear and follow its list.
+FUSED_LINEAR_KERNELS = ("_transformer_encoder_layer_fwd", "_native_multi_head_attention")
+
+# torch.ops.aten.X is an OpOverloadPacket when the registry has operator X.
+OpOverloadPacket = torch._ops.OpOverloadPacket
+
+
+def all_schemas():
+    """Every registered operator schema, for "did you mean" suggestions only:
+    [] when this torch has no such function."""
+    get = getattr(torch._C, "_jit_get_all_schemas", None)
+    try:
+        return get() if get is not None else []
+    except Exception:
+        return []
+
+
+# TorchScript compiles a registered builtin by its aten name: a wrapper
+# registered as its original's builtin scripts as the original.
+def jit_find_builtin(fn):
+    return _jit_builtins._find_builtin(fn)
+
+
+def jit_register_builtin(fn, name):
+    _jit_builtins._register_builtin(fn, name)
+
+
+def jit_forget_builtin(key):
+    """Drop the builtin registered under ``id(fn)`` (its wrapper was collected)."""
+    _jit_builtins._get_builtin_table().pop(key, None)
+
+
+# -- pytrees: module outputs and recorded calls are nested containers ------------------------------
+
+tree_map_only = _pytree.tree_map_only
+tree_flatten = _pytree.tree_flatten
+tree_leaves = _pytree.tree_leaves
+tree_unflatten = _pytree.tree_unflatten
+
+# -- regions hmp leaves alone (regions.py) ----------------------------------------------------
+
+
+def autocast_enabled(region):
+    """Whether a torch.autocast instance enables autocast (its ``_enabled``;
+    a region entered disabled changes nothing and is not warned about)."""
+    return bool(getattr(region, "_enabled", False))
+
+
+# backward() and grad() both call this at call time (2.3+); before, hmp
+# patches torch.autograd.backward/grad themselves.
+ENGINE_RUN_BACKWARD = "_engine_run_backward"
+
+
+def engine_run_backward_homes():
+    """``[(namespace, "_engine_run_backward")]``: torch.autograd's global and
+    torch.autograd.graph's (export tracing copies graph's back over autograd's);
+    [] on a torch without it."""
+    autograd = torch.autograd
+    graph = getattr(autograd, "graph", None)
+    if (
+        graph is None
+        or not callable(getattr(autograd, ENGINE_RUN_BACKWARD, None))
+        or not callable(getattr(graph, ENGINE_RUN_BACKWARD, None))
+    ):
+        return []
+    return [(graph, ENGINE_RUN_BACKWARD), (autograd, ENGINE_RUN_BACKWARD)]
+
+
+# DataLoader worker processes start in this function (any start method).
+WORKER_MODULE = _worker
+WORKER_LOOP = "_worker_loop"
+
+
+def worker_loop():
+    return getattr(_worker, WORKER_LOOP)
+
+
+def single_process_fetch():
+    """``(class, "_next_data")``: where the in-process DataLoader loads a
+    batch, or None when this torch loads it elsewhere."""
+    single = getattr(_dataloader, "_SingleProcessDataLoaderIter", None)
+    if single is not None and "_next_data" in single.__dict__:
+        return single, "_next_data"
+    return None
+
+
+# -- gradient checkpointing (checkpoint.py) ---------------------------------------------------
+
+CHECKPOINT_MODULE = _checkpoint
+# what non-reentrant checkpoint() calls to build its recompute: 2.14 renamed it
+# (the old name is a shim around _impl); a patch on the shim would be bypassed
+_GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
+
+
+def checkpoint_generator():
+    """The name of the generator non-reentrant ``checkpoint()`` builds its
+    recompute with on this torch (its first argument is the function it
+    reruns), or None. Decided from the names the public function and its
+    implementation look up, not from which exist."""
+    called = set()
+    for fn_name in ("checkpoint", "_checkpoint_impl"):
+        fn = getattr(_checkpoint.__dict__.get(fn_name), "__wrapped__", None) or _checkpoint.__dict__.get(fn_name)
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            called.update(code.co_names)
+    for name in _GENERATORS:
+        if name in called and callable(_checkpoint.__dict__.get(name)):
+            return name
+    return None
+
+
+def checkpoint_function():
+    """``CheckpointFunction`` (reentrant checkpoint's autograd.Function: its
+    ``forward`` stores the function backward reruns), or None."""
+    function = getattr(_checkpoint, "CheckpointFunction", None)
+    return function if isinstance(function, type) else None
+
+
+# -- RNN modules (rnn.py) ---------------------------------------------------------------------
+
+# nn.RNNBase checks input/weight dtypes in Python, in this method
+RNN_CHECK_INPUT = "check_input"
+
+
+def rnn_flat_weights(module):
+    """The weights an RNN module hands its kernel, in order."""
+    return module._flat_weights
+
+
+# -- wordings of torch's error messages (errors.py, fallback.py) -------------------------------
+
+# a kernel that has no lower-precision implementation; oneDNN's wording for
+# one it cannot build on this CPU (2.4's bf16 LSTM without AVX-512 BF16)
+NO_KERNEL_MESSAGE = r"not implemented for '(BFloat16|Half)'|could not create a primitive descriptor"
+# ops that reject mixed input dtypes say so
+MIXED_DTYPE_MESSAGE = r"mixed dtype"
+# a backward hook returned a gradient of another dtype
+HOOK_CHANGED_TYPE_MESSAGE = r"hook '([^']*)' has changed the type of value(?: \(was (\S+) got (\S+)\))?"
+
+
+def missing():
+    """What this torch lacks that hmp needs to keep its promises, as lines
+    for convert() to report ([] on the tested releases)."""
+    out = []
+    if checkpoint_generator() is None:
+        out.append(
+            f"hmp: torch {VERSION} has no non-reentrant checkpoint generator hmp knows "
+            f"({', '.join(_GENERATORS)}); non-reentrant gradient checkpointing cannot be kept cast; "
+            f"please report"
+        )
+    if checkpoint_function() is None:
+        out.append(
+            f"hmp: torch {VERSION} has no torch.utils.checkpoint.CheckpointFunction; reentrant gradient "
+            f"checkpointing cannot be kept cast; please report"
+        )
+    return out

@@ -1,0 +1,51 @@
+"""User functions and extension ops under the same rules as the lists.
+
+``@hmp.bf16_function`` / ``@hmp.fp32_function`` / ``@hmp.promote_function``
+decorate a function; ``hmp.register(owner, name, kind)`` wraps an attribute
+of any object (a C++ extension op, a custom ``autograd.Function.apply``).
+Both work whether they happen before or after ``convert()``, go through the
+same wrapper as listed ops (``disable_casts()``, the outermost-op rule,
+error notes), and cost nothing while hmp is not converted.
+"""
+
+from hmp.core import conversion, lists, wrap
+
+
+def _check_kind(kind):
+    if kind not in lists.KINDS:
+        raise ValueError(f"hmp: kind must be one of {', '.join(lists.KINDS)}, got {kind!r}")
+
+
+def _decorator(kind):
+    def decorate(fn):
+        if not callable(fn):
+            raise TypeError(f"hmp: {kind}_function needs a callable, got {fn!r}")
+        wrapper = wrap.user_function(fn, kind)
+        conversion.adopt(wrapper, kind)
+        return wrapper
+
+    decorate.__name__ = decorate.__qualname__ = f"{kind}_function"
+    decorate.__doc__ = (
+        f"Run the decorated function under the {lists.LIST_TITLE[kind]} list's rule while hmp is converted."
+    )
+    return decorate
+
+
+bf16_function = _decorator("bf16")
+fp32_function = _decorator("fp32")
+promote_function = _decorator("promote")
+
+
+def register(owner, name, kind):
+    """Wrap ``owner.name`` with the ``kind`` rule ("bf16", "fp32" or "promote")
+    at every ``convert()`` from now on, and at once if already converted.
+    ``revert()`` restores the original attribute."""
+    _check_kind(kind)
+    if not callable(getattr(owner, name, None)):
+        raise ValueError(f"hmp: {owner!r} has no callable attribute {name!r}")
+    conversion.register(owner, name, kind)
+
+
+def unregister(owner, name):
+    """Stop wrapping ``owner.name`` at later conversions (a current one keeps it until revert)."""
+    conversion.unregister(owner, name)

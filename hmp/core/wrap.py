@@ -1,0 +1,353 @@
+"""The wrapper: one body for every call hmp casts (listed ops, registered
+functions, ``@hmp.*_function`` decorators, ``op_wrap``), and ``Wrappers``,
+the one place where what a site's wrapper does is decided.
+
+Per call the body reads the thread's ``off``; when it is 0 it casts the
+arguments by the site's rule (chosen at convert time), turns casts off for
+the op's duration (the outermost op decides: hmp/core/state.py's
+``enter``/``leave``, inlined, since the body only gets there when ``off``
+is 0) and on an exception hands over to hmp/core/fallback.py.
+
+A listed site's wrapper is lean: a call without keyword arguments (the
+common case) goes straight to the rule's casts (``policy.cast_seq``, or the
+promote rule's one-dtype check), one function call less than through the
+site's ``prepare``, which takes every other call. A call with nothing to
+cast leaves after one dtype check per tensor argument. ``prepare`` is None
+in a paused or retired wrapper: a plain call of ``op``.
+"""
+
+import functools
+import logging
+import types
+import weakref
+
+import torch
+
+from hmp.core import fallback, policy, torch_private
+from hmp.core.resolve import BUILTINS, ORIGINAL, unwrap
+from hmp.core.state import OFF, tls
+from hmp.diagnostics import culprit
+from hmp.diagnostics.errors import Wrapped
+
+log = logging.getLogger("hmp")
+
+_to_bf16 = policy.CASTS[torch.bfloat16]
+_to_fp32 = policy.PLAIN_CASTS[torch.float32]
+_FP32 = policy.FP32
+_NEVER = 1 << 62  # inplace_at of a site without an ``inplace`` parameter
+
+
+def make(
+    op, prepare, wrapped, original=None, src=None, cast=None, refuse=None, inplace_at=_NEVER, hidden=True, needs=None
+):
+    """The wrapper of ``op``: casts through ``prepare``; ``wrapped`` (an
+    errors.Wrapped) describes it for the error path. ``original``: what
+    ``op`` adapts, when it is an adapter (wrapper attributes come from it).
+    ``hidden``: ``op`` may write an argument without declaring it (a Python
+    function; a builtin's writes are in its schema, see resolve.writes), so
+    after a call that cast something, writes into the copies are carried
+    back to the caller's tensors (policy.write_back). ``needs(args,
+    kwargs)``: False for a call the wrapper leaves entirely alone, casts
+    staying on for the ops it calls (an op in no list, see policy.needs).
+
+    ``src`` makes it lean for calls without keywords (and without a true
+    ``inplace`` at position ``inplace_at``): tensors whose dtype is in
+    ``src`` go through ``cast`` directly (policy.cast_seq, a number
+    ``refuse`` rejects sends the call to ``prepare``), or, with
+    ``src=PROMOTE``, a call whose floating tensors share one dtype runs as
+    given. ``prepare`` applies the same rule to every other call."""
+    body = _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs)
+    return _finish(body, op if original is None else original)
+
+
+PROMOTE = object()  # make(src=PROMOTE): the promote rule's common case
+_cast_seq, _one_dtype, _write_back = policy.cast_seq, policy.one_dtype, policy.write_back
+_is_compiling = torch.compiler.is_compiling
+
+
+def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
+    def wrapper(*args, **kwargs):
+        st = tls
+        # read once: another thread's revert() may retire this wrapper (its prepare set to None)
+        # while a call is inside it; the call then finishes under the configuration it started in
+        rule = prepare
+        if st.off or rule is None or needs is not None and not needs(args, kwargs):
+            return op(*args, **kwargs)
+        if src is None or kwargs or len(args) > inplace_at and args[inplace_at]:
+            a, k = rule(args, kwargs)
+        elif src is PROMOTE:
+            a, k = (args, kwargs) if _one_dtype(args, None) is not False else rule(args, kwargs)
+        else:
+            a, k = _cast_seq(args, src, cast, refuse), kwargs
+            if a is None:  # a number the lower dtype cannot hold: prepare runs the FP32 rule
+                a, k = rule(args, kwargs)
+        st.off = OFF
+        try:
+            result = op(*a, **k)
+            # a write into a copy reaches the caller's tensor (traced code: functionalized)
+            if hidden and not _is_compiling() and (a is not args or k is not kwargs):
+                _write_back(a, args, k, kwargs)
+            return result
+        except Exception as e:  # costs nothing unless the op raises
+            result = fallback.rescue(e, op, wrapped, args, kwargs, a, k)
+            if result is fallback.RAISE:
+                raise
+            return result
+        finally:
+            st.off = 0
+
+    return wrapper
+
+
+def _op_of(frame):
+    return frame.f_locals.get("op")
+
+
+_BODY = _body(None, None, None, None, None, None, None, None, None).__code__
+culprit.register_wrapper(_BODY, _op_of)
+
+
+def _finish(wrapper, op):
+    try:
+        functools.update_wrapper(wrapper, op)
+    except (AttributeError, TypeError):  # some builtins lack __dict__ or names
+        wrapper.__wrapped__ = op
+    original = unwrap(op)
+    setattr(wrapper, ORIGINAL, original)
+    script_as(wrapper, original)
+    return wrapper
+
+
+_forget_builtin = torch_private.jit_forget_builtin
+
+
+def script_as(wrapper, original):
+    """Make TorchScript compile ``wrapper`` as ``original``: scripted code
+    runs its ops uncast, from C++, like any call hmp cannot see.
+
+    An original that TorchScript knows as an aten builtin (``torch.relu``,
+    ``F.linear``) gets the wrapper registered as the same builtin, keyed by
+    the wrapper's id and removed when the wrapper is collected (so a retired
+    wrapper captured by a module stays scriptable after revert()). A Python
+    original (``F.relu``) is compiled from its own source and scope through
+    the ``__prepare_scriptable__`` hook torch.jit calls on functions."""
+    builtin = torch_private.jit_find_builtin(original)
+    if builtin is not None:
+        torch_private.jit_register_builtin(wrapper, builtin)
+        weakref.finalize(wrapper, _forget_builtin, id(wrapper))
+    elif isinstance(original, types.FunctionType):
+        wrapper.__prepare_scriptable__ = lambda: original
+
+
+def _cell(wrapper, name):
+    return wrapper.__closure__[wrapper.__code__.co_freevars.index(name)]
+
+
+def is_wrapper(obj):
+    return getattr(obj, "__code__", None) is _BODY
+
+
+def pause(wrapper):
+    """Make a wrapper a plain call of what it wraps (its ``prepare`` None)."""
+    _cell(wrapper, "prepare").cell_contents = None
+
+
+def resume(wrapper, prepare):
+    """Make a paused wrapper cast again, through ``prepare``."""
+    _cell(wrapper, "prepare").cell_contents = prepare
+
+
+def retire(wrapper):
+    """Turn a wrapper that revert() took out of torch into a plain call of
+    the original: references captured while converted (``self.act =
+    F.relu``) then behave as the original. Objects that are not hmp
+    wrappers are left alone."""
+    original = getattr(wrapper, ORIGINAL, None)
+    if original is None or not is_wrapper(wrapper):
+        return
+    _cell(wrapper, "op").cell_contents = original
+    pause(wrapper)
+    # pickle saves a function by name and the name now finds the original:
+    # the error it raises shows this name, which says what to do
+    wrapper.__qualname__ = (
+        f"{wrapper.__qualname__} [an hmp wrapper retired by revert(): pickle the state_dict, "
+        f"or build the module after revert()]"
+    )
+
+
+def _mentions_dtype(error):
+    text = str(error).lower()
+    return "dtype" in text or "scalar type" in text
+
+
+def mixed_or_lower(op, lower_all):
+    """``op`` for a norm whose input alone was cast. Where the device's kernel
+    rejects mixed dtypes, retry with weight and bias cast too, and from then
+    on go straight there for that device type."""
+    return _finish(_mixed_or_lower(op, lower_all), op)
+
+
+def _mixed_or_lower(op, lower_all):
+    unsupported = set()
+
+    def call(*args, **kwargs):
+        x = args[0] if args else kwargs.get("input")
+        device = x.device.type if isinstance(x, torch.Tensor) else None
+        if device in unsupported:
+            args, kwargs = lower_all(args, kwargs)
+            return op(*args, **kwargs)
+        try:
+            return op(*args, **kwargs)
+        except RuntimeError as e:
+            if not _mentions_dtype(e):
+                raise
+            cast_args, cast_kwargs = lower_all(args, kwargs)
+            if cast_args is args and cast_kwargs is kwargs:
+                raise  # nothing left to cast: not a mixed-dtype problem
+            result = op(*cast_args, **cast_kwargs)
+            unsupported.add(device)
+            log.info(
+                "hmp: %s rejects mixed dtypes on %s; casting weight and bias too", getattr(op, "__name__", op), device
+            )
+            return result
+
+    return call
+
+
+culprit.register_wrapper(_mixed_or_lower(None, None).__code__, _op_of)
+
+
+def _dtypes(args, kwargs):
+    out = []
+
+    def visit(v):
+        if isinstance(v, torch.Tensor):
+            out.append(str(v.dtype).replace("torch.", ""))
+        elif type(v) is list or type(v) is tuple:
+            for x in v:
+                visit(x)
+
+    visit(args)
+    if kwargs:
+        visit(tuple(kwargs.values()))
+    return out
+
+
+def logged(prepare, label):
+    """``prepare`` that also logs the op, its input dtypes and what it ran in."""
+
+    def verbose_prepare(args, kwargs):
+        before = _dtypes(args, kwargs)
+        args, kwargs = prepare(args, kwargs)
+        log.debug("hmp: %s inputs (%s) -> (%s)", label, ", ".join(before), ", ".join(_dtypes(args, kwargs)))
+        return args, kwargs
+
+    return verbose_prepare
+
+
+class Wrappers:
+    """What every wrapper of one conversion does, decided per site.
+
+    ``casters``: dtype -> cast function (plain or through the weight cache);
+    ``verbose`` logs every cast call; ``recorder`` (hmp/tools/record.py)
+    instruments the wrappers for profile/audit/tune; ``passthrough`` makes
+    them cast nothing while still recording (an audit's fp32 reference).
+    """
+
+    def __init__(self, low, casters, verbose=False, recorder=None, passthrough=False):
+        self.low, self.casters, self.verbose, self.recorder, self.passthrough = (
+            low,
+            casters,
+            verbose,
+            recorder,
+            passthrough,
+        )
+
+    def _prepare(self, prepare, label, name):
+        if self.passthrough:
+            prepare = policy.cast_nothing
+        if self.verbose:
+            prepare = logged(prepare, label)
+        if self.recorder is not None:
+            prepare = self.recorder.prepare(prepare, name)
+        return prepare
+
+    def _op(self, op):
+        return op if self.recorder is None else self.recorder.op(op)
+
+    def site(self, binding, original):
+        """The wrapper of ``original`` for a resolve.Binding."""
+        site, kind, name, fallback = binding
+        prepare = policy.for_site(kind, name, site, self.low, self.casters)
+        op = original
+        if policy.rejects_mixed(kind, name) and not self.passthrough:
+            op = mixed_or_lower(op, policy.lower(self.low, self.casters))
+        wrapped = Wrapped.of(binding)
+        hidden = not isinstance(original, BUILTINS)
+        op = self._op(op)
+        # an op in no list steps in only for a call that needs it: otherwise the ops it calls cast as usual
+        needs = policy.needs(kind) if fallback else None
+        if (
+            self.passthrough
+            or self.verbose
+            or self.recorder is not None
+            or site.inplace
+            or site.written
+            or name in policy.NORM_OPS
+            and kind == "bf16"
+            or fallback
+        ):
+            return make(op, self._prepare(prepare, site.label, name), wrapped, original, hidden=hidden, needs=needs)
+        # lean for calls without keywords: the rule's casts without the prepare call
+        at = _NEVER if site.inplace_param is None else site.inplace_param
+        if kind == "bf16":
+            src, cast, refuse = policy.FP32_ONLY, self.casters[self.low], policy.numbers_check(self.low, name)
+        elif kind == "fp32":
+            src, cast, refuse = policy.HALVES, self.casters[_FP32], None
+        else:
+            src, cast, refuse = PROMOTE, None, None
+        return make(op, prepare, wrapped, original, src, cast, refuse, at, hidden)
+
+    def user_prepare(self, kind, label):
+        """The prepare of a user function (``@hmp.*_function``) of list ``kind``."""
+        return self._prepare(policy.for_kind(kind, self.low, self.casters), label, f"user_{kind}_function")
+
+
+def user_function(fn, kind):
+    """The wrapper ``@hmp.{kind}_function`` returns; paused until convert()
+    resumes it with that conversion's prepare."""
+    label = getattr(fn, "__qualname__", None) or repr(fn)
+    return make(fn, None, Wrapped(label, None, kind))  # paused: prepare None
+
+
+def op_wrap(op, cast_fn):
+    """Habana's public helper: a wrapper of ``op`` that passes every tensor
+    argument (positional, keyword, or inside a list/tuple) through
+    ``cast_fn`` before calling it. It follows ``disable_casts`` and the
+    outermost-op rule like every hmp wrapper, converted or not."""
+
+    def cast_value(v):
+        if isinstance(v, torch.Tensor):
+            return cast_fn(v)
+        if type(v) is list or type(v) is tuple:
+            return type(v)(cast_value(x) for x in v)
+        return v
+
+    def prepare(args, kwargs):
+        return tuple(cast_value(a) for a in args), {k: cast_value(v) for k, v in kwargs.items()}
+
+    return make(op, prepare, Wrapped(getattr(op, "__qualname__", None) or repr(op)))
+
+
+def to_bf16(t):
+    """Cast a float32 tensor to bfloat16; anything else is returned as is."""
+    if isinstance(t, torch.Tensor) and t.dtype is torch.float32:
+        return _to_bf16(t)
+    return t
+
+
+def to_fp32(t):
+    """Cast a bfloat16/float16 tensor to float32; anything else is returned as is."""
+    if isinstance(t, torch.Tensor) and (t.dtype is torch.bfloat16 or t.dtype is torch.float16):
+        return _to_fp32(t)
+    return t

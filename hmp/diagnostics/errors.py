@@ -1,0 +1,271 @@
+"""Errors that explain themselves: the note hmp adds to a dtype mismatch.
+
+When an op raises because it got a lower-precision (bfloat16/float16)
+tensor and a float32 one, one line is added with ``add_note`` (Python 3.11+;
+older Pythons get no note) naming the op and the list it probably belongs
+in (hmp/diagnostics/culprit.py finds the op). The user's exception object is always the
+one raised, with its type and message unchanged.
+
+Errors raised through an hmp wrapper are annotated there (hmp/core/fallback.py);
+an error raised outside any wrapper (an op in no list, called by the user)
+gets its note from ``sys.excepthook`` / ``threading.excepthook`` when it is
+not caught (``excepthook_patches``). A caught exception that never passed
+through an hmp wrapper gets no note, and IPython/Jupyter print tracebacks
+without sys.excepthook.
+"""
+
+import functools
+import re
+import sys
+import threading
+from typing import NamedTuple, Optional
+
+from hmp.core import lists, state, torch_private
+from hmp.core.policy import NORM_OPS
+from hmp.diagnostics import culprit
+from hmp.rules.rnn import MODES
+
+
+class Wrapped(NamedTuple):
+    """What the error path knows of the callable a wrapper wraps: a listed
+    site (``of(binding)``), a user function or an ``op_wrap``."""
+
+    label: str  # torch.nn.functional.layer_norm
+    name: Optional[str] = None  # the list name, layer_norm (None for op_wrap and user functions)
+    kind: Optional[str] = None  # "bf16", "fp32" or "promote" (None for op_wrap)
+    inplace: bool = False  # X_ / __iX__: the first argument is written
+    inplace_param: Optional[int] = None  # position of an inplace= parameter
+    written: tuple = ()  # positions of other arguments the op's schema marks written
+
+    @classmethod
+    def of(cls, binding):
+        """The Wrapped of a resolve.Binding (a site a list name binds)."""
+        site, kind, name = binding[:3]
+        return cls(site.label, name, kind, site.inplace, site.inplace_param, site.written)
+
+    def writes(self, args, kwargs):
+        """True when this call writes one of its arguments."""
+        if self.inplace or (kwargs and (kwargs.get("out") is not None or kwargs.get("inplace"))):
+            return True
+        if any(i < len(args) and args[i] is not None for i in self.written):
+            return True
+        i = self.inplace_param
+        return i is not None and len(args) > i and bool(args[i])
+
+
+_LOW = re.compile(r"BFloat16|bfloat16|\bHalf\b|\bhalf\b|float16")
+_FP32 = re.compile(r"\bFloat\b|\bfloat\b|float32|FloatTensor")
+_MIXED = re.compile(torch_private.MIXED_DTYPE_MESSAGE)
+_HOOK = re.compile(torch_private.HOOK_CHANGED_TYPE_MESSAGE)
+_PREFIX = "hmp: "
+# names that are probably compute-bound (BF16) or precision-sensitive (FP32)
+# when the shipped lists do not say
+_BF16_LIKE = re.compile(r"mm|mv|matmul|linear|conv|dot|einsum|tensordot|inner|outer|ger|attention")
+_FP32_LIKE = re.compile(r"loss|entropy|softmax|norm|log|exp|sum|mean|var|std|prod|cum")
+
+
+def is_mismatch(exc):
+    """True when the message says a lower-precision and a float32 tensor met."""
+    if not isinstance(exc, (RuntimeError, ValueError, TypeError)) or not exc.args:
+        return False
+    msg = str(exc.args[0])
+    return bool((_LOW.search(msg) and _FP32.search(msg)) or _MIXED.search(msg))
+
+
+def _noted(exc):
+    return any(isinstance(n, str) and n.startswith(_PREFIX) for n in getattr(exc, "__notes__", ()))
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped():
+    """Op names of the shipped O1 lists by kind, with O2's lower list in BF16
+    (O2's FP32 list holds ops that O1 runs in bf16)."""
+    files = {kind: [name] for kind, name in lists.DEFAULT_FILES["O1"].items()}
+    files["bf16"].append(lists.DEFAULT_FILES["O2"]["bf16"])
+    out = {}
+    for kind, names in files.items():
+        out[kind] = set()
+        for f in names:
+            try:
+                out[kind].update(n for _, n in lists.read_names(lists.default_path(f)))
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def probable_list(name):
+    """The list an op probably belongs in: the shipped lists first, then its name."""
+    shipped = _shipped()
+    for kind in lists.KINDS:
+        if name in shipped[kind]:
+            return kind
+    if _BF16_LIKE.search(name):
+        return "bf16"
+    if _FP32_LIKE.search(name):
+        return "fp32"
+    return "promote"
+
+
+def _kind_of(name):
+    conversion = state.runtime.conversion
+    for kind in lists.KINDS:
+        if conversion is not None and name in conversion.lists[kind]:
+            return kind
+    return None
+
+
+def _explain_python_check(frame):
+    """One line for a mismatch that Python code raised itself, before any op ran."""
+    code = frame.f_code
+    where = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{frame.f_lineno})"
+    module = frame.f_locals.get("self")
+    kernel = MODES.get(getattr(module, "mode", None)) if code.co_name == torch_private.RNN_CHECK_INPUT else None
+    if kernel is None:
+        return (
+            f"hmp: {where} checked dtypes itself and raised before any op ran; hmp casts only at op calls, so "
+            f"no list entry changes this check: give the call the dtype it expects."
+        )
+    name = type(module).__name__
+    listed = _kind_of(kernel)
+    if listed is None:
+        return (
+            f"hmp: {name} checks in Python that its input and weights share a dtype ({where}); its kernel "
+            f"'{kernel}' is in no hmp list. List '{kernel}' in the BF16 or FP32 list and hmp runs the whole "
+            f"{name} in that dtype, input, hidden state and weights ({lists.how_to_add(kernel, 'fp32')})."
+        )
+    return (
+        f"hmp: {name} checks in Python that its input and weights share a dtype ({where}); '{kernel}' is in "
+        f"the {lists.LIST_TITLE[listed]} list, but this call ran with hmp's casts off (hmp.disable_casts()), "
+        f"so nothing "
+        f"gave them one dtype."
+    )
+
+
+def _explain_hook(match):
+    """Autograd's check that a hook kept its value's dtype: no op and no list
+    entry is involved, so the note must not suggest one."""
+    name, was, got = match.groups()
+    change = f" ({was} -> {got})" if was and got else ""
+    return (
+        f"hmp: hook '{name}' returned a value of another dtype than it was given{change}; autograd requires "
+        f"a hook to keep the dtype. This is not a missing list entry: under hmp a gradient can be bf16 where "
+        f"it used to be float32, so return a value of the dtype given (`return result.to(grad.dtype)`)."
+    )
+
+
+def _explain(exc, wrapped, in_backward=False):
+    """One line for a dtype mismatch. ``wrapped`` is the Wrapped of the hmp
+    wrapper the exception passed through, or None; ``in_backward``: raised
+    in a backward pass."""
+    hook = _HOOK.search(str(exc.args[0])) if exc.args else None
+    if hook is not None:
+        return _explain_hook(hook)
+    if in_backward:
+        return _explain_backward(exc)
+    callee = culprit.callee(exc)
+    label, name, kind = wrapped[:3] if wrapped is not None else (None, None, None)
+    if callee is not None and label is not None and callee != name:
+        if name:
+            where = f"{label} ({lists.LIST_TITLE[kind]} list)"
+            fix = (
+                f"take '{name}' out of the lists and list the ops it calls ('{callee}' probably belongs in the "
+                f"{lists.LIST_TITLE[probable_list(callee)]} list)"
+            )
+        elif kind:
+            where, fix = f"{label} (@hmp.{kind}_function)", "cast their inputs inside it"
+        else:
+            where, fix = f"{label} (wrapped by hmp.op_wrap)", "cast their inputs inside it"
+        return (
+            f"hmp: {callee} got lower-precision and float32 tensors inside {where}; hmp does not cast calls "
+            f"made inside a wrapped op, so {fix}."
+        )
+    if callee is not None:
+        listed = _kind_of(callee)
+        if listed is None:
+            advice = probable_list(callee)
+            return (
+                f"hmp: {callee} got lower-precision and float32 tensors and is in no hmp list; it probably "
+                f"belongs in the {lists.LIST_TITLE[advice]} list ({lists.how_to_add(callee, advice)})."
+            )
+        if label is None:
+            return (
+                f"hmp: '{callee}' is in the {lists.LIST_TITLE[listed]} list but this call was not cast: it ran inside "
+                f"hmp.disable_casts(), or through a reference taken before hmp.convert() "
+                f"(`from torch import {callee}`)."
+            )
+    if label is not None and name is not None:
+        if kind == "bf16" and name in NORM_OPS:
+            return (
+                f"hmp: {label} (BF16 list) got lower-precision and float32 tensors: hmp casts only the input "
+                f"of normalization ops, so its weight, bias and statistics keep their dtypes; give them one "
+                f"dtype, or move '{name}' to the FP32 list ({lists.how_to_add(name, 'fp32')})."
+            )
+        return (
+            f"hmp: {label} ({lists.LIST_TITLE.get(kind, kind)} list) got lower-precision and float32 tensors "
+            f"after hmp's "
+            f"casts (hmp casts tensor arguments and tensors inside a list/tuple argument); the promote list "
+            f"would give all its floating inputs one dtype."
+        )
+    if label is not None and kind:
+        return (
+            f"hmp: {label} (@hmp.{kind}_function) got lower-precision and float32 tensors after hmp's casts; "
+            f"cast inside it what it makes itself."
+        )
+    if label is not None:  # op_wrap
+        return f"hmp: {label} (hmp.op_wrap) got lower-precision and float32 tensors after its cast_fn."
+    frame = culprit.raising_frame(exc) if callee is None else None
+    if frame is not None:
+        return _explain_python_check(frame)
+    return (
+        "hmp: an op got lower-precision and float32 tensors; an op missing from hmp's lists is the usual "
+        "cause (see hmp.effective_lists())."
+    )
+
+
+def _explain_backward(exc):
+    """One line for a mismatch raised in a backward pass, where hmp casts nothing."""
+    callee = culprit.callee(exc)
+    op = f"'{callee}'" if callee else "an op"
+    return (
+        f"hmp: {op} got lower-precision and float32 tensors in a backward pass. hmp casts nothing in "
+        f"backward: each op's gradient follows the dtypes its forward ran in, so a hand-written backward (a "
+        f"custom autograd.Function) sees what its forward produced. Decorate the Function with "
+        f"torch.amp.custom_fwd(cast_inputs=torch.float32) and custom_bwd, which hmp honours as torch.autocast "
+        f"does, or cast inside the backward."
+    )
+
+
+def annotate(exc, wrapped=None, in_backward=False):
+    """Add the mismatch note to ``exc`` (once); ``wrapped`` describes the hmp
+    wrapper it passed through, if any; ``in_backward``: it was raised in a
+    backward pass. Never raises."""
+    try:
+        if hasattr(exc, "add_note") and not _noted(exc) and is_mismatch(exc):
+            exc.add_note(_explain(exc, wrapped, in_backward))
+    except Exception:  # a note must never replace the user's error
+        pass
+
+
+# -- exception hooks for errors raised outside any wrapper -------------------------------------
+
+
+def _annotating(previous, exc_of):
+    """A hook that notes the exception while hmp is converted, then calls ``previous``."""
+
+    def hook(*args):
+        if state.runtime.conversion is not None:
+            annotate(exc_of(*args))
+        return previous(*args)
+
+    return hook
+
+
+def excepthook_patches():
+    """``[(namespace, attr, hook)]``: sys.excepthook and threading.excepthook
+    chained through ``annotate``, so an uncaught mismatch raised by an op in
+    no list names that op. convert() installs them with ``if_unchanged``:
+    a hook someone chained after ours keeps it, inert once reverted."""
+    return [
+        (sys, "excepthook", _annotating(sys.excepthook, lambda exc_type, exc, tb: exc)),
+        (threading, "excepthook", _annotating(threading.excepthook, lambda hook_args: hook_args.exc_value)),
+    ]

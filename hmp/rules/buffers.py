@@ -1,0 +1,51 @@
+"""A buffer keeps its dtype: one registered as float32 (or float64) and
+reassigned while converted is stored in that dtype again.
+
+A running statistic updated out of place in ``forward`` (``self.mean = 0.99
+* self.mean + 0.01 * x.mean(0)``) is computed by BF16-listed ops, so the
+value assigned is bfloat16; stored as is, the buffer would change dtype in
+``state_dict()`` and in every checkpoint. torch's global buffer
+registration hook (it runs for ``register_buffer`` and for assignment to an
+existing buffer) casts such a value back and warns once per buffer: the
+value itself was computed in bfloat16, which an in-place update or
+``hmp.disable_casts()`` avoids (docs/never-changes.md). ``module.to()``,
+``.half()`` and ``load_state_dict`` do not assign through this path and are
+left alone.
+"""
+
+import warnings
+
+import torch
+from torch.nn.modules.module import register_module_buffer_registration_hook
+
+from hmp.core import state
+
+_KEPT = (torch.float32, torch.float64)
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _keep_dtype(module, name, value):
+    if not isinstance(value, torch.Tensor) or value.dtype not in _LOW:
+        return None
+    try:
+        old = getattr(module, name)
+    except AttributeError:  # a new buffer: its dtype is the author's choice
+        return None
+    if not isinstance(old, torch.Tensor) or old.dtype not in _KEPT:
+        return None
+    if state.first_time(("buffer kept its dtype", type(module), name)):
+        low, kept = (str(d).replace("torch.", "") for d in (value.dtype, old.dtype))
+        warnings.warn(
+            f"hmp: buffer '{name}' of {type(module).__qualname__} was assigned a {low} value while "
+            f"converted; it is stored as {kept} again (buffers keep their dtype), but the value was "
+            f"computed in {low}. Update it in place (self.{name}.mul_(m).add_(x, alpha=1 - m)) or inside "
+            f"hmp.disable_casts() to compute it in {kept}. (hmp warns once per buffer.)",
+            UserWarning,
+            stacklevel=state.user_stacklevel(),
+        )
+    return value.to(old.dtype)
+
+
+def add_hook():
+    """Register the hook; returns its handle (``remove()`` it)."""
+    return register_module_buffer_registration_hook(_keep_dtype)

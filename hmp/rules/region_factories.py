@@ -1,0 +1,80 @@
+"""An author's autocast region however a library spells it.
+
+Some libraries build their autocast regions through a function that enters
+one only when autocast is on (transformers 5's ``maybe_autocast(device,
+enabled=False)``: ``torch.autocast(...)`` if ``torch.is_autocast_enabled()``,
+else a ``nullcontext``). Under hmp alone autocast is off, so the author's
+"compute this in float32" region would be invisible: hmp honours
+``torch.autocast`` regions (hmp/rules/regions.py), not a ``nullcontext``.
+
+Which functions these are is data: ``op_lists/autocast_factories.txt``
+(dotted paths, resolved when the program imports their module). While
+converted, ``torch.is_autocast_enabled`` answers True to exactly those
+functions, in a thread where hmp casts, so they build the real region, which
+hmp then honours; every other caller gets torch's answer.
+"""
+
+import functools
+import sys
+
+import torch
+
+from hmp.core import lists
+from hmp.core.resolve import stand_in, unwrap
+from hmp.core.state import runtime, tls
+from hmp.core.wrap import script_as
+from hmp.rules.uncast_calls import entries, target
+
+FILE = "autocast_factories.txt"
+_is_compiling = torch.compiler.is_compiling
+
+
+@functools.lru_cache(maxsize=None)
+def load():
+    """The factories' entries, from the shipped file."""
+    default = lists.default_path(FILE)
+    return entries(default, default)
+
+
+class Factories:
+    """The factory functions of one conversion, by code object."""
+
+    def __init__(self, entries):
+        self.entries = tuple(entries)
+        self.codes = set()
+        self.resolve()
+
+    def resolve(self, module=None):
+        """Take in the code of every entry resolvable now (``module``: the
+        one just imported, as imports.Watch calls back; all are looked at)."""
+        for entry in self.entries:
+            found = target(entry)
+            if found is not None and found[0] is None:  # a function
+                code = getattr(getattr(found[1], found[2], None), "__code__", None)
+                if code is not None:
+                    self.codes.add(code)
+
+    def watch(self, watch):
+        for module in sorted({e.module for e in self.entries}):
+            if module not in sys.modules:
+                watch.add(module, self.resolve)
+
+    def patches(self):
+        """``[(torch, "is_autocast_enabled", answer)]``: True for a factory's
+        question in a thread where hmp casts, torch's answer otherwise."""
+        original = unwrap(torch.is_autocast_enabled)
+        codes = self.codes
+
+        def is_autocast_enabled(*args, **kwargs):
+            if (
+                not _is_compiling()
+                and tls.off == 0
+                and runtime.conversion is not None
+                and sys._getframe(1).f_code in codes
+            ):
+                return True
+            return original(*args, **kwargs)
+
+        stand_in(is_autocast_enabled, original)
+        script_as(is_autocast_enabled, original)  # TorchScript compiles torch's (nn.TransformerEncoderLayer asks)
+        return [(torch, "is_autocast_enabled", is_autocast_enabled)]

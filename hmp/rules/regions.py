@@ -1,0 +1,139 @@
+"""Regions of a program where hmp casts nothing (docs/leaves-alone.md).
+
+Each region switches the thread's cast state where it starts and ends
+(``state.enter``/``leave``), so
+the per-call wrapper keeps reading one integer and pays nothing for them:
+
+- **torch.autocast regions**, enabled or not (context manager, decorator,
+  ``torch.cuda.amp.autocast``/``torch.cpu.amp.autocast``): the author chose
+  the precision there; torch.autocast's own rules apply, as without hmp.
+- **Backward**: the thread that starts a backward pass (CPU backward runs
+  there) is switched off for the pass; autograd's device threads (CUDA)
+  start with casts off (hmp/core/state.py).
+- **GradScaler** ``scale``/``unscale_``/``step``/``update``: the loss
+  scale is fp32 arithmetic (in fp16 it could never exceed 65504).
+- **DataLoader** data loading: worker processes (any start method) and the
+  in-process loader (``num_workers=0``) load data as without hmp.
+
+``patches()`` builds every patch before convert() changes anything; the
+patches go through convert()'s patch log, so revert() undoes them.
+"""
+
+import warnings
+
+import torch
+from torch.amp.autocast_mode import autocast
+
+from hmp.core import state, torch_private
+from hmp.core.casts import uncast
+from hmp.core.resolve import ORIGINAL, stand_in, subclasses, unwrap
+from hmp.core.state import OFF, enter, leave, tls
+from hmp.diagnostics import errors
+
+_GRAD_SCALER_METHODS = ("scale", "unscale_", "step", "update")
+
+
+def _warn_enabled_region(region):
+    warnings.warn(
+        f"hmp: a torch.autocast region ({region.device}, {str(region.fast_dtype).replace('torch.', '')}) was "
+        f"entered while hmp is converted. hmp casts nothing inside torch.autocast regions: autocast's own lists "
+        f"apply there, as without hmp (docs/leaves-alone.md). (hmp warns about this once per process.)",
+        UserWarning,
+        stacklevel=state.user_stacklevel(),
+    )
+
+
+def _autocast_enter(original):
+    def __enter__(self):
+        if torch_private.autocast_enabled(self) and state.first_time("autocast region entered"):
+            _warn_enabled_region(self)  # first: a warnings filter set to "error" changes nothing
+        result = original(self)
+        tls.regions.append((id(self), enter(OFF)))  # after torch's own __enter__, which can raise
+        return result
+
+    return stand_in(__enter__, original)
+
+
+def _autocast_exit(original):
+    def __exit__(self, *exc):
+        try:
+            return original(self, *exc)
+        finally:
+            # only a region this thread entered under hmp puts a state back:
+            # one entered before convert() leaves the thread's state as it is
+            regions, key = tls.regions, id(self)
+            for i in range(len(regions) - 1, -1, -1):
+                if regions[i][0] == key:
+                    leave(regions.pop(i)[1])
+                    break
+
+    return stand_in(__exit__, original)
+
+
+def forget_open_regions():
+    """revert() in the calling thread: regions it is inside stop counting,
+    so their exits (by torch's own code after revert) leave no casts off."""
+    regions = tls.regions
+    if regions:
+        for _, frame in reversed(regions):
+            leave(frame)
+        regions.clear()
+
+
+def _uncast_backward(original):
+    """``casts.uncast`` for a backward pass; an error raised in it gets the note
+    for errors in backward (hmp/diagnostics/errors.py)."""
+
+    def backward(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except Exception as e:
+            errors.annotate(e, in_backward=True)
+            raise
+
+    return uncast(stand_in(backward, original))
+
+
+def worker_loop(*args, **kwargs):
+    """DataLoader's worker entry point while hmp is converted: a worker
+    process casts nothing, however it was started. A module-level function,
+    so ``spawn`` and ``forkserver`` pickle it by name and the worker runs it
+    too, converted or not."""
+    enter(OFF)  # for the worker's life (never left): it does nothing but load data
+    return unwrap(torch_private.worker_loop())(*args, **kwargs)
+
+
+def _own(cls, name):
+    return unwrap(cls.__dict__[name])
+
+
+def patches():
+    """``[(namespace, attr, new value)]`` for every region hmp leaves alone.
+    Builds everything and changes nothing."""
+    patches = [
+        (autocast, "__enter__", _autocast_enter(_own(autocast, "__enter__"))),
+        (autocast, "__exit__", _autocast_exit(_own(autocast, "__exit__"))),
+    ]
+    autograd = torch.autograd
+    homes = torch_private.engine_run_backward_homes()
+    if homes:
+        # backward() and grad() both call torch.autograd's global at call
+        # time, also when imported by name before convert(); graph's is
+        # patched too because torch.compiler's export tracing copies it
+        # back over torch.autograd's when it is done
+        run = _uncast_backward(unwrap(getattr(*homes[0])))
+        patches += [(namespace, attr, run) for namespace, attr in homes]
+    else:  # older torch
+        patches += [
+            (autograd, name, _uncast_backward(unwrap(getattr(autograd, name)))) for name in ("backward", "grad")
+        ]
+    for cls in subclasses(torch.amp.GradScaler):  # subclasses defined later are not reached
+        for name in _GRAD_SCALER_METHODS:
+            if name in cls.__dict__:
+                patches.append((cls, name, uncast(_own(cls, name))))
+    worker_loop.__dict__[ORIGINAL] = unwrap(torch_private.worker_loop())
+    patches.append((torch_private.WORKER_MODULE, torch_private.WORKER_LOOP, worker_loop))
+    fetch = torch_private.single_process_fetch()
+    if fetch is not None:
+        patches.append((*fetch, uncast(_own(*fetch))))
+    return patches

@@ -1,0 +1,46 @@
+"""RNN modules under hmp.
+
+Listing ``lstm``, ``gru``, ``rnn_tanh`` or ``rnn_relu`` binds ``torch._VF.X``,
+the kernel nn.LSTM/nn.GRU/nn.RNN call (resolve.RNN_KERNELS), and its wrapper
+casts input, hidden state and weights to one dtype. But nn.RNNBase checks in
+Python that input and weights share a dtype before it reaches the kernel, so
+a bf16 input to an fp32 module would still raise there. For modules whose
+kernel is listed, this patch lets that check see the dtype the kernel will
+get, while casts are on; its shape checks still run.
+"""
+
+import torch
+
+from hmp.core import torch_private
+from hmp.core.policy import FLOATS
+from hmp.core.resolve import stand_in, unwrap
+from hmp.core.state import tls
+
+# nn.RNNBase.mode -> the kernel that module calls
+MODES = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
+
+
+def check_input_patches(effective, lower_modules=False):
+    """``[(nn.RNNBase, "check_input", replacement)]`` when a module kernel is
+    in ``effective`` (list kind -> names), or when there are BF16 module
+    entries (an RNN inside one computes in the lower dtype), else ``[]``."""
+    listed = frozenset(mode for mode, kernel in MODES.items() if any(kernel in names for names in effective.values()))
+    base = torch.nn.RNNBase
+    name = torch_private.RNN_CHECK_INPUT
+    original = unwrap(base.__dict__.get(name))
+    if not (listed or lower_modules) or not callable(original):
+        return []
+    empty, meta, flat_weights = torch.empty, torch.device("meta"), torch_private.rnn_flat_weights
+
+    def check_input(self, input, batch_sizes):
+        st = tls
+        if not st.off and (self.mode in listed or st.lower_mode is not None):
+            weights = flat_weights(self)
+            w = weights[0] if weights else None
+            if w is not None and input.dtype is not w.dtype and input.dtype in FLOATS and w.dtype in FLOATS:
+                # the listed kernel's wrapper (or a BF16 module's mode) gives input
+                # and weights one dtype; a storage-less stand-in keeps the shape checks
+                input = empty(input.shape, dtype=w.dtype, device=meta)
+        return original(self, input, batch_sizes)
+
+    return [(base, name, stand_in(check_input, original))]

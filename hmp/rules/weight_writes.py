@@ -1,0 +1,62 @@
+"""Where a value is written into the program's weights: ``load_state_dict``
+given lower-precision tensors for float32 parameters or buffers while hmp
+casts. Code hmp cannot know (a soft target update through ``state_dict()``)
+may have computed them with hmp's casts, rounding each update; a
+checkpoint stored in bfloat16 loses nothing. hmp cannot tell the two
+apart, so it says once where it happened (docs/never-changes.md).
+
+Only ``load_state_dict`` is looked at: it is Python and rare. ``copy_``
+and ``.data =`` are torch's C methods, called on hot paths; wrapping them
+would slow every call in the process (docs/leaves-alone.md).
+"""
+
+import warnings
+
+import torch
+
+from hmp.core.resolve import stand_in, unwrap
+from hmp.core.state import OFF, first_time, runtime, tls, user_stacklevel
+
+FP32 = torch.float32
+
+
+def _rounded_into_fp32(module, state_dict, low):
+    """The keys of ``state_dict`` holding ``low`` tensors that land in float32 tensors of ``module``."""
+    if not any(isinstance(v, torch.Tensor) and v.dtype == low for v in state_dict.values()):
+        return []
+    own = dict(module.named_parameters())
+    own.update(module.named_buffers())
+    return [
+        k
+        for k, v in state_dict.items()
+        if isinstance(v, torch.Tensor) and v.dtype == low and k in own and own[k].dtype == FP32
+    ]
+
+
+def _checked(load_state_dict):
+    def checked_load_state_dict(self, state_dict, *args, **kwargs):
+        conversion = runtime.conversion
+        if conversion is not None and tls.off != OFF and hasattr(state_dict, "items"):
+            low = conversion.options.low
+            keys = _rounded_into_fp32(self, state_dict, low)
+            if keys and first_time(("rounded into fp32", low)):
+                name = str(low).replace("torch.", "")
+                shown = ", ".join(repr(k) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
+                warnings.warn(
+                    f"hmp: load_state_dict() writes {name} values into float32 parameters or buffers of "
+                    f"{type(self).__name__} ({shown}) while hmp casts. If your code computed them (a soft target "
+                    f"update or an average through state_dict()), hmp's casts rounded them to {name} and updates "
+                    f"smaller than its rounding step are lost: compute them inside `with hmp.disable_casts():` or "
+                    f"name your function in an uncast calls file (docs/never-changes.md). Values read from a "
+                    f"{name} checkpoint lose nothing. (hmp warns about this once.)",
+                    UserWarning,
+                    stacklevel=user_stacklevel(),
+                )
+        return load_state_dict(self, state_dict, *args, **kwargs)
+
+    return stand_in(checked_load_state_dict, load_state_dict)
+
+
+def patches():
+    """``[(namespace, attr, value)]``: ``Module.load_state_dict`` checked."""
+    return [(torch.nn.Module, "load_state_dict", _checked(unwrap(torch.nn.Module.__dict__["load_state_dict"])))]

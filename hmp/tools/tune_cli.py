@@ -1,0 +1,217 @@
+"""``python -m hmp tune [TARGET]``: run hmp.tune on your own training step
+(TARGET, ``my_module:make_step`` or ``path/to/file.py:make_step``) or, with
+no TARGET, on the demo's language model; print the report with a verdict,
+write the tuned list files and, with ``--report``, an HTML picture.
+
+TARGET names a function that takes no arguments and returns ``(step,
+state)``: ``step()`` runs one training step and returns its loss, ``state``
+is a tuple of the modules, optimizers and schedulers the step changes
+(hmp.tune puts them back as they were after each trial)."""
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+
+from hmp.core.lists import class_path
+from hmp.demo import data as demo_data
+from hmp.demo.training import Config, build, train_step
+from hmp.tools import tuning
+from hmp.tools.arguments import fraction, positive_int, seed
+from hmp.tools.files import check_outputs
+from hmp.tools.progress import Progress
+
+PROG = "python -m hmp tune"
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser(
+        "tune",
+        help="fit the op lists to your model (or the demo's) by measurement",
+        description="Audit the current lists on a training step, move ops that hurt to FP32, try expensive ops "
+        "in bf16, validate against fp32 and write the tuned list files. TARGET is "
+        "MODULE:FUNCTION or FILE.py:FUNCTION, a function with no arguments that returns (step, "
+        "state): step() runs one training step and returns the loss; state is a tuple of the "
+        "modules and optimizers it changes. Without TARGET, the demo's language model is tuned.",
+    )
+    p.add_argument(
+        "target",
+        nargs="?",
+        metavar="TARGET",
+        help="MODULE:FUNCTION or FILE.py:FUNCTION returning (step, state) (default: the demo model)",
+    )
+    p.add_argument("--steps", type=positive_int, default=20, help="validation steps per configuration (default 20)")
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=5,
+        help="timing rounds, configurations interleaved (default 5; more narrows the spread)",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=fraction,
+        default=0.02,
+        help="how far the tuned lists' final loss may be from fp32's (default 0.02, 2%%)",
+    )
+    p.add_argument("--batch-size", type=positive_int, default=8, help="the demo model's batch size (default 8)")
+    p.add_argument(
+        "--seed",
+        type=seed,
+        default=0,
+        help="torch.manual_seed before the model is built and the batch drawn (default 0)",
+    )
+    p.add_argument("--bf16-out", default="tuned_bf16.txt", help="where to write the BF16 list")
+    p.add_argument("--fp32-out", default="tuned_fp32.txt", help="where to write the FP32 list")
+    p.add_argument(
+        "--report",
+        metavar="PATH",
+        help="write an HTML report: each op's and module's bf16 error and the time it saves, against the thresholds",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the measurements as JSON")
+    p.set_defaults(run=run)
+
+
+class TargetError(ValueError):
+    """TARGET cannot be loaded or does not return (step, state)."""
+
+
+def load_target(spec):
+    """The function ``spec`` names: ``module.path:function`` (imported as
+    usual, the current directory first) or ``file.py:function``."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise TargetError(f"TARGET {spec!r}: expected MODULE:FUNCTION or FILE.py:FUNCTION, e.g. train:make_step")
+    if where.endswith(".py") or os.sep in where or "/" in where:
+        if not os.path.isfile(where):
+            raise TargetError(f"TARGET {spec!r}: no file {where!r}")
+        module_name = "_hmp_tune_target_" + os.path.splitext(os.path.basename(where))[0]
+        spec_ = importlib.util.spec_from_file_location(module_name, where)
+        module = importlib.util.module_from_spec(spec_)
+        sys.modules[module_name] = module  # dataclasses and pickling look a module up by name
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))  # its own imports, as `python file.py`
+        spec_.loader.exec_module(module)
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            if e.name != where and not where.startswith(f"{e.name}."):
+                raise
+            raise TargetError(
+                f"TARGET {spec!r}: no module {where!r} (run from the folder that holds it, or give "
+                f"the file: path/to/{where.replace('.', '/')}.py:{name})"
+            ) from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise TargetError(f"TARGET {spec!r}: {where!r} has no function {name!r}")
+    return fn
+
+
+def make_target(fn, spec):
+    """``(step, state)`` from ``fn()``, checked."""
+    made = fn()
+    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
+        raise TargetError(
+            f"TARGET {spec!r}: {getattr(fn, '__name__', fn)}() must return (step, state): a function "
+            f"that runs one training step and returns its loss, and a tuple of the modules and "
+            f"optimizers it changes; it returned {type(made).__name__}"
+        )
+    step, state = made
+    return step, tuple(state) if isinstance(state, (list, tuple)) else (state,)
+
+
+def _demo_target(args):
+    cfg = Config(batch_size=args.batch_size, seed=args.seed)
+    corpus = demo_data.load()
+    model, opt, sched = build(cfg)
+    x, y = next(demo_data.batches(corpus.train, cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(args.seed)))
+
+    def step():
+        return train_step(model, opt, sched, x, y, cfg)
+
+    return step, (model, opt, sched)
+
+
+def _fail(message, code=2):
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _progress():
+    bar = Progress("tuning", None, PROG, unit="run")
+
+    def report(done, total, what):
+        if total is None:
+            bar.note("auditing the starting lists (a few steps)")
+        elif bar.total is None:
+            bar.set_total(total)
+        if done:
+            bar.step(what, done=done)
+
+    return bar, report
+
+
+def run(args):
+    outputs = [args.bf16_out, args.fp32_out] + [p for p in (args.report, args.json) if p]
+    try:  # before tuning, which takes minutes
+        check_outputs(outputs, PROG)
+    except ValueError as e:
+        return _fail(str(e).removeprefix(f"{PROG}: "))
+    torch.manual_seed(args.seed)
+    try:
+        step, state = make_target(load_target(args.target), args.target) if args.target else _demo_target(args)
+    except TargetError as e:
+        return _fail(str(e))
+    bar, report = _progress()
+    result = None
+    try:
+        result = tuning.tune(
+            step, state=state, steps=args.steps, rounds=args.rounds, tolerance=args.tolerance, progress=report
+        )
+    finally:
+        bar.close(None if result is None else f"tuned in {bar.elapsed():.0f} s")
+    print(result.table())
+    classes = ", ".join(map(class_path, result.modules_to_fp32))
+    if classes:
+        print(f"\nproposed for the FP32 list, instead of moving their ops: module classes {classes}")
+    try:
+        result.write(args.bf16_out, args.fp32_out)
+    except (ValueError, OSError) as e:
+        return _fail(str(e))
+    print(
+        f"\nwrote {args.bf16_out} and {args.fp32_out}; use them with "
+        f"hmp.convert(bf16_file_path={args.bf16_out!r}, fp32_file_path={args.fp32_out!r})"
+    )
+    if args.report:
+        try:
+            result.save_html(args.report)
+        except (ValueError, OSError) as e:
+            return _fail(str(e), 1)
+        print(f"wrote {args.report}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "lists": result.lists,
+                    "modules_to_fp32": [class_path(c) for c in result.modules_to_fp32],
+                    "validation": result.validation,
+                    "timings": result.timings,
+                    "step_times": result.samples,
+                    "same_as": result.same_as,
+                    "verdict": result.verdict,
+                    "trials": result.trials,
+                    "module_proposals": result.proposals,
+                    "module_class_proposals": result.module_proposals,
+                    "audit": result.audit.rows,
+                    "audit_modules": result.audit.modules,
+                    "audit_module_classes": result.audit.module_classes,
+                },
+                f,
+                indent=2,
+                default=str,
+            )
+    return 0
