@@ -22,7 +22,7 @@ from hmp.core.patch import PatchLog
 from hmp.core.policy import CASTS
 from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label, returns_view, unwrap
 from hmp.core.state import close_block, runtime
-from hmp.diagnostics import errors, interop
+from hmp.diagnostics import interop
 from hmp.rules import (
     buffers,
     checkpoint,
@@ -246,7 +246,6 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         factories.watch(watch)
         patches += list(extra)
         user = {w: wrappers.user_prepare(kind, w.__qualname__) for w, kind in list(runtime.decorated.items())}
-        hooks = errors.excepthook_patches()
 
         _revert_locked()
         log_ = runtime.patches = runtime.patches or PatchLog()
@@ -256,8 +255,6 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
             runtime.pickle_names = pickling.names(log_.entries())
             for namespace, attr, value in pickling.patches():
                 log_.setattr(namespace, attr, value)
-            for namespace, attr, value in hooks:
-                log_.setattr(namespace, attr, value, if_unchanged=True)
             runtime.hooks = steps.add_hooks() + [buffers.add_hook()] + ([watch.hook()] if watch.patterns else [])
         except BaseException:
             _revert_locked()
