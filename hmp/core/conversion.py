@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from hmp import tested
+from hmp import rules, tested
 from hmp.core import cache, imports, lists, modules, wrap
 from hmp.core.cache import clear_cache
 from hmp.core.patch import PatchLog
@@ -23,18 +23,7 @@ from hmp.core.policy import CASTS
 from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label, returns_view, unwrap
 from hmp.core.state import close_block, runtime
 from hmp.diagnostics import interop
-from hmp.rules import (
-    buffers,
-    checkpoint,
-    functions,
-    pickling,
-    region_factories,
-    regions,
-    rnn,
-    steps,
-    uncast_calls,
-    weight_writes,
-)
+from hmp.rules import pickling, regions, steps, uncast_calls
 
 log = logging.getLogger("hmp")
 
@@ -232,18 +221,9 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
             forwards = modules.Forwards(options.low, casters, fp32_names)
             patches += modules.patches(by_module, forwards)
             modules.watch(by_module, watch, forwards)
-            patches += rnn.check_input_patches(effective, lower_modules=bool(by_module["bf16"]))
-        patches += checkpoint.patches()  # recomputes run under their forward's hmp state
-        patches += functions.patches()  # custom_fwd/custom_bwd Functions: the author's choice wins
-        patches += regions.patches()  # autocast regions, backward, GradScaler, DataLoader: left alone
-        patches += steps.patches()
-        patches += weight_writes.patches()  # lower-precision values loaded into float32 weights: said once
-        calls = uncast_calls.Calls(uncast)
-        patches += calls.patches()  # building, averaging, merging, sampling: what the program keeps, uncast
-        calls.watch(watch)
-        factories = region_factories.Factories(region_factories.load())
-        patches += factories.patches()  # an author's autocast region however a library builds it
-        factories.watch(watch)
+        ctx = rules.Context(effective, uncast, watch, not passthrough, bool(by_module["bf16"]))
+        for rule in rules.RULES:
+            patches += rule.patches(ctx)
         patches += list(extra)
         user = {w: wrappers.user_prepare(kind, w.__qualname__) for w, kind in list(runtime.decorated.items())}
 
@@ -255,7 +235,11 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
             runtime.pickle_names = pickling.names(log_.entries())
             for namespace, attr, value in pickling.patches():
                 log_.setattr(namespace, attr, value)
-            runtime.hooks = steps.add_hooks() + [buffers.add_hook()] + ([watch.hook()] if watch.patterns else [])
+            runtime.hooks = []  # filled one by one: revert() removes those registered before a failure
+            for rule in rules.RULES:
+                runtime.hooks += rule.hooks(ctx) if hasattr(rule, "hooks") else []
+            if watch.patterns:
+                runtime.hooks.append(watch.hook())
         except BaseException:
             _revert_locked()
             raise

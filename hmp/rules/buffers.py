@@ -46,6 +46,11 @@ def _keep_dtype(module, name, value):
     return value.to(old.dtype)
 
 
-def add_hook():
-    """Register the hook; returns its handle (``remove()`` it)."""
-    return register_module_buffer_registration_hook(_keep_dtype)
+def patches(ctx):
+    """None: a module hook does the work (``hooks``)."""
+    return []
+
+
+def hooks(ctx):
+    """Register the hook; returns its handles (``remove()`` each)."""
+    return [register_module_buffer_registration_hook(_keep_dtype)]

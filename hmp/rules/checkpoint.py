@@ -29,7 +29,7 @@ from hmp.core.casts import run_as
 from hmp.core.resolve import stand_in, unwrap
 
 
-def patches():
+def patches(ctx):
     """``[(namespace, attr, replacement)]`` for the checkpoint entry points this
     torch has; built without changing anything."""
     for line in torch_private.missing():  # a torch newer than the tested ones: say what is not kept cast

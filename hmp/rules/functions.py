@@ -97,7 +97,7 @@ def _backward_apply(original):
     return stand_in(apply, original)
 
 
-def patches():
+def patches(ctx):
     """``[(namespace, attr, value)]``: Function.apply and the backward's apply."""
     own = _Function.__dict__["apply"]
     installed = getattr(own, "__func__", None)  # hmp's classmethod, from a conversion still in place

@@ -36,6 +36,14 @@ def load():
     return entries(default, default)
 
 
+def patches(ctx):
+    """The rule's patches (hmp/rules/__init__.py); ``ctx.watch`` takes in the
+    factories of modules the program imports later."""
+    factories = Factories(load())
+    factories.watch(ctx.watch)
+    return factories.patches()
+
+
 class Factories:
     """The factory functions of one conversion, by code object."""
 

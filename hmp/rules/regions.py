@@ -107,7 +107,7 @@ def _own(cls, name):
     return unwrap(cls.__dict__[name])
 
 
-def patches():
+def patches(ctx):
     """``[(namespace, attr, new value)]`` for every region hmp leaves alone.
     Builds everything and changes nothing."""
     patches = [

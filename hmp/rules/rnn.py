@@ -20,6 +20,11 @@ from hmp.core.state import tls
 MODES = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
 
 
+def patches(ctx):
+    """The rule's patches (hmp/rules/__init__.py): none on a run that casts nothing."""
+    return check_input_patches(ctx.lists, ctx.lower_modules) if ctx.casting else []
+
+
 def check_input_patches(effective, lower_modules=False):
     """``[(nn.RNNBase, "check_input", replacement)]`` when a module kernel is
     in ``effective`` (list kind -> names), or when there are BF16 module

@@ -118,7 +118,7 @@ def forget_open_steps():
     _unwind(0)
 
 
-def patches():
+def patches(ctx):
     """``[(namespace, attr, value)]``: record_function's enter and exit, extended to unwind a failed step."""
     cls = torch.autograd.profiler.record_function
     return [
@@ -127,6 +127,6 @@ def patches():
     ]
 
 
-def add_hooks():
+def hooks(ctx):
     """Register the step hooks; returns their handles (``remove()`` each)."""
     return [register_optimizer_step_pre_hook(_pre_hook), register_optimizer_step_post_hook(_post_hook)]

@@ -150,6 +150,15 @@ def _is_ours(raw):
     return getattr(getattr(raw, "__func__", raw), "__code__", None) is _UNCAST
 
 
+def patches(ctx):
+    """The rule's patches (hmp/rules/__init__.py): the entries resolvable now;
+    ``ctx.watch`` resolves the others when the program imports their module."""
+    calls = Calls(ctx.uncast)
+    out = calls.patches()
+    calls.watch(ctx.watch)
+    return out
+
+
 class Calls:
     """The entry points of one conversion and what resolving them patched."""
 

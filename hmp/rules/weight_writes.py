@@ -57,6 +57,6 @@ def _checked(load_state_dict):
     return stand_in(checked_load_state_dict, load_state_dict)
 
 
-def patches():
+def patches(ctx):
     """``[(namespace, attr, value)]``: ``Module.load_state_dict`` checked."""
     return [(torch.nn.Module, "load_state_dict", _checked(unwrap(torch.nn.Module.__dict__["load_state_dict"])))]
