@@ -6,18 +6,19 @@ older Pythons get no note) naming the op and the list it probably belongs
 in (hmp/diagnostics/culprit.py finds the op). The user's exception object is always the
 one raised, with its type and message unchanged.
 
-Errors raised through an hmp wrapper are annotated there (hmp/core/fallback.py);
-an error raised outside any wrapper (an op in no list, called by the user)
-gets its note from ``sys.excepthook`` / ``threading.excepthook`` when it is
-not caught (``excepthook_patches``). A caught exception that never passed
-through an hmp wrapper gets no note, and IPython/Jupyter print tracebacks
-without sys.excepthook.
+The note is added where the exception passes through hmp, and nowhere else:
+an op's wrapper (hmp/core/fallback.py), the backward wrapper
+(``_uncast_backward`` in hmp/rules/regions.py), and ``python -m hmp run``
+(hmp/integrations/habana_runner.py), which catches the script's uncaught
+exception and calls ``explain`` before reporting it. hmp replaces no
+exception hook: a mismatch raised by an op in no list (or a listed op
+called with casts off), called outside anything hmp wraps, gets no note in
+a plain ``python script.py``; the script can pass the exception to
+``explain`` itself, or run under ``python -m hmp run``.
 """
 
 import functools
 import re
-import sys
-import threading
 from typing import NamedTuple, Optional
 
 from hmp.core import lists, state, torch_private
@@ -72,8 +73,9 @@ def is_mismatch(exc):
     return bool((_LOW.search(msg) and _FP32.search(msg)) or _MIXED.search(msg))
 
 
-def _noted(exc):
-    return any(isinstance(n, str) and n.startswith(_PREFIX) for n in getattr(exc, "__notes__", ()))
+def _note_of(exc):
+    """The hmp note already on ``exc``, or None."""
+    return next((n for n in getattr(exc, "__notes__", ()) if isinstance(n, str) and n.startswith(_PREFIX)), None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -240,32 +242,27 @@ def annotate(exc, wrapped=None, in_backward=False):
     wrapper it passed through, if any; ``in_backward``: it was raised in a
     backward pass. Never raises."""
     try:
-        if hasattr(exc, "add_note") and not _noted(exc) and is_mismatch(exc):
+        if hasattr(exc, "add_note") and _note_of(exc) is None and is_mismatch(exc):
             exc.add_note(_explain(exc, wrapped, in_backward))
     except Exception:  # a note must never replace the user's error
         pass
 
 
-# -- exception hooks for errors raised outside any wrapper -------------------------------------
-
-
-def _annotating(previous, exc_of):
-    """A hook that notes the exception while hmp is converted, then calls ``previous``."""
-
-    def hook(*args):
-        if state.runtime.conversion is not None:
-            annotate(exc_of(*args))
-        return previous(*args)
-
-    return hook
-
-
-def excepthook_patches():
-    """``[(namespace, attr, hook)]``: sys.excepthook and threading.excepthook
-    chained through ``annotate``, so an uncaught mismatch raised by an op in
-    no list names that op. convert() installs them with ``if_unchanged``:
-    a hook someone chained after ours keeps it, inert once reverted."""
-    return [
-        (sys, "excepthook", _annotating(sys.excepthook, lambda exc_type, exc, tb: exc)),
-        (threading, "excepthook", _annotating(threading.excepthook, lambda hook_args: hook_args.exc_value)),
-    ]
+def explain(exc):
+    """hmp's note on ``exc``, for an error that passed through nothing hmp
+    wraps (an op in no list called by the user's code, which no wrapper
+    noted): added to it once (Python 3.11+) and returned. None when ``exc``
+    is not a dtype mismatch, or hmp is not converted and no wrapper noted
+    it (the lists a note names are the conversion's). Never raises."""
+    try:
+        note = _note_of(exc)
+        if note is not None:
+            return note
+        if state.runtime.conversion is None or not is_mismatch(exc):
+            return None
+        line = _explain(exc, None)
+        if hasattr(exc, "add_note"):
+            exc.add_note(line)
+        return line
+    except Exception:  # a note must never replace the user's error
+        return None

@@ -36,6 +36,7 @@ import types
 import zipfile
 
 import hmp
+from hmp.diagnostics import errors
 
 HMP_NAME = "habana_frameworks.torch.hpex.hmp"
 ROOT = "habana_frameworks"
@@ -256,6 +257,9 @@ def _cli(args):
     try:
         run(args.script, args.args)
     except Exception as e:  # SystemExit and KeyboardInterrupt propagate, as from python
+        # hmp rescues the script's uncaught error here: a dtype mismatch that passed
+        # through nothing hmp wraps (an op in no list) gets its note now, while converted
+        errors.explain(e)
         if os.path.isdir(path) or zipfile.is_zipfile(path):
             raise
         # reported as python reports it, without hmp's and runpy's frames above the script's

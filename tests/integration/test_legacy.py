@@ -205,6 +205,26 @@ def test_traceback_starts_at_the_script_as_under_python(tmp_path):
     assert tb[1:] == python.stderr.splitlines()[1:]  # the same frames and message as python's
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="add_note is Python 3.11+")
+def test_uncaught_mismatch_is_noted_only_while_converted(tmp_path):
+    """The runner notes the script's uncaught dtype mismatch (tests/unit/test_errors.py)
+    only while hmp is converted: the lists a note names are the conversion's."""
+    path = tmp_path / "mismatch.py"
+    path.write_text(
+        "import sys, torch\n"
+        "from habana_frameworks.torch.hpex import hmp\n"
+        "hmp.core.lists.fallback_names = lambda low: ()  # an op the fallback lists do not cover\n"
+        "if '--convert' in sys.argv:\n"
+        "    hmp.convert()\n"
+        "torch.addbmm(torch.randn(2, 2), torch.randn(1, 2, 2).bfloat16(), torch.randn(1, 2, 2).bfloat16())\n"
+    )
+    plain = run_hmp(["run", str(path)], cwd=tmp_path)
+    converted = run_hmp(["run", str(path), "--convert"], cwd=tmp_path)
+    assert plain.returncode == converted.returncode == 1
+    assert "must have the same dtype" in plain.stderr and "hmp:" not in plain.stderr
+    assert converted.stderr.splitlines()[-1].startswith("hmp: addbmm got lower-precision and float32 tensors")
+
+
 def test_missing_script(elsewhere):
     res = run_hmp(["run", "no_such_script.py"], cwd=elsewhere)
     assert res.returncode == 2

@@ -60,6 +60,7 @@ def test_fault_while_convert_patches_leaves_torch_pristine(monkeypatch, pristine
         assert (sys.excepthook, threading.excepthook) == hooks and hmp.casts_enabled()
         hmp.convert()  # and it works afterwards
         assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == BF16
+        assert (sys.excepthook, threading.excepthook) == hooks  # convert() never touches them
         hmp.revert()
 
 
