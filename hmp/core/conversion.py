@@ -18,7 +18,7 @@ import torch
 from hmp import rules, tested
 from hmp.core import cache, imports, lists, modules, wrap
 from hmp.core.cache import clear_cache
-from hmp.core.patch import PatchLog
+from hmp.core.patch import MISSING, PatchLog
 from hmp.core.policy import CASTS
 from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label, returns_view, unwrap
 from hmp.core.state import close_block, runtime
@@ -209,12 +209,14 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         # an op returning a view of its input is never wrapped (see resolve.returns_view); ops in no list
         # that have no kernel for the lower dtype or need one dtype run as they would without hmp's casts
         fallback = lists.fallback_names(options.low)
-        patches = [
-            (b.site.namespace, b.site.attr, wrappers.site(b, b.site.original()))
+        held = _held()
+        sites = [
+            (b.site.namespace, b.site.attr, wrappers.site(b, _original(b.site, held)))
             for b in (resolver or Resolver()).bind(effective, fallback)
             if not returns_view(b.name)
         ]
-        patches += [_registration(wrappers, *entry) for entry in runtime.registered]
+        sites += [_registration(wrappers, *entry) for entry in runtime.registered]
+        patches = []
         if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
             no_kernel = dict(fallback).get("fp32", ())
             fp32_names = set(effective["fp32"]).union(n for n in no_kernel if not _listed(n, effective))
@@ -230,6 +232,8 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         _revert_locked()
         log_ = runtime.patches = runtime.patches or PatchLog()
         try:
+            for namespace, attr, value in sites:
+                _install(log_, namespace, attr, value)
             for namespace, attr, value in patches:
                 log_.setattr(namespace, attr, value)
             runtime.pickle_names = pickling.names(log_.entries())
@@ -251,6 +255,52 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         runtime.wrappers = wrappers
         if options.verbose:
             _log_conversion(log_)
+
+
+def _held():
+    """``(id(namespace), attr) -> wrapper`` hmp put at an op site, which another
+    library may hold now: the current conversion's, and those displaced earlier."""
+    entries = runtime.patches.entries() if runtime.patches is not None else []
+    held = {(id(e.namespace), e.attr): e.value for e in entries if wrap.is_wrapper(e.value)}
+    held.update((key, e.value) for key, e in runtime.displaced.items())
+    return held
+
+
+def _original(site, held):
+    wrapper = held.get((id(site.namespace), site.attr))
+    return unwrap(wrapper) if wrapper is not None else site.original()
+
+
+def _install(log_, namespace, attr, value):
+    """Put an op's wrapper at its site; where another library replaced hmp's
+    wrapper there (wrapped it, or saved it to put back later), the site stays
+    theirs and the wrapper they hold does what ``value`` would."""
+    held = runtime.displaced.get((id(namespace), attr))
+    if held is not None and namespace.__dict__.get(attr, MISSING) not in (held.value, held.previous):
+        wrap.adopt(held.value, value)
+        runtime.adopted.append(held)
+        return
+    log_.setattr(namespace, attr, value, if_unchanged=True)
+
+
+def _settle_displaced(rt, left):
+    """After an undo: remember op sites another library took over (``left``),
+    retire the wrappers they hold, and restore those whose wrapper came back."""
+    for entry in left:
+        if wrap.is_wrapper(entry.value):
+            rt.displaced[(id(entry.namespace), entry.attr)] = entry
+    for entry in rt.adopted:
+        wrap.retire(entry.value)
+    rt.adopted = []
+    for key, entry in list(rt.displaced.items()):
+        now = entry.namespace.__dict__.get(entry.attr, MISSING)
+        if now is entry.value:  # hmp's wrapper put back: undo it now
+            if entry.previous is MISSING:
+                delattr(entry.namespace, entry.attr)
+            else:
+                setattr(entry.namespace, entry.attr, entry.previous)
+        if now is entry.value or now is entry.previous:  # torch's own is there: the site is free again
+            del rt.displaced[key]
 
 
 def _listed(name, effective):
@@ -301,10 +351,12 @@ def _revert_locked():
     rt.hooks = []
     patches = rt.patches
     installed = patches.values() if patches is not None else []
+    left = []
     try:
         if patches is not None:
-            patches.undo()
+            left = patches.undo()
     finally:
+        _settle_displaced(rt, left)
         left = {id(v) for v in patches.values()} if patches is not None else set()
         for value in installed:  # entries that could not be undone stay live
             if id(value) not in left:

@@ -36,7 +36,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from hmp.core import lists, policy
-from hmp.core.resolve import ORIGINAL, is_module_path, module_class, returns_view, unwrap
+from hmp.core.resolve import is_module_path, mark, module_class, returns_view, unwrap
 from hmp.core.state import MODULE, OFF, enter, leave, runtime, tls
 from hmp.core.torch_private import tree_map_only
 
@@ -192,7 +192,7 @@ class Forwards:
         fn.__name__ = name  # a bound copy pickles as getattr(module, "forward")
         fn.__qualname__ = getattr(original, "__qualname__", name)
         fn.__doc__ = getattr(original, "__doc__", None)
-        setattr(fn, ORIGINAL, original)
+        mark(fn, original)
         return fn
 
 

@@ -33,7 +33,7 @@ class PatchLog:
     def setattr(self, namespace, attr, value, if_unchanged=False):
         """Set ``namespace.attr``, logged for undo. ``if_unchanged``: undo
         leaves the attribute alone when someone replaced ``value`` since
-        (a process hook that others chain onto: sys.excepthook)."""
+        (another library's wrapper on top of hmp's stays outermost)."""
         previous = namespace.__dict__.get(attr, MISSING)
         setattr(namespace, attr, value)
         self._entries.append(Entry(namespace, attr, previous, value, if_unchanged))
@@ -43,13 +43,16 @@ class PatchLog:
         and raises the first error at the end, so one bad entry cannot leave
         the rest patched. Entries that could not be undone (and, after a
         KeyboardInterrupt, those not reached) stay in the log, so the next
-        undo() retries them: torch is never left patched with no way back."""
-        first_error, failed = None, []
+        undo() retries them: torch is never left patched with no way back.
+        Returns the ``if_unchanged`` entries left alone because someone
+        replaced their value since."""
+        first_error, failed, left = None, [], []
         while self._entries:
             entry = self._entries.pop()
             namespace, attr, previous, value, if_unchanged = entry
             try:
                 if if_unchanged and namespace.__dict__.get(attr, MISSING) is not value:
+                    left.append(entry)
                     continue
                 if previous is MISSING:
                     delattr(namespace, attr)
@@ -63,6 +66,7 @@ class PatchLog:
         self._entries.extend(reversed(failed))
         if first_error is not None:
             raise first_error
+        return left
 
     def labels(self):
         return [f"{_name(e.namespace)}.{e.attr}" for e in self._entries]

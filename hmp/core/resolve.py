@@ -45,9 +45,22 @@ RNN_KERNELS = frozenset(
 )
 
 ORIGINAL = "__hmp_original__"  # set on every hmp wrapper, points at what it wraps
+_MARKED = "__hmp_marked__"  # the id of the object ORIGINAL was set on
+
+
+def mark(wrapper, original):
+    """Mark ``wrapper`` as hmp's, standing in for ``original``. Returns ``wrapper``."""
+    setattr(wrapper, ORIGINAL, original)
+    setattr(wrapper, _MARKED, id(wrapper))
+    return wrapper
 
 
 def unwrap(obj):
+    """What an hmp wrapper stands in for; anything else is itself. Another
+    library's wrapper made with ``functools.wraps(hmp_wrapper)`` copies the
+    marks, but not the id they name: it is not hmp's, and its layer is kept."""
+    if getattr(obj, _MARKED, None) != id(obj):
+        return obj
     return getattr(obj, ORIGINAL, obj)
 
 
@@ -60,8 +73,7 @@ def stand_in(wrapper, original):
         functools.update_wrapper(wrapper, original)
     except (AttributeError, TypeError):  # a builtin without some of the names
         wrapper.__wrapped__ = original
-    setattr(wrapper, ORIGINAL, unwrap(original))
-    return wrapper
+    return mark(wrapper, unwrap(original))
 
 
 @dataclass(frozen=True)

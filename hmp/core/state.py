@@ -116,6 +116,10 @@ class Runtime:
         # kept across conversions
         self.registered = []  # (owner, name, kind) from hmp.register()
         self.decorated = weakref.WeakKeyDictionary()  # @hmp.*_function wrapper -> kind
+        # (id(namespace), attr) -> patch.Entry of an op site another library replaced after hmp's wrapper:
+        # the site is that library's; the wrapper it holds follows the conversion in force (conversion.py)
+        self.displaced = {}
+        self.adopted = []  # the displaced entries whose wrapper the conversion in force re-armed
 
 
 runtime = Runtime()

@@ -24,7 +24,7 @@ import weakref
 import torch
 
 from hmp.core import fallback, policy, torch_private
-from hmp.core.resolve import BUILTINS, ORIGINAL, unwrap
+from hmp.core.resolve import BUILTINS, ORIGINAL, mark, unwrap
 from hmp.core.state import OFF, tls
 from hmp.diagnostics import culprit
 from hmp.diagnostics.errors import Wrapped
@@ -113,7 +113,7 @@ def _finish(wrapper, op):
     except (AttributeError, TypeError):  # some builtins lack __dict__ or names
         wrapper.__wrapped__ = op
     original = unwrap(op)
-    setattr(wrapper, ORIGINAL, original)
+    mark(wrapper, original)
     script_as(wrapper, original)
     return wrapper
 
@@ -155,6 +155,16 @@ def pause(wrapper):
 def resume(wrapper, prepare):
     """Make a paused wrapper cast again, through ``prepare``."""
     _cell(wrapper, "prepare").cell_contents = prepare
+
+
+def adopt(wrapper, donor):
+    """Give ``wrapper`` (an hmp wrapper another library holds: it wrapped it,
+    or saved it to put back later) everything ``donor``, a wrapper built for
+    the same op by this conversion, would do: one body, so the closures match
+    cell for cell."""
+    for mine, theirs in zip(wrapper.__closure__, donor.__closure__):
+        mine.cell_contents = theirs.cell_contents
+    wrapper.__qualname__ = donor.__qualname__
 
 
 def retire(wrapper):
