@@ -36,7 +36,7 @@ from lightning.pytorch.plugins import Precision
 
 import hmp
 from hmp.core import conversion
-from hmp.core.resolve import stand_in, unwrap
+from hmp.core.resolve import Resolver, stand_in, unwrap
 
 log = logging.getLogger("hmp")
 
@@ -118,6 +118,7 @@ class HMPPrecision(Precision):
     def convert(self, model=None):
         """Convert hmp with this plugin's settings (the Trainer calls it with
         the model, which module names are matched against)."""
+        resolver = Resolver()  # one for checking the lists and binding them: names resolve once
         wanted = conversion.plan(
             self.opt_level,
             self.bf16_file_path,
@@ -129,12 +130,13 @@ class HMPPrecision(Precision):
             fp32_modules=self.fp32_modules,
             bf16_modules=self.bf16_modules,
             model=model,
+            resolver=resolver,
         )
         # patched along with the lists, so revert()/restore() undo it with the rest
         log_patch = (LightningModule, "log", _uncast_log(unwrap(LightningModule.__dict__["log"])))
         if not self._active:
             self._previous = conversion.current()  # None when hmp is not converted
-        conversion.apply(wanted._replace(extra=(log_patch,)))
+        conversion.apply(wanted._replace(extra=(log_patch,)), resolver)
         self._active = True
 
     def revert(self):
