@@ -4,17 +4,39 @@ pickle saves a function by name and checks that the name still finds that
 very object. While converted, ``torch.nn.functional.relu`` is hmp's wrapper,
 so the original ``F.relu`` that a model captured earlier (an
 ``nn.TransformerEncoderLayer`` holds it from its default argument) no longer
-passes that check, and ``torch.save(model)`` fails.
+passes that check, and ``torch.save(model)`` would fail.
 
-While converted, hmp's Pickler saves every function it replaced, and every
-wrapper, as "look up this name when loading" (``pkgutil.resolve_name``): a
-plain process loads the original, a converted one the wrapper, just as a
-name saved by pickle itself would. It is installed, through the patch log,
-where picklers are made: ``pickle.Pickler`` (what ``torch.save`` subclasses
-on every call), ``pickle.dump``/``pickle.dumps``, and
-``multiprocessing.reduction.ForkingPickler`` (spawn-started DataLoader
-workers). A pickler made before convert() (or a Pickler subclass defined
-before it) is not covered; see docs/leaves-alone.md.
+hmp's Pickler saves every function hmp replaced, and every wrapper, as "look
+up this name when loading" (``pkgutil.resolve_name``): a plain process loads
+the original, a converted one the wrapper, just as a name saved by pickle
+itself would. ``pickle`` itself is left alone (``pickle.Pickler``,
+``pickle.dump`` and ``pickle.dumps`` are the very objects they were). hmp's
+Pickler reaches two places, through the patch log, only while converted:
+
+- ``torch.save`` (on ``torch`` and ``torch.serialization``, one function):
+  torch's documented entry point for saving a model takes the pickler as its
+  ``pickle_module`` argument. hmp's ``torch.save`` passes ``PICKLE`` (pickle
+  with hmp's Pickler) where the caller passed none or the stdlib ``pickle``,
+  and otherwise calls torch's unchanged.
+- ``multiprocessing.reduction.ForkingPickler.reducer_override``, the one
+  replacement outside torch: spawn-started DataLoader workers receive their
+  dataset, collate_fn and worker_init_fn through ForkingPickler
+  (tests/unit/test_interop_pickle.py::test_spawn_dataloader_while_converted
+  fails without it). torch offers no way in: torch.multiprocessing uses the
+  stdlib's ForkingPickler and only registers reducers by type
+  (``ForkingPickler.register``), and the C pickler saves a plain function
+  with ``save_global`` before it looks at any dispatch table, so a reducer
+  registered for functions is never called; DataLoader builds the worker's
+  ``Process`` with the dataset in its arguments, with no hook between.
+
+Not covered: ``pickle.dump``/``pickle.dumps`` (or any pickler but these two)
+called directly while converted on an object that holds an original captured
+before ``convert()``. pickle's own check fails: ``PicklingError: Can't pickle
+<function relu ...>: it's not the same object as torch.nn.functional.relu``.
+Use ``torch.save``, pickle the ``state_dict``, or build the model after
+``convert()`` (it then holds the wrapper, which pickles by its name).
+``copy.deepcopy`` copies functions by reference and is not affected.
+See docs/leaves-alone.md.
 """
 
 import io
@@ -23,6 +45,9 @@ import pkgutil
 import types
 from multiprocessing import reduction
 
+import torch
+
+from hmp.core.resolve import stand_in, unwrap
 from hmp.core.state import runtime
 
 
@@ -52,6 +77,31 @@ def dumps(obj, protocol=None, *, fix_imports=True, buffer_callback=None):
     f = io.BytesIO()
     dump(obj, f, protocol, fix_imports=fix_imports, buffer_callback=buffer_callback)
     return f.getvalue()
+
+
+class _PickleModule(types.ModuleType):
+    """``pickle`` with hmp's ``Pickler``, ``dump`` and ``dumps``: what hmp's
+    ``torch.save`` gives torch's as ``pickle_module`` (torch subclasses its
+    ``Pickler`` and calls its ``dump``). Any other name is pickle's."""
+
+    Pickler = Pickler
+    dump = staticmethod(dump)
+    dumps = staticmethod(dumps)
+
+    def __getattr__(self, name):
+        return getattr(pickle, name)
+
+
+PICKLE = _PickleModule(f"{__name__}.PICKLE")
+
+
+def _save(original):
+    def save(obj, f, pickle_module=pickle, *args, **kwargs):
+        if pickle_module is pickle:
+            pickle_module = PICKLE
+        return original(obj, f, pickle_module, *args, **kwargs)
+
+    return stand_in(save, original)
 
 
 def _path(namespace, attr):
@@ -97,10 +147,11 @@ def names(entries):
 
 
 def patches():
-    """``[(namespace, attr, value)]`` that point the picklers at hmp's."""
-    return [
-        (pickle, "Pickler", Pickler),
-        (pickle, "dump", dump),
-        (pickle, "dumps", dumps),
+    """``[(namespace, attr, value)]``: ``torch.save`` giving torch's hmp's
+    Pickler, and ForkingPickler's ``reducer_override`` (see above)."""
+    original = unwrap(torch.serialization.save)
+    save = _save(original)
+    homes = [ns for ns in (torch, torch.serialization) if unwrap(getattr(ns, "save", None)) is original]
+    return [(ns, "save", save) for ns in homes] + [
         (reduction.ForkingPickler, "reducer_override", _reducer_override),
     ]

@@ -1,6 +1,8 @@
 """Pickling while converted: stock modules hold torch functions (an
 nn.TransformerEncoderLayer holds F.relu from its default argument)."""
 
+import copy
+import inspect
 import io
 import multiprocessing.reduction
 import os
@@ -8,6 +10,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -19,27 +22,43 @@ import hmp
 PLAIN = {"pickle.Pickler": pickle.Pickler, "pickle.dump": pickle.dump, "pickle.dumps": pickle.dumps}
 
 
-def layer():
+def layer(**kwargs):
     torch.manual_seed(0)
-    return nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, **kwargs)
 
 
 def test_torch_save_and_pickle_while_converted(tmp_path):
+    """pickle itself is left alone: torch.save saves the original a model
+    captured before convert() by name; pickle.dumps cannot (pickle's own check,
+    docs/leaves-alone.md), but saves the wrapper a model captured while converted."""
     before = layer()  # holds the original F.relu
     hmp.convert()
-    during = layer()
-    assert F.relu is not before.activation  # the name now finds hmp's wrapper
-    for m in (before, during):
+    default = layer()  # its default argument is the original too, bound when torch was imported
+    during = layer(activation="relu")  # looks F.relu up now: the wrapper
+    assert PLAIN == {"pickle.Pickler": pickle.Pickler, "pickle.dump": pickle.dump, "pickle.dumps": pickle.dumps}
+    assert F.relu is not before.activation and default.activation is before.activation
+    assert F.relu is during.activation  # the name now finds hmp's wrapper
+    assert inspect.signature(torch.save) == inspect.signature(torch.serialization.save.__wrapped__)
+    for m in (before, default, during):
         buf = io.BytesIO()
         torch.save(m, buf)
         buf.seek(0)
         loaded = torch.load(buf, weights_only=False)
         assert loaded.activation is F.relu  # a name, looked up when loading: here the wrapper
-        loaded2 = pickle.loads(pickle.dumps(m))
-        assert loaded2.activation is F.relu
+        twin = copy.deepcopy(m)  # functions are copied by reference
+        assert twin.activation is m.activation
+    assert pickle.loads(pickle.dumps(during)).activation is F.relu
+    for m in (before, default):
+        with pytest.raises(pickle.PicklingError, match="not the same object as torch.nn.functional.relu"):
+            pickle.dumps(m)
+    legacy = io.BytesIO()  # the old format calls pickle_module.dump too
+    torch.save(before, legacy, _use_new_zipfile_serialization=False)
+    assert torch.load(io.BytesIO(legacy.getvalue()), weights_only=False).activation is F.relu
+    with pytest.raises(pickle.PicklingError):  # a pickle_module the caller chose is used as given
+        torch.save(before, io.BytesIO(), pickle_module=types.SimpleNamespace(__name__="mine", Pickler=pickle.Pickler))
     torch.save(before, tmp_path / "model.pt")
     hmp.revert()
-    assert {"pickle.Pickler": pickle.Pickler, "pickle.dump": pickle.dump, "pickle.dumps": pickle.dumps} == PLAIN
+    assert torch.save is torch.serialization.save and not hasattr(torch.save, "__wrapped__")
     assert "reducer_override" not in vars(multiprocessing.reduction.ForkingPickler)
     # a process without hmp loads the original functions
     code = textwrap.dedent(f"""
