@@ -174,7 +174,7 @@ def converted(*args, **kwargs):
     older one found.
     """
     with runtime.lock:
-        entry = [current()]  # what this block restores; a list: an older block's exit may hand it its own
+        entry = [in_force()]  # what this block restores; a list: an older block's exit may hand it its own
         convert(*args, **kwargs)
         runtime.blocks.append(entry)
     try:
@@ -382,13 +382,14 @@ def is_converted():
     return runtime.conversion is not None
 
 
-def current():
-    """The Conversion in force, or None; ``restore()`` takes it."""
+def in_force():
+    """The Conversion in force, or None; ``restore()`` takes it (a thread's cast
+    state is ``state.current()``)."""
     return runtime.conversion
 
 
 def restore(saved):
-    """Put back what current() returned: that conversion, or none."""
+    """Put back what in_force() returned: that conversion, or none."""
     if saved is None:
         revert()
     else:
@@ -400,7 +401,7 @@ def applied(conversion, recorder=None, passthrough=False):
     """``conversion`` installed for a block (None: plain torch); the one in
     force before is back on exit."""
     with runtime.lock:
-        saved = current()
+        saved = in_force()
         if conversion is None:
             revert()
         else:

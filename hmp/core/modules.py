@@ -244,9 +244,11 @@ def patches(modules, forwards):
                         out.append((cls, CALL, forwards.forward(kind, original, CALL)))
             else:
                 fn = forwards.forward(kind, _instance_forward(target))
-                setattr(fn, _OWN, _own(target, "forward"))
+                setattr(fn, _OWN, _instance_own(target, "forward"))
                 out.append((target, "forward", types.MethodType(fn, target)))
-                out.append((target, "__getstate__", types.MethodType(_getstate(_own(target, "__getstate__")), target)))
+                out.append(
+                    (target, "__getstate__", types.MethodType(_getstate(_instance_own(target, "__getstate__")), target))
+                )
     return out
 
 
@@ -259,7 +261,7 @@ def _is_entry(value, module):
     return isinstance(value, types.MethodType) and value.__self__ is module and hasattr(value.__func__, _OWN)
 
 
-def _own(module, name):
+def _instance_own(module, name):
     """What ``module`` holds in its own __dict__ under ``name`` without hmp
     (an entry of a conversion still in place is looked through)."""
     own = module.__dict__.get(name)
@@ -310,7 +312,7 @@ def _classes_under(cls, listed, attr):
 
 def _instance_forward(module):
     """What ``module.forward`` runs without hmp, as ``f(self, ...)``."""
-    own = _own(module, "forward")
+    own = _instance_own(module, "forward")
     if own is None:
         return unwrap(inspect.getattr_static(type(module), "forward"))
     if isinstance(own, types.MethodType) and own.__self__ is module:

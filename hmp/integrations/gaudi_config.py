@@ -26,8 +26,7 @@ from collections.abc import Mapping
 
 import torch
 
-from hmp.core import lists as list_files
-from hmp.core import modules
+from hmp.core import lists, modules
 from hmp.core.conversion import convert, revert
 from hmp.core.lists import OPT_LEVELS, Names
 from hmp.core.resolve import NO_PYTHON, UNKNOWN, Resolver
@@ -57,7 +56,7 @@ HMP_DEFAULTS_FILE = "gaudi_config_bert.json"
 
 def hmp_defaults():
     """``{"hmp_bf16_ops": [...], "hmp_fp32_ops": [...]}``: optimum-habana's defaults."""
-    config, _ = read_config(list_files.default_path(HMP_DEFAULTS_FILE))
+    config, _ = read_config(lists.default_path(HMP_DEFAULTS_FILE))
     return {field: list(config[field]) for field in MODE_LISTS["use_habana_mixed_precision"]}
 
 
@@ -134,7 +133,7 @@ def _check_names(config, fields, resolver, errors):
             where = f"{field}[{i}]"
             if not isinstance(name, str):
                 errors.append(f"{where}: {name!r} is not an op name (a string)")
-            elif not list_files.is_name(name):
+            elif not lists.is_name(name):
                 errors.append(f"{where}: {name!r} is not an op name")
             else:
                 op, status, message = resolver.check(name)
@@ -196,9 +195,9 @@ def plan(path_or_mapping, model=None):
         log.debug("hmp: gaudi config %s: ignoring hmp_opt_level (use_torch_autocast is true)", source)
 
     resolver = Resolver()
-    lists, unreachable = _check_names(config, (bf16_field, fp32_field), resolver, errors)
+    checked, unreachable = _check_names(config, (bf16_field, fp32_field), resolver, errors)
     by_module = _check_modules(config, model, errors)
-    bf16, fp32 = lists[bf16_field], lists[fp32_field]
+    bf16, fp32 = checked[bf16_field], checked[fp32_field]
     if len(filled) == 1 and bf16 and fp32:  # the list given wins over the default one, as with list files
         given, other = (bf16, fp32) if filled == [fp32_field] else (fp32, bf16)
         other[:] = [n for n in other if n not in given]
@@ -209,7 +208,7 @@ def plan(path_or_mapping, model=None):
     if errors:
         raise ValueError(f"{_where(source)}:\n  " + "\n  ".join(errors))
     if unreachable:
-        list_files.warn_unreachable(f"gaudi config {source}: {', '.join(unreachable)}")
+        lists.warn_unreachable(f"gaudi config {source}: {', '.join(unreachable)}")
     return {
         "opt_level": opt_level,
         "bf16": bf16,

@@ -135,7 +135,7 @@ class HMPPrecision(Precision):
         # patched along with the lists, so revert()/restore() undo it with the rest
         log_patch = (LightningModule, "log", _uncast_log(unwrap(LightningModule.__dict__["log"])))
         if not self._active:
-            self._previous = conversion.current()  # None when hmp is not converted
+            self._previous = conversion.in_force()  # None when hmp is not converted
         conversion.apply(wanted._replace(extra=(log_patch,)), resolver)
         self._active = True
 

@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from hmp.core.conversion import applied, current, plan
+from hmp.core.conversion import applied, in_force, plan
 from hmp.core.lists import KINDS, class_path
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
@@ -125,7 +125,7 @@ class AuditReport:
         return self.table()
 
 
-def _own(row):
+def _own_error_cell(row):
     return f"{row['own_max_rel']:.3g} ({row['own_op']})" if row["own_op"] else "-"
 
 
@@ -137,7 +137,7 @@ MODULE_COLUMNS = (
     ("output max rel err", "---:", lambda r: f"{r['max_rel']:.3g}"),
     ("output mean rel err", "---:", lambda r: f"{r['mean_rel']:.3g}"),
     ("error made in it", "---:", lambda r: f"{r['made_max_rel']:.3g}"),
-    ("largest own op error in it", "---:", _own),
+    ("largest own op error in it", "---:", _own_error_cell),
 )
 CLASS_COLUMNS = (
     ("class", "---", lambda r: r["class"]),
@@ -145,7 +145,7 @@ CLASS_COLUMNS = (
     ("calls", "---:", lambda r: str(r["calls"])),
     ("output max rel err", "---:", lambda r: f"{r['max_rel']:.3g}"),
     ("error made in it", "---:", lambda r: f"{r['made_max_rel']:.3g}"),
-    ("largest own op error in it", "---:", _own),
+    ("largest own op error in it", "---:", _own_error_cell),
     ("flagged", "---", lambda r: r["reason"]),
 )
 
@@ -229,9 +229,9 @@ def _class_rows(module_rows, threshold):
     return rows
 
 
-def current_or_default():
+def in_force_or_default():
     """The Conversion in force, or the one a plain ``hmp.convert()`` makes."""
-    return current() or plan()
+    return in_force() or plan()
 
 
 def kind_of(name, lists):
@@ -322,7 +322,7 @@ def audit(fn, *args, state=(), threshold=0.05, loss_threshold=2e-3, **kwargs):
 
 def audit_with(guard, fn, args, kwargs, threshold, loss_threshold):
     """audit() from the state ``guard`` holds (tune shares its guard)."""
-    conversion = current_or_default()
+    conversion = in_force_or_default()
     lists = conversion.lists
     ref_final, ref = run_step(
         fn, args, kwargs, guard, conversion, passthrough=True, keep_outputs=True, module_outputs=True

@@ -4,7 +4,7 @@ report, per listed op, what hmp did and what it cost."""
 import json
 from pathlib import Path
 
-from hmp.core.conversion import applied, current
+from hmp.core.conversion import applied, in_force
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
 from hmp.tools.record import Recorder
@@ -74,7 +74,7 @@ def profile(fn, *args, state=(), **kwargs):
     (loss.step_loss), as for audit and tune. ``state``: the modules,
     optimizers, schedulers and tensors ``fn`` changes, as for audit: they
     are put back afterwards (guard.StateGuard), also when ``fn`` raises."""
-    conversion = current()
+    conversion = in_force()
     if conversion is None:
         raise RuntimeError("hmp.profile: call hmp.convert() first; profile reports on the current configuration")
     guard = StateGuard("hmp.profile", state, args, kwargs, fn)

@@ -293,7 +293,8 @@ def _float32(value):
     return tree_map_only(_Tensor, lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t, value)
 
 
-def _within(path, outer):
+def within(path, outer):
+    """True when module path ``path`` is ``outer`` or inside it (``""``: the root, holding every path)."""
     return outer == "" or path == outer or path.startswith(outer + ".")
 
 
@@ -312,7 +313,7 @@ class Boundary:
             for path, module in self.paths.items():
                 if path in self.inside:
                     self.handles.append(module.register_forward_hook(lambda m, args, out: _float32(out)))
-                elif any(_within(path, outer) for outer in self.inside):
+                elif any(within(path, outer) for outer in self.inside):
                     self.handles.append(
                         module.register_forward_pre_hook(
                             lambda m, args, kwargs: _float32((args, kwargs)), with_kwargs=True

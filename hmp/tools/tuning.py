@@ -26,10 +26,11 @@ from hmp.core.conversion import applied
 from hmp.core.lists import KINDS, class_path
 from hmp.core.modules import label
 from hmp.core.resolve import Resolver, module_class
-from hmp.tools.auditing import audit_with, by_op, compare, current_or_default, kind_of, made_in, pairs, run_step, worst
+from hmp.tools.auditing import audit_with, by_op, compare, in_force_or_default, kind_of, made_in, pairs, run_step, worst
 from hmp.tools.files import write_all
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
+from hmp.tools.record import within
 from hmp.tools.report import write as write_html
 
 # calls a step makes that are not math to run in another dtype (indexing only moves values: in the
@@ -365,12 +366,8 @@ def confined_to(report, op, roots):
     if any(isinstance(r, cls) for r in roots):
         return None  # the whole model under FP32: moving the op is the narrower change
     inside = [r["path"] for r in report.modules if issubclass(r["type"], cls)]
-    elsewhere = [m for m in row["own_by_module"] if m is None or not any(_within(m, p) for p in inside)]
+    elsewhere = [m for m in row["own_by_module"] if m is None or not any(within(m, p) for p in inside)]
     return cls if elsewhere else None
-
-
-def _within(path, outer):
-    return path == outer or path.startswith(outer + ".")
 
 
 def tune(
@@ -407,7 +404,7 @@ def tune(
     A class whose own code makes an error above ``threshold`` (the audit's
     made_max_rel), still with the flagged ops moved, goes to FP32 too.
     """
-    start = current_or_default()
+    start = in_force_or_default()
     start_lists = _as_sets(start.lists)
 
     def under(lists, fp32_modules=()):

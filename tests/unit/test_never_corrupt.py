@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
 
 import hmp
-from hmp.core.conversion import current
+from hmp.core.conversion import in_force
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -495,10 +495,10 @@ def test_converted_blocks_in_two_threads_leave_nothing_converted():
     ta.start()
     tb.start()
     b_in.wait()
-    levels.append(current().options.opt_level)
+    levels.append(in_force().options.opt_level)
     a_out.set()
     ta.join()
-    levels.append(current().options.opt_level)  # B's block is still open: its configuration stays
+    levels.append(in_force().options.opt_level)  # B's block is still open: its configuration stays
     b_out.set()
     tb.join()
     assert levels == ["O2", "O2"]
@@ -508,8 +508,8 @@ def test_converted_blocks_in_two_threads_leave_nothing_converted():
 def test_nested_blocks_in_one_thread_restore_in_order():
     with hmp.converted(opt_level="O1"):
         with hmp.converted(opt_level="O2"):
-            assert current().options.opt_level == "O2"
-        assert current().options.opt_level == "O1"
+            assert in_force().options.opt_level == "O2"
+        assert in_force().options.opt_level == "O1"
     assert not hmp.is_converted()
 
 

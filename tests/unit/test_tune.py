@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from helpers import planted
 
 import hmp
-from hmp.core.conversion import current
+from hmp.core.conversion import in_force
 from hmp.tools.record import Recorder
 from hmp.tools.tuning import TuneResult
 
@@ -224,7 +224,7 @@ def test_audit_pairs_calls_within_modules(unsafe_lists):
     assert rows["sub"]["calls"] == 1 and rows["sub"]["max_rel"] < 0.05
     assert report.flagged == [] and report.flagged_modules == []
     # configuration restored (the default FP32 list's module patterns beside the class given)
-    assert [t for t in current().modules["fp32"] if isinstance(t, type)] == [planted.Recenter]
+    assert [t for t in in_force().modules["fp32"] if isinstance(t, type)] == [planted.Recenter]
 
 
 def test_audit_removes_its_hooks_when_the_step_raises(unsafe_lists):
@@ -242,7 +242,7 @@ def test_audit_removes_its_hooks_when_the_step_raises(unsafe_lists):
         hmp.audit(failing, x, y, state=(model, opt))
     assert len(calls) == 2
     assert hooks_left(model) == []
-    assert current().lists["bf16"] >= {"sub"}
+    assert in_force().lists["bf16"] >= {"sub"}
 
 
 def test_write_module_classes_as_import_paths(tmp_path):
@@ -254,7 +254,7 @@ def test_write_module_classes_as_import_paths(tmp_path):
     result.write(tmp_path / "b.txt", tmp_path / "f.txt")
     assert (tmp_path / "f.txt").read_text().splitlines()[-2:] == ["softmax", "helpers.planted.Recenter"]
     hmp.convert(bf16_file_path=tmp_path / "b.txt", fp32_file_path=tmp_path / "f.txt")
-    assert current().modules["fp32"] == (planted.Recenter,) and "sub" in current().lists["bf16"]
+    assert in_force().modules["fp32"] == (planted.Recenter,) and "sub" in in_force().lists["bf16"]
 
     result.modules = {"bf16": (), "fp32": (planted.Recenter, Local)}
     with pytest.raises(
@@ -280,7 +280,7 @@ def test_tune_puts_the_unsafe_module_class_in_fp32_not_its_op(unsafe_lists, tmp_
     result.write(tmp_path / "b.txt", tmp_path / "f.txt")
     assert "helpers.planted.Recenter" in (tmp_path / "f.txt").read_text().splitlines()
     hmp.convert(bf16_file_path=tmp_path / "b.txt", fp32_file_path=tmp_path / "f.txt")
-    assert current().modules["fp32"] == (planted.Recenter,) and "sub" in current().lists["bf16"]
+    assert in_force().modules["fp32"] == (planted.Recenter,) and "sub" in in_force().lists["bf16"]
     losses = losses_after(module_problem, unsafe_lists, tmp_path / "b.txt", tmp_path / "f.txt")
     assert abs(losses["tuned"] - losses["fp32"]) <= 0.02 * losses["fp32"]
     assert losses["unsafe"] > 1.5 * losses["fp32"]
