@@ -31,7 +31,16 @@ log = logging.getLogger("hmp")
 KINDS = ("bf16", "fp32", "promote")
 FILE_TITLE = {"bf16": "BF16 list file", "fp32": "FP32 list file", "promote": "promote list file"}
 FP16_FILE_TITLE = "FP16 list file"
-LIST_TITLE = {"bf16": "BF16", "fp32": "FP32", "promote": "promote"}  # the list itself, in messages
+LIST_TITLE = {"bf16": "lower-precision", "fp32": "FP32", "promote": "promote"}  # the list itself, in messages
+_LOWER_TITLE = {torch.bfloat16: "BF16", torch.float16: "FP16"}
+
+
+def list_title(kind, low=None):
+    """A list's name in messages: the lower list ("bf16" in files and
+    parameters, for Habana's names) by the dtype it runs in, where known."""
+    return _LOWER_TITLE.get(low, LIST_TITLE[kind]) if kind == "bf16" else LIST_TITLE[kind]
+
+
 PARAMS = {"bf16": "bf16_file_path", "fp32": "fp32_file_path", "promote": "promote_file_path"}
 DEFAULT_FILES = {
     "O1": {"bf16": "bf16.txt", "fp32": "fp32.txt", "promote": "promote.txt"},
@@ -406,11 +415,11 @@ def refusal(op):
     return None
 
 
-def how_to_add(name, kind):
+def how_to_add(name, kind, low=None):
     """Advice that keeps the default list: how to put ``name`` in ``kind``'s list."""
     return (
         f"put '{name}' in a file whose first line is 'include default' and pass it as {PARAMS[kind]}, so the "
-        f"default {LIST_TITLE[kind]} list stays in force"
+        f"default {list_title(kind, low)} list stays in force"
     )
 
 
@@ -597,7 +606,7 @@ def _warn_dropped(ops, loaded, from_user, printable, titles, opt_level, low, res
         if not entries.ops and not entries.modules:
             if state.first_time(("empty list", kind, printable[kind])):
                 warnings.warn(
-                    f"hmp: {titles[kind]} {printable[kind]!r} is empty, so the {LIST_TITLE[kind]} list "
+                    f"hmp: {titles[kind]} {printable[kind]!r} is empty, so the {list_title(kind, low)} list "
                     f"is empty. To extend the default list instead, start the file with "
                     f"'include default' (docs/lists.md).",
                     UserWarning,
@@ -611,7 +620,7 @@ def _warn_dropped(ops, loaded, from_user, printable, titles, opt_level, low, res
         dropped = sorted(set(default) - ops[kind] - elsewhere)
         if dropped and state.first_time(("dropped defaults", kind, printable[kind], tuple(dropped))):
             warnings.warn(
-                f"hmp: {titles[kind]} {printable[kind]!r} replaces the default {LIST_TITLE[kind]} list and "
+                f"hmp: {titles[kind]} {printable[kind]!r} replaces the default {list_title(kind, low)} list and "
                 f"leaves out {', '.join(dropped)}: they now run in their inputs' dtypes. Start the file "
                 f"with 'include default' to extend the default list instead (docs/lists.md).",
                 UserWarning,

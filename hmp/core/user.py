@@ -26,7 +26,7 @@ def _decorator(kind):
 
     decorate.__name__ = decorate.__qualname__ = f"{kind}_function"
     decorate.__doc__ = (
-        f"Run the decorated function under the {lists.LIST_TITLE[kind]} list's rule while hmp is converted."
+        f"Run the decorated function under the {lists.list_title(kind)} list's rule while hmp is converted."
     )
     return decorate
 

@@ -65,6 +65,16 @@ _BF16_LIKE = re.compile(r"mm|mv|matmul|linear|conv|dot|einsum|tensordot|inner|ou
 _FP32_LIKE = re.compile(r"loss|entropy|softmax|norm|log|exp|sum|mean|var|std|prod|cum")
 
 
+def _low():
+    """The lower dtype of the conversion in force, or None."""
+    conversion = state.runtime.conversion
+    return conversion.options.low if conversion is not None else None
+
+
+def _title(kind):
+    return lists.list_title(kind, _low()) if kind in lists.LIST_TITLE else kind
+
+
 def is_mismatch(exc):
     """True when the message says a lower-precision and a float32 tensor met."""
     if not isinstance(exc, (RuntimeError, ValueError, TypeError)) or not exc.args:
@@ -132,12 +142,13 @@ def _explain_python_check(frame):
     if listed is None:
         return (
             f"hmp: {name} checks in Python that its input and weights share a dtype ({where}); its kernel "
-            f"'{kernel}' is in no hmp list. List '{kernel}' in the BF16 or FP32 list and hmp runs the whole "
-            f"{name} in that dtype, input, hidden state and weights ({lists.how_to_add(kernel, 'fp32')})."
+            f"'{kernel}' is in no hmp list. List '{kernel}' in the {_title('bf16')} or FP32 list and hmp runs "
+            f"the whole "
+            f"{name} in that dtype, input, hidden state and weights ({lists.how_to_add(kernel, 'fp32', _low())})."
         )
     return (
         f"hmp: {name} checks in Python that its input and weights share a dtype ({where}); '{kernel}' is in "
-        f"the {lists.LIST_TITLE[listed]} list, but this call ran with hmp's casts off (hmp.disable_casts()), "
+        f"the {_title(listed)} list, but this call ran with hmp's casts off (hmp.disable_casts()), "
         f"so nothing "
         f"gave them one dtype."
     )
@@ -168,10 +179,10 @@ def _explain(exc, wrapped, in_backward=False):
     label, name, kind = wrapped[:3] if wrapped is not None else (None, None, None)
     if callee is not None and label is not None and callee != name:
         if name:
-            where = f"{label} ({lists.LIST_TITLE[kind]} list)"
+            where = f"{label} ({_title(kind)} list)"
             fix = (
                 f"take '{name}' out of the lists and list the ops it calls ('{callee}' probably belongs in the "
-                f"{lists.LIST_TITLE[probable_list(callee)]} list)"
+                f"{_title(probable_list(callee))} list)"
             )
         elif kind:
             where, fix = f"{label} (@hmp.{kind}_function)", "cast their inputs inside it"
@@ -187,23 +198,24 @@ def _explain(exc, wrapped, in_backward=False):
             advice = probable_list(callee)
             return (
                 f"hmp: {callee} got lower-precision and float32 tensors and is in no hmp list; it probably "
-                f"belongs in the {lists.LIST_TITLE[advice]} list ({lists.how_to_add(callee, advice)})."
+                f"belongs in the {_title(advice)} list ({lists.how_to_add(callee, advice, _low())})."
             )
         if label is None:
             return (
-                f"hmp: '{callee}' is in the {lists.LIST_TITLE[listed]} list but this call was not cast: it ran inside "
+                f"hmp: '{callee}' is in the {_title(listed)} list but this call was not cast: it ran inside "
                 f"hmp.disable_casts(), or through a reference taken before hmp.convert() "
                 f"(`from torch import {callee}`)."
             )
     if label is not None and name is not None:
         if kind == "bf16" and name in NORM_OPS:
             return (
-                f"hmp: {label} (BF16 list) got lower-precision and float32 tensors: hmp casts only the input "
+                f"hmp: {label} ({_title('bf16')} list) got lower-precision and float32 tensors: hmp casts only "
+                f"the input "
                 f"of normalization ops, so its weight, bias and statistics keep their dtypes; give them one "
-                f"dtype, or move '{name}' to the FP32 list ({lists.how_to_add(name, 'fp32')})."
+                f"dtype, or move '{name}' to the FP32 list ({lists.how_to_add(name, 'fp32', _low())})."
             )
         return (
-            f"hmp: {label} ({lists.LIST_TITLE.get(kind, kind)} list) got lower-precision and float32 tensors "
+            f"hmp: {label} ({_title(kind)} list) got lower-precision and float32 tensors "
             f"after hmp's "
             f"casts (hmp casts tensor arguments and tensors inside a list/tuple argument); the promote list "
             f"would give all its floating inputs one dtype."

@@ -54,7 +54,8 @@ def warn_inside_autocast():
             f"hmp: convert() called inside an active torch.autocast region ({', '.join(devices)}). hmp casts nothing "
             f"inside autocast regions entered after convert(), but in this one, entered before, both act. autocast "
             f"casts inside the dispatcher, after hmp's Python-level casts, so for ops both know autocast's lists win: "
-            f"an op in hmp's FP32 list can still run in autocast's lower precision, and one in hmp's BF16 list in "
+            f"an op in hmp's FP32 list can still run in autocast's lower precision, and one in hmp's lower-precision "
+            f"list in "
             f"fp32. Leaving the autocast region does not revert hmp. Use one of the two for a region of code. "
             f"(hmp warns about this once per process.)",
             UserWarning,

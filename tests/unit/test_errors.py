@@ -418,3 +418,16 @@ def test_a_switch_called_without_with_warns_at_the_callers_line(switch):
     assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)], [str(w.message) for w in caught]
     assert f"hmp.{switch}() was called but never entered" in str(caught[0].message)
     assert hmp.casts_enabled()
+
+
+@needs_notes
+def test_the_lower_list_is_named_by_the_dtype_it_runs_in():
+    """The list files and parameters keep Habana's "bf16" names; a message names
+    the lower list by the dtype in force, so float16 runs never read "BF16 list"."""
+    for low, title in ((torch.bfloat16, "BF16"), (torch.float16, "FP16")):
+        hmp.convert(low_precision_type=low)
+        a, b = torch.randn(2, 2), torch.randn(2, 2).to(low)
+        with hmp.disable_casts():
+            note = _unwrapped_note(lambda a=a, b=b: torch.mm(a, b))
+        assert f"'mm' is in the {title} list but this call was not cast" in note, note
+        hmp.revert()
