@@ -10,10 +10,44 @@ decorators as torch.autocast does, instead of casting inside them.
   cast state its forward ran in, instead of uncast like the rest of
   backward, so it computes in the dtypes its forward's ops gave.
 
-What a Function class declares is read once per class; a Function without
-the decorators costs one dictionary lookup per ``apply``.
+Only the Functions that carry the decorators are touched. A Function class
+whose forward (its own or inherited) is ``custom_fwd(cast_inputs=...)`` or
+whose backward is ``custom_bwd`` gets an ``apply`` of its own, a classmethod
+around the one it would call; for ``custom_bwd``, its backward node class
+(one per Function class: the type of its outputs' ``grad_fn``) gets an
+``apply`` of its own too. ``torch.autograd.Function.apply`` and
+``BackwardCFunction.apply`` stay the very objects they were, and a Function
+without the decorators runs torch's ``apply`` as without hmp. A subclass
+that inherits hmp's ``apply`` from a decorated parent but overrides
+``forward`` without the decorators passes straight through (one dictionary
+lookup per ``apply``). What a class declares is read once per class.
+
+Classes that exist at ``convert()`` are found among Function's subclasses.
+For classes defined later (a library imported after ``convert()``, a class
+built inside a function), torch offers no way in but class creation:
+``FunctionMeta``, the metaclass every Function class is built by, gets an
+``__init__`` that calls torch's and, for a class with the decorators, makes
+the two patches above. It runs once when a Function class is created, never
+per call, and changes no existing class. The alternatives, weighed:
+
+- custom_fwd's own wrapper casts only when ``torch.is_autocast_enabled
+  (device_type)`` says so at call time: making that public function answer
+  True would mislead every other caller in the process, and its casts cover
+  only tensors of the decorator's device type;
+- ``Function.__init_subclass__`` runs before ``FunctionMeta.__init__``
+  builds the class's backward node class, so ``custom_bwd`` could not be
+  reached there; it would also add an attribute to ``torch.autograd.Function``;
+- an import watch misses classes defined in ``__main__`` or in a function;
+- leaving them out: a Function of a library imported after ``convert()``
+  would compute its backward in float32 against a forward hmp cast, and
+  fail (``expected m1 and m2 to have the same dtype``).
+
+Every patch, those made at class creation included, goes through
+convert()'s patch log: revert() leaves each class's ``__dict__`` as it was
+(an ``apply`` a class only inherited is deleted again).
 """
 
+import inspect
 import weakref
 
 import torch
@@ -21,11 +55,11 @@ import torch
 from hmp.core import torch_private
 from hmp.core.casts import run_as
 from hmp.core.policy import FLOATS, FP64, PLAIN_CASTS, cast_kwargs, cast_seq
-from hmp.core.resolve import ORIGINAL, stand_in, unwrap
-from hmp.core.state import OFF, current, enter, leave, tls
+from hmp.core.resolve import ORIGINAL, stand_in, subclasses, unwrap
+from hmp.core.state import OFF, current, enter, leave, runtime, tls
 
 _Function = torch.autograd.Function
-_Backward = torch_private.BackwardCFunction
+_Meta = torch_private.FunctionMeta
 _FORWARD_STATE = "_hmp_forward_state"  # on a ctx: (cast state of its forward, undecorated backward)
 
 # Function class -> (dtypes cast_inputs casts, its cast; or None, None), custom_bwd's backward or None
@@ -53,8 +87,9 @@ def _mark(out, state, backward):
 
 
 def _apply(descriptor):
-    """``Function.apply`` honouring the decorators; ``descriptor`` is torch's
-    own (a Python classmethod up to 2.13, a C classmethod descriptor in 2.14)."""
+    """``apply`` honouring the decorators of the class it is called on;
+    ``descriptor`` is the one that class calls without hmp (torch's own: a
+    Python classmethod up to 2.13, a C classmethod descriptor in 2.14)."""
 
     def original(cls, *args, **kwargs):
         return descriptor.__get__(None, cls)(*args, **kwargs)
@@ -97,12 +132,48 @@ def _backward_apply(original):
     return stand_in(apply, original)
 
 
+def _torch_apply(cls):
+    """The ``apply`` descriptor ``cls`` calls without hmp (a conversion still
+    in place: the one hmp's wraps)."""
+    found = inspect.getattr_static(cls, "apply")
+    return getattr(getattr(found, "__func__", None), ORIGINAL, found)
+
+
+def class_patches(cls):
+    """``[(namespace, attr, value)]`` for one Function class: [] unless it
+    carries ``custom_fwd(cast_inputs=...)`` or ``custom_bwd``."""
+    src, _, backward = _plan(cls)
+    if src is None and backward is None:
+        return []
+    out = [(cls, "apply", classmethod(_apply(_torch_apply(cls))))]
+    node = torch_private.backward_class(cls) if backward is not None else None
+    if node is not None:
+        out.append((node, "apply", _backward_apply(unwrap(inspect.getattr_static(node, "apply")))))
+    return out
+
+
+def _adopt(cls, hook):
+    """A Function class created while converted: its patches, through the log."""
+    with runtime.lock:
+        log = runtime.patches
+        if log is None or _Meta.__dict__.get("__init__") is not hook:  # reverted meanwhile
+            return
+        for namespace, attr, value in class_patches(cls):
+            log.setattr(namespace, attr, value)
+
+
+def _class_created(original):
+    def __init__(cls, *args, **kwargs):
+        original(cls, *args, **kwargs)
+        if issubclass(cls, _Function) and _plan(cls) != (None, None, None):
+            _adopt(cls, __init__)
+
+    return stand_in(__init__, original)
+
+
 def patches(ctx):
-    """``[(namespace, attr, value)]``: Function.apply and the backward's apply."""
-    own = _Function.__dict__["apply"]
-    installed = getattr(own, "__func__", None)  # hmp's classmethod, from a conversion still in place
-    descriptor = getattr(installed, ORIGINAL, own)
-    return [
-        (_Function, "apply", classmethod(_apply(descriptor))),
-        (_Backward, "apply", _backward_apply(unwrap(_Backward.__dict__["apply"]))),
-    ]
+    """``[(namespace, attr, value)]``: ``apply`` of each decorated Function
+    class and of its backward node class, and the class-creation hook."""
+    out = [p for cls in dict.fromkeys(subclasses(_Function)) for p in class_patches(cls)]
+    out.append((_Meta, "__init__", _class_created(unwrap(inspect.getattr_static(_Meta, "__init__")))))
+    return out
