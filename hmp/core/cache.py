@@ -26,8 +26,11 @@ storage), while ``torch.jit.trace`` runs (a cached copy would be recorded
 as a constant) and while torch.compile traces (fake tensors).
 """
 
+from __future__ import annotations
+
 import contextlib
 import weakref
+from typing import Iterator
 
 import torch
 
@@ -100,7 +103,7 @@ def _dead():
     return None
 
 
-def clear_cache():
+def clear_cache() -> None:
     """Drop every cached lower-precision copy. A grad-mode entry stays as an
     empty one, so the weight's next cast (each training step) reuses its
     weak reference to the weight instead of making another."""
@@ -158,7 +161,7 @@ def casters():
 
 
 @contextlib.contextmanager
-def frozen_weights():
+def frozen_weights() -> Iterator[None]:
     """A block in which the weights do not change, so no-grad casts of them
     are kept across calls (fast repeated inference); dropped on exit.
 

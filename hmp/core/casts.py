@@ -16,7 +16,7 @@ from hmp.core.resolve import stand_in
 from hmp.core.state import OFF, enter, leave, tls
 
 
-def casts_enabled():
+def casts_enabled() -> bool:
     """True when hmp wrappers would cast in the calling thread right now."""
     return tls.off == 0
 

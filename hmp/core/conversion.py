@@ -8,16 +8,19 @@ through the undo log (patch.py). Everything that can fail happens before
 the first namespace changes, so a failed convert() leaves torch as it was.
 """
 
+from __future__ import annotations
+
 import contextlib
 import logging
 import os
-from typing import NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
 from hmp import rules, tested
 from hmp.core import cache, imports, lists, modules, wrap
 from hmp.core.cache import clear_cache
+from hmp.core.hints import ListPath, ModuleTargets
 from hmp.core.patch import MISSING, PatchLog
 from hmp.core.policy import CASTS
 from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label, returns_view, unwrap
@@ -109,20 +112,20 @@ def plan(
 
 
 def convert(
-    opt_level="O1",
-    bf16_file_path="",
-    fp32_file_path="",
-    isVerbose=False,
-    low_precision_type=torch.bfloat16,
+    opt_level: str = "O1",
+    bf16_file_path: ListPath = "",
+    fp32_file_path: ListPath = "",
+    isVerbose: bool = False,
+    low_precision_type: torch.dtype = torch.bfloat16,
     *,
-    promote_file_path="",
-    cache=True,
-    fp16_file_path="",
-    fp32_modules=None,
-    bf16_modules=None,
-    model=None,
-    uncast_file_path="",
-):
+    promote_file_path: ListPath = "",
+    cache: bool = True,
+    fp16_file_path: ListPath = "",
+    fp32_modules: ModuleTargets = None,
+    bf16_modules: ModuleTargets = None,
+    model: torch.nn.Module | None = None,
+    uncast_file_path: ListPath = "",
+) -> None:
     """Patch torch so listed ops run in the dtypes their lists say.
 
     ``""`` or ``None`` for a path means the list named by the environment
@@ -162,7 +165,7 @@ def convert(
 
 
 @contextlib.contextmanager
-def converted(*args, **kwargs):
+def converted(*args: Any, **kwargs: Any) -> Iterator[None]:
     """``convert(*args, **kwargs)`` for a block; on exit, also when the block
     raises, the configuration in force before it is back (none: reverted).
 
@@ -372,13 +375,13 @@ def _revert_locked():
             rt.log_restore = None
 
 
-def revert():
+def revert() -> None:
     """Undo convert() completely; a no-op when not converted."""
     with runtime.lock:
         _revert_locked()
 
 
-def is_converted():
+def is_converted() -> bool:
     return runtime.conversion is not None
 
 
@@ -412,7 +415,7 @@ def applied(conversion, recorder=None, passthrough=False):
         restore(saved)
 
 
-def effective_lists():
+def effective_lists() -> dict[str, list[str]]:
     """``{"bf16", "fp32", "promote"}`` to the sorted op names of each list
     and, after them, its module entries as a list file names them (a
     class's import path, or a pattern); empty when not converted."""

@@ -114,7 +114,7 @@ def shipped_names():
     return sorted(p.stem for p in list_dir().glob("*.txt"))
 
 
-def list_path(name):
+def list_path(name: str) -> Path:
     """The path of the shipped list ``name`` (``"bf16"``, ``"fp32"``,
     ``"promote"``, ``"fp16"``, ``"o2_bf16"``, ``"autocast_cpu_bf16"``, ...):
     the file to read, copy or name in ``include``."""

@@ -8,7 +8,13 @@ same wrapper as listed ops (``disable_casts()``, the outermost-op rule,
 error notes), and cost nothing while hmp is not converted.
 """
 
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
 from hmp.core import conversion, lists, wrap
+
+F = TypeVar("F", bound=Callable)
 
 
 def _check_kind(kind):
@@ -17,7 +23,7 @@ def _check_kind(kind):
 
 
 def _decorator(kind):
-    def decorate(fn):
+    def decorate(fn: F) -> F:
         if not callable(fn):
             raise TypeError(f"hmp: {kind}_function needs a callable, got {fn!r}")
         wrapper = wrap.user_function(fn, kind)
@@ -36,7 +42,7 @@ fp32_function = _decorator("fp32")
 promote_function = _decorator("promote")
 
 
-def register(owner, name, kind):
+def register(owner: object, name: str, kind: str) -> None:
     """Wrap ``owner.name`` with the ``kind`` rule ("bf16", "fp32" or "promote")
     at every ``convert()`` from now on, and at once if already converted.
     ``revert()`` restores the original attribute."""
@@ -46,6 +52,6 @@ def register(owner, name, kind):
     conversion.register(owner, name, kind)
 
 
-def unregister(owner, name):
+def unregister(owner: object, name: str) -> None:
     """Stop wrapping ``owner.name`` at later conversions (a current one keeps it until revert)."""
     conversion.unregister(owner, name)

@@ -16,10 +16,13 @@ cast leaves after one dtype check per tensor argument. ``prepare`` is None
 in a paused or retired wrapper: a plain call of ``op``.
 """
 
+from __future__ import annotations
+
 import functools
 import logging
 import types
 import weakref
+from typing import Any, Callable
 
 import torch
 
@@ -330,7 +333,7 @@ def user_function(fn, kind):
     return make(fn, None, Wrapped(label, None, kind))  # paused: prepare None
 
 
-def op_wrap(op, cast_fn):
+def op_wrap(op: Callable, cast_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
     """Habana's public helper: a wrapper of ``op`` that passes every tensor
     argument (positional, keyword, or inside a list/tuple) through
     ``cast_fn`` before calling it. It follows ``disable_casts`` and the
@@ -349,14 +352,14 @@ def op_wrap(op, cast_fn):
     return make(op, prepare, Wrapped(getattr(op, "__qualname__", None) or repr(op)))
 
 
-def to_bf16(t):
+def to_bf16(t: Any) -> Any:
     """Cast a float32 tensor to bfloat16; anything else is returned as is."""
     if isinstance(t, torch.Tensor) and t.dtype is torch.float32:
         return _to_bf16(t)
     return t
 
 
-def to_fp32(t):
+def to_fp32(t: Any) -> Any:
     """Cast a bfloat16/float16 tensor to float32; anything else is returned as is."""
     if isinstance(t, torch.Tensor) and (t.dtype is torch.bfloat16 or t.dtype is torch.float16):
         return _to_fp32(t)

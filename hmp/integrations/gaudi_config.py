@@ -19,10 +19,13 @@ and the position (``hmp_bf16_ops[3]: unknown op 'sofmax'; did you mean
 softmax?``), and nothing changes when the config is wrong.
 """
 
+from __future__ import annotations
+
 import json
 import logging
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -220,7 +223,13 @@ def plan(path_or_mapping, model=None):
     }
 
 
-def convert_from_config(path_or_mapping, *, model=None, low_precision_type=torch.bfloat16, cache=True):
+def convert_from_config(
+    path_or_mapping: str | os.PathLike[str] | Mapping[str, Any],
+    *,
+    model: torch.nn.Module | None = None,
+    low_precision_type: torch.dtype = torch.bfloat16,
+    cache: bool = True,
+) -> None:
     """Apply an optimum-habana ``gaudi_config.json`` (a path or a mapping).
 
     ``use_habana_mixed_precision`` reads ``hmp_opt_level``, ``hmp_bf16_ops``,

@@ -15,11 +15,15 @@ the ops called directly in them cast (record.Boundary). Two last runs,
 warm by then, time each op: in fp32 and under the lists (op_times()).
 """
 
+from __future__ import annotations
+
 from datetime import datetime, timezone
+from typing import Any, Iterable
 
 import torch
 
 from hmp.core.conversion import applied, in_force, plan
+from hmp.core.hints import Step
 from hmp.core.lists import KINDS, class_path
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
@@ -295,7 +299,14 @@ def made_by_class(fn, args, kwargs, guard, conversion, ref, full):
     return made
 
 
-def audit(fn, *args, state=(), threshold=0.05, loss_threshold=2e-3, **kwargs):
+def audit(
+    fn: Step,
+    *args: Any,
+    state: Iterable[object] = (),
+    threshold: float = 0.05,
+    loss_threshold: float = 2e-3,
+    **kwargs: Any,
+) -> AuditReport:
     """Compare ``fn(*args, **kwargs)`` in fp32 and under hmp, op by op.
 
     ``fn`` returns its loss (loss.step_loss: a tensor, a number, a dict with

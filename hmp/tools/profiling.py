@@ -1,10 +1,14 @@
 """hmp.profile: run a function once under the current configuration and
 report, per listed op, what hmp did and what it cost."""
 
+from __future__ import annotations
+
 import json
 from pathlib import Path
+from typing import Any, Iterable
 
 from hmp.core.conversion import applied, in_force
+from hmp.core.hints import Step
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
 from hmp.tools.record import Recorder
@@ -67,7 +71,7 @@ class ProfileReport:
         return self.table()
 
 
-def profile(fn, *args, state=(), **kwargs):
+def profile(fn: Step, *args: Any, state: Iterable[object] = (), **kwargs: Any) -> ProfileReport:
     """Run ``fn(*args, **kwargs)`` once with instrumented wrappers and return
     a ProfileReport. hmp must be converted; its configuration is restored
     afterwards, with no instrumentation left behind. ``fn`` returns its loss

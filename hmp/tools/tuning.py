@@ -13,16 +13,20 @@
    drop the additions and module proposals; time a step of each.
 """
 
+from __future__ import annotations
+
 import math
 import statistics
 import time
 from datetime import datetime, timezone
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from hmp.core.casts import casts_enabled
 from hmp.core.conversion import applied
+from hmp.core.hints import Step
 from hmp.core.lists import KINDS, class_path
 from hmp.core.modules import label
 from hmp.core.resolve import Resolver, module_class
@@ -371,18 +375,18 @@ def confined_to(report, op, roots):
 
 
 def tune(
-    step_fn,
-    *args,
-    state=(),
-    steps=20,
-    threshold=0.05,
-    loss_threshold=2e-3,
-    tolerance=0.02,
-    min_share=0.02,
-    rounds=5,
-    progress=None,
-    **kwargs,
-):
+    step_fn: Step,
+    *args: Any,
+    state: Iterable[object] = (),
+    steps: int = 20,
+    threshold: float = 0.05,
+    loss_threshold: float = 2e-3,
+    tolerance: float = 0.02,
+    min_share: float = 0.02,
+    rounds: int = 5,
+    progress: Callable[[int, int | None, str], None] | None = None,
+    **kwargs: Any,
+) -> TuneResult:
     """Tune the lists for ``step_fn(*args, **kwargs)``, a training step that
     returns the loss.
 

@@ -4,6 +4,7 @@ names no public function shadows, and one wrapper body for every kind of
 wrapper."""
 
 import ast
+import inspect
 import re
 import types
 from pathlib import Path
@@ -359,3 +360,19 @@ def test_tests_import_shared_code_from_helpers_not_conftest():
         )
     ]
     assert not offenders, offenders
+
+
+def test_public_api_is_annotated_and_marked_typed():
+    """Every public function says what it takes and returns (PEP 484), and
+    the package says so to type checkers (PEP 561's py.typed marker)."""
+    missing = []
+    for name in hmp.__all__:
+        obj = getattr(hmp, name)
+        if isinstance(obj, type):  # disable_casts / enable_casts: context managers without arguments
+            continue
+        sig = inspect.signature(obj)
+        missing += [f"{name}({p})" for p in sig.parameters.values() if p.annotation is inspect.Parameter.empty]
+        if sig.return_annotation is inspect.Signature.empty:
+            missing.append(f"{name} -> ?")
+    assert missing == []
+    assert (PACKAGE / "py.typed").is_file()
