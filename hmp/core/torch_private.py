@@ -108,6 +108,20 @@ def custom_bwd_inner(fn):
 # gets the Function's ctx (the outputs' grad_fn) as ``self``.
 BackwardCFunction = torch.autograd.function.BackwardCFunction
 
+# Every Function class is built by this metaclass: its ``__init__`` gives the
+# class a BackwardCFunction subclass of its own (``_backward_cls``, the type
+# of the grad_fn its ``apply`` records), so a class-creation hook placed on
+# it sees that class too. 2.4 to 2.13 (read), checked on the running torch.
+FunctionMeta = torch.autograd.function.FunctionMeta
+
+
+def backward_class(cls):
+    """The backward node class a Function class's ``apply`` records (the type
+    of its outputs' ``grad_fn``; each class has its own), or None."""
+    found = cls.__dict__.get("_backward_cls")
+    return found if isinstance(found, type) and issubclass(found, BackwardCFunction) else None
+
+
 # -- ops and their namespaces -----------------------------------------------------------------
 
 # nn.RNN/LSTM/GRU call their kernels as torch._VF.X (a module serving

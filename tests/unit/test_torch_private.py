@@ -44,6 +44,39 @@ def test_graph_task_id_is_minus_one_outside_backward_and_not_inside():
     assert seen and seen[0] != -1
 
 
+def test_custom_fwd_and_custom_bwd_are_told_from_what_they_decorate():
+    def fwd(ctx, x):
+        return x
+
+    assert tp.custom_fwd_cast(torch.amp.custom_fwd(fwd, device_type="cpu", cast_inputs=torch.float16)) == torch.float16
+    assert tp.custom_fwd_cast(torch.amp.custom_fwd(fwd, device_type="cuda")) is None
+    assert tp.custom_fwd_cast(fwd) is False
+    assert tp.custom_bwd_inner(torch.amp.custom_bwd(fwd, device_type="cpu")) is fwd
+    assert tp.custom_bwd_inner(fwd) is None
+
+
+def test_function_meta_builds_each_class_its_own_backward_node_class():
+    assert "__init__" in tp.FunctionMeta.__dict__
+    Clone = clone_with_backward(lambda grad: None)
+    assert type(Clone) is tp.FunctionMeta
+    node = tp.backward_class(Clone)
+    assert issubclass(node, tp.BackwardCFunction) and node is not tp.backward_class(clone_with_backward(print))
+    assert type(Clone.apply(torch.ones(2, requires_grad=True)).grad_fn) is node
+    # a hook on the metaclass's __init__ sees a new class after torch's __init__ built its node class
+    original, made = tp.FunctionMeta.__dict__["__init__"], []
+
+    def __init__(cls, *args):
+        original(cls, *args)
+        made.append((cls, tp.backward_class(cls)))
+
+    tp.FunctionMeta.__init__ = __init__
+    try:
+        Later = clone_with_backward(print)
+    finally:
+        tp.FunctionMeta.__init__ = original
+    assert made == [(Later, tp.backward_class(Later))] and made[0][1] is not None
+
+
 def test_tracing_state_is_set_only_while_tracing():
     assert tp.tracing_state() is None
     seen = []
