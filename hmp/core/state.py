@@ -45,7 +45,7 @@ class ThreadState(threading.local):
             self.off = OFF
         self.frames = []  # open regions' frames (enter/leave), oldest first
         self.regions = []  # [(id(autocast region), what enter() returned)] entered under hmp (regions.py)
-        self.steps = []  # what enter() returned at each optimizer step in progress (steps.py)
+        self.steps = []  # per step in progress: (what enter() returned, the frame calling its hooks) (steps.py)
         self.frozen_depth = 0  # frozen_weights() nesting (cache.py)
         self.frozen = None  # that block's stores, {dtype: {id(tensor): entry}}
 

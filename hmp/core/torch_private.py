@@ -220,6 +220,28 @@ def single_process_fetch():
     return None
 
 
+# -- optimizer steps (steps.py) ---------------------------------------------------------------
+
+
+def record_function_exit_call():
+    """``(overload, name)``: the operator overload record_function's
+    ``__exit__`` closes its block with,
+    ``torch.ops.profiler._record_function_exit._RecordFunction`` (also when
+    the block ends by an exception), and the name of its own attribute that
+    holds the C++ operator its ``__call__`` calls (2.4 to 2.13). Setting
+    that attribute runs code at every block's close while the overload
+    object stays torch's: torch.compile, fx and inductor know it by identity.
+    The name is found as the attribute holding the overload's public
+    ``.op``, not spelled. None on a torch where any of this differs."""
+    packet = getattr(torch.ops.profiler, "_record_function_exit", None)
+    overload = getattr(packet, "_RecordFunction", None)
+    op = getattr(overload, "op", None)
+    if op is None or not callable(op):
+        return None
+    names = [k for k, v in vars(overload).items() if v is op]
+    return (overload, names[0]) if len(names) == 1 else None
+
+
 # -- gradient checkpointing (checkpoint.py) ---------------------------------------------------
 
 CHECKPOINT_MODULE = _checkpoint
@@ -288,5 +310,10 @@ def missing():
         out.append(
             f"hmp: torch {VERSION} has no torch.utils.checkpoint.CheckpointFunction; reentrant gradient "
             f"checkpointing cannot be kept cast; please report"
+        )
+    if record_function_exit_call() is None:
+        out.append(
+            f"hmp: torch {VERSION} closes record_function blocks through no operator hmp knows; an optimizer "
+            f"step that raises leaves casts off in its thread until revert(); please report"
         )
     return out

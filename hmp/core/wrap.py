@@ -133,7 +133,16 @@ def script_as(wrapper, original):
     the wrapper's id and removed when the wrapper is collected (so a retired
     wrapper captured by a module stays scriptable after revert()). A Python
     original (``F.relu``) is compiled from its own source and scope through
-    the ``__prepare_scriptable__`` hook torch.jit calls on functions."""
+    the ``__prepare_scriptable__`` hook torch.jit calls on functions.
+
+    The builtin table is private (torch_private.jit_register_builtin) and
+    kept because no public way scripts a call of a builtin's wrapper:
+    ``__prepare_scriptable__`` is honoured for a function called inside
+    scripted code too, but torch.jit then compiles what it returns from
+    source, and a builtin has none; ``torch.jit.ignore``/``unused`` would
+    leave a Python call (typed, not savable) in the scripted code. Without
+    the table ``tests/unit/test_interop_jit_refs.py::test_script_while_converted_and_after_revert``
+    and ``::test_scripted_transformer_layer_while_converted`` fail."""
     builtin = torch_private.jit_find_builtin(original)
     if builtin is not None:
         torch_private.jit_register_builtin(wrapper, builtin)

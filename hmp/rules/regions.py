@@ -13,7 +13,15 @@ the per-call wrapper keeps reading one integer and pays nothing for them:
 - **GradScaler** ``scale``/``unscale_``/``step``/``update``: the loss
   scale is fp32 arithmetic (in fp16 it could never exceed 65504).
 - **DataLoader** data loading: worker processes (any start method) and the
-  in-process loader (``num_workers=0``) load data as without hmp.
+  in-process loader (``num_workers=0``) load data as without hmp. A worker
+  is reached through torch's private ``_worker_loop``, its entry point
+  (``worker_loop`` below): torch offers no documented way in.
+  ``worker_init_fn`` is the user's argument, and
+  ``torch.utils.data.get_worker_info()`` can only be asked, which the
+  per-call wrapper cannot afford; a forked worker inherits the parent's
+  conversion and casts on, and a spawned one re-runs a script that
+  converts. Without it, ``tests/unit/test_regions.py::test_dataloader_workers_never_cast``
+  fails: the worker casts.
 
 ``patches()`` builds every patch before convert() changes anything; the
 patches go through convert()'s patch log, so revert() undoes them.
@@ -26,7 +34,7 @@ from torch.amp.autocast_mode import autocast
 
 from hmp.core import state, torch_private
 from hmp.core.casts import uncast
-from hmp.core.resolve import ORIGINAL, stand_in, subclasses, unwrap
+from hmp.core.resolve import mark, stand_in, subclasses, unwrap
 from hmp.core.state import OFF, enter, leave, tls
 from hmp.diagnostics import errors
 
@@ -98,12 +106,14 @@ def worker_loop(*args, **kwargs):
     """DataLoader's worker entry point while hmp is converted: a worker
     process casts nothing, however it was started. A module-level function,
     so ``spawn`` and ``forkserver`` pickle it by name and the worker runs it
-    too, converted or not."""
+    too, converted or not. The name is only ever read back by that parent's
+    own workers, which import the same installed hmp: no older name
+    (``hmp.regions``, before any release) needs to keep finding it."""
     enter(OFF)  # for the worker's life (never left): it does nothing but load data
     return unwrap(torch_private.worker_loop())(*args, **kwargs)
 
 
-def _own(cls, name):
+def _unwrapped_own(cls, name):
     return unwrap(cls.__dict__[name])
 
 
@@ -111,8 +121,8 @@ def patches(ctx):
     """``[(namespace, attr, new value)]`` for every region hmp leaves alone.
     Builds everything and changes nothing."""
     patches = [
-        (autocast, "__enter__", _autocast_enter(_own(autocast, "__enter__"))),
-        (autocast, "__exit__", _autocast_exit(_own(autocast, "__exit__"))),
+        (autocast, "__enter__", _autocast_enter(_unwrapped_own(autocast, "__enter__"))),
+        (autocast, "__exit__", _autocast_exit(_unwrapped_own(autocast, "__exit__"))),
     ]
     autograd = torch.autograd
     homes = torch_private.engine_run_backward_homes()
@@ -130,10 +140,11 @@ def patches(ctx):
     for cls in subclasses(torch.amp.GradScaler):  # subclasses defined later are not reached
         for name in _GRAD_SCALER_METHODS:
             if name in cls.__dict__:
-                patches.append((cls, name, uncast(_own(cls, name))))
-    worker_loop.__dict__[ORIGINAL] = unwrap(torch_private.worker_loop())
+                patches.append((cls, name, uncast(_unwrapped_own(cls, name))))
+    # marked as hmp's: unwrap() then finds torch's loop, also while converted (the worker calls it)
+    mark(worker_loop, unwrap(torch_private.worker_loop()))
     patches.append((torch_private.WORKER_MODULE, torch_private.WORKER_LOOP, worker_loop))
     fetch = torch_private.single_process_fetch()
     if fetch is not None:
-        patches.append((*fetch, uncast(_own(*fetch))))
+        patches.append((*fetch, uncast(_unwrapped_own(*fetch))))
     return patches

@@ -10,19 +10,29 @@ called inside ``disable_casts()``.
 
 An exception inside ``step()`` skips the post hook. torch runs the hooks
 and the step inside one ``torch.autograd.profiler.record_function`` block,
-so hmp extends (through the patch log) that class's ``__enter__`` and
-``__exit__``: the exit unwinds any step entered inside the block that
-is still open. The class itself stays torch's (torch.compile knows it by
-identity); no optimizer object or class is modified. A revert() inside a
-step unwinds the calling thread's open steps itself (``forget_open_steps``).
+opened in the frame that calls the hooks (``Optimizer.profile_hook_step``),
+and the block's ``__exit__`` closes it, also when the step raised, by
+calling the operator ``torch.ops.profiler._record_function_exit._RecordFunction``.
+hmp extends what that operator object calls (torch_private's
+``record_function_exit_call``): when a block closes whose ``__exit__`` was
+called from the frame a still-open step's pre hook was called from, that
+step raised, and it is left there, before the exception reaches the caller.
+record_function, its ``__enter__``/``__exit__`` and the operator object stay
+torch's own (torch.compile, fx and inductor know them by identity); no
+optimizer object or class is modified. A step traced by torch.compile
+records no frame (the compiled step has no record_function block either),
+and a revert() inside a step unwinds the calling thread's open steps itself
+(``forget_open_steps``).
 """
 
+import sys
 import warnings
 import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from hmp.core import torch_private
 from hmp.core.cache import clear_cache
 from hmp.core.casts import run_as
 from hmp.core.resolve import stand_in, unwrap
@@ -30,6 +40,10 @@ from hmp.core.state import OFF, current, enter, first_time, leave, tls, user_sta
 
 _checked = weakref.WeakSet()  # optimizers whose parameters were looked at
 _LOW = (torch.bfloat16, torch.float16)
+_is_compiling = torch.compiler.is_compiling
+# torch's record_function.__exit__ (hmp leaves it as it is): the frame that calls it owns the block
+_EXIT_CODE = torch.autograd.profiler.record_function.__dict__["__exit__"].__code__
+_REACH = 8  # frames from the operator's call up to record_function.__exit__, at most
 
 
 def _warn_without_master_weights(optimizer):
@@ -61,7 +75,10 @@ def _pre_hook(optimizer, args, kwargs):
     if optimizer not in _checked:
         _warn_without_master_weights(optimizer)
     caller = current()
-    tls.steps.append(enter(OFF))
+    # the frame calling the hooks holds the step's record_function block; torch.compile
+    # cannot trace frame access, and a compiled step runs no block
+    owner = None if _is_compiling() else sys._getframe(1)
+    tls.steps.append((enter(OFF), owner))
     # the closure (LBFGS) passes its arguments on, for optimizers that give any
     if kwargs and kwargs.get("closure") is not None:
         return args, dict(kwargs, closure=run_as(kwargs["closure"], caller))
@@ -73,7 +90,7 @@ def _pre_hook(optimizer, args, kwargs):
 def _post_hook(optimizer, args, kwargs):
     steps = tls.steps
     if steps:
-        leave(steps.pop())
+        leave(steps.pop()[0])
     clear_cache()
 
 
@@ -81,50 +98,68 @@ def _unwind(depth):
     """Leave every step entered since ``depth`` steps were in progress."""
     steps = tls.steps
     if len(steps) > depth:
-        for frame in reversed(steps[depth:]):
+        for frame, _ in reversed(steps[depth:]):
             leave(frame)
         del steps[depth:]
         clear_cache()  # the step may have written some weights before it failed
 
 
-_STEPS = "_hmp_steps"  # on a record_function entered while converted: the open steps at its entry
+def _leave_failed_step(frame):
+    """A record_function block closed (``frame`` called its exit operator).
+    If the frame that called its ``__exit__`` is where an open step's pre
+    hook was called from, that is the step's own block: its post hook
+    did not run (the step raised), so the step, and any step still open
+    inside it, is left now. Any other block (inside a step, or around one)
+    leaves the steps as they are."""
+    for _ in range(_REACH):
+        if frame is None:
+            return
+        if frame.f_code is _EXIT_CODE:
+            owner, steps = frame.f_back, tls.steps
+            for i in range(len(steps) - 1, -1, -1):
+                if steps[i][1] is owner:
+                    _unwind(i)
+                    return
+            return
+        frame = frame.f_back
 
 
-def _enter(original):
-    def __enter__(self):
-        setattr(self, _STEPS, len(tls.steps))
-        return original(self)
+class _Closing:
+    """What the exit operator calls while converted: torch's operator, then
+    a failed step is left. It hashes as torch's operator does: the operator
+    object hashes as what it calls, and torch's compilers look it up by that
+    hash in their tables (fx's side-effectful functions, inductor's)."""
 
-    return stand_in(__enter__, original)
+    def __init__(self, original):
+        self.call = original
 
-
-def _exit(original):
-    def __exit__(self, exc_type, exc_value, traceback):
+    def __call__(self, *args, **kwargs):
         try:
-            return original(self, exc_type, exc_value, traceback)
+            return self.call(*args, **kwargs)
         finally:
-            # normally the post hook has already left the step; this catches
-            # an exception. A block entered before convert() unwinds nothing.
-            depth = getattr(self, _STEPS, None)
-            if depth is not None:
-                _unwind(depth)
+            if tls.steps:  # no step open in this thread: nothing to look at
+                _leave_failed_step(sys._getframe(1))
 
-    return stand_in(__exit__, original)
+    def __hash__(self):
+        return hash(self.call)
 
 
 def forget_open_steps():
     """revert() in the calling thread: leave every step it is inside (their
-    post hooks and record_function exits are torch's own after revert)."""
+    post hooks and the exit operator are torch's own after revert)."""
     _unwind(0)
 
 
 def patches(ctx):
-    """``[(namespace, attr, value)]``: record_function's enter and exit, extended to unwind a failed step."""
-    cls = torch.autograd.profiler.record_function
-    return [
-        (cls, "__enter__", _enter(unwrap(cls.__dict__["__enter__"]))),
-        (cls, "__exit__", _exit(unwrap(cls.__dict__["__exit__"]))),
-    ]
+    """``[(namespace, attr, value)]``: what record_function's exit operator
+    calls, extended to leave a step that raised ([] on a torch where it is
+    not found; convert() then says so, torch_private.missing)."""
+    site = torch_private.record_function_exit_call()
+    if site is None:
+        return []
+    overload, name = site
+    original = unwrap(vars(overload)[name])
+    return [(overload, name, stand_in(_Closing(original), original))]
 
 
 def hooks(ctx):

@@ -13,7 +13,7 @@ Findings (torch 2.13, documented in docs/integrations.md):
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import needs_torch
+from helpers import LinearNormLinear, needs_torch
 
 import hmp
 
@@ -54,22 +54,16 @@ BACKENDS = [
 ]
 
 
-class Block(torch.nn.Module):
+class Block(LinearNormLinear):
     """BF16-list, FP32-list and promote-list ops, and the outermost-op rule."""
 
-    def __init__(self):
-        super().__init__()
-        self.inp = torch.nn.Linear(8, 16)
-        self.norm = torch.nn.LayerNorm(16)
-        self.out = torch.nn.Linear(16, 4)
-
     def forward(self, x):
-        h = self.inp(x)  # linear: BF16
+        h = self.fc1(x)  # linear: BF16
         n = self.norm(h)  # layer_norm: BF16, weight stays fp32
         a = torch.softmax(n @ n.t(), dim=-1)  # matmul BF16, softmax FP32
         r = torch.relu(n) + x.sum(-1, keepdim=True)  # relu BF16; add promotes bf16 + fp32 to fp32
         q = 2 / (r.abs() + 1)  # __rtruediv__: FP32 (not cast again by the mul inside it)
-        o = self.out(r)  # linear: BF16
+        o = self.fc2(r)  # linear: BF16
         return h, n, a, r, q, o
 
 
@@ -154,8 +148,8 @@ def test_convert_revert_and_disable_casts_after_compiling_recompile():
 
 @ONE_GRAPH
 def test_compiled_code_using_record_function_runs_while_converted():
-    # hmp extends record_function's enter/exit, never replaces the class that
-    # dynamo knows by identity: a block of it traces into one graph
+    # hmp leaves record_function (the class dynamo knows by identity, and its
+    # enter/exit) as it is: a block of it traces into one graph
     hmp.convert()
     model, x = make()
 

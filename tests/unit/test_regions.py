@@ -3,6 +3,7 @@ backward, GradScaler's arithmetic and DataLoader data loading."""
 
 import contextlib
 import multiprocessing
+import pkgutil
 import threading
 import warnings
 
@@ -345,6 +346,23 @@ def test_dataloader_workers_never_cast(method):
     items = _load(num_workers=1, multiprocessing_context=context, worker_init_fn=convert_in_worker)
     assert items == [{"mul": False, "converted": True, "casts": False}] * 2
     assert hmp.casts_enabled() and mul_dtype() == BF16
+
+
+def test_a_worker_finds_its_entry_point_by_name_and_it_reaches_torchs_loop():
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.utils.data._utils import worker
+
+    from hmp.core.resolve import unwrap
+    from hmp.rules import regions
+
+    loop = worker._worker_loop
+    hmp.convert()
+    hmp.convert(opt_level="O2")  # re-configuring while converted still finds torch's loop
+    assert worker._worker_loop is regions.worker_loop and unwrap(regions.worker_loop) is loop
+    # spawn and forkserver send it by this name; the worker imports the same hmp
+    assert ForkingPickler.loads(bytes(ForkingPickler.dumps(worker._worker_loop))) is regions.worker_loop
+    assert pkgutil.resolve_name("hmp.rules.regions:worker_loop") is regions.worker_loop
 
 
 def test_in_process_data_loading_never_casts():

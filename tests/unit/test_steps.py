@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch.optim import optimizer as optim_module
 
 import hmp
+from hmp.core import torch_private
+from hmp.core.state import tls
 
 BF16 = torch.bfloat16
 
@@ -148,16 +150,20 @@ def test_revert_removes_the_hooks():
     post = len(optim_module._global_optimizer_post_hooks)
     record_function = torch.autograd.profiler.record_function
     methods = dict(vars(record_function))
+    calls = torch_private.record_function_exit_call()[0].op
     hmp.convert()
     hmp.convert(opt_level="O2")  # re-configuring keeps one set
     assert len(optim_module._global_optimizer_pre_hooks) == pre + 1
-    # the class stays torch's (torch.compile knows it by identity); its enter/exit are extended
+    # record_function is left as it is; what its exit operator calls is extended
     assert torch.autograd.profiler.record_function is record_function
-    assert record_function.__exit__ is not methods["__exit__"]
+    assert dict(vars(record_function)) == methods
+    overload, name = torch_private.record_function_exit_call()
+    assert vars(overload)[name] is not calls
     hmp.revert()
     assert len(optim_module._global_optimizer_pre_hooks) == pre
     assert len(optim_module._global_optimizer_post_hooks) == post
     assert dict(vars(record_function)) == methods
+    assert vars(overload)[name] is calls
     opt = Recording(_model().parameters())
     opt.step()
     assert opt.seen == [(True, torch.float32)]  # nothing patched, nothing disabled
@@ -173,3 +179,90 @@ def test_revert_inside_a_step_leaves_casting_on_for_the_next_conversion():
     Reverting(_model().parameters(), lr=0.1).step()
     hmp.convert()
     assert hmp.casts_enabled() and torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == BF16
+
+
+# -- a step that raises ----------------------------------------------------------------------
+
+
+def test_record_function_and_its_exit_operator_stay_torchs_while_converted():
+    record_function = torch.autograd.profiler.record_function
+    enter, exit_ = record_function.__dict__["__enter__"], record_function.__dict__["__exit__"]
+    packet = torch.ops.profiler._record_function_exit
+    overload = packet._RecordFunction
+    known = {overload}  # as torch's compilers keep it (fx's side-effectful functions, inductor's passes)
+    hmp.convert()
+    assert record_function.__dict__["__enter__"] is enter and record_function.__dict__["__exit__"] is exit_
+    assert torch.autograd.profiler.record_function is record_function
+    # the operator objects are the same objects, and still found where torch keeps them
+    assert torch.ops.profiler._record_function_exit is packet and packet._RecordFunction is overload
+    assert overload in known
+
+
+def test_a_step_that_raises_and_is_caught_leaves_casts_on_for_the_next_forward():
+    hmp.convert()
+    lin = _model()
+    opt = Recording(lin.parameters(), fail=True)
+    lin(torch.randn(3, 4)).float().sum().backward()
+    try:
+        opt.step()
+    except ValueError:
+        pass
+    assert opt.seen == [(False, torch.float32)]
+    assert tls.steps == [] and hmp.casts_enabled()
+    assert lin(torch.randn(1, 4)).dtype == BF16  # the next forward casts
+    opt.fail = False
+    opt.step()  # and the next step runs uncast again
+    assert opt.seen[-1] == (False, torch.float32) and hmp.casts_enabled()
+
+
+def test_a_block_inside_the_step_or_around_it_is_not_the_steps_own():
+    hmp.convert()
+    seen = []
+
+    class Inner(torch.optim.SGD):
+        def step(self, closure=None):
+            try:
+                with torch.autograd.profiler.record_function("inside the step"):
+                    raise KeyError("caught inside the step")
+            except KeyError:
+                pass
+            seen.append(hmp.casts_enabled())  # still the step: uncast
+            super().step()
+            raise ValueError("step failed")
+
+    opt = Inner(_model().parameters(), lr=0.1)
+    with pytest.raises(ValueError):
+        with torch.autograd.profiler.record_function("around the step"):
+            opt.step()
+    assert seen == [False] and tls.steps == [] and hmp.casts_enabled()
+
+
+def test_a_failed_step_inside_a_step_leaves_only_itself():
+    hmp.convert()
+    inner = Recording(_model().parameters(), fail=True)
+    seen = []
+
+    class Outer(torch.optim.SGD):
+        def step(self, closure=None):
+            try:
+                inner.step()
+            except ValueError:
+                pass
+            seen.append(hmp.casts_enabled())  # the outer step is still open: uncast
+            return super().step()
+
+    Outer(_model().parameters(), lr=0.1).step()
+    assert inner.seen == [(False, torch.float32)] and seen == [False]
+    assert tls.steps == [] and hmp.casts_enabled()
+
+
+def test_the_profiler_still_records_a_step_that_raises():
+    hmp.convert()
+    opt = Recording(_model().parameters(), fail=True)
+    with torch.autograd.profiler.profile() as prof:
+        with pytest.raises(ValueError):
+            opt.step()
+    assert [e.name for e in prof.function_events if e.name.startswith("Optimizer.step#")] == [
+        "Optimizer.step#Recording.step"
+    ]
+    assert hmp.casts_enabled()

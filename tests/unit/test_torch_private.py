@@ -188,6 +188,26 @@ def test_worker_loop_and_single_process_fetch_exist():
     assert isinstance(it, cls) and callable(getattr(it, name))
 
 
+def test_record_function_exit_call_is_what_a_block_calls_at_its_close():
+    overload, name = tp.record_function_exit_call()
+    assert overload is torch.ops.profiler._record_function_exit._RecordFunction
+    original, calls = vars(overload)[name], []
+    assert original is overload.op and hash(overload) == hash(original)
+
+    def counting(record):
+        calls.append(record)
+        return original(record)
+
+    setattr(overload, name, counting)
+    try:
+        with pytest.raises(KeyError):  # a block ended by an exception closes through it too
+            with torch.autograd.profiler.record_function("block") as block:
+                raise KeyError
+    finally:
+        setattr(overload, name, original)
+    assert calls == [block.record]
+
+
 def test_checkpoint_generator_is_what_non_reentrant_checkpoint_calls():
     name = tp.checkpoint_generator()
     assert name is not None and tp.missing() == []
