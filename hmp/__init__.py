@@ -7,10 +7,11 @@ A drop-in for Habana's ``habana_frameworks.torch.hpex.hmp``::
     ...
     optimizer.step()  # runs with casts off by itself while converted
 
-Importing hmp patches nothing; only convert() does. How one call flows:
-lists.py (list files) -> resolve.py (names to the places ops live) ->
-policy.py (what each call casts) -> wrap.py (the wrapper) -> patch.py (the
-undo log), driven by conversion.py; state.py holds everything kept.
+Importing hmp patches nothing; only convert() does. How one call flows
+(all in hmp/core/): lists (list files) -> resolve (names to the places ops
+live) -> policy (what each call casts) -> wrap (the wrapper) -> patch (the
+undo log), driven by conversion; state holds everything kept. hmp/rules/
+keeps hmp out of the rest of PyTorch; docs/architecture.md maps the rest.
 """
 
 from hmp.core.cache import clear_cache, frozen_weights

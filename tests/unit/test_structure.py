@@ -5,7 +5,10 @@ wrapper."""
 
 import ast
 import inspect
+import json
 import re
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -376,3 +379,36 @@ def test_public_api_is_annotated_and_marked_typed():
             missing.append(f"{name} -> ?")
     assert missing == []
     assert (PACKAGE / "py.typed").is_file()
+
+
+# what convert() replaces besides op sites, in a process that imported only torch and hmp
+_REPLACED = """
+import json, hmp
+from hmp.core import wrap
+from hmp.core.state import runtime
+hmp.convert()
+out = []
+for e in runtime.patches.entries():
+    if not wrap.is_wrapper(e.value):
+        owner = e.namespace.__name__ if isinstance(e.namespace, type(json)) else e.namespace.__qualname__
+        out.append([owner, e.attr])
+print(json.dumps(out))
+"""
+
+
+def test_every_replacement_outside_op_sites_is_listed():
+    """docs/architecture.md lists, with its reason and test, every name
+    convert() replaces that is not an op site: a new patch cannot slip in."""
+    res = subprocess.run([sys.executable, "-c", _REPLACED], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    replaced = json.loads(res.stdout.strip().splitlines()[-1])
+    assert replaced  # the rules do replace some names
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    section = page.split("## What convert() replaces")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    unlisted = [
+        f"{owner}.{attr}"
+        for owner, attr in replaced
+        if not any(f"`{owner}.{attr}`" in row or (f"`{owner}." in row and f"`{attr}`" in row) for row in rows)
+    ]
+    assert unlisted == [], "add them to docs/architecture.md with their reason and test"
