@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from operator import itemgetter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -304,6 +305,27 @@ def _fmt_load(v):
     return "/".join(f"{x:.1f}" for x in v) if v else "n/a"
 
 
+def _config_table(rows, cfgs, values, fmt, align="---:|", last=None):
+    """Markdown lines of a table with a row per item of ``rows`` (name -> what
+    was measured) and a column per configuration: ``fmt`` of the value
+    ``values(measured)`` holds for it, blank where it has none. ``last``:
+    ``(title, measured -> text)``, one more column at the end."""
+    names = [c["name"] for c in cfgs]
+    out = [
+        "| workload | " + " | ".join(names) + (f" | {last[0]}" if last else "") + " |",
+        "|---|" + align * len(names) + ("---|" if last else ""),
+    ]
+    for name, measured in rows.items():
+        got = values(measured)
+        cells = " | ".join(fmt.format(got[n]) if n in got else "" for n in names)
+        out.append(f"| {name} | {cells}" + (f" | {last[1](measured)}" if last else "") + " |")
+    return out
+
+
+def _samples(w):
+    return f"{w['reps']} x {w['iters_per_sample']}"
+
+
 def markdown(res):
     meta = res["meta"]
     cfgs = meta["configs"]
@@ -328,50 +350,15 @@ def markdown(res):
         )
         L.append("")
     if res["workloads"]:
-        L += [
-            "## Time per step (ms, median)",
-            "",
-            "| workload | " + " | ".join(c["name"] for c in cfgs) + " | samples x steps |",
-            "|---|" + "---:|" * len(cfgs) + "---|",
-        ]
-        for name, w in res["workloads"].items():
-            cells = [f"{w['median_ms'][c['name']]:.3f}" if c["name"] in w["median_ms"] else "" for c in cfgs]
-            L.append(f"| {name} | " + " | ".join(cells) + f" | {w['reps']} x {w['iters_per_sample']} |")
-        L += [
-            "",
-            "Noise: interquartile range / median of the samples (0.05 = 5 %):",
-            "",
-            "| workload | " + " | ".join(c["name"] for c in cfgs) + " |",
-            "|---|" + "---:|" * len(cfgs),
-        ]
-        for name, w in res["workloads"].items():
-            L.append(
-                f"| {name} | "
-                + " | ".join(f"{w['iqr_rel'][c['name']]:.2f}" if c["name"] in w["iqr_rel"] else "" for c in cfgs)
-                + " |"
-            )
-        L += [
-            "",
-            "Fastest sample (ms; a cross-check of the medians that is less sensitive to other load):",
-            "",
-            "| workload | " + " | ".join(c["name"] for c in cfgs) + " |",
-            "|---|" + "---:|" * len(cfgs),
-        ]
-        for name, w in res["workloads"].items():
-            L.append(
-                f"| {name} | "
-                + " | ".join(f"{w['min_ms'][c['name']]:.3f}" if c["name"] in w["min_ms"] else "" for c in cfgs)
-                + " |"
-            )
-        L += [
-            "",
-            "Output dtype of the model in each configuration:",
-            "",
-            "| workload | " + " | ".join(c["name"] for c in cfgs) + " |",
-            "|---|" + "---|" * len(cfgs),
-        ]
-        for name, w in res["workloads"].items():
-            L.append(f"| {name} | " + " | ".join(w["out_dtype"].get(c["name"], "") for c in cfgs) + " |")
+        workloads = res["workloads"]
+        L += ["## Time per step (ms, median)", ""]
+        L += _config_table(workloads, cfgs, itemgetter("median_ms"), "{:.3f}", last=("samples x steps", _samples))
+        L += ["", "Noise: interquartile range / median of the samples (0.05 = 5 %):", ""]
+        L += _config_table(workloads, cfgs, itemgetter("iqr_rel"), "{:.2f}")
+        L += ["", "Fastest sample (ms; a cross-check of the medians that is less sensitive to other load):", ""]
+        L += _config_table(workloads, cfgs, itemgetter("min_ms"), "{:.3f}")
+        L += ["", "Output dtype of the model in each configuration:", ""]
+        L += _config_table(workloads, cfgs, itemgetter("out_dtype"), "{}", align="---|")
         L += [
             "",
             "Ratios of medians (time / time):",
@@ -428,18 +415,8 @@ def markdown(res):
             L.append(f"| {label} | " + " | ".join(cells + over + rat) + " |")
         L += ["", f"(output dtype in parentheses; a ratio needs autocast - plain >= {PERCALL_MIN_US} us)", ""]
     if res.get("memory"):
-        L += [
-            "## Peak memory above baseline (MB; each configuration in its own process)",
-            "",
-            "| workload | " + " | ".join(c["name"] for c in cfgs) + " |",
-            "|---|" + "---:|" * len(cfgs),
-        ]
-        for name, per in res["memory"].items():
-            L.append(
-                f"| {name} | "
-                + " | ".join(f"{per[c['name']]['delta_mb']:.1f}" if c["name"] in per else "" for c in cfgs)
-                + " |"
-            )
+        L += ["## Peak memory above baseline (MB; each configuration in its own process)", ""]
+        L += _config_table(res["memory"], cfgs, lambda per: {n: row["delta_mb"] for n, row in per.items()}, "{:.1f}")
         any_row = next(iter(next(iter(res["memory"].values())).values()))
         L += [
             "",

@@ -369,6 +369,8 @@ def entry_key(entry):
 # parameter, `x.float()` returning bfloat16. Views (a result that aliases an
 # input, by torch's schema) and the `X_copy` forms of views are found from
 # torch's schemas; these are the rest, which no schema marks.
+# Tensor methods that convert to the dtype they name (modules.py's mode leaves them alone too):
+DTYPE_CONVERSIONS = ("type", "type_as", "float", "double", "half", "bfloat16")
 MOVES = frozenset(
     (
         "__getitem__",
@@ -377,12 +379,7 @@ MOVES = frozenset(
         "clone",
         "copy",
         "_to_copy",
-        "type",
-        "type_as",
-        "float",
-        "double",
-        "half",
-        "bfloat16",
+        *DTYPE_CONVERSIONS,
         "new_tensor",
         "to_dense",
         "to_sparse",  # copies and conversions (`to`, `cpu`, `contiguous` are views by their schemas)

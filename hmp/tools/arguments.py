@@ -4,33 +4,29 @@ argparse's usage error naming the flag and the value, not a traceback."""
 import argparse
 
 
-def positive_int(text):
+def _checked(text, convert, expected, within, expected_range):
+    """``convert(text)`` where that parses and ``within`` holds of it; otherwise
+    a usage error saying what was expected and what was given."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not within(value):
+        raise argparse.ArgumentTypeError(f"expected {expected_range}, got {value}")
     return value
+
+
+def positive_int(text):
+    return _checked(text, int, "a positive integer", lambda v: v > 0, "a positive integer")
 
 
 def seed(text):
     """What torch.manual_seed takes."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**63-1, got {value}")
-    return value
+    return _checked(text, int, "a non-negative integer", lambda v: 0 <= v < 2**63, "an integer from 0 to 2**63-1")
 
 
 def fraction(text):
     """A share strictly between 0 and 1 (0.02 is 2%)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number such as 0.02, got {text!r}") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction between 0 and 1 (0.02 is 2%), got {value}")
-    return value
+    return _checked(
+        text, float, "a number such as 0.02", lambda v: 0 < v < 1, "a fraction between 0 and 1 (0.02 is 2%)"
+    )

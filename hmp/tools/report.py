@@ -417,6 +417,20 @@ def _error_colour(threshold):
     return colour
 
 
+def _error_column(title, rows, key, axis, threshold, notes=None, mark="threshold"):
+    """The bars of the error ``row[key]``, coloured against ``threshold`` and
+    with it drawn as a dashed line named ``mark``."""
+    return BarColumn(
+        title,
+        rows,
+        lambda r: r[key],
+        axis,
+        [(threshold, f"{mark} {threshold:g}")],
+        _error_colour(threshold),
+        notes=notes,
+    )
+
+
 def _no_own_error(row, value):
     """Why an op measured no own error: its inputs arrive in its dtype, or it runs in fp32."""
     if value != 0:
@@ -430,29 +444,16 @@ def op_chart(audit, tune=None):
     rows = sorted(audit.rows, key=lambda r: (_sort_key(r["own_max_rel"]), _sort_key(r["loss_error"]), r["op"]))
     if not rows:
         return '<p class="empty">No listed op ran in the step.</p>'
-    own = LogAxis([r["own_max_rel"] for r in rows], 240, [audit.threshold])
-    loss = LogAxis([r["loss_error"] for r in rows], 200, [audit.loss_threshold])
+    threshold, loss_threshold = audit.threshold, audit.loss_threshold
+    own = LogAxis([r["own_max_rel"] for r in rows], 240, [threshold])
+    loss = LogAxis([r["loss_error"] for r in rows], 200, [loss_threshold])
     verdict = _op_verdict(tune)
     columns = [
         TextColumn("op", rows, lambda r: r["op"], cls="label"),
         BadgeColumn("list", rows, lambda r: _list_badge(r["list"])),
-        BarColumn(
-            "own max rel error (only this op cast)",
-            rows,
-            lambda r: r["own_max_rel"],
-            own,
-            [(audit.threshold, f"threshold {audit.threshold:g}")],
-            _error_colour(audit.threshold),
-            notes=_no_own_error,
-        ),
-        BarColumn(
-            "error it passes to the loss",
-            rows,
-            lambda r: r["loss_error"],
-            loss,
-            [(audit.loss_threshold, f"loss threshold {audit.loss_threshold:g}")],
-            _error_colour(audit.loss_threshold),
-            notes=_no_own_error,
+        _error_column("own max rel error (only this op cast)", rows, "own_max_rel", own, threshold, _no_own_error),
+        _error_column(
+            "error it passes to the loss", rows, "loss_error", loss, loss_threshold, _no_own_error, "loss threshold"
         ),
         TimeColumn(
             "forward ms in one step: fp32 -> lists", rows, lambda r: r.get("fp32_ms"), lambda r: r.get("lists_ms")
@@ -521,15 +522,7 @@ def module_chart(audit, tune=None):
     columns = [
         TextColumn("module", rows, lambda r: r["path"] or "(root)", cls="label"),
         TextColumn("class", rows, lambda r: r["class"].rsplit(".", 1)[-1]),
-        BarColumn(
-            "error made in it",
-            rows,
-            lambda r: r["made_max_rel"],
-            axis,
-            [(audit.threshold, f"threshold {audit.threshold:g}")],
-            _error_colour(audit.threshold),
-            notes=nothing_cast,
-        ),
+        _error_column("error made in it", rows, "made_max_rel", axis, audit.threshold, nothing_cast),
         BarColumn(
             "output max rel error (with its inputs')",
             rows,
@@ -583,22 +576,8 @@ def trial_chart(tune):
     columns = [
         TextColumn("op tried in bf16", rows, lambda r: r["op"], cls="label"),
         BadgeColumn("was in", rows, lambda r: _list_badge(r["was"])),
-        BarColumn(
-            "own max rel error in bf16",
-            rows,
-            lambda r: r["own_max_rel"],
-            own,
-            [(threshold, f"threshold {threshold:g}")],
-            _error_colour(threshold),
-        ),
-        BarColumn(
-            "error it passes to the loss",
-            rows,
-            lambda r: r["loss_error"],
-            loss,
-            [(loss_threshold, f"loss threshold {loss_threshold:g}")],
-            _error_colour(loss_threshold),
-        ),
+        _error_column("own max rel error in bf16", rows, "own_max_rel", own, threshold),
+        _error_column("error it passes to the loss", rows, "loss_error", loss, loss_threshold, mark="loss threshold"),
         TimeColumn("fp32 time in one step", rows, lambda r: r["seconds"] * 1e3, lambda r: None),
         TextColumn("outcome", rows, outcome),
     ]

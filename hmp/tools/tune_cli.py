@@ -43,26 +43,14 @@ def add_parser(subparsers):
         metavar="TARGET",
         help="MODULE:FUNCTION or FILE.py:FUNCTION returning (step, state) (default: the demo model)",
     )
-    p.add_argument("--steps", type=positive_int, default=20, help="validation steps per configuration (default 20)")
-    p.add_argument(
-        "--rounds",
-        type=positive_int,
-        default=5,
-        help="timing rounds, configurations interleaved (default 5; more narrows the spread)",
-    )
-    p.add_argument(
-        "--tolerance",
-        type=fraction,
-        default=0.02,
-        help="how far the tuned lists' final loss may be from fp32's (default 0.02, 2%%)",
-    )
-    p.add_argument("--batch-size", type=positive_int, default=8, help="the demo model's batch size (default 8)")
-    p.add_argument(
-        "--seed",
-        type=seed,
-        default=0,
-        help="torch.manual_seed before the model is built and the batch drawn (default 0)",
-    )
+    for flag, kind, default, text in (
+        ("--steps", positive_int, 20, "validation steps per configuration (default 20)"),
+        ("--rounds", positive_int, 5, "timing rounds, configurations interleaved (default 5; more narrows the spread)"),
+        ("--tolerance", fraction, 0.02, "how far the tuned lists' final loss may be from fp32's (default 0.02, 2%%)"),
+        ("--batch-size", positive_int, 8, "the demo model's batch size (default 8)"),
+        ("--seed", seed, 0, "torch.manual_seed before the model is built and the batch drawn (default 0)"),
+    ):
+        p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--bf16-out", default="tuned_bf16.txt", help="where to write the BF16 list")
     p.add_argument("--fp32-out", default="tuned_fp32.txt", help="where to write the FP32 list")
     p.add_argument(

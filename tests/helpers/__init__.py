@@ -1,7 +1,10 @@
-"""What tests share: namespace snapshots, list-file writing, the devices to run on.
+"""What tests share: namespace snapshots, list-file writing, the devices to run on,
+small models and training steps, Python subprocesses, tiny Hugging Face configs.
 The worker scripts and models beside this file are run or imported by the tests."""
 
 import ast
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -62,6 +65,17 @@ def write(tmp_path, name, text, mode="w"):
     return path
 
 
+class LinearNormLinear(torch.nn.Module):
+    """A small test model's layers: Linear(8, 16), LayerNorm(16) and Linear(16, 4)
+    as ``fc1``, ``norm`` and ``fc2``; a subclass writes the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.fc2 = torch.nn.Linear(16, 4)
+
+
 def clone_with_backward(backward):
     """An autograd Function whose forward clones its input and whose backward
     calls ``backward(grad)`` (which may raise) and passes the gradient on."""
@@ -79,6 +93,25 @@ def clone_with_backward(backward):
     return CloneWithBackward
 
 
+def training_step(model, opt, loss_fn):
+    """``step(x, y)``: one plain training step of ``model`` (``loss_fn(model(x), y)``, backward,
+    ``opt.step()``), returning the loss."""
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def run_python(*args, cwd, env=None, timeout=120):
+    """``python *args`` (this interpreter) run to its end in ``cwd``, its output captured as text."""
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def imported_packages(code):
     """Top-level names of the packages Python source imports (also inside
     try/if blocks), hmp left out: what an example or docs block needs."""
@@ -89,3 +122,38 @@ def imported_packages(code):
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             names.add(node.module.split(".")[0])
     return names - {"hmp", "__future__"}
+
+
+# -- tiny Hugging Face configs: built, never downloaded (the caller has skipped without transformers) --
+
+
+def _sizes(vocab, hidden, layers, heads):
+    """The size fields BERT's and Llama's configs name alike; the MLP twice as wide as the model."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+    )
+
+
+def tiny_llama_config(vocab=64, hidden=32, layers=2, **fields):
+    """A LlamaConfig: ``layers`` layers of 4 heads sharing 2 key/value heads; ``fields`` set the rest."""
+    import transformers
+
+    return transformers.LlamaConfig(**_sizes(vocab, hidden, layers, 4), num_key_value_heads=2, **fields)
+
+
+def tiny_bert_config(vocab=64, hidden=32, layers=2, heads=4, **fields):
+    """A BertConfig of ``layers`` layers of ``heads`` heads; ``fields`` set the rest."""
+    import transformers
+
+    return transformers.BertConfig(**_sizes(vocab, hidden, layers, heads), **fields)
+
+
+def tiny_gpt2_config(vocab=64, hidden=32, layers=2, heads=4, **fields):
+    """A GPT2Config of ``layers`` layers of ``heads`` heads; ``fields`` set the rest."""
+    import transformers
+
+    return transformers.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, **fields)

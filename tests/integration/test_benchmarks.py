@@ -5,15 +5,15 @@ configuration's memory in a process of its own. It checks no speed."""
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN = ROOT / "benchmarks" / "run.py"
+BENCHMARKS = ROOT / "benchmarks"
+RUN = BENCHMARKS / "run.py"
 # the torch release op_lists/autocast_*.txt were generated from
 AUTOCAST_LISTS_TORCH = re.search(
     r"for torch (\S+?)\.?$", (ROOT / "op_lists" / "autocast_cpu_bf16.txt").read_text(), re.M
@@ -23,13 +23,7 @@ AUTOCAST_LISTS_TORCH = re.search(
 @pytest.mark.slow  # about 20 s: the harness and its memory subprocesses
 def test_quick_run_passes_its_own_checks(tmp_path):
     out = tmp_path / "mlp.json"
-    p = subprocess.run(
-        [sys.executable, str(RUN), "--quick", "--workload", "mlp", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = run_python(str(RUN), "--quick", "--workload", "mlp", "--json", str(out), cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert Path(res["meta"]["hmp_path"]) == ROOT / "hmp"  # the checkout's hmp is the one benchmarked
@@ -45,24 +39,14 @@ def test_quick_run_passes_its_own_checks(tmp_path):
     f"other releases list other ops",
 )
 def test_autocast_lists_up_to_date():
-    p = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "autocast_lists.py"), "--check"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = run_python(str(BENCHMARKS / "autocast_lists.py"), "--check", cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
 
 
 def test_percall_compares_the_schemes_on_what_each_returns(tmp_path):
     out = tmp_path / "percall.json"
-    p = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "percall.py"), "--reps", "1", "--calls", "5", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    p = run_python(
+        str(BENCHMARKS / "percall.py"), "--reps", "1", "--calls", "5", "--json", str(out), cwd=ROOT, timeout=300
     )
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())

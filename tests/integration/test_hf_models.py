@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import skip_without_bf16_lstm
+from helpers import skip_without_bf16_lstm, tiny_bert_config, tiny_gpt2_config, tiny_llama_config
 
 import hmp
 
@@ -19,43 +19,19 @@ VOCAB, SEQ, BATCH, HIDDEN, STEPS = 128, 32, 4, 64, 20
 
 
 def gpt2():
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=64,
-        n_embd=HIDDEN,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    cfg = tiny_gpt2_config(VOCAB, HIDDEN, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def bert():
-    cfg = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=2 * HIDDEN,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+    cfg = tiny_bert_config(
+        VOCAB, HIDDEN, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
     )
     return transformers.BertForMaskedLM(cfg)
 
 
 def llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    cfg = tiny_llama_config(VOCAB, HIDDEN, max_position_embeddings=64)
     return transformers.LlamaForCausalLM(cfg)
 
 

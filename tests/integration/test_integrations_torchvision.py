@@ -1,13 +1,12 @@
 """nms, batched_nms and roi_align in a list bind torchvision.ops, as Habana's HMP did."""
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_python
 
 import hmp
 from hmp.core.resolve import ORIGINAL, Resolver
@@ -115,14 +114,7 @@ def test_stand_in_torchvision_ops_are_bound(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "ops" / "__init__.py").write_text(STUB_OPS)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT)]))
-    res = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(STUB_CHECK)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = run_python("-c", textwrap.dedent(STUB_CHECK), cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr
     calls = res.stdout.strip().splitlines()[-1]
     assert calls == repr(

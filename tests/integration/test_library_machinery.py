@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 import torch.nn as nn
+from helpers import tiny_gpt2_config, tiny_llama_config
 
 import hmp
 
@@ -56,14 +57,7 @@ def test_transformers_checkpoints_a_layer_with_a_class_entry():
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = tiny_llama_config()
     ids = torch.randint(0, 64, (2, 32))
 
     def saved_bytes(**entries):
@@ -103,14 +97,8 @@ def test_maybe_autocast_disabled_is_an_fp32_region_under_hmp():
 
 def test_gpt2_upcast_attention_keeps_its_fp32_scores(monkeypatch):
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        vocab_size=64,
-        n_positions=64,
-        n_embd=32,
-        n_layer=1,
-        n_head=2,
-        reorder_and_upcast_attn=True,
-        attn_implementation="eager",
+    config = tiny_gpt2_config(
+        layers=1, heads=2, n_positions=64, reorder_and_upcast_attn=True, attn_implementation="eager"
     )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()

@@ -12,6 +12,8 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 STEPS = 60
+# what every Trainer run here shares: on the CPU, nothing saved, logged, reported or drawn
+QUIET_CPU = {"use_cpu": True, "report_to": [], "save_strategy": "no", "logging_strategy": "no", "disable_tqdm": True}
 
 
 class Patterns(torch.utils.data.Dataset):
@@ -37,17 +39,13 @@ def _train(tmp_path, converted):
     model = transformers.GPT2LMHeadModel(config)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / ("hmp" if converted else "fp32")),
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
         max_steps=STEPS,
         per_device_train_batch_size=8,
         learning_rate=3e-3,
         lr_scheduler_type="constant",
-        logging_strategy="no",
         seed=0,
         dataloader_num_workers=0,
-        disable_tqdm=True,
+        **QUIET_CPU,
     )
     # Trainer's default with this torch: fused from torch 2.8 (transformers' rule)
     fused = TORCH >= (2, 8)
@@ -88,15 +86,7 @@ def test_bf16_trainer_warning_points_at_the_users_line(tmp_path):
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=True,
-        report_to=[],
-        save_strategy="no",
-        max_steps=1,
-        per_device_train_batch_size=4,
-        logging_strategy="no",
-        disable_tqdm=True,
+        output_dir=str(tmp_path), bf16=True, max_steps=1, per_device_train_batch_size=4, **QUIET_CPU
     )
     trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=Patterns(8))
     hmp.core.state.warned.discard("autocast region entered")  # the warning is once per process

@@ -4,7 +4,6 @@ the list it probably belongs in; convert() inside torch.autocast warns once."""
 
 import importlib
 import os
-import subprocess
 import sys
 import threading
 import warnings
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_same, snapshot, write
+from helpers import assert_same, run_python, snapshot, write
 
 import hmp
 from hmp.diagnostics import errors
@@ -293,14 +292,7 @@ def _run(tmp_path, *args, runner=()):
     script = tmp_path / "train.py"
     script.write_text(MISMATCH_SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run(
-        [sys.executable, *runner, str(script), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = run_python(*runner, str(script), *args, cwd=tmp_path, env=env)
     assert res.returncode == 1, res.stderr
     return res
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import assert_same, needs_torch, skip_without_bf16_lstm, snapshot, write
+from helpers import assert_same, needs_torch, skip_without_bf16_lstm, snapshot, tiny_llama_config, write
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,15 +37,7 @@ VOCAB, SEQ, BATCH, HIDDEN = 128, 32, 4, 64
 
 def llama():
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    cfg = tiny_llama_config(VOCAB, HIDDEN, max_position_embeddings=64)
     return transformers.LlamaForCausalLM(cfg)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import tiny_bert_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
@@ -90,16 +91,7 @@ def test_a_bf16_listed_call_never_turns_a_finite_number_inf(number, low):
 
 def test_bert_with_a_fully_padded_row_trains_like_fp32():
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=16,
-        num_labels=2,
-        attn_implementation="eager",
-    )
+    config = tiny_bert_config(heads=2, max_position_embeddings=16, num_labels=2, attn_implementation="eager")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (4, 8), generator=g)
     mask = torch.ones(4, 8, dtype=torch.long)

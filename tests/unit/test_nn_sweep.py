@@ -126,21 +126,11 @@ SPECS = {
     "LocalResponseNorm": ((2,), [x(N, C, 3, 3)]),
     "CrossMapLRN2d": ((3,), [x(N, C, 3, 3)]),
     # pooling, padding, reshaping
-    "AdaptiveAvgPool1d": ((2,), [x(N, C, 6)]),
-    "AdaptiveAvgPool2d": ((2,), [x(N, C, 4, 4)]),
-    "AdaptiveAvgPool3d": ((2,), [x(N, C, 4, 4, 4)]),
-    "AdaptiveMaxPool1d": ((2,), [x(N, C, 6)]),
-    "AdaptiveMaxPool2d": ((2,), [x(N, C, 4, 4)]),
-    "AdaptiveMaxPool3d": ((2,), [x(N, C, 4, 4, 4)]),
-    "AvgPool1d": ((2,), [x(N, C, 6)]),
-    "AvgPool2d": ((2,), [x(N, C, 4, 4)]),
-    "AvgPool3d": ((2,), [x(N, C, 4, 4, 4)]),
-    "MaxPool1d": ((2,), [x(N, C, 6)]),
-    "MaxPool2d": ((2,), [x(N, C, 4, 4)]),
-    "MaxPool3d": ((2,), [x(N, C, 4, 4, 4)]),
-    "LPPool1d": ((2, 2), [x(N, C, 6)]),
-    "LPPool2d": ((2, 2), [x(N, C, 4, 4)]),
-    "LPPool3d": ((2, 2), [x(N, C, 4, 4, 4)]),
+    **{
+        f"{kind}{d}d": ((2, 2) if kind == "LPPool" else (2,), [x(N, C, *size)])
+        for kind in ("AdaptiveAvgPool", "AdaptiveMaxPool", "AvgPool", "MaxPool", "LPPool")
+        for d, size in ((1, (6,)), (2, (4, 4)), (3, (4, 4, 4)))
+    },
     "FractionalMaxPool2d": ((2,), [x(N, C, 5, 5)], {"output_size": 2}),
     "FractionalMaxPool3d": ((2,), [x(N, C, 5, 5, 5)], {"output_size": 2}),
     "MaxUnpool1d": ((2,), [x(N, C, 3), ("indices", (N, C, 3))]),

@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import LinearNormLinear, training_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,13 +26,7 @@ from hmp.tools.auditing import AuditReport
 OVER_COLOUR = report.OVER
 
 
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(8, 16)
-        self.norm = torch.nn.LayerNorm(16)
-        self.fc2 = torch.nn.Linear(16, 4)
-
+class Tiny(LinearNormLinear):
     def forward(self, x):
         h = self.norm(self.fc1(x))
         attention = torch.tanh(torch.softmax(h @ h.t() / 4, dim=-1))  # tanh: unlisted, fp32 inputs: tune tries it
@@ -43,15 +38,7 @@ def tiny_problem():
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return model, opt, step, x, y
+    return model, opt, training_step(model, opt, F.cross_entropy), x, y
 
 
 @pytest.fixture(scope="module")
@@ -235,34 +222,38 @@ def test_page_is_self_contained(audited, tuned):
         assert page.isascii()
 
 
+def op_row(op, own, loss, **fields):
+    """An audit row built by hand: ``op`` in the BF16 list, ``own`` its own
+    (and its output's) max rel error, ``loss`` the error it passes to the
+    loss, not timed; ``fields`` change the rest."""
+    return {
+        "op": op,
+        "list": "bf16",
+        "calls": 1,
+        "casts": 1,
+        "max_rel": own,
+        "mean_rel": own,
+        "nonfinite": 0,
+        "own_max_rel": own,
+        "loss_error": loss,
+        "own_by_module": {},
+        "reason": "",
+        "flagged": False,
+        "fp32_ms": None,
+        "lists_ms": None,
+        "cast_ms": None,
+        **fields,
+    }
+
+
 def fake_report(op, path):
     """An AuditReport built by hand: an op and a module path of our choosing,
     and values a chart cannot draw as bars (0, inf, NaN, not timed)."""
-
-    def row(name, own, loss, fp32_ms=None, lists_ms=None, casts=1):
-        return {
-            "op": name,
-            "list": "bf16",
-            "calls": 1,
-            "casts": casts,
-            "max_rel": own,
-            "mean_rel": own,
-            "nonfinite": 0,
-            "own_max_rel": own,
-            "loss_error": loss,
-            "own_by_module": {},
-            "reason": "",
-            "flagged": False,
-            "fp32_ms": fp32_ms,
-            "lists_ms": lists_ms,
-            "cast_ms": None,
-        }
-
     rows = [
-        row(op, 0.2, 1e-3, 1.5, 0.5),
-        row("nan_op", float("nan"), float("inf")),
-        row("zero_op", 0.0, 0.0),
-        row("quiet", 0.0, 0.0, casts=0),
+        op_row(op, 0.2, 1e-3, fp32_ms=1.5, lists_ms=0.5),
+        op_row("nan_op", float("nan"), float("inf")),
+        op_row("zero_op", 0.0, 0.0),
+        op_row("quiet", 0.0, 0.0, casts=0),
     ]
     rows[0].update(flagged=True, reason="error 0.2 > 0.05 <&>")
     module = {
@@ -425,23 +416,9 @@ names = st.text(alphabet="abcxyz_.<>&'\"0123456789", min_size=1, max_size=24)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(names, values, values, values), min_size=1, max_size=8, unique_by=lambda t: t[0]))
 def test_any_op_chart_keeps_its_labels_apart(ops):
+    kinds = ["bf16", "fp32", "promote", None]
     rows = [
-        {
-            "op": name,
-            "list": ["bf16", "fp32", "promote", None][i % 4],
-            "calls": 1,
-            "casts": 1,
-            "max_rel": 0.0,
-            "mean_rel": 0.0,
-            "nonfinite": 0,
-            "own_max_rel": own,
-            "loss_error": loss,
-            "own_by_module": {},
-            "reason": "",
-            "flagged": False,
-            "fp32_ms": ms,
-            "lists_ms": ms,
-        }
+        op_row(name, own, loss, list=kinds[i % 4], max_rel=0.0, mean_rel=0.0, fp32_ms=ms, lists_ms=ms)
         for i, (name, own, loss, ms) in enumerate(ops)
     ]
     for r in rows:  # an error is never None: audit measures one for every row

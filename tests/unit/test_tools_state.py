@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import training_step
 
 import hmp
 from hmp.core.conversion import in_force
@@ -117,15 +118,7 @@ def test_non_persistent_buffers_are_restored():
 
 def mse_step(model, opt):
     """One plain training step of ``model`` (an MSE loss)."""
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
+    return training_step(model, opt, F.mse_loss)
 
 
 def momentum_problem(seed=0):

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import write
+from helpers import tiny_llama_config, write
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -154,14 +154,7 @@ def test_the_shipped_entries_are_shown_and_every_line_is_a_dotted_path():
 def test_peft_merge_while_converted_is_a_plain_merge():
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = tiny_llama_config(layers=1)
 
     def merged(convert):
         torch.manual_seed(0)
@@ -229,18 +222,10 @@ def test_default_module_entries_are_shown_and_resolve_when_imported(tmp_path, mo
 
 
 def test_llama_rotary_angles_at_long_positions_are_float32():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.models.llama import modeling_llama
 
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-    )
+    config = tiny_llama_config(layers=1, max_position_embeddings=8192)
     rope = modeling_llama.LlamaRotaryEmbedding(config=config)
     x = torch.randn(1, 16, 32)
     positions = torch.arange(4000, 4016)[None]
