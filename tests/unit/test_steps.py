@@ -262,7 +262,9 @@ def test_the_profiler_still_records_a_step_that_raises():
     with torch.autograd.profiler.profile() as prof:
         with pytest.raises(ValueError):
             opt.step()
-    assert [e.name for e in prof.function_events if e.name.startswith("Optimizer.step#")] == [
+    # one event, or two once SGD.step itself is hooked (torch hooks a class's step when its first
+    # instance is made, and names the event by the instance's class): Recording's super().step()
+    assert {e.name for e in prof.function_events if e.name.startswith("Optimizer.step#")} == {
         "Optimizer.step#Recording.step"
-    ]
+    }
     assert hmp.casts_enabled()
