@@ -2,12 +2,15 @@
 
 Correct by construction: no copy outlives the reason it was made.
 
-- Grad mode: a copy is held only through a weak reference. torch keeps a
-  tensor's Python object alive while the autograd graph saves it, so the
-  copy lives exactly as long as the graph that uses it: backward, or
-  dropping the output, frees it. A weight
-  used several times in one forward (tied embeddings, an RNN cell) is cast
-  once; the next step casts again.
+- Grad mode: a copy is held only through a weak reference, and strongly by
+  the graph of the output it was made for: torch keeps a tensor's Python
+  object alive while the autograd graph saves it (a weight), and the
+  wrapper puts a copy autograd does not save (a bias) in that output's
+  ``grad_fn.metadata`` (wrap.hold). So the copy lives exactly as long as the
+  graph that uses it: backward, or dropping the output, frees it. A weight
+  used several times in one forward (tied embeddings, an RNN cell, every
+  micro-batch of one accumulated step) is cast once; the next step casts
+  again.
 - No grad: copies are not kept across calls, except inside
   ``hmp.frozen_weights()``, where the caller states the weights do not
   change; there they persist (per thread) until the outermost block exits.
@@ -75,13 +78,13 @@ def _keep(store, t, copy, old, weak):
     """Record ``copy`` of ``t`` in ``store`` (replacing ``old``), unless
     ``t`` has nothing stable to check a later call against."""
     if isinstance(t, _Fake):  # no real storage (FakeTensorMode)
-        return
+        return False
     try:
         version, ptr = _version(t), t.data_ptr()
     except RuntimeError:  # an inference tensor (no version counter); a fake one (torch < 2.6 compiles eagerly)
-        return
+        return False
     if _transforms_active():  # the copy is wrapped at the transform's level: it must not escape
-        return
+        return False
     e = _Entry()  # a new entry, stored in one step: a thread reading the old one never sees a mix
     # torch keeps a tensor's Python object alive while C++ (a graph's saved
     # tensors) holds it, so the weak reference lives as long as that (2.4 to 2.14)
@@ -90,6 +93,7 @@ def _keep(store, t, copy, old, weak):
     key = id(t)
     e.source = old.source if old is not None else weakref.ref(t, _forget(store, key))
     store[key] = e
+    return True
 
 
 def size():
@@ -139,7 +143,8 @@ def caster(dtype):
                 ):
                     return copy
             copy = plain(t)
-            _keep(live, t, copy, e, True)
+            if _keep(live, t, copy, e, True):
+                tls.fresh.append(copy)  # the wrapper hands it to its output's graph (wrap.hold)
             return copy
         frozen = tls.frozen
         if frozen is None:

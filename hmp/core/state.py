@@ -48,6 +48,7 @@ class ThreadState(threading.local):
         self.steps = []  # per step in progress: (what enter() returned, the frame calling its hooks) (steps.py)
         self.frozen_depth = 0  # frozen_weights() nesting (cache.py)
         self.frozen = None  # that block's stores, {dtype: {id(tensor): entry}}
+        self.fresh = []  # grad-mode copies the call in progress made, for its output's graph to hold (cache.py)
 
 
 tls = ThreadState()

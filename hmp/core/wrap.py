@@ -87,11 +87,14 @@ def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
         st.off = OFF
         try:
             result = op(*a, **k)
+            if st.fresh:
+                hold(result, st.fresh)
             # a write into a copy reaches the caller's tensor (traced code: functionalized)
             if hidden and not _is_compiling() and (a is not args or k is not kwargs):
                 _write_back(a, args, k, kwargs)
             return result
         except Exception as e:  # costs nothing unless the op raises
+            st.fresh.clear()
             result = fallback.rescue(e, op, wrapped, args, kwargs, a, k)
             if result is fallback.RAISE:
                 raise
@@ -100,6 +103,36 @@ def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
             st.off = 0
 
     return wrapper
+
+
+_METADATA_KEY = "hmp_copies"
+
+
+def hold(result, fresh):
+    """Give the graph of ``result`` (its first tensor's ``grad_fn``) the
+    weight copies this call made (``fresh``, emptied): the cache holds them
+    weakly, and autograd keeps only those it saves (a weight, not a bias), so
+    without this a bias would be cast again at every call. Freed as what the
+    graph saves is: by its backward, or by dropping the output."""
+    t = result if isinstance(result, torch.Tensor) else None
+    if t is None and isinstance(result, (tuple, list)):
+        t = next((r for r in result if isinstance(r, torch.Tensor)), None)
+    node = getattr(t, "grad_fn", None)
+    if node is not None:
+        meta = node.metadata
+        held = meta.get(_METADATA_KEY)
+        if held is None:
+            held = meta[_METADATA_KEY] = []
+            # backward releases what the graph saved; the copies go then too, not when the node dies
+            # (an output kept after backward keeps its nodes): the window a .data write is unseen in
+            # stays forward-to-backward, as for a weight autograd saves
+            node.register_prehook(functools.partial(_release, meta))
+        held.extend(fresh)
+    fresh.clear()
+
+
+def _release(meta, grad_outputs):
+    meta.pop(_METADATA_KEY, None)
 
 
 def _op_of(frame):

@@ -179,7 +179,7 @@ def test_fused_adamw_outside_disable_casts_trains_on_fresh_weights():
 def test_tied_weight_cast_once_per_forward_and_not_kept_after_backward():
     hmp.convert()
     w = torch.nn.Parameter(torch.randn(8, 8))
-    x = torch.randn(2, 8, requires_grad=True) * 1  # not a leaf: only w goes through the cache
+    x = torch.randn(2, 8, requires_grad=True).clone()  # not a leaf: only w goes through the cache
     y = F.linear(F.linear(x, w), w)  # the graph saves the bf16 copy of w
     assert cache.size() == 1  # one copy, shared by both uses
     y.float().sum().backward()
@@ -291,7 +291,7 @@ def test_clear_cache_revert_and_cache_off():
     lin = torch.nn.Linear(8, 8)
     x = torch.randn(2, 8, requires_grad=True)
     out = lin(x)
-    assert cache.size() == 2
+    assert cache.size() == 3  # x and the weight, which autograd saves, and the bias, which out's graph holds
     hmp.clear_cache()
     assert cache.size() == 0
     del out
@@ -316,3 +316,30 @@ def test_entries_die_with_their_tensor_and_copies_do_not_share():
     del ya, yb, a, b, x
     gc.collect()
     assert cache.size() == 0 and all(len(s) == 0 for s in copies.live.values())
+
+
+def test_a_bias_copy_lives_as_long_as_the_graph_that_used_it():
+    """Autograd does not save a bias, so its copy is held by the graph of the
+    output it was made for: reused while that graph waits for backward,
+    released by backward, and by dropping the output."""
+    hmp.convert()
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    live = copies.live[BF16]
+
+    def bias_copy():
+        entry = live.get(id(lin.bias))
+        return entry.copy() if entry is not None else None
+
+    out = lin(x)
+    held = bias_copy()
+    assert held is not None and held.dtype == BF16
+    again = lin(x)
+    assert bias_copy() is held  # reused: no second cast while out's graph lives
+    del held
+    (out.float().sum() + again.float().sum()).backward()
+    assert bias_copy() is None  # backward released it, though out and again are still referenced
+    out = lin(x)
+    assert bias_copy() is not None
+    del out
+    assert bias_copy() is None  # dropping the output released it

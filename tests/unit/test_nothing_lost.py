@@ -231,19 +231,25 @@ def test_crash_inside_a_wrapped_op_during_backward():
     assert losses[-1] < losses[0]
 
 
-def test_crash_inside_the_optimizer_step_in_disable_casts():
-    """A step that dies halfway: the block still exits, casting is back on,
-    and the weight-cast cache is emptied (a weight changed through .data,
-    which the version counter does not see, is used fresh next time)."""
+class DiesHalfway(torch.optim.SGD):
+    def step(self, closure=None):  # torch's step hooks still run around it
+        for p in self.param_groups[0]["params"]:
+            p.data.mul_(-1)  # bypasses the version counter
+        raise Crash("optimizer died")
+
+
+def test_crash_inside_the_optimizer_step():
+    """A step that dies halfway: casting is back on, and the weight-cast
+    cache is emptied (a weight changed through .data, which the version
+    counter does not see, is used fresh next time), also while the output of
+    a forward that used the old copies is still alive."""
     hmp.convert()
     lin = torch.nn.Linear(4, 4)
     x = torch.randn(2, 4)
     first = lin(x)
-    assert first.dtype == BF16 and lin(x) is not None  # cast copies are cached now
+    assert first.dtype == BF16 and lin(x) is not None  # cast copies are cached now, held by first's graph
     with pytest.raises(Crash):
-        with hmp.disable_casts():
-            lin.weight.data.mul_(-1)  # bypasses the version counter
-            raise Crash("optimizer died")
+        DiesHalfway(lin.parameters(), lr=0.1).step()
     assert hmp.casts_enabled()
     with hmp.disable_casts():
         expected = F.linear(x.bfloat16(), lin.weight.bfloat16(), lin.bias.bfloat16())
