@@ -42,7 +42,7 @@ from hmp.core.policy import CASTS
 from hmp.core.state import copies, tls
 
 _grad_enabled = torch.is_grad_enabled
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = torch_private.compiling
 _tracing_state = torch_private.tracing_state
 _transforms_active = torch_private.functorch_transforms_active
 _version = torch_private.version_of

@@ -55,6 +55,17 @@ def _false():
 # torch.jit.is_tracing() is the public name, but it is a Python function that
 # also asks about scripting; the cache asks on every call.
 tracing_state = getattr(torch._C, "_get_tracing_state", None) or _none
+
+# torch.compiler.is_compiling() without its torch.jit.is_scripting() call,
+# for the cache's per-tensor check (2.4 to 2.15 keep the flag it returns in
+# this module global): dynamo folds is_dynamo_compiling() to True while it
+# traces, and export and AOT tracing set the flag.
+_compiler = torch.compiler
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+
+
+def compiling():
+    return _dynamo_compiling() or _compiler._is_compiling_flag
 # True under vmap/grad/jvp: their tensors have no storage to cache by.
 functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None) or _false
 

@@ -263,3 +263,22 @@ def test_error_wordings_match_torch_messages():
 def test_missing_is_empty_on_a_tested_release():
     assert tp.missing() == []
     assert tp.VERSION == torch.__version__.split("+")[0]
+
+
+def test_compiling_answers_as_torch_compiler_is_compiling():
+    """The cache's cheaper check says what torch.compiler.is_compiling says:
+    eagerly, while dynamo traces, and while export traces."""
+    assert tp.compiling() is torch.compiler.is_compiling() is False
+
+    def seen(x):
+        return x + (1 if tp.compiling() else 0), torch.compiler.is_compiling()
+
+    out, official = torch.compile(seen, backend="eager", fullgraph=True)(torch.zeros(1))
+    assert official and out.item() == 1
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x + (1 if tp.compiling() else 0) + (10 if torch.compiler.is_compiling() else 0)
+
+    ep = torch.export.export(M(), (torch.zeros(1),), strict=False)
+    assert ep.module()(torch.zeros(1)).item() == 11
