@@ -66,6 +66,8 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 def compiling():
     return _dynamo_compiling() or _compiler._is_compiling_flag
+
+
 # True under vmap/grad/jvp: their tensors have no storage to cache by.
 functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None) or _false
 
