@@ -129,7 +129,7 @@ def cast_seq(seq, src, cast, refuse=None):
                 out[i] = b
         elif refuse is not None:
             if type(a) is not float and type(a) is not int:
-                if not _is_number(type(a)):
+                if not is_number(type(a)):
                     continue
                 a = float(a)  # numpy's: by their exact value
             if refuse(a):
@@ -147,7 +147,7 @@ _Parameter = torch.nn.Parameter
 _NUMBER_TYPES = {bool: False, type(None): False, str: False}  # type -> a real number other than bool
 
 
-def _is_number(t):
+def is_number(t):
     """True for a real number type other than float, int and bool: numpy's
     scalars (``np.float32``, ``np.float64``), ``fractions.Fraction``,
     ``decimal.Decimal``. Decided once per type."""

@@ -14,12 +14,24 @@ promote rule's one-dtype check), one function call less than through the
 site's ``prepare``, which takes every other call. A call with nothing to
 cast leaves after one dtype check per tensor argument. ``prepare`` is None
 in a paused or retired wrapper: a plain call of ``op``.
+
+The body has two implementations of one protocol, as wrapt's wrappers do:
+this module's Python closure, and ``hmp.core._wrap``, the same body in C,
+built at install when a compiler is there. A wrapper is the kind of
+callable its original is: a C function (``torch.mm``, ``F.linear``,
+``Tensor.mm``) gets the C body, a Python function (``F.relu``, a user's
+function) the Python one, which TorchScript compiles and ``inspect`` sees
+as a function, as before. The C body is used where torch.compile can
+trace it (``torch.compiler.substitute_in_graph``, torch 2.5 and newer: dynamo
+inlines this module's Python body in its place) and unless
+``HMP_PURE_PYTHON`` is set in the environment; ``BODY`` says which runs.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import types
 import weakref
 from typing import Any, Callable
@@ -31,6 +43,11 @@ from hmp.core.resolve import BUILTINS, ORIGINAL, mark, unwrap
 from hmp.core.state import OFF, tls
 from hmp.diagnostics import culprit
 from hmp.diagnostics.errors import Wrapped
+
+try:
+    from hmp.core import _wrap  # the body in C: built at install where a compiler is
+except ImportError:
+    _wrap = None
 
 log = logging.getLogger("hmp")
 
@@ -59,8 +76,12 @@ def make(
     ``refuse`` rejects sends the call to ``prepare``), or, with
     ``src=PROMOTE``, a call whose floating tensors share one dtype runs as
     given. ``prepare`` applies the same rule to every other call."""
-    body = _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs)
-    return _finish(body, op if original is None else original)
+    original = op if original is None else original
+    if _C is not None and isinstance(unwrap(original), BUILTINS):
+        body = _C.Wrapper(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs)
+    else:
+        body = _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs)
+    return _finish(body, original)
 
 
 PROMOTE = object()  # make(src=PROMOTE): the promote rule's common case
@@ -143,6 +164,62 @@ _BODY = _body(None, None, None, None, None, None, None, None, None).__code__
 culprit.register_wrapper(_BODY, _op_of)
 
 
+def _after(a, args, k, kwargs):
+    """The C body's write-back step, after a call that cast something (the
+    Python body's ``hidden`` branch)."""
+    if not _is_compiling():
+        _write_back(a, args, k, kwargs)
+
+
+_FIELDS = ("op", "prepare", "wrapped", "src", "cast", "refuse", "inplace_at", "hidden", "needs")
+
+
+def fields(wrapper):
+    """What a wrapper of either body does: ``make``'s arguments, by name."""
+    if type(wrapper) is _CWrapper:
+        return {name: getattr(wrapper, name) for name in _FIELDS}
+    return {name: _cell(wrapper, name).cell_contents for name in _FIELDS}
+
+
+def _traced(wrapper, *args, **kwargs):
+    """What torch.compile traces for a call of a C wrapper: the Python body
+    built from its fields (dynamo cannot see inside C)."""
+    return _body(*(getattr(wrapper, name) for name in _FIELDS))(*args, **kwargs)
+
+
+def _c_body():
+    """hmp.core._wrap, set up for this process, or None where the Python body
+    runs: not built, ``HMP_PURE_PYTHON`` set, or a torch whose compiler
+    cannot be given the Python body to trace in its place."""
+    if _wrap is None or os.environ.get("HMP_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    substitute = getattr(torch.compiler, "substitute_in_graph", None)  # torch 2.5
+    if substitute is None:
+        return None
+    _wrap.setup(
+        tensor=torch.Tensor,
+        parameter=torch.nn.Parameter,
+        floats=(policy.FP16, policy.BF16, policy.FP32, policy.FP64),
+        promote=PROMOTE,
+        state=tls,
+        off=OFF,
+        cast_seq=policy.cast_seq,
+        is_number=policy.is_number,
+        hold=hold,
+        after=_after,
+        rescue=fallback.rescue,
+        raise_=fallback.RAISE,
+        method_type=types.MethodType,
+    )
+    substitute(_wrap.Wrapper.__call__, skip_signature_check=True)(_traced)
+    return _wrap
+
+
+_C = _c_body()
+_CWrapper = _C.Wrapper if _C is not None else None
+BODY = "C" if _C is not None else "Python"  # which body wraps C functions in this process
+
+
 def _finish(wrapper, op):
     try:
         functools.update_wrapper(wrapper, op)
@@ -188,27 +265,38 @@ def _cell(wrapper, name):
     return wrapper.__closure__[wrapper.__code__.co_freevars.index(name)]
 
 
+def _set(wrapper, name, value):
+    """Set field ``name`` (``op`` or ``prepare``) of either body."""
+    if type(wrapper) is _CWrapper:
+        setattr(wrapper, name, value)
+    else:
+        _cell(wrapper, name).cell_contents = value
+
+
 def is_wrapper(obj):
-    return getattr(obj, "__code__", None) is _BODY
+    return type(obj) is _CWrapper or getattr(obj, "__code__", None) is _BODY
 
 
 def pause(wrapper):
     """Make a wrapper a plain call of what it wraps (its ``prepare`` None)."""
-    _cell(wrapper, "prepare").cell_contents = None
+    _set(wrapper, "prepare", None)
 
 
 def resume(wrapper, prepare):
     """Make a paused wrapper cast again, through ``prepare``."""
-    _cell(wrapper, "prepare").cell_contents = prepare
+    _set(wrapper, "prepare", prepare)
 
 
 def adopt(wrapper, donor):
     """Give ``wrapper`` (an hmp wrapper another library holds: it wrapped it,
     or saved it to put back later) everything ``donor``, a wrapper built for
-    the same op by this conversion, would do: one body, so the closures match
-    cell for cell."""
-    for mine, theirs in zip(wrapper.__closure__, donor.__closure__):
-        mine.cell_contents = theirs.cell_contents
+    the same op by this conversion, would do. Both stand in for one op, so
+    they share a body: the C fields, or the closures cell for cell."""
+    if type(wrapper) is _CWrapper:
+        wrapper.adopt(donor)
+    else:
+        for mine, theirs in zip(wrapper.__closure__, donor.__closure__):
+            mine.cell_contents = theirs.cell_contents
     wrapper.__qualname__ = donor.__qualname__
 
 
@@ -220,7 +308,7 @@ def retire(wrapper):
     original = getattr(wrapper, ORIGINAL, None)
     if original is None or not is_wrapper(wrapper):
         return
-    _cell(wrapper, "op").cell_contents = original
+    _set(wrapper, "op", original)
     pause(wrapper)
     # pickle saves a function by name and the name now finds the original:
     # the error it raises shows this name, which says what to do
