@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from hmp.core import wrap
 from hmp.version import __version__
 
 # subcommand -> the module that defines it with add_parser(subparsers); a
@@ -29,7 +30,8 @@ def _load(module_name):
 
 
 def _version():
-    return f"hmp {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
+    # the wrapper body in use (hmp/core/wrap.py): what a report of a speed problem needs to say
+    return f"hmp {__version__} (torch {torch.__version__}, Python {platform.python_version()}, {wrap.BODY} body)"
 
 
 def main(argv=None):

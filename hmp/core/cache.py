@@ -6,8 +6,9 @@ Correct by construction: no copy outlives the reason it was made.
   the graph of the output it was made for: torch keeps a tensor's Python
   object alive while the autograd graph saves it (a weight), and the
   wrapper puts a copy autograd does not save (a bias) in that output's
-  ``grad_fn.metadata`` (wrap.hold). So the copy lives exactly as long as the
-  graph that uses it: backward, or dropping the output, frees it. A weight
+  ``grad_fn.metadata`` (wrap.hold). So the copy lives as long as the graph
+  that uses it, until a backward pass starts (``release``): backward, or
+  dropping the output, frees it. A weight
   used several times in one forward (tied embeddings, an RNN cell, every
   micro-batch of one accumulated step) is cast once; the next step casts
   again.
@@ -107,10 +108,22 @@ def _dead():
     return None
 
 
+def release() -> None:
+    """What graphs hold for reuse (wrap.hold) is let go: a backward pass
+    starts (hmp/rules/regions.py). A copy autograd saves lives on as long
+    as its graph does."""
+    with copies.held_lock:
+        held = list(copies.held)
+        copies.held.clear()
+    for h in held:
+        h.copies = None
+
+
 def clear_cache() -> None:
     """Drop every cached lower-precision copy. A grad-mode entry stays as an
     empty one, so the weight's next cast (each training step) reuses its
     weak reference to the weight instead of making another."""
+    release()
     for store in copies.live.values():
         for e in list(store.values()):
             e.copy, e.storage = _dead, None

@@ -133,6 +133,8 @@ class Copies:
         dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
         self.live = {d: {} for d in dtypes}  # grad mode: dtype -> {id(tensor): entry}
         self.frozen = weakref.WeakSet()  # every thread's frozen_weights() stores
+        self.held = weakref.WeakSet()  # what graphs hold (wrap.hold), until the next backward pass
+        self.held_lock = threading.Lock()  # one thread's backward releases what another's forward adds
         self.dtypes = dtypes
 
 

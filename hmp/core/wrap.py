@@ -40,7 +40,7 @@ import torch
 
 from hmp.core import fallback, policy, torch_private
 from hmp.core.resolve import BUILTINS, ORIGINAL, mark, unwrap
-from hmp.core.state import OFF, tls
+from hmp.core.state import OFF, copies, tls
 from hmp.diagnostics import culprit
 from hmp.diagnostics.errors import Wrapped
 
@@ -129,12 +129,22 @@ def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
 _METADATA_KEY = "hmp_copies"
 
 
+class _Held:
+    """The weight copies one graph holds (in its node's metadata): emptied
+    by the next backward pass (cache.release), gone with the node."""
+
+    __slots__ = ("copies", "__weakref__")
+
+
 def hold(result, fresh):
     """Give the graph of ``result`` (its first tensor's ``grad_fn``) the
     weight copies this call made (``fresh``, emptied): the cache holds them
     weakly, and autograd keeps only those it saves (a weight, not a bias), so
     without this a bias would be cast again at every call. Freed as what the
-    graph saves is: by its backward, or by dropping the output."""
+    graph saves is: when the next backward pass starts (or an optimizer step,
+    or clear_cache()), or with the output. (A per-node backward hook would
+    release them at that graph's own backward, but a Python hook on every
+    node costs a training step several percent.)"""
     t = result if isinstance(result, torch.Tensor) else None
     if t is None and isinstance(result, (tuple, list)):
         t = next((r for r in result if isinstance(r, torch.Tensor)), None)
@@ -142,18 +152,14 @@ def hold(result, fresh):
     if node is not None:
         meta = node.metadata
         held = meta.get(_METADATA_KEY)
-        if held is None:
-            held = meta[_METADATA_KEY] = []
-            # backward releases what the graph saved; the copies go then too, not when the node dies
-            # (an output kept after backward keeps its nodes): the window a .data write is unseen in
-            # stays forward-to-backward, as for a weight autograd saves
-            node.register_prehook(functools.partial(_release, meta))
-        held.extend(fresh)
+        kept = held.copies if held is not None else None  # read once: another thread's backward may release it
+        if kept is None:
+            held = meta[_METADATA_KEY] = _Held()
+            kept = held.copies = []
+            with copies.held_lock:
+                copies.held.add(held)
+        kept.extend(fresh)
     fresh.clear()
-
-
-def _release(meta, grad_outputs):
-    meta.pop(_METADATA_KEY, None)
 
 
 def _op_of(frame):

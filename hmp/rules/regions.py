@@ -33,6 +33,7 @@ import torch
 from torch.amp.autocast_mode import autocast
 
 from hmp.core import state, torch_private
+from hmp.core.cache import release
 from hmp.core.casts import uncast
 from hmp.core.resolve import mark, stand_in, subclasses, unwrap
 from hmp.core.state import OFF, enter, leave, tls
@@ -93,6 +94,7 @@ def _uncast_backward(original):
     for errors in backward (hmp/diagnostics/errors.py)."""
 
     def backward(*args, **kwargs):
+        release()  # the copies graphs hold for reuse: a backward pass ends their forward
         try:
             return original(*args, **kwargs)
         except Exception as e:

@@ -1,10 +1,15 @@
 """The shipped list files work from an installed wheel, from any directory."""
 
+import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 import hmp
 
@@ -13,17 +18,29 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.torch_internals
-def test_installed_wheel_finds_its_lists(tmp_path):
+@pytest.mark.parametrize("compiler", ["cc", "none"])
+def test_installed_wheel_finds_its_lists(tmp_path, compiler):
+    """From a wheel built with a C compiler (the C body inside) and without
+    one (CC names a program that fails: the install goes on, and the Python
+    body runs)."""
     pytest.importorskip("setuptools")
+    if compiler == "cc" and not shutil.which(sysconfig.get_config_var("CC").split()[0]):
+        pytest.skip("no C compiler here")
     wheels, site = tmp_path / "wheels", tmp_path / "site"
+    env = dict(os.environ, **({"CC": "false"} if compiler == "none" else {}))
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(ROOT)],
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     assert build.returncode == 0, build.stderr
     (wheel,) = wheels.glob("torch_hmp-*.whl")  # the distribution's name; the import name is hmp
+    with zipfile.ZipFile(wheel) as z:
+        built = [n for n in z.namelist() if n.startswith("hmp/core/_wrap.") and not n.endswith(".c")]
+    assert bool(built) == (compiler == "cc"), built
+    assert "-cp39-abi3-" in wheel.name, wheel.name  # one wheel per platform for CPython 3.9 and newer
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
         capture_output=True,
@@ -41,13 +58,17 @@ def test_installed_wheel_finds_its_lists(tmp_path):
         "print(len(hmp.effective_lists()['bf16']), len(hmp.effective_lists()['fp32']))\n"
         "print(torch.nn.functional.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype)\n"
         "hmp.convert(opt_level='O2')\n"
+        "from hmp.core import wrap\n"
+        "print(wrap.BODY)\n"
     )
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
     res = subprocess.run(
         [sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, env=env, timeout=120
     )
     assert res.returncode == 0, res.stderr
-    where, counts, dtype = res.stdout.split("\n")[:3]
+    where, counts, dtype, body = res.stdout.split("\n")[:4]
+    traceable = hasattr(torch.compiler, "substitute_in_graph")  # torch 2.5: the C body needs it
+    assert body == ("C" if compiler == "cc" and traceable else "Python"), body
     assert where.startswith(str(site)), where  # the installed copy, not the source tree
     hmp.convert()  # the source tree's lists, in this process
     expected = f"{len(hmp.effective_lists()['bf16'])} {len(hmp.effective_lists()['fp32'])}"
