@@ -26,10 +26,14 @@ def test_installed_wheel_finds_its_lists(tmp_path, compiler):
     pytest.importorskip("setuptools")
     if compiler == "cc" and not shutil.which(sysconfig.get_config_var("CC").split()[0]):
         pytest.skip("no C compiler here")
-    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    wheels, site, source = tmp_path / "wheels", tmp_path / "site", tmp_path / "source"
+    # the sources alone: no build folder or extension an editable install left in this checkout
+    built_here = ("build", "dist", "*.so", "*.egg-info", ".venv", ".git", "__pycache__", ".hypothesis")
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*built_here))
     env = dict(os.environ, **({"CC": "false"} if compiler == "none" else {}))
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)]
+        + [str(source)],
         capture_output=True,
         text=True,
         timeout=300,
