@@ -245,13 +245,19 @@ def record_function_exit_call():
     that attribute runs code at every block's close while the overload
     object stays torch's: torch.compile, fx and inductor know it by identity.
     The name is found as the attribute holding the overload's public
-    ``.op``, not spelled. None on a torch where any of this differs."""
+    ``.op``, not spelled; where two hold it (2.15 keeps a second for the
+    overload's hash), the one that ``.op``'s getter reads. None on a torch
+    where any of this differs."""
     packet = getattr(torch.ops.profiler, "_record_function_exit", None)
     overload = getattr(packet, "_RecordFunction", None)
     op = getattr(overload, "op", None)
     if op is None or not callable(op):
         return None
     names = [k for k, v in vars(overload).items() if v is op]
+    if len(names) > 1:
+        getter = getattr(getattr(type(overload), "op", None), "fget", None)
+        read = getattr(getattr(getter, "__code__", None), "co_names", ())
+        names = [k for k in names if k in read]
     return (overload, names[0]) if len(names) == 1 else None
 
 
