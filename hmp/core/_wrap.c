@@ -40,9 +40,13 @@ static struct {
     int ready;
 } G;
 
+/* the wrapper's object fields, once: wrap.make's arguments (wrap._FIELDS), less inplace_at and hidden */
+#define OBJECT_FIELDS(X) X(op) X(prepare) X(wrapped) X(src) X(cast) X(refuse) X(needs)
+#define DECLARE(f) PyObject *f;
+
 typedef struct {
     PyObject_HEAD
-    PyObject *op, *prepare, *wrapped, *src, *cast, *refuse, *needs;
+    OBJECT_FIELDS(DECLARE)
     Py_ssize_t inplace_at;
     int hidden;
     /* from src and refuse: */
@@ -455,7 +459,7 @@ static PyObject *Wrapper_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
 {
     static char *names[] = {"op", "prepare", "wrapped", "src", "cast", "refuse", "inplace_at", "hidden", "needs",
                             NULL};
-    PyObject *op, *prep, *wrapped, *src, *cast, *refuse, *needs;
+    PyObject *op, *prepare, *wrapped, *src, *cast, *refuse, *needs;
     Py_ssize_t at;
     int hidden;
     Wrapper *w;
@@ -463,20 +467,15 @@ static PyObject *Wrapper_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
         PyErr_SetString(PyExc_RuntimeError, "hmp.core._wrap: setup() first");
         return NULL;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOnpO", names, &op, &prep, &wrapped, &src, &cast, &refuse,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOnpO", names, &op, &prepare, &wrapped, &src, &cast, &refuse,
                                      &at, &hidden, &needs))
         return NULL;
     if (!(w = (Wrapper *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0)))
         return NULL;
     w->inplace_at = at;
     w->hidden = hidden;
-    SET(op, op);
-    SET(prepare, prep);
-    SET(wrapped, wrapped);
-    SET(src, src);
-    SET(cast, cast);
-    SET(refuse, refuse);
-    SET(needs, needs);
+#define FROM_ARGUMENT(f) SET(f, f);
+    OBJECT_FIELDS(FROM_ARGUMENT)
     if (derive(w) < 0) {
         Py_DECREF(w);
         return NULL;
@@ -492,13 +491,8 @@ static PyObject *Wrapper_adopt(Wrapper *w, PyObject *donor)
         PyErr_SetString(PyExc_TypeError, "hmp: adopt() takes a wrapper of the same kind");
         return NULL;
     }
-    SET(op, d->op);
-    SET(prepare, d->prepare);
-    SET(wrapped, d->wrapped);
-    SET(src, d->src);
-    SET(cast, d->cast);
-    SET(refuse, d->refuse);
-    SET(needs, d->needs);
+#define FROM_DONOR(f) SET(f, d->f);
+    OBJECT_FIELDS(FROM_DONOR)
     w->inplace_at = d->inplace_at;
     w->hidden = d->hidden;
     if (derive(w) < 0)
@@ -554,13 +548,8 @@ static PyObject *Wrapper_get(PyObject *self, PyObject *obj, PyObject *type)
 static int Wrapper_traverse(Wrapper *w, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(w));
-    Py_VISIT(w->op);
-    Py_VISIT(w->prepare);
-    Py_VISIT(w->wrapped);
-    Py_VISIT(w->src);
-    Py_VISIT(w->cast);
-    Py_VISIT(w->refuse);
-    Py_VISIT(w->needs);
+#define VISIT(f) Py_VISIT(w->f);
+    OBJECT_FIELDS(VISIT)
     Py_VISIT(w->dict);
     return 0;
 }
@@ -568,13 +557,8 @@ static int Wrapper_traverse(Wrapper *w, visitproc visit, void *arg)
 static int Wrapper_clear(Wrapper *w)
 {
     w->nsrc = 0;
-    Py_CLEAR(w->op);
-    Py_CLEAR(w->prepare);
-    Py_CLEAR(w->wrapped);
-    Py_CLEAR(w->src);
-    Py_CLEAR(w->cast);
-    Py_CLEAR(w->refuse);
-    Py_CLEAR(w->needs);
+#define CLEAR(f) Py_CLEAR(w->f);
+    OBJECT_FIELDS(CLEAR)
     Py_CLEAR(w->dict);
     return 0;
 }
@@ -590,7 +574,7 @@ static void Wrapper_dealloc(Wrapper *w)
     Py_DECREF(tp);
 }
 
-/* fields: op and prepare are written by pause/resume/retire; the rest are read by the polyfill */
+/* each field's getter (None for a cleared one) */
 #define GETTER(field) \
     static PyObject *get_##field(Wrapper *w, void *c) \
     { \
@@ -598,13 +582,7 @@ static void Wrapper_dealloc(Wrapper *w)
         Py_INCREF(v); \
         return v; \
     }
-GETTER(op)
-GETTER(prepare)
-GETTER(wrapped)
-GETTER(src)
-GETTER(cast)
-GETTER(refuse)
-GETTER(needs)
+OBJECT_FIELDS(GETTER)
 
 static int set_object(PyObject **slot, PyObject *v)
 {
@@ -649,13 +627,11 @@ static PyObject *get_dict(Wrapper *w, void *c)
 }
 
 static PyGetSetDef Wrapper_getset[] = {
+    /* op and prepare are written (pause, resume, retire); the others are read by the polyfill */
     {"op", (getter)get_op, (setter)set_op, NULL, NULL},
     {"prepare", (getter)get_prepare, (setter)set_prepare, NULL, NULL},
-    {"wrapped", (getter)get_wrapped, NULL, NULL, NULL},
-    {"src", (getter)get_src, NULL, NULL, NULL},
-    {"cast", (getter)get_cast, NULL, NULL, NULL},
-    {"refuse", (getter)get_refuse, NULL, NULL, NULL},
-    {"needs", (getter)get_needs, NULL, NULL, NULL},
+#define READ_ONLY(f) {#f, (getter)get_##f, NULL, NULL, NULL},
+    READ_ONLY(wrapped) READ_ONLY(src) READ_ONLY(cast) READ_ONLY(refuse) READ_ONLY(needs)
     {"inplace_at", (getter)get_inplace_at, NULL, NULL, NULL},
     {"hidden", (getter)get_hidden, NULL, NULL, NULL},
     {"__dict__", (getter)get_dict, NULL, NULL, NULL},

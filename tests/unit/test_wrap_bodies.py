@@ -193,6 +193,15 @@ def test_a_c_wrapper_pickles_and_copies_as_a_function_does():
     assert kept(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32
 
 
+def _repeat(path, n):
+    for _ in range(n):
+        try:
+            path(torch.randn(4, 4))
+        except RuntimeError:
+            pass
+    gc.collect()
+
+
 @C_BODY
 def test_the_c_body_keeps_no_reference_to_what_a_call_was_given():
     """Every path (cast, nothing to cast, keywords, a number that sends the
@@ -219,19 +228,9 @@ def test_the_c_body_keeps_no_reference_to_what_a_call_was_given():
         gc.collect()
         assert ref() is None, "an argument outlived its call"
         tracemalloc.start()
-        for _ in range(200):
-            try:
-                path(torch.randn(4, 4))
-            except RuntimeError:
-                pass
-        gc.collect()
+        _repeat(path, 200)
         before = tracemalloc.get_traced_memory()[0]
-        for _ in range(5000):
-            try:
-                path(torch.randn(4, 4))
-            except RuntimeError:
-                pass
-        gc.collect()
+        _repeat(path, 5000)
         grown = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
         assert grown < 64 * 1024, f"{grown} bytes more after 5000 calls"
