@@ -202,7 +202,17 @@ def _c_body():
     substitute = getattr(torch.compiler, "substitute_in_graph", None)  # torch 2.5
     if substitute is None:
         return None
-    _wrap.setup(
+    try:
+        _wrap.setup(**_c_steps())
+    except RuntimeError:  # set up by an earlier copy of this module (importlib.reload): this one runs Python
+        return None
+    substitute(_wrap.Wrapper.__call__, skip_signature_check=True)(_traced)
+    return _wrap
+
+
+def _c_steps():
+    """What the C body reads and calls: torch's types, hmp's constants and Python steps."""
+    return dict(
         tensor=torch.Tensor,
         parameter=torch.nn.Parameter,
         floats=(policy.FP16, policy.BF16, policy.FP32, policy.FP64),
@@ -217,8 +227,6 @@ def _c_body():
         raise_=fallback.RAISE,
         method_type=types.MethodType,
     )
-    substitute(_wrap.Wrapper.__call__, skip_signature_check=True)(_traced)
-    return _wrap
 
 
 _C = _c_body()
