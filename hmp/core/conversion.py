@@ -204,6 +204,7 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
     """Install ``conversion`` (a Conversion with checked lists) in place of
     the current one. profile/audit/tune pass a ``recorder`` (hmp/tools/record.py)
     and ``passthrough``."""
+    wrap.ready_for_compile()  # outside the lock: an import that may run a watched module's callback
     with runtime.lock:
         effective, options, extra, by_module, uncast = conversion
         casters = cache.casters() if options.cache else dict(CASTS)

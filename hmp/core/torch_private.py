@@ -11,6 +11,7 @@ gets a fallback here, never an AttributeError at ``import hmp``; where no
 fallback keeps hmp's promise, convert() says what is missing (``missing()``).
 """
 
+import importlib
 import operator
 
 import torch
@@ -66,6 +67,15 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 def compiling():
     return _dynamo_compiling() or _compiler._is_compiling_flag
+
+
+def import_dynamo():
+    """Import torch.compile's tracer (its package is private; no public call
+    imports it without other effects). Imported while hmp's wrappers stand
+    in torch's namespaces, dynamo takes some of them for torch's own
+    functions and compiled code breaks its graph at every listed op."""
+    if hasattr(torch, "compile"):
+        importlib.import_module("torch._dynamo")
 
 
 # True under vmap/grad/jvp: their tensors have no storage to cache by.

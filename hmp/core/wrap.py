@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import types
 import weakref
 from typing import Any, Callable
@@ -58,7 +59,17 @@ _NEVER = 1 << 62  # inplace_at of a site without an ``inplace`` parameter
 
 
 def make(
-    op, prepare, wrapped, original=None, src=None, cast=None, refuse=None, inplace_at=_NEVER, hidden=True, needs=None
+    op,
+    prepare,
+    wrapped,
+    original=None,
+    src=None,
+    cast=None,
+    refuse=None,
+    inplace_at=_NEVER,
+    hidden=True,
+    needs=None,
+    c_body=True,
 ):
     """The wrapper of ``op``: casts through ``prepare``; ``wrapped`` (an
     errors.Wrapped) describes it for the error path. ``original``: what
@@ -75,9 +86,10 @@ def make(
     ``src`` go through ``cast`` directly (policy.cast_seq, a number
     ``refuse`` rejects sends the call to ``prepare``), or, with
     ``src=PROMOTE``, a call whose floating tensors share one dtype runs as
-    given. ``prepare`` applies the same rule to every other call."""
+    given. ``prepare`` applies the same rule to every other call.
+    ``c_body=False``: the Python body whatever ``original`` is."""
     original = op if original is None else original
-    if _C is not None and isinstance(unwrap(original), BUILTINS):
+    if c_body and _C is not None and isinstance(unwrap(original), BUILTINS):
         body = _C.Wrapper(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs)
     else:
         body = _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs)
@@ -199,15 +211,30 @@ def _c_body():
     cannot be given the Python body to trace in its place."""
     if _wrap is None or os.environ.get("HMP_PURE_PYTHON", "") not in ("", "0"):
         return None
-    substitute = getattr(torch.compiler, "substitute_in_graph", None)  # torch 2.5
-    if substitute is None:
+    if not hasattr(torch.compiler, "substitute_in_graph"):  # torch 2.5
         return None
     try:
         _wrap.setup(**_c_steps())
     except RuntimeError:  # set up by an earlier copy of this module (importlib.reload): this one runs Python
         return None
-    substitute(_wrap.Wrapper.__call__, skip_signature_check=True)(_traced)
     return _wrap
+
+
+_traceable = []  # [True] once torch.compile has the Python body to trace in the C one's place
+_traceable_lock = threading.Lock()  # two threads' first convert() register it once
+
+
+def ready_for_compile():
+    """Before convert() installs wrappers: dynamo imported (what it reads
+    from torch's namespaces at import must be torch's own functions, so a
+    program that compiles after convert() gets one graph) and given the
+    Python body to trace for the C one. Once per process: importing dynamo
+    takes a second or more where the program has not done it already."""
+    torch_private.import_dynamo()
+    with _traceable_lock:
+        if _C is not None and not _traceable:
+            torch.compiler.substitute_in_graph(_C.Wrapper.__call__, skip_signature_check=True)(_traced)
+            _traceable.append(True)
 
 
 def _c_steps():
@@ -493,7 +520,8 @@ def op_wrap(op: Callable, cast_fn: Callable[[torch.Tensor], torch.Tensor]) -> Ca
     def prepare(args, kwargs):
         return tuple(cast_value(a) for a in args), {k: cast_value(v) for k, v in kwargs.items()}
 
-    return make(op, prepare, Wrapped(getattr(op, "__qualname__", None) or repr(op)))
+    # the Python body: made outside convert(), which is what readies torch.compile for the C one (ready_for_compile)
+    return make(op, prepare, Wrapped(getattr(op, "__qualname__", None) or repr(op)), c_body=False)
 
 
 def to_bf16(t: Any) -> Any:

@@ -68,6 +68,11 @@ PROBE = textwrap.dedent(r"""
         assert not diff(start, world()), f"import {name} changed {diff(start, world())}"
     new = sorted(m for m in set(sys.modules) - loaded if m.split(".")[0] in OPTIONAL)
     assert not new, f"import hmp loaded optional dependencies: {new}"
+    assert "torch._dynamo" not in sys.modules, "import hmp imported dynamo"
+
+    # convert() imports dynamo (hmp/core/wrap.py's ready_for_compile): its import
+    # side effects (torch.manual_seed wrapped, a warnings filter) are torch's, not hmp's
+    import torch._dynamo
 
     import hmp
     # convert() imports torchvision.ops where installed, to bind its ops:
