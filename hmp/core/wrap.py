@@ -21,7 +21,8 @@ built at install when a compiler is there. A wrapper is the kind of
 callable its original is: a C function (``torch.mm``, ``F.linear``,
 ``Tensor.mm``) gets the C body, a Python function (``F.relu``, a user's
 function) the Python one, which TorchScript compiles and ``inspect`` sees
-as a function, as before. The C body is used where torch.compile can
+as a function, as before (``op_wrap``'s are Python whatever they wrap:
+the program makes them, convert() or not). The C body is used where torch.compile can
 trace it (``torch.compiler.substitute_in_graph``, torch 2.5 and newer: dynamo
 inlines this module's Python body in its place) and unless
 ``HMP_PURE_PYTHON`` is set in the environment; ``BODY`` says which runs.
