@@ -74,8 +74,7 @@ def import_dynamo():
     imports it without other effects). Imported while hmp's wrappers stand
     in torch's namespaces, dynamo takes some of them for torch's own
     functions and compiled code breaks its graph at every listed op."""
-    if hasattr(torch, "compile"):
-        importlib.import_module("torch._dynamo")
+    importlib.import_module("torch._dynamo")
 
 
 # True under vmap/grad/jvp: their tensors have no storage to cache by.

@@ -221,8 +221,8 @@ def _c_body():
     return _wrap
 
 
-_traceable = []  # [True] once torch.compile has the Python body to trace in the C one's place
-_traceable_lock = threading.Lock()  # two threads' first convert() register it once
+_ready = False  # ready_for_compile has run in this process
+_ready_lock = threading.Lock()  # two threads' first convert() do it once
 
 
 def ready_for_compile():
@@ -231,11 +231,14 @@ def ready_for_compile():
     program that compiles after convert() gets one graph) and given the
     Python body to trace for the C one. Once per process: importing dynamo
     takes a second or more where the program has not done it already."""
-    torch_private.import_dynamo()
-    with _traceable_lock:
-        if _C is not None and not _traceable:
+    global _ready
+    with _ready_lock:
+        if _ready:
+            return
+        torch_private.import_dynamo()
+        if _C is not None:
             torch.compiler.substitute_in_graph(_C.Wrapper.__call__, skip_signature_check=True)(_traced)
-            _traceable.append(True)
+        _ready = True
 
 
 def _c_steps():
