@@ -4,12 +4,11 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
-import torch
+from helpers import c_body_expected, has_c_compiler
 
 import hmp
 
@@ -24,7 +23,7 @@ def test_installed_wheel_finds_its_lists(tmp_path, compiler):
     one (CC names a program that fails: the install goes on, and the Python
     body runs)."""
     pytest.importorskip("setuptools")
-    if compiler == "cc" and not shutil.which(sysconfig.get_config_var("CC").split()[0]):
+    if compiler == "cc" and not has_c_compiler():
         pytest.skip("no C compiler here")
     wheels, site, source = tmp_path / "wheels", tmp_path / "site", tmp_path / "source"
     # the sources alone: no build folder or extension an editable install left in this checkout
@@ -71,8 +70,7 @@ def test_installed_wheel_finds_its_lists(tmp_path, compiler):
     )
     assert res.returncode == 0, res.stderr
     where, counts, dtype, body = res.stdout.split("\n")[:4]
-    traceable = hasattr(torch.compiler, "substitute_in_graph")  # torch 2.5: the C body needs it
-    assert body == ("C" if compiler == "cc" and traceable else "Python"), body
+    assert body == c_body_expected(built=compiler == "cc"), body
     assert where.startswith(str(site)), where  # the installed copy, not the source tree
     hmp.convert()  # the source tree's lists, in this process
     expected = f"{len(hmp.effective_lists()['bf16'])} {len(hmp.effective_lists()['fp32'])}"

@@ -16,16 +16,15 @@ import gc
 import inspect
 import os
 import pickle
-import shutil
 import subprocess
 import sys
-import sysconfig
 import tracemalloc
 import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import c_body_expected, has_c_compiler
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -249,11 +248,9 @@ def test_an_error_from_a_c_op_gets_hmps_note_and_no_wrapper_frame():
 def test_the_c_body_runs_where_it_can():
     """Where a compiler built it and torch can trace its Python body in its
     place, the C body is the one in use: a failed build is not silent."""
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if not shutil.which(cc) or os.environ.get("HMP_PURE_PYTHON", "") not in ("", "0"):
+    if not has_c_compiler() or os.environ.get("HMP_PURE_PYTHON", "") not in ("", "0"):
         pytest.skip("no C compiler here, or HMP_PURE_PYTHON is set")
-    expected = "C" if hasattr(torch.compiler, "substitute_in_graph") else "Python"
-    assert wrap.BODY == expected
+    assert wrap.BODY == c_body_expected(built=True)
 
 
 def test_hmp_pure_python_runs_the_python_body(tmp_path):
