@@ -195,7 +195,7 @@ def _line(text):
     text = text.strip()
     if not text or is_name(text) or is_pattern(text):
         return text
-    if text.startswith("-") and is_name(text[1:].strip()):
+    if text.startswith("-") and (is_name(text[1:].strip()) or is_pattern(text[1:].strip())):
         return "-" + text[1:].strip()
     words = text.split()
     if len(words) == 2 and words[0] == INCLUDE.strip() and is_name(words[1]):
@@ -286,8 +286,8 @@ def load(path, known, what, modules=True, default=None):
                 if not modules:
                     raise ValueError(f"{name!r}: module entries go in the BF16 or FP32 list")
                 entry = _module_entry(name, path)
-                if remove:
-                    removed[entry_key(entry)] = number
+                if remove:  # as written (how an included pattern is known) and as the class it names
+                    removed[name] = removed[entry_key(entry)] = number
                 else:
                     classes[name] = entry
             except ValueError as e:

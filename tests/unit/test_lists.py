@@ -9,6 +9,8 @@ import torch
 from helpers import assert_same, snapshot, write
 
 import hmp
+from hmp.core.lists import effective, entry_key
+from hmp.core.resolve import Resolver
 
 DEFAULT_BF16 = sorted(
     "addmm baddbmm batch_norm bilinear bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d "
@@ -164,3 +166,21 @@ def test_bad_options(pristine):
         hmp.convert(low_precision_type=torch.float64)
     with pytest.raises(TypeError, match="isVerbose"):
         hmp.convert(isVerbose="yes")
+
+
+def _module_entries(path):
+    """The module patterns a list file names itself (dotted lines), read from the file."""
+    lines = (line.split("#", 1)[0].strip() for line in Path(path).read_text().splitlines())
+    return [line for line in lines if "." in line and not line.startswith(("-", "include"))]
+
+
+@pytest.mark.parametrize("gone", _module_entries(hmp.list_path("fp32")))
+def test_a_minus_pattern_line_takes_out_exactly_that_module_entry(tmp_path, gone):
+    """docs/modules.md: ``-pattern`` after ``include default`` takes one module entry out."""
+    shipped = _module_entries(hmp.list_path("fp32"))
+    assert len(shipped) >= 4  # the shipped rotary and timestep patterns
+    fp32 = write(tmp_path, "fp32.txt", f"include default\n-{gone}\n")
+    _, classes = effective(Resolver(), fp32=fp32, environ={})
+    assert [entry_key(m) for m in classes["fp32"]] == [m for m in shipped if m != gone]
+    _, classes = effective(Resolver(), environ={})
+    assert [entry_key(m) for m in classes["fp32"]] == shipped
