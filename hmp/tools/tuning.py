@@ -28,8 +28,8 @@ from hmp.core.casts import casts_enabled
 from hmp.core.conversion import applied
 from hmp.core.hints import Step
 from hmp.core.lists import KINDS, class_path
-from hmp.core.modules import label
-from hmp.core.resolve import Resolver, module_class
+from hmp.core.resolve import Resolver
+from hmp.tools import tuned_files
 from hmp.tools.auditing import audit_with, by_op, compare, in_force_or_default, kind_of, made_in, pairs, run_step, worst
 from hmp.tools.files import write_all
 from hmp.tools.guard import StateGuard
@@ -123,6 +123,7 @@ class TuneResult:
         samples=None,
         same_as=None,
         tolerance=0.02,
+        low=torch.bfloat16,
     ):
         self.lists = lists  # {"bf16", "fp32", "promote"} -> sorted names
         self.before = before
@@ -141,6 +142,7 @@ class TuneResult:
         self.samples = samples or {}  # name -> every step time measured (seconds), for the spread
         self.same_as = same_as or {}  # name -> an earlier configuration with exactly the same lists and modules
         self.tolerance = tolerance
+        self.low = low  # the lower dtype: which default list the files written extend
 
     def spread(self, name):
         """The relative spread of ``name``'s step times: (75th - 25th
@@ -280,17 +282,14 @@ class TuneResult:
         write_html(path, tune=self)
 
     def write(self, bf16_path, fp32_path, promote_path=None):
-        """Write list files that hmp.convert() loads; module classes as
-        their import paths. All or nothing (files.write_all): raises
-        ValueError, writing nothing, when a class does not load by its
-        import path, when two paths are the same file, or when a path
-        cannot be written."""
-        classes = {
-            kind: [importable(t) for t in targets if isinstance(t, type)] for kind, targets in self.modules.items()
-        }
-        instances = [label(t) for targets in self.modules.values() for t in targets if not isinstance(t, type)]
+        """Write list files that hmp.convert() loads, each extending the
+        default list (tuned_files.texts: ``include default`` and tune's
+        changes, module classes as their import paths). All or nothing
+        (files.write_all): raises ValueError, writing nothing, when a class
+        does not load by its import path, when two paths are the same file,
+        or when a path cannot be written."""
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        header = (
+        summary = (
             f"# written by hmp.tune on {stamp}\n"
             f"# moved to FP32 (flagged by the audit): {', '.join(self.moved_to_fp32) or 'none'}\n"
             f"# module classes to FP32 (a flagged op's error is confined to them): "
@@ -298,31 +297,8 @@ class TuneResult:
             f"# added to BF16 (safe and expensive): {', '.join(self.added_to_bf16) or 'none'}\n"
             f"# validation final losses: " + ", ".join(f"{k} {v:.5f}" for k, v in self.validation.items()) + "\n"
         )
-        if instances:
-            header += f"# not in these files, give them to convert() again: module instances {', '.join(instances)}\n"
         targets = [("bf16", bf16_path), ("fp32", fp32_path)] + ([("promote", promote_path)] if promote_path else [])
-        write_all(
-            [(path, header + "\n".join(self.lists[kind] + classes.get(kind, [])) + "\n") for kind, path in targets],
-            "hmp.tune",
-        )
-
-
-def importable(cls):
-    """``cls``'s import path, checked to load ``cls`` again."""
-    path = class_path(cls)
-    try:
-        found = module_class(path)
-    except ValueError as e:
-        found, why = None, str(e)
-    else:
-        why = f"it names another class, {found!r}"
-    if found is not cls:
-        raise ValueError(
-            f"hmp.tune: cannot write the module class {cls.__qualname__} to a list file: its import path "
-            f"{path!r} does not load it ({why}). Define the class at the top level of an importable "
-            f"module, or write the files without it and pass it to hmp.convert(fp32_modules=[...])."
-        )
-    return path
+        write_all(tuned_files.texts(self.lists, self.modules, targets, summary, self.low), "hmp.tune")
 
 
 def _as_sets(lists):
@@ -567,6 +543,7 @@ def tune(
         samples,
         same_as,
         tolerance,
+        start.options.low,
     )
 
 

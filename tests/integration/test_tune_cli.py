@@ -75,6 +75,27 @@ def test_tune_runs_the_users_step_and_writes_lists_and_json(project, form, capsy
     assert all(len(times) == 2 * 2 for times in res["step_times"].values())  # 2 timed steps per round
 
 
+def _shipped_module_entries(kind):
+    """The module entries (dotted lines) the shipped default list of ``kind`` names, read from its file."""
+    lines = (line.split("#", 1)[0].strip() for line in hmp.list_path(kind).read_text().splitlines())
+    return [line for line in lines if "." in line and not line.startswith(("-", "include"))]
+
+
+def test_tuned_files_extend_the_defaults_and_keep_their_module_patterns(project):
+    assert _shipped_module_entries("fp32")  # the rotary and timestep patterns this is about
+    assert main(["tune", "mymodel:make_step", *FAST]) == 0
+    paths = {kind: project / f"tuned_{kind}.txt" for kind in ("bf16", "fp32")}
+    for path in paths.values():
+        text = path.read_text()
+        lines = [line for line in text.splitlines() if not line.startswith("#")]
+        assert lines[0] == "include default", text
+        assert "extends the default" in text and "module instances" not in text
+    with hmp.converted(bf16_file_path=str(paths["bf16"]), fp32_file_path=str(paths["fp32"])):
+        loaded = hmp.effective_lists()
+    for kind in paths:
+        assert sorted(entry for entry in loaded[kind] if "." in entry) == sorted(_shipped_module_entries(kind))
+
+
 def test_identical_lists_are_flagged_as_noise(project, capsys):
     out = project / "out.json"
     assert main(["tune", "mymodel:make_step", *FAST, "--json", str(out)]) == 0

@@ -253,9 +253,12 @@ def test_write_module_classes_as_import_paths(tmp_path):
     lists = {"bf16": ["linear", "sub"], "fp32": ["softmax"], "promote": []}
     result = TuneResult(lists, lists, None, {}, {"fp32": 1.0}, {}, {"bf16": (), "fp32": (planted.Recenter,)})
     result.write(tmp_path / "b.txt", tmp_path / "f.txt")
-    assert (tmp_path / "f.txt").read_text().splitlines()[-2:] == ["softmax", "helpers.planted.Recenter"]
+    written = (tmp_path / "f.txt").read_text().splitlines()
+    assert "include default" in written and written[-1] == "helpers.planted.Recenter"
+    assert "-softmax" not in written and "-mse_loss" in written  # only the changes to the default
     hmp.convert(bf16_file_path=tmp_path / "b.txt", fp32_file_path=tmp_path / "f.txt")
-    assert in_force().modules["fp32"] == (planted.Recenter,) and "sub" in in_force().lists["bf16"]
+    assert in_force().modules["fp32"] == (planted.Recenter,)  # the default's patterns taken out, as asked
+    assert in_force().lists["bf16"] == {"linear", "sub"} and in_force().lists["fp32"] == {"softmax"}
 
     result.modules = {"bf16": (), "fp32": (planted.Recenter, Local)}
     with pytest.raises(
@@ -281,7 +284,8 @@ def test_tune_puts_the_unsafe_module_class_in_fp32_not_its_op(unsafe_lists, tmp_
     result.write(tmp_path / "b.txt", tmp_path / "f.txt")
     assert "helpers.planted.Recenter" in (tmp_path / "f.txt").read_text().splitlines()
     hmp.convert(bf16_file_path=tmp_path / "b.txt", fp32_file_path=tmp_path / "f.txt")
-    assert in_force().modules["fp32"] == (planted.Recenter,) and "sub" in in_force().lists["bf16"]
+    assert [m for m in in_force().modules["fp32"] if isinstance(m, type)] == [planted.Recenter]
+    assert "sub" in in_force().lists["bf16"]
     losses = losses_after(module_problem, unsafe_lists, tmp_path / "b.txt", tmp_path / "f.txt")
     assert abs(losses["tuned"] - losses["fp32"]) <= 0.02 * losses["fp32"]
     assert losses["unsafe"] > 1.5 * losses["fp32"]
