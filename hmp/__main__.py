@@ -17,6 +17,8 @@ SUBCOMMANDS = {
     "demo": "hmp.demo",
     "run": "hmp.integrations.habana_runner",
     "tune": "hmp.tools.tune_cli",
+    "audit": "hmp.tools.audit_cli",
+    "profile": "hmp.tools.profile_cli",
 }
 
 

@@ -4,14 +4,22 @@ report, per listed op, what hmp did and what it cost."""
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
+import torch
+
 from hmp.core.conversion import applied, in_force
 from hmp.core.hints import Step
+from hmp.tools.files import write_all
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
 from hmp.tools.record import Recorder
+from hmp.tools.report import STYLE, esc, table
+from hmp.version import __version__
+
+COLUMNS = ("op", "calls", "inputs (most common)", "ran in", "op ms", "cast ms", "casts", "MB cast")
 
 
 def _top(counter):
@@ -48,18 +56,55 @@ class ProfileReport:
         rows.sort(key=lambda r: r["op_ms"] + r["cast_ms"], reverse=True)
         return rows
 
+    def cells(self):
+        """One list of table cells per op, sorted by time (op plus casting)."""
+        return [
+            [r["op"], r["calls"], r["inputs"], r["ran_in"], f"{r['op_ms']:.3f}", f"{r['cast_ms']:.3f}", r["casts"]]
+            + [f"{r['bytes_cast'] / 1e6:.3f}"]
+            for r in self.rows()
+        ]
+
     def table(self):
         """A markdown table sorted by time (op plus casting)."""
-        lines = [
-            "| op | calls | inputs (most common) | ran in | op ms | cast ms | casts | MB cast |",
-            "|---|---:|---|---|---:|---:|---:|---:|",
-        ]
-        for r in self.rows():
-            lines.append(
-                f"| {r['op']} | {r['calls']} | {r['inputs']} | {r['ran_in']} | "
-                f"{r['op_ms']:.3f} | {r['cast_ms']:.3f} | {r['casts']} | {r['bytes_cast'] / 1e6:.3f} |"
-            )
+        lines = ["| " + " | ".join(COLUMNS) + " |", "|---|---:|---|---|---:|---:|---:|---:|"]
+        lines += ["| " + " | ".join(map(str, cells)) + " |" for cells in self.cells()]
         return "\n".join(lines)
+
+    def to_html(self, title="hmp profile report"):
+        """One self-contained HTML page: a summary line and the table."""
+        rows = self.rows()
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        summary = (
+            f"{len(rows)} listed ops, {sum(r['calls'] for r in rows)} calls: "
+            f"{sum(r['op_ms'] for r in rows):.3f} ms in the ops, {sum(r['cast_ms'] for r in rows):.3f} ms casting "
+            f"({sum(r['casts'] for r in rows)} casts, {sum(r['bytes_cast'] for r in rows) / 1e6:.3f} MB)"
+        )
+        return (
+            "\n".join(
+                [
+                    "<!DOCTYPE html>",
+                    '<html lang="en">',
+                    f'<head><meta charset="utf-8"><title>{esc(title)}</title><style>{STYLE}</style></head>',
+                    "<body>",
+                    f"<h1>{esc(title)}</h1>",
+                    f'<p class="meta">{esc(f"measured {stamp} | hmp {__version__} | torch {torch.__version__}")}</p>',
+                    f"<p>{esc(summary)}</p>",
+                    '<p class="caption">One row per listed op the function ran, most time first: the dtypes its inputs '
+                    "came in and it ran in (most common), its forward calls, the time in the op and in hmp's casts, "
+                    "and how much data was cast. One run, so small differences are noise.</p>",
+                    table(COLUMNS, self.cells(), numeric=(1, 4, 5, 6, 7)),
+                    "</body>",
+                    "</html>",
+                    "",
+                ]
+            )
+            .encode("ascii", "xmlcharrefreplace")
+            .decode("ascii")
+        )
+
+    def save_html(self, path):
+        """Write to_html() to ``path``, atomically (files.write_all)."""
+        write_all([(path, self.to_html())], "hmp.profile")
 
     def to_json(self):
         return json.dumps({"ops": self.rows()}, indent=2)

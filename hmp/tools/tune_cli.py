@@ -8,10 +8,7 @@ state)``: ``step()`` runs one training step and returns its loss, ``state``
 is a tuple of the modules, optimizers and schedulers the step changes
 (hmp.tune puts them back as they were after each trial)."""
 
-import importlib
-import importlib.util
 import json
-import os
 import sys
 
 import torch
@@ -23,6 +20,7 @@ from hmp.tools import tuning
 from hmp.tools.arguments import fraction, positive_int, seed
 from hmp.tools.files import check_outputs
 from hmp.tools.progress import Progress
+from hmp.tools.target import TargetError, load_target, make_target
 
 PROG = "python -m hmp tune"
 
@@ -60,56 +58,6 @@ def add_parser(subparsers):
     )
     p.add_argument("--json", metavar="PATH", help="write the measurements as JSON")
     p.set_defaults(run=run)
-
-
-class TargetError(ValueError):
-    """TARGET cannot be loaded or does not return (step, state)."""
-
-
-def load_target(spec):
-    """The function ``spec`` names: ``module.path:function`` (imported as
-    usual, the current directory first) or ``file.py:function``."""
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name.isidentifier():
-        raise TargetError(f"TARGET {spec!r}: expected MODULE:FUNCTION or FILE.py:FUNCTION, e.g. train:make_step")
-    if where.endswith(".py") or os.sep in where or "/" in where:
-        if not os.path.isfile(where):
-            raise TargetError(f"TARGET {spec!r}: no file {where!r}")
-        module_name = "_hmp_tune_target_" + os.path.splitext(os.path.basename(where))[0]
-        spec_ = importlib.util.spec_from_file_location(module_name, where)
-        module = importlib.util.module_from_spec(spec_)
-        sys.modules[module_name] = module  # dataclasses and pickling look a module up by name
-        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))  # its own imports, as `python file.py`
-        spec_.loader.exec_module(module)
-    else:
-        if "" not in sys.path and os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(where)
-        except ModuleNotFoundError as e:
-            if e.name != where and not where.startswith(f"{e.name}."):
-                raise
-            raise TargetError(
-                f"TARGET {spec!r}: no module {where!r} (run from the folder that holds it, or give "
-                f"the file: path/to/{where.replace('.', '/')}.py:{name})"
-            ) from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise TargetError(f"TARGET {spec!r}: {where!r} has no function {name!r}")
-    return fn
-
-
-def make_target(fn, spec):
-    """``(step, state)`` from ``fn()``, checked."""
-    made = fn()
-    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
-        raise TargetError(
-            f"TARGET {spec!r}: {getattr(fn, '__name__', fn)}() must return (step, state): a function "
-            f"that runs one training step and returns its loss, and a tuple of the modules and "
-            f"optimizers it changes; it returned {type(made).__name__}"
-        )
-    step, state = made
-    return step, tuple(state) if isinstance(state, (list, tuple)) else (state,)
 
 
 def _demo_target(args):

@@ -36,6 +36,10 @@ MODEL = textwrap.dedent("""
 
     def not_a_pair():
         return 3
+
+    def no_state():
+        step, _ = make_step()
+        return step, ()
 """)
 
 FAST = ["--steps", "3", "--rounds", "2"]
@@ -121,6 +125,7 @@ def test_identical_lists_are_flagged_as_noise(project, capsys):
         ("mymodel", "expected MODULE:FUNCTION or FILE.py:FUNCTION"),
         ("missing/file.py:make_step", "no file 'missing/file.py'"),
         ("mymodel:not_a_pair", "not_a_pair() must return (step, state)"),
+        ("mymodel:no_state", "no_state() returned an empty state: it must hold the modules and optimizers"),
     ],
 )
 def test_a_bad_target_is_a_clear_error_and_writes_nothing(project, target, message, capsys):

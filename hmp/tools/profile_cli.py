@@ -1,0 +1,32 @@
+"""``python -m hmp profile TARGET``: hmp.profile on your own training step
+(TARGET as for tune, hmp/tools/target.py): per listed op, the dtypes it got
+and ran in, its calls, time and casts, printed as a table; ``--report``
+writes it as HTML."""
+
+from hmp.tools import inspect_cli
+from hmp.tools.profiling import profile
+
+PROG = "python -m hmp profile"
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser(
+        "profile",
+        help="run your training step once under the lists: per op, the dtypes, calls, time and casts",
+        description="Run TARGET's training step once under the lists with instrumented wrappers and report, per "
+        "listed op, the dtypes its inputs came in and it ran in, its calls, its time and what casting cost. "
+        "TARGET is " + inspect_cli.HELP + ": step() runs one training step and returns the loss; state is a "
+        "tuple of the modules and optimizers it changes (put back afterwards).",
+    )
+    inspect_cli.add_common(p)
+    p.set_defaults(run=run)
+
+
+def run(args):
+    return inspect_cli.run(
+        args,
+        PROG,
+        lambda step, state: profile(step, state=state),
+        lambda report, path: report.save_html(path),
+        lambda report, path: report.save(path),
+    )
