@@ -49,8 +49,8 @@ def add_parser(subparsers):
         ("--seed", seed, 0, "torch.manual_seed before the model is built and the batch drawn (default 0)"),
     ):
         p.add_argument(flag, type=kind, default=default, help=text)
-    p.add_argument("--bf16-out", default="tuned_bf16.txt", help="where to write the BF16 list")
-    p.add_argument("--fp32-out", default="tuned_fp32.txt", help="where to write the FP32 list")
+    p.add_argument("--bf16-out", default="tuned_bf16.txt", help="where to write the BF16 list (default tuned_bf16.txt)")
+    p.add_argument("--fp32-out", default="tuned_fp32.txt", help="where to write the FP32 list (default tuned_fp32.txt)")
     p.add_argument(
         "--report",
         metavar="PATH",
@@ -108,6 +108,9 @@ def run(args):
         result = tuning.tune(
             step, state=state, steps=args.steps, rounds=args.rounds, tolerance=args.tolerance, progress=report
         )
+    except tuning.StepDoesNotTrain as e:
+        where = f"TARGET {args.target!r}" if args.target else "the demo model"
+        return _fail(f"{where}: {str(e).removeprefix('hmp.tune: ')}", 1)
     finally:
         bar.close(None if result is None else f"tuned in {bar.elapsed():.0f} s")
     print(result.table())

@@ -321,6 +321,24 @@ def _train(fn, args, kwargs, guard, steps, conversion):
     return _as_float(value), times
 
 
+class StepDoesNotTrain(ValueError):
+    """The step's loss does not move from one step to the next: it does not train."""
+
+
+def check_trains(fn, args, kwargs, guard, steps=3):
+    """Raise StepDoesNotTrain when ``steps`` fp32 steps from the guarded
+    state all return the same loss: a step that only runs the forward
+    (no backward, no optimizer step) gives tune nothing to compare."""
+    with guard.running(), applied(None):
+        losses = [_as_float(fn(*args, **kwargs)) for _ in range(steps)]
+    if len(set(losses)) == 1:
+        raise StepDoesNotTrain(
+            f"hmp.tune: the step's loss did not move over {steps} steps in fp32 (each {losses[0]:.6g}), so it does "
+            f"not train: tune compares training under the lists with training in fp32. The step must run "
+            f"loss.backward() and optimizer.step() and return the loss."
+        )
+
+
 def _interleaved_times(fn, args, kwargs, guard, configs, rounds, tick=lambda what: None):
     """Every step time per configuration (the first of each round left out:
     it pays convert's first calls), configurations interleaved so load from
@@ -401,6 +419,7 @@ def tune(
             progress(done, total, what)
 
     try:
+        check_trains(step_fn, args, kwargs, guard)
         if progress is not None:
             progress(0, None, "audit")
         report = audit_with(guard, step_fn, args, kwargs, threshold, loss_threshold)

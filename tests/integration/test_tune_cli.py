@@ -37,6 +37,11 @@ MODEL = textwrap.dedent("""
     def not_a_pair():
         return 3
 
+    def forward_only():
+        model = torch.nn.Linear(16, 4)
+        x = torch.randn(64, 16)
+        return (lambda: model(x)), (model,)  # logits, no backward, no optimizer step
+
     def no_state():
         step, _ = make_step()
         return step, ()
@@ -135,6 +140,23 @@ def test_a_bad_target_is_a_clear_error_and_writes_nothing(project, target, messa
     assert "Traceback" not in err
     assert not (project / "tuned_bf16.txt").exists()
     assert not hmp.is_converted()
+
+
+def test_a_step_that_does_not_train_is_said_plainly(project, capsys):
+    assert main(["tune", "mymodel:forward_only", *FAST]) == 1
+    err = capsys.readouterr().err
+    assert "python -m hmp tune: error: TARGET 'mymodel:forward_only': the step's loss did not move over 3" in err
+    assert "so it does not train" in err and "loss.backward() and optimizer.step()" in err
+    assert "Traceback" not in err and "within" not in err
+    assert not (project / "tuned_bf16.txt").exists()
+
+
+def test_output_defaults_are_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["tune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--bf16-out BF16_OUT where to write the BF16 list (default tuned_bf16.txt)" in text
+    assert "--fp32-out FP32_OUT where to write the FP32 list (default tuned_fp32.txt)" in text
 
 
 def test_every_option_has_help(capsys):
