@@ -165,3 +165,19 @@ def test_readme_example_is_tested_elsewhere():
     readme = [b for doc, b, _ in python_blocks() if doc.name == "README.md"]
     assert readme and readme[0]["before"].startswith(TESTED_ELSEWHERE)
     assert (ROOT / "tests" / "integration" / "test_readme.py").read_text(encoding="utf-8").count(TESTED_ELSEWHERE)
+
+
+def test_install_commands_in_bash_blocks_work_before_the_package_is_published():
+    """A ```bash block's `pip install` installs from a checkout (the package is
+    not on the index yet), with extras that pyproject.toml defines; the index
+    name appears only as prose, for when it is published."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras, name = set(project["optional-dependencies"]), project["name"]
+    for doc in DOCS:
+        for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), flags=re.S):
+            for command in re.findall(r"pip install ([^\n&]*)", block):
+                assert f'"{name}[' not in command and not command.startswith(name), (doc.name, command)
+                for extra in re.findall(r'"\.\[([\w,-]+)\]"', command):
+                    assert set(extra.split(",")) <= extras, (doc.name, command)
+    assert 'pip install -e ".[lightning]"' in (ROOT / "docs" / "integrations.md").read_text()
