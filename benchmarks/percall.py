@@ -10,10 +10,7 @@ so the numbers are the schemes' overhead, not the kernels'.
 
 Every call goes through the site (``F.linear``, ``torch.mm``, ...) as a
 model's does, and per sample the site holds one implementation: torch's own
-(bare, and autocast, which adds its region), hmp's wrapper, and, where
-hmp's C body is in use, a wrapper of the Python body built from that
-wrapper's fields ("hmp, Python body"), so both bodies run one rule with the
-same casters and cache in one process. hmp is converted once; the modes
+(bare, and autocast, which adds its region) or hmp's wrapper. hmp is converted once; the modes
 interleave sample by sample, their order rotated each rep, and what a mode
 adds is the median over reps of its sample minus that rep's bare one. Weight casts are
 reused by each scheme as it allows: in training (an input that requires
@@ -38,10 +35,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hmp
-from hmp.core import wrap
 
 SIZE = 8
-PY_BODY = "hmp, Python body"
 # case -> (target kind, limit): "x autocast" bounds hmp's added time by autocast's times the limit,
 # "us over bare" by the limit in us
 TARGETS = {
@@ -71,24 +66,12 @@ def cases(device="cpu"):
     }
 
 
-def python_body(site):
-    """The Python body doing what C wrapper ``site`` does, or None where hmp's body is Python."""
-    if getattr(wrap, "BODY", "Python") != "C" or type(site) is not wrap._CWrapper:
-        return None
-    return wrap._body(*wrap.fields(site).values())
-
-
 def implementations(table, originals):
     """case -> {mode: what the site holds in that mode}; hmp converted."""
-    out = {}
-    for case, (_, ns, attr, _) in table.items():
-        site = getattr(ns, attr)
-        impl = {"bare": originals[case], "autocast": originals[case], "hmp": site}
-        py = python_body(site)
-        if py is not None:
-            impl[PY_BODY] = py
-        out[case] = impl
-    return out
+    return {
+        case: {"bare": originals[case], "autocast": originals[case], "hmp": getattr(ns, attr)}
+        for case, (_, ns, attr, _) in table.items()
+    }
 
 
 @contextlib.contextmanager
@@ -155,7 +138,7 @@ def run(reps, calls, progress=print, device="cpu"):
             progress(f"  rep {rep + 1}/{reps}")
     finally:
         hmp.revert()
-    result = {"body": getattr(wrap, "BODY", "Python")}
+    result = {}
     for case, per_mode in samples.items():
         med = {m: statistics.median(v) for m, v in per_mode.items()}
         # what a mode adds: per rep, against that rep's bare sample (load drifts slowly next to a rep)
@@ -183,21 +166,16 @@ def quartiles(values):
 
 
 def report(result):
-    both = any(PY_BODY in r["added_us"] for k, r in result.items() if k != "body")
-    head = "| call | bare (us) | autocast added | hmp added |" + (" hmp, Python body, added |" if both else "")
-    lines = [head + " target for hmp | met |", "|---|---:|---:|---:|" + ("---:|" if both else "") + "---|---|"]
+    lines = ["| call | bare (us) | autocast added | hmp added | target for hmp | met |", "|---|---:|---:|---:|---|---|"]
     for case, r in result.items():
-        if case == "body":
-            continue
         a = r["added_us"]
         target = (
             f"<= {r['limit']:g}x autocast (+{r['bound_us']:.2f})"
             if r["target"] == "x autocast"
             else (f"<= +{r['limit']:g} us")
         )
-        py = f" {a[PY_BODY]:+.2f} |" if both else ""
         lines.append(
-            f"| {case} | {r['median_us']['bare']:.2f} | {a['autocast']:+.2f} | {a['hmp']:+.2f} |{py} {target} | "
+            f"| {case} | {r['median_us']['bare']:.2f} | {a['autocast']:+.2f} | {a['hmp']:+.2f} | {target} | "
             f"{'yes' if r['met'] else 'no'} |"
         )
     return "\n".join(lines)
@@ -215,7 +193,7 @@ def main():
     result = run(args.reps, args.calls, device=args.device)
     print(
         f"torch {torch.__version__}, {SIZE}x{SIZE} tensors on {args.device}, median over {args.reps} reps of "
-        f"interleaved samples of {args.calls} calls less that rep's bare one, one thread; hmp's body: {result['body']}"
+        f"interleaved samples of {args.calls} calls less that rep's bare one, one thread"
     )
     print(report(result))
     if args.json:

@@ -7,7 +7,6 @@ import sys
 
 import torch
 
-from hmp.core import wrap
 from hmp.version import __version__
 
 # subcommand -> the module that defines it with add_parser(subparsers); a
@@ -32,8 +31,7 @@ def _load(module_name):
 
 
 def _version():
-    # the wrapper body in use (hmp/core/wrap.py): what a report of a speed problem needs to say
-    return f"hmp {__version__} (torch {torch.__version__}, Python {platform.python_version()}, {wrap.BODY} body)"
+    return f"hmp {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
 
 
 def main(argv=None):

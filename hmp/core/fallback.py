@@ -50,7 +50,7 @@ def rescue(exc, op, wrapped, args, kwargs, cast_args, cast_kwargs):
                         f"it ran {how}. Call it inside hmp.disable_casts() or change its list to "
                         f"silence this.",
                         RuntimeWarning,
-                        stacklevel=state.user_stacklevel(),  # the C body has no frame of its own
+                        stacklevel=state.user_stacklevel(),
                     )
                 return result
     except Exception:

@@ -15,24 +15,17 @@ site's ``prepare``, which takes every other call. A call with nothing to
 cast leaves after one dtype check per tensor argument. ``prepare`` is None
 in a paused or retired wrapper: a plain call of ``op``.
 
-The body has two implementations of one protocol, as wrapt's wrappers do:
-this module's Python closure, and ``hmp.core._wrap``, the same body in C,
-built at install when a compiler is there. A wrapper is the kind of
-callable its original is: a C function (``torch.mm``, ``F.linear``,
-``Tensor.mm``) gets the C body, a Python function (``F.relu``, a user's
-function) the Python one, which TorchScript compiles and ``inspect`` sees
-as a function, as before (``op_wrap``'s are Python whatever they wrap:
-the program makes them, convert() or not). The C body is used where torch.compile can
-trace it (``torch.compiler.substitute_in_graph``, torch 2.5 and newer: dynamo
-inlines this module's Python body in its place) and unless
-``HMP_PURE_PYTHON`` is set in the environment; ``BODY`` says which runs.
+Every wrapper, whatever it wraps, is this module's Python closure
+(``_body``): a function that ``inspect`` sees as one, torch.compile traces
+and TorchScript compiles as its original (``script_as``). (A body in C was
+removed, issue 40: it saved at most 1.5 us a call, and compiled GPU graphs
+ran 2.5-3.4x slower than autocast with it.)
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import types
 import weakref
@@ -45,11 +38,6 @@ from hmp.core.resolve import BUILTINS, ORIGINAL, mark, unwrap
 from hmp.core.state import OFF, copies, tls
 from hmp.diagnostics import culprit
 from hmp.diagnostics.errors import Wrapped
-
-try:
-    from hmp.core import _wrap  # the body in C: built at install where a compiler is
-except ImportError:
-    _wrap = None
 
 log = logging.getLogger("hmp")
 
@@ -70,7 +58,6 @@ def make(
     inplace_at=_NEVER,
     hidden=True,
     needs=None,
-    c_body=True,
 ):
     """The wrapper of ``op``: casts through ``prepare``; ``wrapped`` (an
     errors.Wrapped) describes it for the error path. ``original``: what
@@ -87,14 +74,9 @@ def make(
     ``src`` go through ``cast`` directly (policy.cast_seq, a number
     ``refuse`` rejects sends the call to ``prepare``), or, with
     ``src=PROMOTE``, a call whose floating tensors share one dtype runs as
-    given. ``prepare`` applies the same rule to every other call.
-    ``c_body=False``: the Python body whatever ``original`` is."""
+    given. ``prepare`` applies the same rule to every other call."""
     original = op if original is None else original
-    if c_body and _C is not None and isinstance(unwrap(original), BUILTINS):
-        body = _C.Wrapper(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs)
-    else:
-        body = _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs)
-    return _finish(body, original)
+    return _finish(_body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs), original)
 
 
 PROMOTE = object()  # make(src=PROMOTE): the promote rule's common case
@@ -183,42 +165,12 @@ _BODY = _body(None, None, None, None, None, None, None, None, None).__code__
 culprit.register_wrapper(_BODY, _op_of)
 
 
-def _after(a, args, k, kwargs):
-    """The C body's write-back step, after a call that cast something (the
-    Python body's ``hidden`` branch)."""
-    if not _is_compiling():
-        _write_back(a, args, k, kwargs)
-
-
 _FIELDS = ("op", "prepare", "wrapped", "src", "cast", "refuse", "inplace_at", "hidden", "needs")
 
 
 def fields(wrapper):
-    """What a wrapper of either body does: ``make``'s arguments, by name."""
-    if type(wrapper) is _CWrapper:
-        return {name: getattr(wrapper, name) for name in _FIELDS}
+    """What a wrapper does: ``make``'s arguments, by name."""
     return {name: _cell(wrapper, name).cell_contents for name in _FIELDS}
-
-
-def _traced(wrapper, *args, **kwargs):
-    """What torch.compile traces for a call of a C wrapper: the Python body
-    built from its fields (dynamo cannot see inside C)."""
-    return _body(*(getattr(wrapper, name) for name in _FIELDS))(*args, **kwargs)
-
-
-def _c_body():
-    """hmp.core._wrap, set up for this process, or None where the Python body
-    runs: not built, ``HMP_PURE_PYTHON`` set, or a torch whose compiler
-    cannot be given the Python body to trace in its place."""
-    if _wrap is None or os.environ.get("HMP_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    if not hasattr(torch.compiler, "substitute_in_graph"):  # torch 2.5
-        return None
-    try:
-        _wrap.setup(**_c_steps())
-    except RuntimeError:  # set up by an earlier copy of this module (importlib.reload): this one runs Python
-        return None
-    return _wrap
 
 
 _ready = False  # ready_for_compile has run in this process
@@ -228,41 +180,15 @@ _ready_lock = threading.Lock()  # two threads' first convert() do it once
 def ready_for_compile():
     """Before convert() installs wrappers: dynamo imported (what it reads
     from torch's namespaces at import must be torch's own functions, so a
-    program that compiles after convert() gets one graph) and given the
-    Python body to trace for the C one. Once per process: importing dynamo
-    takes a second or more where the program has not done it already."""
+    program that compiles after convert() gets one graph). Once per process:
+    importing dynamo takes a second or more where the program has not done
+    it already."""
     global _ready
     with _ready_lock:
         if _ready:
             return
         torch_private.import_dynamo()
-        if _C is not None:
-            torch.compiler.substitute_in_graph(_C.Wrapper.__call__, skip_signature_check=True)(_traced)
         _ready = True
-
-
-def _c_steps():
-    """What the C body reads and calls: torch's types, hmp's constants and Python steps."""
-    return dict(
-        tensor=torch.Tensor,
-        parameter=torch.nn.Parameter,
-        floats=(policy.FP16, policy.BF16, policy.FP32, policy.FP64),
-        promote=PROMOTE,
-        state=tls,
-        off=OFF,
-        cast_seq=policy.cast_seq,
-        is_number=policy.is_number,
-        hold=hold,
-        after=_after,
-        rescue=fallback.rescue,
-        raise_=fallback.RAISE,
-        method_type=types.MethodType,
-    )
-
-
-_C = _c_body()
-_CWrapper = _C.Wrapper if _C is not None else None
-BODY = "C" if _C is not None else "Python"  # which body wraps C functions in this process
 
 
 def _finish(wrapper, op):
@@ -311,15 +237,12 @@ def _cell(wrapper, name):
 
 
 def _set(wrapper, name, value):
-    """Set field ``name`` (``op`` or ``prepare``) of either body."""
-    if type(wrapper) is _CWrapper:
-        setattr(wrapper, name, value)
-    else:
-        _cell(wrapper, name).cell_contents = value
+    """Set field ``name`` (``op`` or ``prepare``) of a wrapper."""
+    _cell(wrapper, name).cell_contents = value
 
 
 def is_wrapper(obj):
-    return type(obj) is _CWrapper or getattr(obj, "__code__", None) is _BODY
+    return getattr(obj, "__code__", None) is _BODY
 
 
 def pause(wrapper):
@@ -335,13 +258,9 @@ def resume(wrapper, prepare):
 def adopt(wrapper, donor):
     """Give ``wrapper`` (an hmp wrapper another library holds: it wrapped it,
     or saved it to put back later) everything ``donor``, a wrapper built for
-    the same op by this conversion, would do. Both stand in for one op, so
-    they share a body: the C fields, or the closures cell for cell."""
-    if type(wrapper) is _CWrapper:
-        wrapper.adopt(donor)
-    else:
-        for mine, theirs in zip(wrapper.__closure__, donor.__closure__):
-            mine.cell_contents = theirs.cell_contents
+    the same op by this conversion, would do: the closures, cell for cell."""
+    for mine, theirs in zip(wrapper.__closure__, donor.__closure__):
+        mine.cell_contents = theirs.cell_contents
     wrapper.__qualname__ = donor.__qualname__
 
 
@@ -524,8 +443,7 @@ def op_wrap(op: Callable, cast_fn: Callable[[torch.Tensor], torch.Tensor]) -> Ca
     def prepare(args, kwargs):
         return tuple(cast_value(a) for a in args), {k: cast_value(v) for k, v in kwargs.items()}
 
-    # the Python body: made outside convert(), which is what readies torch.compile for the C one (ready_for_compile)
-    return make(op, prepare, Wrapped(getattr(op, "__qualname__", None) or repr(op)), c_body=False)
+    return make(op, prepare, Wrapped(getattr(op, "__qualname__", None) or repr(op)))
 
 
 def to_bf16(t: Any) -> Any:

@@ -59,11 +59,9 @@ def in_wrapper(tb):
 
 def raised_by_the_op(exc):
     """True when ``exc`` came straight out of the op an hmp wrapper called (a
-    C function: nothing ran before its kernel was chosen). The C body has no
-    frame: an exception that reaches it with no traceback at all left no
-    Python frame between its raise and that body, so the op raised it."""
-    tb = exc.__traceback__
-    return tb is None or in_wrapper(innermost(tb))
+    C function: nothing ran before its kernel was chosen): the innermost
+    frame of its traceback is the wrapper's."""
+    return in_wrapper(innermost(exc.__traceback__))
 
 
 def _source(tb):

@@ -3,10 +3,8 @@ small models and training steps, Python subprocesses, tiny Hugging Face configs.
 The worker scripts and models beside this file are run or imported by the tests."""
 
 import ast
-import shutil
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 import torch
@@ -33,17 +31,6 @@ NO_BF16_LSTM = _bf16_lstm_missing()
 def skip_without_bf16_lstm():
     if NO_BF16_LSTM:
         pytest.skip(NO_BF16_LSTM)
-
-
-def has_c_compiler():
-    """The C compiler Python builds extensions with (sysconfig's CC) is on PATH."""
-    return shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is not None
-
-
-def c_body_expected(built):
-    """Which body wraps C functions with hmp's extension ``built`` or not: the
-    C one needs torch.compiler.substitute_in_graph (torch 2.5)."""
-    return "C" if built and hasattr(torch.compiler, "substitute_in_graph") else "Python"
 
 
 # the running torch's release, (major, minor, patch), for version-gated skips

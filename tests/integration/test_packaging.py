@@ -1,14 +1,11 @@
 """The shipped list files work from an installed wheel, from any directory."""
 
-import os
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import c_body_expected, has_c_compiler
 
 import hmp
 
@@ -17,33 +14,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.torch_internals
-@pytest.mark.parametrize("compiler", ["cc", "none"])
-def test_installed_wheel_finds_its_lists(tmp_path, compiler):
-    """From a wheel built with a C compiler (the C body inside) and without
-    one (CC names a program that fails: the install goes on, and the Python
-    body runs)."""
+def test_installed_wheel_finds_its_lists(tmp_path):
     pytest.importorskip("setuptools")
-    if compiler == "cc" and not has_c_compiler():
-        pytest.skip("no C compiler here")
     wheels, site, source = tmp_path / "wheels", tmp_path / "site", tmp_path / "source"
     # the sources alone: no build folder or extension an editable install left in this checkout
     built_here = ("build", "dist", "*.so", "*.egg-info", ".venv", ".git", "__pycache__", ".hypothesis")
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*built_here))
-    env = dict(os.environ, **({"CC": "false"} if compiler == "none" else {}))
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)]
         + [str(source)],
         capture_output=True,
         text=True,
         timeout=300,
-        env=env,
     )
     assert build.returncode == 0, build.stderr
     (wheel,) = wheels.glob("torch_hmp-*.whl")  # the distribution's name; the import name is hmp
-    with zipfile.ZipFile(wheel) as z:
-        built = [n for n in z.namelist() if n.startswith("hmp/core/_wrap.") and not n.endswith(".c")]
-    assert bool(built) == (compiler == "cc"), built
-    assert "-cp39-abi3-" in wheel.name, wheel.name  # one wheel per platform for CPython 3.9 and newer
+    assert wheel.name.endswith("-py3-none-any.whl"), wheel.name  # pure Python: one wheel for every platform
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
         capture_output=True,
@@ -61,16 +47,13 @@ def test_installed_wheel_finds_its_lists(tmp_path, compiler):
         "print(len(hmp.effective_lists()['bf16']), len(hmp.effective_lists()['fp32']))\n"
         "print(torch.nn.functional.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype)\n"
         "hmp.convert(opt_level='O2')\n"
-        "from hmp.core import wrap\n"
-        "print(wrap.BODY)\n"
     )
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
     res = subprocess.run(
         [sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, env=env, timeout=120
     )
     assert res.returncode == 0, res.stderr
-    where, counts, dtype, body = res.stdout.split("\n")[:4]
-    assert body == c_body_expected(built=compiler == "cc"), body
+    where, counts, dtype = res.stdout.split("\n")[:3]
     assert where.startswith(str(site)), where  # the installed copy, not the source tree
     hmp.convert()  # the source tree's lists, in this process
     expected = f"{len(hmp.effective_lists()['bf16'])} {len(hmp.effective_lists()['fp32'])}"
