@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hmp
+from hmp.tools.progress import Progress
 
 SIZE = 8
 # case -> (target kind, limit): "x autocast" bounds hmp's added time by autocast's times the limit,
@@ -135,7 +136,7 @@ def run(reps, calls, progress=print, device="cpu"):
                     gc.collect()
                     with installed(ns, attr, impls[case][mode]), mode_context(mode, grad, device):
                         samples[case][mode].append(sample(fn, calls, device))
-            progress(f"  rep {rep + 1}/{reps}")
+            progress(f"rep {rep + 1}/{reps}")
     finally:
         hmp.revert()
     result = {}
@@ -190,7 +191,9 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="hmp: a torch.autocast region")  # entered on purpose, per sample
-    result = run(args.reps, args.calls, device=args.device)
+    bar = Progress("timing", args.reps, "percall.py", unit="rep")  # one line (a bar on a terminal), not one per rep
+    result = run(args.reps, args.calls, progress=bar.step, device=args.device)
+    bar.close()
     print(
         f"torch {torch.__version__}, {SIZE}x{SIZE} tensors on {args.device}, median over {args.reps} reps of "
         f"interleaved samples of {args.calls} calls less that rep's bare one, one thread"

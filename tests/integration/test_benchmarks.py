@@ -57,3 +57,12 @@ def test_percall_compares_the_schemes_on_what_each_returns(tmp_path):
     for case in ("softmax (fp32, no cast)", "cat (one dtype, no cast)"):
         assert res[case]["dtype"] == dict.fromkeys(modes, "float32"), case
     assert "| mm |" in p.stdout
+
+
+def test_percall_prints_one_progress_line_not_one_per_rep(tmp_path):
+    p = run_python(str(BENCHMARKS / "percall.py"), "--reps", "3", "--calls", "5", cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rep 1/3" not in p.stdout and "rep 2/3" not in p.stdout
+    progress = [line for line in p.stderr.splitlines() if "rep" in line]
+    # the count up front; a line every 10 s on a slow machine, never one per rep
+    assert progress[0] == "percall.py: timing: 3 reps" and len(progress) < 3, progress
