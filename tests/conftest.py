@@ -55,7 +55,13 @@ def pytest_runtest_call(item):
     return result
 
 
-ENV_LIST_VARS = ("LOWER_LIST", "FP32_LIST", "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST", "PT_HPU_AUTOCAST_FP32_OPS_LIST")
+ENV_LIST_VARS = (
+    "LOWER_LIST",
+    "FP32_LIST",
+    "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST",
+    "PT_HPU_AUTOCAST_FP32_OPS_LIST",
+    "HMP_STRICT",
+)
 
 
 @pytest.fixture(autouse=True)

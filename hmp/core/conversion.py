@@ -18,7 +18,7 @@ from typing import Any, Iterator, NamedTuple
 import torch
 
 from hmp import rules, tested
-from hmp.core import cache, imports, lists, modules, wrap
+from hmp.core import cache, imports, lists, modules, policy, wrap
 from hmp.core.cache import clear_cache
 from hmp.core.hints import ListPath, ModuleTargets
 from hmp.core.patch import MISSING, PatchLog
@@ -38,6 +38,7 @@ class Options(NamedTuple):
     low: torch.dtype = torch.bfloat16  # the lower-precision dtype
     verbose: bool = False
     cache: bool = True  # the weight-cast cache (hmp/core/cache.py)
+    strict: bool = False  # Habana's literal rule: every listed op casts, pointwise ones too
 
 
 NO_MODULES = {"bf16": (), "fp32": ()}
@@ -60,7 +61,27 @@ def _looks_like_path(text):
     return os.sep in text or "/" in text or os.path.splitext(text)[1] != "" or os.path.exists(text)
 
 
-def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bfloat16, cache=True):
+STRICT_ENV = "HMP_STRICT"  # strict=None reads it: HMP_STRICT=1 runs an unchanged script under Habana's rule
+
+
+def _strict(strict, environ=None):
+    if strict is None:
+        value = (os.environ if environ is None else environ).get(STRICT_ENV, "").strip()
+        if value not in ("", "0", "1"):
+            raise ValueError(f"hmp: {STRICT_ENV} must be 0 or 1, got {value!r}")
+        return value == "1"
+    if not isinstance(strict, bool):
+        raise TypeError(f"hmp: strict must be a bool (or None: {STRICT_ENV} decides), got {strict!r}")
+    return strict
+
+
+def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bfloat16, cache=True, strict=False):
+    if isinstance(opt_level, torch.nn.Module):
+        raise TypeError(
+            f"hmp: convert() takes no model: it patches torch's ops process-wide, so every model runs under "
+            f"the lists once it is called; call hmp.convert() and run {type(opt_level).__name__} as it is "
+            f"(model= is only for naming modules in fp32_modules/bf16_modules)"
+        )
     if opt_level not in lists.OPT_LEVELS:
         raise ValueError(f"hmp: opt_level must be one of {', '.join(lists.OPT_LEVELS)}, got {opt_level!r}")
     if low_precision_type not in LOW_DTYPES:
@@ -76,7 +97,7 @@ def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bflo
         raise TypeError(f"hmp: isVerbose must be a bool, got {isVerbose!r}")
     if not isinstance(cache, bool):
         raise TypeError(f"hmp: cache must be a bool, got {cache!r}")
-    return Options(opt_level, low_precision_type, isVerbose, cache)
+    return Options(opt_level, low_precision_type, isVerbose, cache, _strict(strict))
 
 
 def plan(
@@ -93,10 +114,11 @@ def plan(
     bf16_modules=None,
     model=None,
     uncast_file_path="",
+    strict=None,
     resolver=None,
 ):
     """The Conversion convert() would install, checked; changes nothing."""
-    options = check_options(opt_level, isVerbose, low_precision_type, cache)
+    options = check_options(opt_level, isVerbose, low_precision_type, cache, strict)
     effective, classes = lists.effective(
         resolver or Resolver(),
         opt_level,
@@ -125,6 +147,7 @@ def convert(
     bf16_modules: ModuleTargets = None,
     model: torch.nn.Module | None = None,
     uncast_file_path: ListPath = "",
+    strict: bool | None = None,
 ) -> None:
     """Patch torch so listed ops run in the dtypes their lists say.
 
@@ -140,7 +163,11 @@ def convert(
     whose whole forward runs under that list's rule (hmp/core/modules.py), as
     module entries of the list files do. ``uncast_file_path``: the entry
     points that run with casts off (hmp/rules/uncast_calls.py); ``""`` is the
-    shipped list.
+    shipped list. ``strict=True`` (``None``: ``HMP_STRICT=1`` in the
+    environment) is Habana's literal rule: every op in the lower-precision list
+    casts float32 down, pointwise ops and normalisations' inputs too, as on
+    HPU (docs/never-changes.md says what that risks); by default a pointwise
+    op follows torch's type promotion and a normalisation rounds only its output.
     """
     with runtime.lock:
         resolver = Resolver()  # one for checking the lists and binding them: names resolve once
@@ -157,6 +184,7 @@ def convert(
             bf16_modules=bf16_modules,
             model=model,
             uncast_file_path=uncast_file_path,
+            strict=strict,
             resolver=resolver,
         )
         interop.warn_inside_autocast()  # before patching: a warnings filter set to "error" patches nothing
@@ -209,7 +237,7 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         effective, options, extra, by_module, uncast = conversion
         casters = cache.casters() if options.cache else dict(CASTS)
         watch = imports.Watch()  # entries whose module the program imports later
-        wrappers = wrap.Wrappers(options.low, casters, options.verbose, recorder, passthrough)
+        wrappers = wrap.Wrappers(options.low, casters, options.verbose, recorder, passthrough, options.strict)
         # an op returning a view of its input is never wrapped (see resolve.returns_view); ops in no list
         # that have no kernel for the lower dtype or need one dtype run as they would without hmp's casts
         fallback = lists.fallback_names(options.low)
@@ -217,7 +245,7 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         sites = [
             (b.site.namespace, b.site.attr, wrappers.site(b, _original(b.site, held)))
             for b in (resolver or Resolver()).bind(effective, fallback)
-            if not returns_view(b.name)
+            if not returns_view(b.name) and not policy.runs_as_torch(b, lists.one_dtype_names(), options.strict)
         ]
         sites += [_registration(wrappers, *entry) for entry in runtime.registered]
         patches = []

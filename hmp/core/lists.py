@@ -9,7 +9,7 @@ default list of the file's kind), ``include <name>`` (a shipped list,
 ``list_path(name)``) or ``-name`` (take ``name`` out of what the file
 holds), so a file can extend a default list instead of replacing it. A list
 holds precision choices only: names of ops that alias, copy, move or only
-write data are refused (``refusal``).
+write data are skipped with a warning (``refusal``).
 """
 
 import fnmatch
@@ -98,8 +98,15 @@ def fallback_names(low):
     read without checking each name again."""
     return (
         ("fp32", tuple(n for _, n in read_names(default_path(NO_KERNEL_FILES[low])))),
-        ("promote", tuple(n for _, n in read_names(default_path(ONE_DTYPE_FILE)))),
+        ("promote", tuple(sorted(one_dtype_names()))),
     )
+
+
+@functools.lru_cache(maxsize=None)
+def one_dtype_names():
+    """The ops that need all their floating inputs in one dtype (op_lists/one_dtype.txt):
+    the only ones whose promotion torch does not do itself."""
+    return frozenset(n for _, n in read_names(default_path(ONE_DTYPE_FILE)))
 
 
 def default_file(opt_level, kind, low=torch.bfloat16):
@@ -259,7 +266,7 @@ def load(path, known, what, modules=True, default=None):
     names, all of them at once) raise ValueError naming the file and lines.
     """
     entries, syntax = _read_lines(path, what)
-    errors, unreachable = [], []
+    errors, unreachable, skipped = [], [], []
     names, classes, explicit, removed = {}, {}, set(), {}
     for number, name in entries:
         if name.startswith(INCLUDE):
@@ -305,13 +312,7 @@ def load(path, known, what, modules=True, default=None):
             continue
         reason = refusal(op) if status == BOUND else None  # an unbindable name is skipped below anyway
         if reason is not None and not remove:
-            errors.append(
-                (
-                    number,
-                    f"line {number}: {op!r} {reason}; a list holds precision choices only, so hmp "
-                    f"refuses it (docs/lists.md)",
-                )
-            )
+            skipped.append(f"line {number}: {op!r} ({reason})")
             continue
         if op != name:
             log.info(
@@ -340,6 +341,8 @@ def load(path, known, what, modules=True, default=None):
     if unreachable:
         where = ", ".join(f"line {n}: aten::{op}" for n, op in unreachable)
         warn_unreachable(f"{what} {str(path)!r}: {where}")
+    if skipped:
+        warn_skipped(f"{what} {str(path)!r}: {'; '.join(skipped)}")
     ops = [op for op in names if op not in removed]
     found = [entry for key, entry in classes.items() if key not in removed and entry_key(entry) not in removed]
     return Entries(ops, list(dict.fromkeys(found)), frozenset(explicit))
@@ -447,6 +450,18 @@ class Pattern(NamedTuple):
                 ):
                     found.append(value)
         return found
+
+
+def warn_skipped(where):
+    """One warning for a file's names that are no precision choice (views,
+    copies, moves: Habana's lists name ``view``, apex's ``cpu``): skipped, so
+    the script runs; nothing is cast through them and a view stays a view."""
+    warnings.warn(
+        f"hmp: {where}: not a precision choice (a cast there would break the program, not choose a "
+        f"precision), so hmp skips it (docs/lists.md)",
+        UserWarning,
+        stacklevel=state.user_stacklevel(),
+    )
 
 
 def warn_unreachable(where):

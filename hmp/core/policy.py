@@ -20,6 +20,7 @@ import numbers
 import torch
 
 from hmp.core import torch_private
+from hmp.core.pointwise import is_pointwise
 
 Tensor = torch.Tensor
 FP16, BF16, FP32, FP64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -37,18 +38,19 @@ _promote_types = torch.promote_types  # captured: listing promote_types cannot r
 _TB = torch_private.TensorBase
 PLAIN_CASTS = {FP16: _TB.half, BF16: _TB.bfloat16, FP32: _TB.float, FP64: _TB.double}
 
+_isinf, _clamp, _where, _nan_to_num_ = torch.isinf, torch.clamp, torch.where, _TB.nan_to_num_
+_set_grad, _grad_on, _tracing = torch_private.set_grad_enabled, torch.is_grad_enabled, torch_private.tracing_state
 _NAN = float("nan")
-_nan_to_num_, _set_grad, _grad_on = _TB.nan_to_num_, torch_private.set_grad_enabled, torch.is_grad_enabled
 
 
 def _finite(dtype):
     """The cast to a lower dtype that keeps a finite value finite
-    (docs/never-changes.md): torch's rounding, then a value beyond the
+    (docs/never-changes.md): torch's rounding, then a finite value beyond the
     dtype's range (inf after rounding) becomes its largest finite value, as
-    saturating conversions do. One in-place pass over the copy, outside
-    autograd (the copy's gradient is the plain cast's), so the copy is the
-    only tensor made; NaN stays NaN. It bumps the copy's version once
-    (``written`` relies on that)."""
+    saturating conversions do; an infinity stays infinite and NaN stays NaN,
+    as in plain torch. Written into the copy outside autograd (the copy's
+    gradient is the plain cast's), so the copy is the only tensor kept. It
+    bumps the copy's version once (``written`` relies on that)."""
     cast, top = PLAIN_CASTS[dtype], torch.finfo(dtype).max
 
     def cast_finite(t):
@@ -57,8 +59,11 @@ def _finite(dtype):
         if grad:
             _set_grad(False)
         try:
-            _nan_to_num_(y, _NAN, top, -top)
-        except (RuntimeError, NotImplementedError):  # a layout without the op (nested): torch's rounding
+            if _tracing() is None:
+                y.copy_(_where(_isinf(t), y, _clamp(y, -top, top)))
+            else:  # jit.trace: an op on the source would keep it alive in the trace; infinities saturate too
+                _nan_to_num_(y, _NAN, top, -top)
+        except (RuntimeError, NotImplementedError):  # a layout without these ops (nested): torch's rounding
             pass
         finally:
             if grad:
@@ -84,6 +89,18 @@ NORM_OPS = frozenset(
         "native_group_norm",
     )
 )
+# Dropout: no arithmetic worth a lower dtype, and like a normalisation it
+# may compute on the float32 it is given and hand on its output rounded.
+DROPOUTS = frozenset(
+    ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "feature_dropout")
+)
+# BF16-list ops that never round their input (rounding meets the mean's
+# subtraction: bf16's step at 1000 is 8): fed float32, they compute in
+# float32 and return their output in the lower dtype, where rounding is
+# harmless and the next matrix product gets it without a cast of its own.
+# Named here: torch has no tag for a normalisation (a last resort, checked by
+# tests/unit/test_nn_sweep.py against every normalisation module of torch.nn).
+ROUND_OUTPUT = NORM_OPS | DROPOUTS
 # Norms without running statistics. Some devices' kernels reject a bf16 input
 # with fp32 weight and bias (CUDA's layer_norm); there these fall back to
 # casting weight and bias too (see wrap.mixed_or_lower).
@@ -99,17 +116,12 @@ def cast_seq(seq, src, cast, refuse=None):
     then runs as it would without hmp. ``refuse``: a check of the numbers
     in ``seq`` (Python, numpy or any other real number, at any depth); when
     it says True, the result is None (the BF16 rule's overflow check: see
-    ``lower``). ``refuse.decay``, when set: a factor that makes the result
-    None when a tensor of ``seq`` itself was cast (a decay of float32
-    values); a scalar tensor on the CPU counts as such a factor (reading it
-    costs no device sync).
+    ``lower``).
     """
-    out, decay = None, False
+    out = None
     for i, a in enumerate(seq):
         if isinstance(a, Tensor):
             if a.dtype in src:
-                if refuse is not None and refuse.decay and not a.dim() and a.is_cpu and refuse.decay(a.item()):
-                    decay = True
                 try:
                     c = cast(a)
                 except Exception:
@@ -134,12 +146,8 @@ def cast_seq(seq, src, cast, refuse=None):
                 a = float(a)  # numpy's: by their exact value
             if refuse(a):
                 return None
-            if refuse.decay and refuse.decay(a):
-                decay = True
     if out is None:
         return seq
-    if decay:
-        return None
     return out if type(seq) is list else tuple(out)
 
 
@@ -194,44 +202,27 @@ def overflow_limit(low):
 _INF = float("inf")
 FP32_ONLY = frozenset((FP32,))
 HALVES = frozenset((BF16, FP16))
-MULTIPLICATIONS = frozenset(("mul", "multiply"))
 
 
-# A multiplication by a factor this close to 1 is a decay (a moving average,
-# a soft target update: x * 0.995 + y * 0.005): in the lower dtype its result
-# rounds back to about the value multiplied, so an update applied step after
-# step stalls. Such a call runs under the FP32 rule.
-DECAY = (0.9, 1.1)
-
-
-def numbers_check(low, name):
+def numbers_check(low):
     """The BF16 rule's check of a number: True (refuse the rule: the call
     runs under the FP32 rule) for a finite number beyond the lower dtype's
-    largest value; ``.decay``, for a multiplication, a decay-like factor
-    (``DECAY``; 1 too: ``1.0 * p`` is a hard copy of weights), which refuses
-    the rule only when float32 values would be cast (``cast_seq``): a
-    product of lower-precision values loses nothing in the lower dtype."""
+    largest value."""
     limit = overflow_limit(low)
-    low_decay, high_decay = DECAY
 
     def refuse(a):
         return (a > limit or a < -limit) and a != _INF and a != -_INF
 
-    def decay(a):
-        return low_decay <= a <= high_decay
-
-    refuse.decay = decay if name in MULTIPLICATIONS else None
     return refuse
 
 
-def lower(low, casters, out=None, name=None):
+def lower(low, casters, out=None):
     """BF16 list: float32 tensors go to the lower dtype; nothing else is
     touched. A call given a Python number that the lower dtype cannot hold
     as a finite value (``torch.finfo(torch.float32).min``, the usual
     attention-mask fill, is -inf in bfloat16) runs under the FP32 rule
-    instead: a finite value never turns inf (docs/never-changes.md); so
-    does a multiplication by a decay-like factor. ``name``: the op."""
-    cast, refuse = casters[low], numbers_check(low, name)
+    instead: a finite value never turns inf (docs/never-changes.md)."""
+    cast, refuse = casters[low], numbers_check(low)
     up = fp32(low, casters, out)
 
     def prepare(args, kwargs):
@@ -279,6 +270,24 @@ def lower_input_only(low, casters, out=None):
             x = kwargs.get("input")
             if isinstance(x, Tensor) and x.dtype is FP32:
                 kwargs = dict(kwargs, input=cast_seq((x,), FP32_ONLY, cast)[0])
+        return args, kwargs
+
+    return prepare
+
+
+def input_as_parameters(low, casters, out):
+    """ROUND_OUTPUT ops: the input is left as given (a float32 input is never
+    rounded), unless a parameter (weight, bias, statistics) is already in a
+    lower dtype: a module its author made bf16 computes in bf16, as its
+    parameters do, and its kernel needs the input in their dtype. A call
+    with ``out=`` follows the in-place rule."""
+    lower_input = lower_input_only(low, casters, out)
+
+    def prepare(args, kwargs):
+        if kwargs and kwargs.get("out") is not None:
+            return out(args, kwargs)
+        if _floating_dtypes((args[1:], tuple(kwargs.values())), set()) & HALVES:
+            return lower_input(args, kwargs)
         return args, kwargs
 
     return prepare
@@ -542,19 +551,58 @@ def for_kind(kind, low, casters):
     return RULES[kind](low, casters, inplace_out(casters))
 
 
-def for_site(kind, name, site, low, casters):
+def runs_as_torch(binding, one_dtype, strict):
+    """True for a list entry whose op torch already runs as its rule asks, so
+    it is not wrapped (it stays torch's own object, at no cost): outside
+    strict mode, a pointwise op in the BF16 list (torch's type promotion runs
+    it in bfloat16 when its floating inputs are, and never pulls float32 data
+    down: hmp/core/pointwise.py) and a promote-list op torch promotes itself
+    (every op but those that need one dtype, ``one_dtype``)."""
+    if strict or binding.fallback:
+        return False
+    if binding.kind == "bf16":
+        return is_pointwise(binding.name)
+    return binding.kind == "promote" and binding.name not in one_dtype
+
+
+def rounds_output(kind, name, strict):
+    """True for a site that computes on its float32 input and rounds its
+    output (ROUND_OUTPUT, outside strict mode)."""
+    return kind == "bf16" and name in ROUND_OUTPUT and not strict
+
+
+def round_output(cast):
+    """``output(args, kwargs, result)`` of a ROUND_OUTPUT site's wrapper: given a
+    float32 input, its float32 result (the first, of a tuple) comes back
+    through ``cast``; an in-place call's result (the input itself) and the
+    result of any other input are left as they are."""
+
+    def output(args, kwargs, result):
+        x = args[0] if args else kwargs.get("input")
+        if not isinstance(x, Tensor) or x.dtype is not FP32 or result is x:
+            return result
+        if isinstance(result, Tensor):
+            return cast(result) if result.dtype is FP32 else result
+        if type(result) is tuple and result and isinstance(result[0], Tensor) and result[0].dtype is FP32:
+            return (cast(result[0]), *result[1:])
+        return result
+
+    return output
+
+
+def for_site(kind, name, site, low, casters, strict=False):
     """The one prepare for calls of ``site`` (a resolve.Site) bound by list
-    entry ``name`` of list ``kind``."""
+    entry ``name`` of list ``kind``; ``strict``: Habana's literal rule (a
+    normalisation's input is cast too)."""
     if site.inplace:
         return inplace_self(casters)
-    if kind == "bf16":
-        main = (
-            lower_input_only(low, casters, inplace_out(casters))
-            if name in NORM_OPS
-            else lower(low, casters, inplace_out(casters), name)
-        )
+    out = inplace_out(casters)
+    if rounds_output(kind, name, strict):
+        main = input_as_parameters(low, casters, out)
+    elif kind == "bf16":
+        main = lower_input_only(low, casters, out) if name in NORM_OPS else lower(low, casters, out)
     else:
-        main = RULES[kind](low, casters, inplace_out(casters))
+        main = RULES[kind](low, casters, out)
     if site.written:
         main = written_into(site.written, main, casters)
     if site.inplace_param is None:

@@ -345,3 +345,26 @@ def missing():
             f"step that raises leaves casts off in its thread until revert(); please report"
         )
     return out
+
+
+# Which aten overloads a call reaches (hmp/core/pointwise.py classifies list
+# names by them): torch's dispatch mode, from its private module.
+from torch.utils import _python_dispatch  # noqa: E402
+
+
+class _Reached(_python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def reached_ops(fn, *args):
+    """The aten overloads ``fn(*args)`` dispatches, in order."""
+    mode = _Reached()
+    with mode:
+        fn(*args)
+    return mode.ops

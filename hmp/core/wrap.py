@@ -58,6 +58,7 @@ def make(
     inplace_at=_NEVER,
     hidden=True,
     needs=None,
+    output=None,
 ):
     """The wrapper of ``op``: casts through ``prepare``; ``wrapped`` (an
     errors.Wrapped) describes it for the error path. ``original``: what
@@ -76,7 +77,7 @@ def make(
     ``src=PROMOTE``, a call whose floating tensors share one dtype runs as
     given. ``prepare`` applies the same rule to every other call."""
     original = op if original is None else original
-    return _finish(_body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs), original)
+    return _finish(_body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs, output), original)
 
 
 PROMOTE = object()  # make(src=PROMOTE): the promote rule's common case
@@ -84,7 +85,7 @@ _cast_seq, _one_dtype, _write_back = policy.cast_seq, policy.one_dtype, policy.w
 _is_compiling = torch.compiler.is_compiling
 
 
-def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
+def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs, output):
     def wrapper(*args, **kwargs):
         st = tls
         # read once: another thread's revert() may retire this wrapper (its prepare set to None)
@@ -108,7 +109,7 @@ def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
             # a write into a copy reaches the caller's tensor (traced code: functionalized)
             if hidden and not _is_compiling() and (a is not args or k is not kwargs):
                 _write_back(a, args, k, kwargs)
-            return result
+            return result if output is None else output(a, k, result)
         except Exception as e:  # costs nothing unless the op raises
             st.fresh.clear()
             result = fallback.rescue(e, op, wrapped, args, kwargs, a, k)
@@ -161,11 +162,11 @@ def _op_of(frame):
     return frame.f_locals.get("op")
 
 
-_BODY = _body(None, None, None, None, None, None, None, None, None).__code__
+_BODY = _body(None, None, None, None, None, None, None, None, None, None).__code__
 culprit.register_wrapper(_BODY, _op_of)
 
 
-_FIELDS = ("op", "prepare", "wrapped", "src", "cast", "refuse", "inplace_at", "hidden", "needs")
+_FIELDS = ("op", "prepare", "wrapped", "src", "cast", "refuse", "inplace_at", "hidden", "needs", "output")
 
 
 def fields(wrapper):
@@ -361,13 +362,14 @@ class Wrappers:
     them cast nothing while still recording (an audit's fp32 reference).
     """
 
-    def __init__(self, low, casters, verbose=False, recorder=None, passthrough=False):
-        self.low, self.casters, self.verbose, self.recorder, self.passthrough = (
+    def __init__(self, low, casters, verbose=False, recorder=None, passthrough=False, strict=False):
+        self.low, self.casters, self.verbose, self.recorder, self.passthrough, self.strict = (
             low,
             casters,
             verbose,
             recorder,
             passthrough,
+            strict,
         )
 
     def _prepare(self, prepare, label, name):
@@ -385,10 +387,12 @@ class Wrappers:
     def site(self, binding, original):
         """The wrapper of ``original`` for a resolve.Binding."""
         site, kind, name, fallback = binding
-        prepare = policy.for_site(kind, name, site, self.low, self.casters)
+        prepare = policy.for_site(kind, name, site, self.low, self.casters, self.strict)
         op = original
         if policy.rejects_mixed(kind, name) and not self.passthrough:
             op = mixed_or_lower(op, policy.lower(self.low, self.casters))
+        rounds = policy.rounds_output(kind, name, self.strict)
+        output = policy.round_output(policy.CASTS[self.low]) if rounds and not self.passthrough else None
         wrapped = Wrapped.of(binding)
         hidden = not isinstance(original, BUILTINS)
         op = self._op(op)
@@ -400,15 +404,24 @@ class Wrappers:
             or self.recorder is not None
             or site.inplace
             or site.written
+            or rounds
             or name in policy.NORM_OPS
             and kind == "bf16"
             or fallback
         ):
-            return make(op, self._prepare(prepare, site.label, name), wrapped, original, hidden=hidden, needs=needs)
+            return make(
+                op,
+                self._prepare(prepare, site.label, name),
+                wrapped,
+                original,
+                hidden=hidden,
+                needs=needs,
+                output=output,
+            )
         # lean for calls without keywords: the rule's casts without the prepare call
         at = _NEVER if site.inplace_param is None else site.inplace_param
         if kind == "bf16":
-            src, cast, refuse = policy.FP32_ONLY, self.casters[self.low], policy.numbers_check(self.low, name)
+            src, cast, refuse = policy.FP32_ONLY, self.casters[self.low], policy.numbers_check(self.low)
         elif kind == "fp32":
             src, cast, refuse = policy.HALVES, self.casters[_FP32], None
         else:

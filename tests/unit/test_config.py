@@ -99,8 +99,10 @@ def test_mapping_and_pathlike_and_str(tmp_path, pristine):
         assert hmp.effective_lists()["fp32"] == ["softmax"]
 
 
-def test_missing_hmp_lists_are_optimum_habanas_bert_lists(pristine):
-    """optimum-habana's GaudiConfig fills missing hmp_*_ops with its BERT lists."""
+def test_missing_hmp_lists_are_optimum_habanas_bert_lists(pristine, monkeypatch):
+    """optimum-habana's GaudiConfig fills missing hmp_*_ops with its BERT lists
+    (run as on HPU: HMP_STRICT=1, Habana's literal rule, casts pointwise ops too)."""
+    monkeypatch.setenv("HMP_STRICT", "1")
     hmp.convert_from_config({"use_habana_mixed_precision": True})
     lists = hmp.effective_lists()
     assert lists["bf16"] == BERT_BF16 and lists["fp32"] == BERT_FP32

@@ -59,7 +59,7 @@ def test_include_a_shipped_list_by_name_and_list_path(tmp_path):
     path = write(tmp_path, "f.txt", "include bf16\n")  # the seed's list, run in float16
     hmp.convert(low_precision_type=FP16, fp16_file_path=path)
     assert hmp.effective_lists()["bf16"] == _names("bf16")
-    assert torch.relu(torch.randn(3)).dtype == FP16
+    assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == FP16
 
 
 def test_an_explicit_name_in_both_user_files_is_still_an_error(tmp_path, pristine):
@@ -132,15 +132,18 @@ _NOT_PRECISION = [
     kind=st.sampled_from(["bf16", "fp32", "promote"]),
     line=st.integers(1, 4),
 )
-def test_names_that_copy_alias_move_or_write_are_refused_with_file_and_line(tmp_path_factory, name, kind, line):
+def test_names_that_copy_alias_move_or_write_are_skipped_with_file_and_line(tmp_path_factory, name, kind, line):
+    """Habana's own list files name view, unsqueeze, expand; apex's FP32 list
+    names cpu: such a file loads, with one warning naming the file, the line
+    and the name, and nothing is cast through the name."""
     path = tmp_path_factory.mktemp("l") / "l.txt"
-    path.write_text("\n" * (line - 1) + f"{name}  # not a precision choice\nlinear\n")
-    before = snapshot()
-    with pytest.raises(ValueError) as e:
+    path.write_text("\n" * (line - 1) + f"{name}  # not a precision choice\ncdist\n")
+    with pytest.warns(UserWarning) as record:
         hmp.convert(**{f"{kind}_file_path": path})
-    assert str(path) in str(e.value) and f"line {line}: '{name}'" in str(e.value), str(e.value)
-    assert not hmp.is_converted()
-    assert_same(before, snapshot())
+    said = [str(w.message) for w in record if "not a precision choice" in str(w.message)]
+    assert len(said) == 1 and str(path) in said[0] and f"line {line}: '{name}'" in said[0], said
+    lists = hmp.effective_lists()
+    assert name not in lists[kind] and "cdist" in lists[kind]
 
 
 def test_the_seeds_t_stays_accepted():

@@ -25,10 +25,10 @@ pytestmark = [
 ]
 
 
-def mul_dtype():
-    """``mul`` is in hmp's BF16 list and in none of torch.autocast's CPU lists:
+def dot_dtype():
+    """``dot`` is in hmp's BF16 list and in none of torch.autocast's CPU lists:
     bf16 exactly when hmp casts here."""
-    return (torch.ones(2) * torch.ones(2)).dtype
+    return torch.dot(torch.ones(2), torch.ones(2)).dtype
 
 
 # -- torch.autocast regions ---------------------------------------------------------------
@@ -65,8 +65,8 @@ def test_llama_rotary_embedding_at_2048_positions_is_fp32_bit_for_bit():
 def test_no_casts_inside_any_autocast_region(region):
     hmp.convert()
     with region():
-        assert mul_dtype() == FP32 and not hmp.casts_enabled()
-    assert mul_dtype() == BF16
+        assert dot_dtype() == FP32 and not hmp.casts_enabled()
+    assert dot_dtype() == BF16
 
 
 def test_decorator_and_exceptions_restore_the_state():
@@ -76,12 +76,12 @@ def test_decorator_and_exceptions_restore_the_state():
     def fp32_block(fail):
         if fail:
             raise ValueError("inside")
-        return mul_dtype()
+        return dot_dtype()
 
     assert fp32_block(False) == FP32
     with pytest.raises(ValueError):
         fp32_block(True)
-    assert hmp.casts_enabled() and mul_dtype() == BF16
+    assert hmp.casts_enabled() and dot_dtype() == BF16
 
 
 def test_a_region_entered_before_convert_or_left_after_revert_leaves_the_state_alone():
@@ -89,11 +89,11 @@ def test_a_region_entered_before_convert_or_left_after_revert_leaves_the_state_a
     region.__enter__()
     hmp.convert()
     region.__exit__(None, None, None)  # entered unconverted: nothing to undo
-    assert hmp.casts_enabled() and mul_dtype() == BF16
+    assert hmp.casts_enabled() and dot_dtype() == BF16
     with torch.autocast("cpu", enabled=False):
         hmp.revert()  # the region stops counting for this thread
     hmp.convert()
-    assert hmp.casts_enabled() and mul_dtype() == BF16
+    assert hmp.casts_enabled() and dot_dtype() == BF16
 
 
 def test_generators_interleaving_regions_and_disable_casts():
@@ -101,8 +101,8 @@ def test_generators_interleaving_regions_and_disable_casts():
 
     def fp32_steps():
         with torch.autocast("cpu", enabled=False):
-            yield mul_dtype()
-            yield mul_dtype()
+            yield dot_dtype()
+            yield dot_dtype()
 
     gen = fp32_steps()
     assert next(gen) == FP32
@@ -112,7 +112,7 @@ def test_generators_interleaving_regions_and_disable_casts():
     gen.close()  # leaves the region while the caller's disable_casts is still open
     assert not hmp.casts_enabled()
     blocks.__exit__(None, None, None)
-    assert hmp.casts_enabled() and mul_dtype() == BF16
+    assert hmp.casts_enabled() and dot_dtype() == BF16
 
 
 # Oracle: hmp casts exactly when no autocast region and no disable_casts
@@ -127,7 +127,7 @@ def test_nesting_property(programs):
 
     def enter(stack, depth):
         if depth == len(stack):
-            assert mul_dtype() == (FP32 if stack else BF16)
+            assert dot_dtype() == (FP32 if stack else BF16)
             return
         block = stack[depth]
         ctx = {
@@ -145,7 +145,7 @@ def test_nesting_property(programs):
         else:
             with ctx():
                 enter(stack, depth + 1)
-        assert mul_dtype() == (FP32 if depth else BF16)
+        assert dot_dtype() == (FP32 if depth else BF16)
 
     for stack in programs:
         enter(stack, 0)
@@ -320,7 +320,7 @@ class Probe(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {
-            "mul": (torch.ones(2) * 0.3).dtype == BF16,
+            "dot": torch.dot(torch.ones(2), torch.ones(2)).dtype == BF16,
             "converted": hmp.is_converted(),
             "casts": hmp.casts_enabled(),
         }
@@ -344,8 +344,8 @@ def test_dataloader_workers_never_cast(method):
     hmp.convert()
     context = multiprocessing.get_context(method)
     items = _load(num_workers=1, multiprocessing_context=context, worker_init_fn=convert_in_worker)
-    assert items == [{"mul": False, "converted": True, "casts": False}] * 2
-    assert hmp.casts_enabled() and mul_dtype() == BF16
+    assert items == [{"dot": False, "converted": True, "casts": False}] * 2
+    assert hmp.casts_enabled() and dot_dtype() == BF16
 
 
 def test_a_worker_finds_its_entry_point_by_name_and_it_reaches_torchs_loop():
@@ -369,7 +369,7 @@ def test_a_worker_finds_its_entry_point_by_name_and_it_reaches_torchs_loop():
 
 def test_in_process_data_loading_never_casts():
     hmp.convert()
-    assert _load(num_workers=0) == [{"mul": False, "converted": True, "casts": False}] * 2
+    assert _load(num_workers=0) == [{"dot": False, "converted": True, "casts": False}] * 2
     assert hmp.casts_enabled()
 
 
@@ -389,7 +389,7 @@ def test_entering_an_enabled_region_warns_once_and_an_error_filter_changes_nothi
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with torch.autocast("cpu", dtype=BF16):  # second time: silent
-            assert mul_dtype() == FP32
+            assert dot_dtype() == FP32
 
 
 def test_revert_puts_every_region_patch_back():

@@ -51,6 +51,8 @@ def test_relu_binds_functional_and_inplace_forms():
 
 def test_operators_are_wrapped_after_convert():
     hmp.convert()
+    assert torch.Tensor.__mul__ is torch._C.TensorBase.__mul__  # pointwise: torch's own, by default
+    hmp.convert(strict=True)
     a, b = torch.randn(2, 3), torch.randn(3, 2)
     assert (a * 2).dtype == torch.bfloat16  # __mul__
     assert (2 * a).dtype == torch.bfloat16  # __rmul__

@@ -138,8 +138,9 @@ def test_layer_norm_kernel_gets_fp32_weight_on_cpu():
     ln = torch.nn.LayerNorm(6)
     seen = Seen()
     with seen:
-        ln(torch.randn(2, 6))
-    assert seen.calls == [[BF16, FP32, FP32]]
+        ln(torch.randn(2, 6).bfloat16())  # a bf16 input: the mixed kernel
+        ln(torch.randn(2, 6))  # a float32 input is never rounded: float32 throughout, the output rounded
+    assert seen.calls == [[BF16, FP32, FP32], [FP32, FP32, FP32]]
 
 
 def test_norm_falls_back_where_a_kernel_rejects_mixed_dtypes():

@@ -199,8 +199,8 @@ def test_every_kind_of_wrapper_runs_one_body():
             op_wrapped = hmp.op_wrap(torch.relu, hmp.to_bf16)
             for fn in (
                 F.linear,
-                torch.Tensor.mul,
-                torch.Tensor.__iadd__,
+                torch.Tensor.mm,
+                torch.Tensor.index_put_,  # in place, promote list
                 torch.softmax,
                 Square.apply,
                 user_fn,

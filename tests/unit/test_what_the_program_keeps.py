@@ -109,7 +109,7 @@ def test_an_entry_of_a_module_imported_after_convert_runs_uncast(tmp_path, monke
     monkeypatch.syspath_prepend(str(_package(tmp_path, name)))
     entries = write(tmp_path, "uncast.txt", f"include default\n{name}.updates.soft\n{name}.updates.Updater.update\n")
     x = torch.randn(4)
-    with hmp.converted(uncast_file_path=entries):
+    with hmp.converted(strict=True, uncast_file_path=entries):  # strict: the pointwise probes cast
         assert name not in sys.modules
         updates = __import__(f"{name}.updates", fromlist=["soft"])
         assert updates.soft(x, x, 0.3).dtype == FP32
@@ -131,7 +131,7 @@ def test_a_user_list_of_entries_is_checked_and_can_take_one_out(tmp_path):
         hmp.convert(uncast_file_path=bad)
     assert not hmp.is_converted()
     without = write(tmp_path, "w.txt", "include default\n-torch.nn.Module.__init__\n")
-    with hmp.converted(uncast_file_path=without):
+    with hmp.converted(strict=True, uncast_file_path=without):  # strict: the pointwise probes cast
         built = nn.Linear(2, 2)  # nn.Linear initialises in place: still float32
 
         class Scaled(nn.Module):
@@ -211,7 +211,7 @@ def test_default_module_entries_are_shown_and_resolve_when_imported(tmp_path, mo
     monkeypatch.syspath_prepend(str(root))
     fp32 = write(tmp_path, "f.txt", f"include default\n{name}.models.*.modeling_*.*RotaryEmbedding\n")
     positions, inv_freq = torch.arange(4000, 4016), torch.tensor([1.0, 0.5])
-    with hmp.converted(fp32_file_path=fp32):
+    with hmp.converted(strict=True, fp32_file_path=fp32):  # strict: the pointwise probes cast
         assert f"{name}.models.*.modeling_*.*RotaryEmbedding" in hmp.effective_lists()["fp32"]
         assert "transformers.models.*.modeling_*.*RotaryEmbedding" in hmp.effective_lists()["fp32"]
         module = __import__(f"{name}.models.tiny.modeling_tiny", fromlist=["x"])
@@ -287,7 +287,7 @@ class _Child(_Levels):
 
 def test_a_construction_keeps_its_frames_and_its_classes_own_init():
     plain = _Child()
-    with hmp.converted():
+    with hmp.converted(strict=True):  # strict: the pointwise probes cast
         assert nn.Linear.__dict__["__init__"] is torch.nn.modules.linear.Linear.__init__  # only Module's is hmp's
         mixed = _Child()
         assert (torch.ones(2) * 3).dtype == BF16  # casts are back once the construction returned
@@ -302,7 +302,7 @@ def test_a_construction_that_raises_gives_the_casts_back():
             super().__init__()
             raise RuntimeError("bad config")
 
-    with hmp.converted():
+    with hmp.converted(strict=True):  # strict: the pointwise probes cast
         with pytest.raises(RuntimeError, match="bad config"):
             Broken()
         assert (torch.ones(2) * 3).dtype == BF16 and sys.getprofile() is None
