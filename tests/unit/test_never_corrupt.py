@@ -1,6 +1,7 @@
 """What hmp never changes (docs/never-changes.md): each departure from the
 seed's rule, and the rule itself where no departure applies."""
 
+import copy
 import math
 import threading
 import warnings
@@ -240,7 +241,8 @@ def test_timm_ema_helpers_match_plain_torch():
         torch.testing.assert_close(mixed, plain, atol=1e-3, rtol=0, msg=name)
 
 
-def test_lightning_swa_update_runs_uncast():
+def test_lightning_swa_update_is_exact():
+    """Oracle: plain torch. Weight averaging is pointwise: never pulled down."""
     callbacks = pytest.importorskip("lightning.pytorch.callbacks")
     swa = callbacks.StochasticWeightAveraging
     net, avg = nn.Linear(4, 4), nn.Linear(4, 4)
@@ -248,12 +250,15 @@ def test_lightning_swa_update_runs_uncast():
     n = torch.tensor(1)
 
     def avg_fn(averaged, current, count):
-        seen.append(hmp.casts_enabled())
-        return averaged + (current - averaged) / (count + 1)
+        seen.append(averaged + (current - averaged) / (count + 1))
+        return seen[-1]
 
+    plain = copy.deepcopy(avg)
+    swa.update_parameters(plain, net, n.clone(), avg_fn)  # it counts in place
     with hmp.converted():
         swa.update_parameters(avg, net, n, avg_fn)
-    assert seen and not any(seen)
+    for p, q in zip(avg.parameters(), plain.parameters()):
+        assert p.dtype == FP32 and torch.equal(p, q)
 
 
 @settings(deadline=None)
