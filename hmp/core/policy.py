@@ -60,7 +60,7 @@ def _finite(dtype):
             _set_grad(False)
         try:
             if _tracing() is None:
-                y.copy_(_where(_isinf(t), y, _clamp(y, -top, top)))
+                _where(_isinf(t), y, _clamp(y, -top, top), out=y)  # outside autograd: out= is fine
             else:  # jit.trace: an op on the source would keep it alive in the trace; infinities saturate too
                 _nan_to_num_(y, _NAN, top, -top)
         except (RuntimeError, NotImplementedError):  # a layout without these ops (nested): torch's rounding

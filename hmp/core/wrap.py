@@ -393,6 +393,8 @@ class Wrappers:
             op = mixed_or_lower(op, policy.lower(self.low, self.casters))
         rounds = policy.rounds_output(kind, name, self.strict)
         output = policy.round_output(policy.CASTS[self.low]) if rounds and not self.passthrough else None
+        if output is not None and self.recorder is not None:
+            output = self.recorder.output(output)
         wrapped = Wrapped.of(binding)
         hidden = not isinstance(original, BUILTINS)
         op = self._op(op)

@@ -228,3 +228,31 @@ def test_every_torch_nn_module_that_pickles_plain_pickles_while_converted(strict
         assert set(failed) <= {"Transformer", "TransformerDecoderLayer", "TransformerEncoderLayer"}, failed
     else:
         assert failed == []
+
+
+# -- what a cast costs, counted -------------------------------------------------------------------
+
+
+def test_ops_dispatched_per_cast_and_per_pointwise_call():
+    """Aten ops dispatched (a TorchDispatchMode count, a CPU proxy for kernel
+    launches): a cast up is torch's one copy, as autocast's; a cast down is
+    the copy and three ops that saturate finite overflow and leave infinities
+    (isinf, clamp, where into the copy); a pointwise op in the BF16 list costs
+    what it costs in plain torch, and a listed matrix product its casts."""
+    from hmp.core.torch_private import reached_ops
+
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    up = reached_ops(CASTS[FP32], x.bfloat16())
+    down = reached_ops(CASTS[BF16], x)
+    assert [str(op) for op in up] == ["aten._to_copy.default"]
+    assert [str(op) for op in down] == [
+        "aten._to_copy.default",
+        "aten.isinf.default",
+        "aten.clamp.default",
+        "aten.where.self_out",
+    ]
+    plain_mul = reached_ops(torch.mul, x, w)
+    with hmp.converted(cache=False):
+        assert reached_ops(torch.mul, x, w) == plain_mul
+        assert len(reached_ops(torch.mm, x, w)) == 2 * len(down) + 1
+        assert len(reached_ops(torch.mm, x.bfloat16(), w.bfloat16())) == 1
