@@ -248,7 +248,7 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
             if not returns_view(b.name) and not policy.runs_as_torch(b, lists.one_dtype_names(), options.strict)
         ]
         sites += [_registration(wrappers, *entry) for entry in runtime.registered]
-        patches = []
+        patches, forwards = [], None
         if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
             no_kernel = dict(fallback).get("fp32", ())
             fp32_names = set(effective["fp32"]).union(n for n in no_kernel if not _listed(n, effective))
@@ -267,7 +267,10 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
             for namespace, attr, value in sites:
                 _install(log_, namespace, attr, value)
             for namespace, attr, value in patches:
-                log_.setattr(namespace, attr, value)
+                # an instance entry's forward: another library may wrap it while converted (accelerate's
+                # hooks); revert() then leaves theirs, and the entry it holds runs the original
+                log_.setattr(namespace, attr, value, if_unchanged=isinstance(namespace, torch.nn.Module))
+            runtime.forwards = forwards
             runtime.pickle_names = pickling.names(log_.entries())
             for namespace, attr, value in pickling.patches():
                 log_.setattr(namespace, attr, value)
@@ -381,6 +384,9 @@ def _revert_locked():
     for handle in rt.hooks:
         handle.remove()
     rt.hooks = []
+    if rt.forwards is not None:
+        rt.forwards.live = False  # module entries another library still holds run their originals
+        rt.forwards = None
     patches = rt.patches
     installed = patches.values() if patches is not None else []
     left = []

@@ -129,9 +129,11 @@ class LowerMode(TorchFunctionMode):
             st.off = 0
 
 
-def _fp32_forward(original, cast_in, cast_out):
+def _fp32_forward(original, cast_in, cast_out, forwards):
     def forward(self, *args, **kwargs):
-        if tls.off == OFF:  # casts are off for another reason than a module: it wins
+        # casts are off for another reason than a module: it wins; reverted: what another library
+        # captured of this forward (accelerate's hooks) runs the original
+        if tls.off == OFF or not forwards.live:
             return original(self, *args, **kwargs)
         cast_args, cast_kwargs = cast_in(args, kwargs)
         found = enter(MODULE)
@@ -146,9 +148,9 @@ def _fp32_forward(original, cast_in, cast_out):
     return forward
 
 
-def _lower_forward(original, cast_in, mode):
+def _lower_forward(original, cast_in, mode, forwards):
     def forward(self, *args, **kwargs):
-        if tls.off == OFF:
+        if tls.off == OFF or not forwards.live:
             return original(self, *args, **kwargs)
         args, kwargs = cast_in(args, kwargs)
         found = enter(0, mode)
@@ -164,9 +166,10 @@ def _lower_forward(original, cast_in, mode):
 
 
 class Forwards:
-    """The forward replacements of one conversion."""
+    """The forward replacements of one conversion; ``live`` until its revert()."""
 
     def __init__(self, low, casters, fp32_names):
+        self.live = True
         to_fp32, lower = casters[torch.float32], (torch.bfloat16, torch.float16)
 
         def up(t):
@@ -181,9 +184,9 @@ class Forwards:
         """``name(self, ...)`` (a module's ``forward``, or a class's
         ``__call__``) running ``original`` under ``kind``'s rule."""
         if kind == "fp32":
-            fn = _fp32_forward(original, self._fp32_in, self._fp32_out)
+            fn = _fp32_forward(original, self._fp32_in, self._fp32_out, self)
         else:
-            fn = _lower_forward(original, self._lower_in, self._mode)
+            fn = _lower_forward(original, self._lower_in, self._mode, self)
         fn.__name__ = name  # a bound copy pickles as getattr(module, "forward")
         fn.__qualname__ = getattr(original, "__qualname__", name)
         fn.__doc__ = getattr(original, "__doc__", None)

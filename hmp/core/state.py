@@ -110,6 +110,7 @@ class Runtime:
         self.patches = None  # patch.PatchLog, made by the first convert(); kept for retries of a failed undo
         self.conversion = None  # conversion.Conversion in force; None: not converted
         self.wrappers = None  # wrap.Wrappers of this conversion, for register() while converted
+        self.forwards = None  # modules.Forwards of this conversion: revert() makes what others captured plain
         self.hooks = []  # handles of torch's global hooks hmp registered (optimizer steps, buffers)
         self.pickle_names = {}  # id(function) -> (function, "module:attr") (pickling.py)
         self.log_restore = None  # puts the "hmp" logger back after a verbose conversion
