@@ -143,7 +143,8 @@ def check_against_dispatcher(policies, key, extra=()):
 def hmp_knows(name, _cache=None):
     """True when hmp.convert accepts ``name`` in a list file and binds it
     somewhere (public API only): a real aten op with nothing to bind in
-    Python is accepted with a warning, and left out here."""
+    Python, or a name that is no precision choice (a view), is skipped with a
+    warning, and left out here."""
     if _cache is None:
         _cache = {}
     if name not in _cache:
@@ -155,7 +156,8 @@ def hmp_knows(name, _cache=None):
                 warnings.simplefilter("always")
                 with hmp.converted(bf16_file_path=path):
                     pass
-            _cache[name] = not any("nothing to bind" in str(w.message) for w in caught)
+            said = [str(w.message) for w in caught]  # skipped: no Python entry point, or no precision choice
+            _cache[name] = not any("nothing to bind" in m or "not a precision choice" in m for m in said)
         except ValueError:
             _cache[name] = False
         finally:

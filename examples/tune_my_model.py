@@ -4,11 +4,12 @@
 training step and returns the loss; ``state`` is a tuple of the modules and optimizers the
 step changes, which tune saves and puts back around each of its runs.
 
-The model has a planted problem: its ``Standardize`` layer scales raw inputs of about 1000
-(``x * inv_std``, a ``mul``: BF16 list) before subtracting their scaled mean, and bfloat16 keeps
-only 8 bits of such a product. Tune measures each op and module against float32 (it flags
-``mul`` and the ``Standardize`` class), proposes what to change (here: ``mul`` to the FP32
-list), checks the proposal by training, and writes list files ``hmp.convert()`` loads.
+The model has a planted problem: its first layer is a ``Recentered`` linear layer that takes raw
+readings of about 1000 (``F.linear``: BF16 list, so its input is rounded to bfloat16, whose step
+at 1000 is 8, more than the readings' spread) and subtracts the offset only afterwards, as some
+exported models have it. Tune measures each op and module against float32 (it flags ``linear``
+there and the ``Recentered`` class), proposes what to change, checks the proposal by training,
+and writes list files ``hmp.convert()`` loads.
 
 Run:  python examples/tune_my_model.py
 Also: python -m hmp tune examples/tune_my_model.py:make_step
@@ -24,16 +25,15 @@ import torch.nn.functional as F
 import hmp
 
 
-class Standardize(nn.Module):
-    """(x - mean) / std written as x * inv_std - mean * inv_std, as some exported models have it."""
+class Recentered(nn.Linear):
+    """``W (x - offset) + b`` written as ``W x - W offset + b``: the offset folded into the bias."""
 
-    def __init__(self, mean, std):
-        super().__init__()
-        self.register_buffer("inv_std", 1.0 / std)
-        self.register_buffer("shift", mean / std)
+    def __init__(self, offset, features, out):
+        super().__init__(features, out)
+        self.register_buffer("offset", offset)
 
     def forward(self, x):
-        return x * self.inv_std - self.shift
+        return F.linear(x, self.weight) - F.linear(self.offset, self.weight) + self.bias
 
 
 def make_step(batch_size=64, seed=0):
@@ -42,9 +42,7 @@ def make_step(batch_size=64, seed=0):
     signal = torch.randn(batch_size, 8)
     x = 1000.0 + 2.0 * signal
     y = (signal[:, :4].sum(dim=1) > 0).long()
-    model = nn.Sequential(
-        Standardize(torch.full((8,), 1000.0), torch.full((8,), 2.0)), nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2)
-    )
+    model = nn.Sequential(Recentered(torch.full((8,), 1000.0), 8, 32), nn.ReLU(), nn.Linear(32, 2))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 
     def step():

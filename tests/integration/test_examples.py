@@ -64,7 +64,7 @@ EXPECTED = {
     ],
     "tune_my_model.py": [
         r"## audit of the starting lists",
-        r"\| mul \| bf16 \|",
+        r"\| linear \| bf16 \|",
         r"## validation",
         r"moved to FP32: \[.*\]; module classes to FP32: \[.*\]; added to BF16: \[.*\]",
         r"30 steps with the tuned lists: .*parameters \['torch\.float32'\]",

@@ -32,11 +32,11 @@ def test_profile_runs_the_example_and_writes_its_report(tmp_path, monkeypatch, c
     assert main(["profile", f"{EXAMPLE}:make_step", "--report", "profile.html", "--json", "profile.json"]) == 0
     out = capsys.readouterr().out
     rows = {row["op"]: row for row in json.loads((tmp_path / "profile.json").read_text())["ops"]}
-    assert rows["linear"]["calls"] == 2 and rows["linear"]["ran_in"].startswith("bfloat16")
-    assert "| linear | 2 |" in out
+    assert rows["linear"]["calls"] == 3 and rows["linear"]["ran_in"].startswith("bfloat16")
+    assert "| linear | 3 |" in out
     page = (tmp_path / "profile.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "hmp profile report" in page
-    assert '<td>linear</td><td class="num">2</td>' in page
+    assert '<td>linear</td><td class="num">3</td>' in page
     assert not hmp.is_converted()
 
 

@@ -210,16 +210,16 @@ def test_equal_medians_are_said_to_be_noise():
 
 
 def test_the_shipped_example_tunes_from_the_command_line_and_draws_its_report(tmp_path, monkeypatch, capsys):
-    """examples/tune_my_model.py plants a mul that bf16 spoils; the command moves it and draws the page."""
+    """examples/tune_my_model.py plants a linear layer on raw readings that bf16 spoils: moved, page drawn."""
     from pathlib import Path
 
     example = Path(__file__).resolve().parents[2] / "examples" / "tune_my_model.py"
     monkeypatch.chdir(tmp_path)
     assert main(["tune", f"{example}:make_step", *FAST, "--report", "tune.html"]) == 0
     out = capsys.readouterr().out
-    assert "moved to FP32: mul" in out and "verdict: " in out
+    assert "moved to FP32: linear" in out and "verdict: " in out
     page = (tmp_path / "tune.html").read_text()
-    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and ">mul<" in page
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and ">linear<" in page
 
 
 def test_a_zero_fp32_loss_gives_a_verdict_not_a_division_error():

@@ -67,7 +67,7 @@ def test_blocks_left_in_any_order_follow_the_newest_open_block(program, start_di
                 open_blocks.remove((kinds[i], i))
             assert hmp.casts_enabled() is _expected(open_blocks, base), (steps, action, i)
             x = torch.ones(2)
-            assert torch.mul(x, x).dtype == (torch.bfloat16 if _expected(open_blocks, base) else torch.float32)
+            assert torch.dot(x, x).dtype == (torch.bfloat16 if _expected(open_blocks, base) else torch.float32)
         assert hmp.casts_enabled() is base
     finally:
         if outer is not None:
