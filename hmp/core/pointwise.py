@@ -16,7 +16,7 @@ import torch
 from hmp.core import torch_private
 from hmp.core.resolve import aten_op
 
-_POINTWISE = torch.Tag.pointwise
+_POINTWISE, _SEEDED = torch.Tag.pointwise, torch.Tag.nondeterministic_seeded
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,6 +31,8 @@ def is_pointwise(name):
     fn = packet if packet is not None else getattr(operator, name, None)
     if fn is None or name.startswith("_"):
         return False
+    if packet is not None and any(_SEEDED in getattr(packet, o).tags for o in packet.overloads()):
+        return False  # a random op: calling it would move the program's random stream
     for arity in (2, 1):
         args = [torch.ones(2) for _ in range(arity)]
         try:

@@ -256,3 +256,13 @@ def test_ops_dispatched_per_cast_and_per_pointwise_call():
         assert reached_ops(torch.mul, x, w) == plain_mul
         assert len(reached_ops(torch.mm, x, w)) == 2 * len(down) + 1
         assert len(reached_ops(torch.mm, x.bfloat16(), w.bfloat16())) == 1
+
+
+def test_telling_pointwise_ops_apart_never_moves_the_random_stream(tmp_path):
+    """Aliases and operator names are classified by what a call of them reaches:
+    a random op listed (bernoulli, rrelu, dropout) is never called for it."""
+    path = tmp_path / "bf16.txt"
+    path.write_text("include default\nbernoulli\nrrelu\nrandn_like\nmultiply\n")
+    state = torch.get_rng_state()
+    hmp.convert(bf16_file_path=path)
+    assert torch.equal(torch.get_rng_state(), state)
