@@ -28,7 +28,21 @@ class _Switch(contextlib.ContextDecorator):
 
     _to = OFF
 
-    def __init__(self):
+    def __new__(cls, func=None):
+        """``@hmp.disable_casts`` without parentheses decorates ``func`` as
+        ``@hmp.disable_casts()`` does."""
+        self = super().__new__(cls)
+        if func is None:
+            return self
+        if not callable(func):
+            raise TypeError(
+                f"hmp.{cls.__name__}() takes no argument (use it as `with hmp.{cls.__name__}():` or as a "
+                f"decorator of a function), got {func!r}"
+            )
+        self._found, self._unused_at = {}, None
+        return self(func)
+
+    def __init__(self, func=None):
         self._found = {}  # thread id -> [what enter() returned], innermost last
         # where it was made, until it is entered or decorates: `hmp.disable_casts()` alone on a
         # line does nothing, which __del__ says instead of letting it pass silently

@@ -315,7 +315,8 @@ def test_habanas_positional_order_is_a_clear_error(tmp_path):
 def _run_mnist(tmp_path, *args):
     (tmp_path / "ops_bf16_mnist.txt").write_text("conv2d\nlinear\nrelu\nmax_pool2d\n_convolution.deprecated\n")
     (tmp_path / "ops_fp32_mnist.txt").write_text("log_softmax\nnll_loss\nnll_loss2d\ncross_entropy_loss\nslice\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # HMP_STRICT=1: Habana's literal rule (relu casts too), as the script ran on HPU
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HMP_STRICT": "1"}
     return subprocess.run(
         [sys.executable, "-m", "hmp", "run", str(ROOT / "tests" / "helpers" / "habana_mnist.py"), *args],
         cwd=tmp_path,

@@ -423,3 +423,33 @@ def test_the_lower_list_is_named_by_the_dtype_it_runs_in():
             note = _unwrapped_note(lambda a=a, b=b: torch.mm(a, b))
         assert f"'mm' is in the {title} list but this call was not cast" in note, note
         hmp.revert()
+
+
+def test_convert_given_a_model_says_it_takes_none():
+    with pytest.raises(TypeError, match=r"convert\(\) takes no model.*run Sequential as it is"):
+        hmp.convert(torch.nn.Sequential())
+    assert not hmp.is_converted()
+
+
+def test_disable_and_enable_casts_decorate_without_parentheses():
+    @hmp.disable_casts
+    def off(x):
+        return torch.mm(x, x).dtype, hmp.casts_enabled()
+
+    @hmp.disable_casts
+    def steps():
+        yield hmp.casts_enabled()
+
+    @hmp.enable_casts
+    def on():
+        return hmp.casts_enabled()
+
+    x = torch.ones(2, 2)
+    with hmp.converted():
+        assert off(x) == (torch.float32, False) and list(steps()) == [False]
+        assert torch.mm(x, x).dtype == torch.bfloat16  # the decorated call's block ended with it
+        with hmp.disable_casts():
+            assert on() is True and not hmp.casts_enabled()
+    for switch in (hmp.disable_casts, hmp.enable_casts):
+        with pytest.raises(TypeError, match=rf"hmp.{switch.__name__}\(\) takes no argument.*got 3"):
+            switch(3)
