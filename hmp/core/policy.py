@@ -39,8 +39,20 @@ _TB = torch_private.TensorBase
 PLAIN_CASTS = {FP16: _TB.half, BF16: _TB.bfloat16, FP32: _TB.float, FP64: _TB.double}
 
 _isinf, _clamp, _where, _nan_to_num_ = torch.isinf, torch.clamp, torch.where, _TB.nan_to_num_
+_aminmax, _bump, _numel, _item = torch.aminmax, torch.autograd.graph.increment_version, _TB.numel, _TB.item
 _set_grad, _grad_on, _tracing = torch_private.set_grad_enabled, torch.is_grad_enabled, torch_private.tracing_state
+_compiling = torch_private.compiling
 _NAN = float("nan")
+
+
+def _within(t, top):
+    """True when every value of ``t`` (on the CPU, where reading a bound costs
+    no device sync) lies within ``[-top, top]``: one reduction, against the three
+    passes saturation takes. NaN and infinities are not within."""
+    if not _numel(t):
+        return True
+    lo, hi = _aminmax(t)
+    return -top <= _item(lo) and _item(hi) <= top  # C methods: never a name hmp may patch (no recursion)
 
 
 def _finite(dtype):
@@ -59,10 +71,12 @@ def _finite(dtype):
         if grad:
             _set_grad(False)
         try:
-            if _tracing() is None:
-                _where(_isinf(t), y, _clamp(y, -top, top), out=y)  # outside autograd: out= is fine
-            else:  # jit.trace: an op on the source would keep it alive in the trace; infinities saturate too
+            if _tracing() is not None:  # jit.trace: an op on the source would keep it alive; infinities saturate
                 _nan_to_num_(y, _NAN, top, -top)
+            elif t.is_cpu and not _compiling() and _within(t, top):
+                _bump(y)  # nothing to saturate; the copy's version moves once either way
+            else:  # outside autograd: out= is fine
+                _where(_isinf(t), y, _clamp(y, -top, top), out=y)
         except (RuntimeError, NotImplementedError):  # a layout without these ops (nested): torch's rounding
             pass
         finally:

@@ -236,17 +236,23 @@ def test_every_torch_nn_module_that_pickles_plain_pickles_while_converted(strict
 def test_ops_dispatched_per_cast_and_per_pointwise_call():
     """Aten ops dispatched (a TorchDispatchMode count, a CPU proxy for kernel
     launches): a cast up is torch's one copy, as autocast's; a cast down is
-    the copy and three ops that saturate finite overflow and leave infinities
-    (isinf, clamp, where into the copy); a pointwise op in the BF16 list costs
-    what it costs in plain torch, and a listed matrix product its casts."""
+    the copy and, on the CPU, one reduction that shows nothing needs
+    saturating; only where something does (or off the CPU) three more ops
+    saturate finite overflow and leave infinities (isinf, clamp, where into
+    the copy). A pointwise op in the BF16 list costs what it costs in plain
+    torch, and a listed matrix product its casts."""
     from hmp.core.torch_private import reached_ops
 
     x, w = torch.randn(4, 4), torch.randn(4, 4)
-    up = reached_ops(CASTS[FP32], x.bfloat16())
+    # reading the reduction's two numbers (_local_scalar_dense) is no pass over the data
+    names = lambda ops: [str(op) for op in ops if "local_scalar_dense" not in str(op)]  # noqa: E731
+    assert names(reached_ops(CASTS[FP32], x.bfloat16())) == ["aten._to_copy.default"]
     down = reached_ops(CASTS[BF16], x)
-    assert [str(op) for op in up] == ["aten._to_copy.default"]
-    assert [str(op) for op in down] == [
+    assert names(down) == ["aten._to_copy.default", "aten.aminmax.default"]
+    masked = torch.tensor([1.0, torch.finfo(FP32).min, float("-inf")])
+    assert names(reached_ops(CASTS[BF16], masked)) == [
         "aten._to_copy.default",
+        "aten.aminmax.default",
         "aten.isinf.default",
         "aten.clamp.default",
         "aten.where.self_out",
@@ -254,15 +260,5 @@ def test_ops_dispatched_per_cast_and_per_pointwise_call():
     plain_mul = reached_ops(torch.mul, x, w)
     with hmp.converted(cache=False):
         assert reached_ops(torch.mul, x, w) == plain_mul
-        assert len(reached_ops(torch.mm, x, w)) == 2 * len(down) + 1
+        assert len(reached_ops(torch.mm, x, w)) == 2 * len(down) + 1  # two casts and the product
         assert len(reached_ops(torch.mm, x.bfloat16(), w.bfloat16())) == 1
-
-
-def test_telling_pointwise_ops_apart_never_moves_the_random_stream(tmp_path):
-    """Aliases and operator names are classified by what a call of them reaches:
-    a random op listed (bernoulli, rrelu, dropout) is never called for it."""
-    path = tmp_path / "bf16.txt"
-    path.write_text("include default\nbernoulli\nrrelu\nrandn_like\nmultiply\n")
-    state = torch.get_rng_state()
-    hmp.convert(bf16_file_path=path)
-    assert torch.equal(torch.get_rng_state(), state)
