@@ -29,6 +29,10 @@ from hmp.diagnostics import interop
 from hmp.rules import pickling, regions, steps, uncast_calls
 
 log = logging.getLogger("hmp")
+# every entry point convert() patched, one line each: isVerbose=True says how many; set this logger to
+# DEBUG for the list (hundreds of lines)
+patch_log = logging.getLogger("hmp.patches")
+patch_log.setLevel(logging.INFO)
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -356,8 +360,13 @@ def _log_conversion(patches):
     for kind, targets in runtime.conversion.modules.items():
         if targets:
             log.info("hmp: %s modules: %s", kind, ", ".join(modules.label(t) for t in targets))
-    for label in patches.labels():
-        log.info("hmp: patched %s", label)
+    labels = patches.labels()
+    log.info(
+        "hmp: patched %d entry points (each one: logging.getLogger('hmp.patches').setLevel(logging.DEBUG))",
+        len(labels),
+    )
+    for label in labels:
+        patch_log.debug("hmp: patched %s", label)
 
 
 def _start_verbose_logging():

@@ -2,6 +2,7 @@
 without a trace, O2, and verbose logging."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -91,7 +92,13 @@ def test_verbose_logs_through_logging(caplog, capsys):
         hmp.convert(isVerbose=True)
         F.linear(torch.randn(2, 3), torch.randn(4, 3))
     text = caplog.text
-    assert "bf16 list" in text and "patched torch.nn.functional.linear" in text
+    assert "bf16 list" in text and "patched torch.nn.functional.linear" not in text  # one line says how many
+    assert sum("hmp: patched" in r.getMessage() for r in caplog.records) == 1
+    assert re.search(r"hmp: patched \d+ entry points", text)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="hmp.patches"):  # the list, for who asks
+        hmp.convert(isVerbose=True)
+    assert "hmp: patched torch.nn.functional.linear" in caplog.text
     assert "torch.nn.functional.linear inputs (float32, float32) -> (bfloat16, bfloat16)" in text
     hmp.revert()
     capsys.readouterr()
