@@ -158,7 +158,10 @@ def _oracle(t, low):
 
 @settings(deadline=None, max_examples=60)
 @given(
-    values=st.lists(st.floats(width=32) | st.sampled_from([3.4e38, -3.4e38, 65504.0, 7e4, -1e5]), max_size=16),
+    # no subnormals: the floor's build flushes them to zero (FTZ), which hypothesis refuses to run under
+    values=st.lists(
+        st.floats(width=32, allow_subnormal=False) | st.sampled_from([3.4e38, -3.4e38, 65504.0, 7e4, -1e5]), max_size=16
+    ),
     low=st.sampled_from([BF16, FP16]),
 )
 def test_a_cast_keeps_finite_values_finite_and_infinities_infinite(values, low):
