@@ -68,9 +68,9 @@ def _looks_like_path(text):
 STRICT_ENV = "HMP_STRICT"  # strict=None reads it: HMP_STRICT=1 runs an unchanged script under Habana's rule
 
 
-def _strict(strict, environ=None):
+def _strict(strict):
     if strict is None:
-        value = (os.environ if environ is None else environ).get(STRICT_ENV, "").strip()
+        value = os.environ.get(STRICT_ENV, "").strip()
         if value not in ("", "0", "1"):
             raise ValueError(f"hmp: {STRICT_ENV} must be 0 or 1, got {value!r}")
         return value == "1"
@@ -246,10 +246,11 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         # that have no kernel for the lower dtype or need one dtype run as they would without hmp's casts
         fallback = lists.fallback_names(options.low)
         held = _held()
+        one_dtype = lists.one_dtype_names()
         sites = [
             (b.site.namespace, b.site.attr, wrappers.site(b, _original(b.site, held)))
             for b in (resolver or Resolver()).bind(effective, fallback)
-            if not returns_view(b.name) and not policy.runs_as_torch(b, lists.one_dtype_names(), options.strict)
+            if not returns_view(b.name) and not policy.runs_as_torch(b, one_dtype, options.strict)
         ]
         sites += [_registration(wrappers, *entry) for entry in runtime.registered]
         patches, forwards = [], None
