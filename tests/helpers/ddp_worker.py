@@ -10,6 +10,8 @@ rule too), trains a small model under DDP (gloo) on its shard of a fixed
 global batch, and saves what it saw to OUT_DIR/rank<R>.pt.
 """
 
+import datetime
+import faulthandler
 import os
 import sys
 
@@ -66,7 +68,11 @@ def train(model, x, y, steps=STEPS):
 
 def main(out_dir, variant="plain"):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    # A rank that hangs prints every thread's stack and exits, so the test can say where it waited
+    faulthandler.dump_traceback_later(90, exit=True)
+    # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    print("rendezvous done", flush=True)
     rank, world = dist.get_rank(), dist.get_world_size()
     hmp.convert(**CONVERT[variant])
     model = make_model()

@@ -7,6 +7,8 @@ cache on and once with ``cache=False``; the optimizer step is a plain
 OUT_DIR/fsdp_rank<R>.pt.
 """
 
+import datetime
+import faulthandler
 import os
 import sys
 
@@ -85,7 +87,10 @@ def run(rank, world, use_cache):
 
 def main(out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # A rank that hangs prints every thread's stack and exits, so the test can say where it waited
+    faulthandler.dump_traceback_later(90, exit=True)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    print("rendezvous done", flush=True)
     rank, world = dist.get_rank(), dist.get_world_size()
     result = {"cache": run(rank, world, True), "no_cache": run(rank, world, False)}
     torch.save(result, os.path.join(out_dir, f"fsdp_rank{rank}.pt"))
