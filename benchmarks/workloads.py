@@ -7,6 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import hmp
+
 SEED = 1234
 
 
@@ -53,6 +55,11 @@ class Workload:
             opt = None
         return State(model, x, y, opt)
 
+    def expected_dtype(self, cfg, device):
+        """The output dtype ``cfg`` gives, called inside ``cfg.active()``: the
+        last op is a linear layer, which every mixed scheme runs in bf16."""
+        return "float32" if cfg.kind == "fp32" else "bfloat16"
+
     def loss(self, out, y):
         return F.cross_entropy(out, y)
 
@@ -69,6 +76,18 @@ class Workload:
             return out
         with torch.no_grad(), cfg.forward_ctx(device):
             return st.model(st.x)
+
+
+def _fast_path(cfg, device):
+    """Whether nn.TransformerEncoder takes its fused inference path under
+    ``cfg`` (eval, no_grad and the encoder's shape allow it): torch's own
+    switch and its own autocast check."""
+    if not torch.backends.mha.get_fastpath_enabled():
+        return False
+    if cfg.kind != "autocast":
+        return True
+    with cfg.forward_ctx(device):
+        return not torch.is_autocast_enabled()
 
 
 def _encoder(d, heads, ffn, layers, dropout):
@@ -128,6 +147,22 @@ class TransformerInfer(Workload):
     def make_model(self, quick):
         d, h, f, n, _, _ = _tf_sizes(quick)
         return _encoder(d, h, f, n, 0.1)
+
+    def expected_dtype(self, cfg, device):
+        """On torch's fused fast path a layer is one kernel that follows
+        linear's rule: bf16 under every mixed scheme. Off it, the last op is
+        norm2's layer_norm of the residual sum (float32 + bf16 = float32):
+        bf16 only where the scheme lowers layer_norm. autocast never does
+        (CUDA lists it fp32, CPU not at all), and torch leaves the fast path
+        when its autocast check sees a region (CUDA's only, on torch 2.x), so
+        autocast gives float32 on CUDA and bf16 on CPU."""
+        if cfg.kind in ("fp32", "bf16"):
+            return "float32" if cfg.kind == "fp32" else "bfloat16"
+        if _fast_path(cfg, device):
+            return "bfloat16"
+        if cfg.is_hmp and "layer_norm" in hmp.effective_lists()["bf16"]:
+            return "bfloat16"
+        return "float32"
 
     def make_data(self, quick, gen):
         d, _, _, _, s, _ = _tf_sizes(quick)

@@ -11,6 +11,7 @@ are invisible to a profile function).
 """
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -37,6 +38,23 @@ def count(step):
     finally:
         sys.setprofile(None)
     return n
+
+
+def by_op(step):
+    """Calls of the wrapper body during ``step()``, by the op each wraps (a Counter)."""
+    calls = collections.Counter()
+
+    def profiler(frame, event, arg):
+        if event == "call" and frame.f_code is wrap._BODY:
+            op = wrap._op_of(frame)
+            calls[getattr(op, "__name__", None) or repr(op)] += 1
+
+    sys.setprofile(profiler)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
 
 
 def demo_step():

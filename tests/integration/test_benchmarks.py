@@ -3,6 +3,7 @@ passes the harness's own checks of its results (benchmarks/run.py,
 check_results), benchmarks this checkout's hmp, and measures each
 configuration's memory in a process of its own. It checks no speed."""
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -66,3 +67,66 @@ def test_percall_prints_one_progress_line_not_one_per_rep(tmp_path):
     progress = [line for line in p.stderr.splitlines() if "rep" in line]
     # the count up front; a line every 10 s on a slow machine, never one per rep
     assert progress[0] == "percall.py: timing: 3 reps" and len(progress) < 3, progress
+
+
+def _load_run():
+    spec = importlib.util.spec_from_file_location("bench_run", RUN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_run_states_each_configurations_output_dtype_off_the_fast_path(tmp_path):
+    # off the fused TransformerEncoder path (autocast's lot on CUDA) autocast ends in float32: torch's
+    # behaviour, which the check states; hmp O1 lowers layer_norm and must still end in bf16
+    out = tmp_path / "infer.json"
+    args = ["--quick", "-w", "infer_b1", "-c", "fp32,autocast,hmp-O1,hmp-O1-ac,bf16", "--no-memory"]
+    p = run_python(str(RUN), *args, "--no-fastpath", "--json", str(out), cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    w = res["workloads"]["infer_b1"]
+    want = {"fp32": "float32", "autocast": "float32", "hmp-O1": "bfloat16", "hmp-O1-ac": "float32", "bf16": "bfloat16"}
+    assert w["out_dtype"] == w["expected_dtype"] == want
+    # the check is not weakened: hmp O1 ending in float32 is reported
+    run = _load_run()
+    configs = run.select(run.all_configs("cpu"), list(want))
+    assert run.check_results(res, configs) == []
+    w["out_dtype"]["hmp-O1"] = "float32"
+    assert run.check_results(res, configs) == ["infer_b1/hmp-O1: output dtype float32, expected bfloat16"]
+
+
+def test_run_on_the_fast_path_every_mixed_configuration_ends_in_bf16(tmp_path):
+    out = tmp_path / "infer.json"
+    args = ["--quick", "-w", "infer_b1", "-c", "fp32,autocast,hmp-O1,hmp-O1-ac", "--no-memory"]
+    p = run_python(str(RUN), *args, "--json", str(out), cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    w = json.loads(out.read_text())["workloads"]["infer_b1"]
+    want = {"fp32": "float32", "autocast": "bfloat16", "hmp-O1": "bfloat16", "hmp-O1-ac": "bfloat16"}
+    assert w["out_dtype"] == w["expected_dtype"] == want
+
+
+def test_decode_quick_converts_hmp_only_for_its_own_configurations(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "decode.json"
+    p = run_python(str(BENCHMARKS / "decode.py"), "--quick", "--json", str(out), cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    names = ["fp32", "autocast", "hmp-O1", "hmp-O1-frozen", "bf16"]
+    assert list(res["ms_per_token"]) == names
+    cfgs = res["configs"]
+    # hmp reverted outside its own samples: the other configurations enter no wrapper
+    for name in ("fp32", "autocast", "bf16"):
+        assert cfgs[name]["wrapped_per_token"] == 0, name
+    for name in ("hmp-O1", "hmp-O1-frozen"):
+        assert cfgs[name]["wrapped_by_op_per_token"]["linear"] >= 1, cfgs[name]
+        assert set(res["per_wrapped_call"][name]) == {"autocast", "bf16"}
+    assert {n: c["logits_dtype"] for n, c in cfgs.items()} == {
+        n: "float32" if n == "fp32" else "bfloat16" for n in names
+    }
+    assert all(len(c["tokens"]) == res["tokens"] for c in cfgs.values())
+    assert [t["ratio"] for t in res["targets"]] == [
+        "hmp-O1 / autocast",
+        "hmp-O1-frozen / autocast",
+        "hmp-O1-frozen / hmp-O1",
+    ]
+    assert sum(line.startswith("- target ") for line in p.stdout.splitlines()) == 3

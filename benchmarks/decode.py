@@ -1,0 +1,274 @@
+"""Batch-1 greedy decode with a KV cache: fp32, autocast, hmp O1 (plain and
+inside ``hmp.frozen_weights()``) and a pure-bf16 model (issue 40, item 3).
+
+    python benchmarks/decode.py [--tokens 64] [--rounds 15] [--json out.json]
+    python benchmarks/decode.py --quick        # a few tokens: checks the script, measures nothing
+
+The CPU proxy of GPU decode: a tiny Llama (hidden 64, 4 layers, random
+init, nothing downloaded) on one thread, where a token's time is almost all
+per-call overhead, as batch-1 decode on a GPU is launch- and host-bound.
+Configurations interleave round by round (the order rotated each round);
+hmp is converted for its own samples only and reverted before the next
+configuration, outside the timed region. A sample is the prefill plus the
+decode steps, divided by the tokens generated. Medians over rounds.
+
+It also counts the calls that enter hmp's wrapper per token (every
+configuration: fp32, autocast and bf16 must count none) and divides hmp's
+time over autocast's (and over pure bf16's) by them: what each wrapped call
+costs. The module is device-agnostic; benchmarks/gpu.py runs it on CUDA
+with TinyLlama's shape.
+"""
+
+import argparse
+import contextlib
+import copy
+import gc
+import inspect
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+for p in (str(HERE), str(HERE.parent)):  # the sibling modules, and this checkout's hmp
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import wrapped_calls  # noqa: E402
+
+import hmp  # noqa: E402
+
+CONFIGS = ("fp32", "autocast", "hmp-O1", "hmp-O1-frozen", "bf16")
+# (numerator, denominator, at most): the issue's decode targets
+TARGETS = (
+    ("hmp-O1", "autocast", 1.25),
+    ("hmp-O1-frozen", "autocast", 1.15),
+    ("hmp-O1-frozen", "hmp-O1", 1.00),  # frozen_weights() never slower than without it
+)
+# model sizes: the CPU proxy, and TinyLlama's shape (1.1B parameters) for a GPU
+SIZES = {
+    "proxy": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
+    "tinyllama": dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    ),
+}
+PROMPT = 8
+
+
+def sync(device):
+    """Wait for queued kernels where the device queues them (CUDA)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(size, device):
+    """fp32 and pure-bf16 copies of one randomly initialised Llama, in eval()."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**SIZES[size]) if isinstance(size, str) else transformers.LlamaConfig(**size)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        fp32 = transformers.LlamaForCausalLM(cfg).eval()
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)  # same weights, rounded
+    return {"fp32": fp32, "bf16": bf16}, cfg
+
+
+@contextlib.contextmanager
+def active(name, device):
+    """The configuration ``name`` for a block. hmp is converted only for its
+    own configurations and reverted on exit: every block finds it reverted,
+    or refuses to run."""
+    if hmp.is_converted():
+        raise RuntimeError(f"{name}: hmp converted on entry (a block before did not revert)")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        if name == "autocast":
+            stack.enter_context(torch.autocast(torch.device(device).type, dtype=torch.bfloat16))
+        elif name.startswith("hmp"):
+            stack.enter_context(hmp.converted(opt_level="O1"))
+            if name.endswith("frozen"):
+                stack.enter_context(hmp.frozen_weights())
+        if hmp.is_converted() != name.startswith("hmp"):
+            raise RuntimeError(f"{name}: hmp converted={hmp.is_converted()} inside its block")
+        yield
+    if hmp.is_converted():
+        raise RuntimeError(f"{name}: hmp still converted after its block")
+
+
+def model_for(models, name):
+    return models["bf16" if name == "bf16" else "fp32"]
+
+
+def _cache_kw(model):
+    """transformers 5 names the KV cache argument ``cache``, 4.x ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def generate(model, prompt, new):
+    """Greedy decode of ``new`` tokens: the prefill gives the first, then one
+    call per token with the KV cache. Returns (tokens, logits dtype)."""
+    kw = _cache_kw(model)
+    out = model(input_ids=prompt, use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    tok = out.logits[:, -1:].argmax(-1)
+    toks = [tok]
+    for _ in range(new - 1):
+        out = model(input_ids=tok, use_cache=True, **{kw: cache})
+        cache = getattr(out, "cache", None) or out.past_key_values
+        tok = out.logits[:, -1:].argmax(-1)
+        toks.append(tok)
+    return torch.cat(toks, 1)[0].tolist(), out.logits.dtype
+
+
+def sample(models, name, prompt, new, device):
+    """ms per token of one decode in configuration ``name``."""
+    model = model_for(models, name)
+    gc.collect()
+    with active(name, device):
+        sync(device)
+        t0 = time.perf_counter()
+        generate(model, prompt, new)
+        sync(device)
+        dt = time.perf_counter() - t0
+    return dt / new * 1e3
+
+
+def describe(models, name, prompt, new, device):
+    """What a configuration does, untimed: tokens, logits dtype, wrapped calls per token."""
+    model = model_for(models, name)
+    with active(name, device):
+        got = {}
+
+        def run():
+            got["tokens"], got["dtype"] = generate(model, prompt, new)
+
+        calls = wrapped_calls.by_op(run)
+    return {
+        "tokens": got["tokens"],
+        "logits_dtype": str(got["dtype"]).replace("torch.", ""),
+        "wrapped_per_token": sum(calls.values()) / new,
+        "wrapped_by_op_per_token": {op: n / new for op, n in calls.most_common()},
+    }
+
+
+def measure(models, vocab, device, new, rounds, names=CONFIGS, progress=None):
+    """Warm-up and description per configuration, then ``rounds`` interleaved samples each."""
+    prompt = torch.randint(0, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(2)).to(device)
+    info = {}
+    for name in names:
+        sample(models, name, prompt, new, device)  # warm-up: lazy imports, first casts, allocator
+        info[name] = describe(models, name, prompt, new, device)
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            times[name].append(sample(models, name, prompt, new, device))
+        if progress:
+            progress(f"round {r + 1}/{rounds}: " + "  ".join(f"{n} {t[-1]:.3f}" for n, t in times.items()))
+    return summarize(times, info, new)
+
+
+def summarize(times, info, new):
+    med = {n: statistics.median(t) for n, t in times.items()}
+    res = {
+        "tokens": new,
+        "rounds": len(next(iter(times.values()))),
+        "ms_per_token": med,
+        "samples_ms": times,
+        "iqr_rel": {n: _iqr_rel(t) for n, t in times.items()},
+        "vs_autocast": {n: med[n] / med["autocast"] for n in med} if "autocast" in med else {},
+        "configs": info,
+    }
+    if "autocast" in info:  # share of tokens equal to autocast's: bf16 schemes may differ on a random model
+        ref = info["autocast"]["tokens"]
+        for i in info.values():
+            i["same_tokens_as_autocast"] = sum(a == b for a, b in zip(i["tokens"], ref)) / len(ref)
+    per_call = {}
+    for h in ("hmp-O1", "hmp-O1-frozen"):
+        calls = info.get(h, {}).get("wrapped_per_token")
+        if calls:
+            per_call[h] = {ref: (med[h] - med[ref]) * 1e3 / calls for ref in ("autocast", "bf16") if ref in med}
+    res["per_wrapped_call"] = per_call
+    res["targets"] = [
+        {"ratio": f"{a} / {b}", "limit": lim, "value": med[a] / med[b], "pass": med[a] / med[b] <= lim}
+        for a, b, lim in TARGETS
+        if a in med and b in med
+    ]
+    return res
+
+
+def _iqr_rel(s):
+    if len(s) < 4:
+        return float("nan")
+    q = statistics.quantiles(s, n=4)
+    return (q[2] - q[0]) / statistics.median(s)
+
+
+def report(res):
+    lines = [
+        "| configuration | ms/token | vs autocast | IQR/median | wrapped calls/token | logits | tokens = autocast's |",
+        "|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for n, ms in res["ms_per_token"].items():
+        i = res["configs"][n]
+        same = i.get("same_tokens_as_autocast", float("nan"))
+        lines.append(
+            f"| {n} | {ms:.3f} | {res['vs_autocast'].get(n, float('nan')):.3f} | {res['iqr_rel'][n]:.2f} | "
+            f"{i['wrapped_per_token']:.0f} | {i['logits_dtype']} | {same:.2f} |"
+        )
+    lines.append("")
+    for h, d in res["per_wrapped_call"].items():
+        lines.append(f"- {h}: " + ", ".join(f"{v:+.2f} us per wrapped call over {ref}" for ref, v in d.items()))
+    hmp_ops = res["configs"].get("hmp-O1", {}).get("wrapped_by_op_per_token", {})
+    if hmp_ops:
+        lines.append("- hmp-O1's wrapped calls per token: " + ", ".join(f"{op} {n:.0f}" for op, n in hmp_ops.items()))
+    for t in res["targets"]:
+        lines.append(f"- target {t['ratio']} <= {t['limit']:.2f}: {t['value']:.3f} {'PASS' if t['pass'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per sample (default 64)")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved samples per configuration (default 15)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quick", action="store_true", help="4 tokens, 2 rounds: checks the script, measures nothing")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    new, rounds = (4, 2) if args.quick else (args.tokens, args.rounds)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed cache argument
+    models, cfg = build("proxy", args.device)
+    print(
+        f"torch {torch.__version__}, {args.device}, one thread; Llama {cfg.num_hidden_layers} layers, hidden "
+        f"{cfg.hidden_size}, vocab {cfg.vocab_size}; batch 1, prompt {PROMPT}, {new} new tokens greedy; "
+        f"median of {rounds} interleaved rounds",
+        flush=True,
+    )
+    res = measure(models, cfg.vocab_size, args.device, new, rounds, progress=lambda m: print(m, file=sys.stderr))
+    print(report(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
