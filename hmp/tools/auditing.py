@@ -11,12 +11,14 @@ arguments (hmp/tools/record.py): each module's outputs are paired by call order
 too, and each op call is attributed to the innermost module it ran in, so
 the ops' own errors add up per module and per module class. One more run
 per module class measures the error its instances' own code makes: only
-the ops called directly in them cast (record.Boundary). Two last runs,
-warm by then, time each op: in fp32 and under the lists (op_times()).
+the ops called directly in them cast (record.Boundary). The last runs,
+warm by then, time each op: in fp32 and under the lists, interleaved, a few
+times each (op_times()).
 """
 
 from __future__ import annotations
 
+import statistics
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
@@ -24,11 +26,13 @@ import torch
 
 from hmp.core.conversion import applied, in_force, plan
 from hmp.core.hints import Step
-from hmp.core.lists import KINDS, class_path
+from hmp.core.lists import KINDS
+from hmp.tools import timing
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
 from hmp.tools.record import Boundary, ModuleHooks, Recorder, module_paths
 from hmp.tools.report import write as write_html
+from hmp.tools.target import user_name
 
 TINY = 1e-30
 TOP = 10  # module rows table() shows; all are in AuditReport.modules / .module_classes
@@ -59,7 +63,7 @@ def compare(ref, got):
 
 
 class AuditReport:
-    def __init__(self, rows, output_error, threshold, loss_threshold, modules=(), seen=None):
+    def __init__(self, rows, output_error, threshold, loss_threshold, modules=(), seen=None, time_ratio=None):
         self.rows = rows  # one dict per op that ran
         self.output_error = output_error  # relative error of fn's output under full hmp
         self.threshold, self.loss_threshold = threshold, loss_threshold
@@ -68,6 +72,8 @@ class AuditReport:
         # module class -> the largest integer input (position, timestep, id) its instances were given:
         # an error that grows with positions or timesteps is measured only up to there
         self.seen = dict(seen or {})
+        # the listed ops' time under the lists relative to fp32 (timing.Ratio), None when not timed
+        self.time_ratio = time_ratio
         self.created = datetime.now(timezone.utc)  # when measured, for the HTML report's title
 
     def save_html(self, path, title=None):
@@ -88,6 +94,7 @@ class AuditReport:
     def table(self):
         lines = [
             f"output (loss) relative error under hmp: {self.output_error:.3g}",
+            f"listed ops' forward time under the lists: {timing.words(self.time_ratio)}",
             "",
             "| op | list | calls | max rel err | mean rel err | own max rel err | inf/NaN introduced "
             "| error passed to loss | flagged |",
@@ -182,7 +189,7 @@ def _module_rows(paths, ref, full, ops, made):
         rows.append(
             {
                 "path": path,
-                "class": class_path(type(module)),
+                "class": user_name(type(module)),
                 "type": type(module),
                 "calls": len(full_outputs[path][None]),
                 "max_rel": max_rel,
@@ -215,7 +222,7 @@ def _class_rows(module_rows, threshold):
             reason = ""
         rows.append(
             {
-                "class": class_path(cls),
+                "class": user_name(cls),
                 "type": cls,
                 "instances": len(instances),
                 "paths": [r["path"] for r in instances],
@@ -392,41 +399,57 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold):
         row["flagged"] = bool(reasons)
         rows.append(row)
     made = made_by_class(fn, args, kwargs, guard, conversion, ref, full)
-    times = op_times(fn, args, kwargs, guard, conversion)
+    times, total = op_times(fn, args, kwargs, guard, conversion)
     for row in rows:
         row.update(times.get(row["op"], NOT_TIMED))
     paths = module_paths(guard.modules)
     modules = _module_rows(paths, ref, full, rows, made)
     seen = {}
     for path, value in full.seen.items():
-        cls = class_path(type(paths[path]))
+        cls = user_name(type(paths[path]))
         seen[cls] = max(seen.get(cls, value), value)
-    return AuditReport(rows, output_error, threshold, loss_threshold, modules, seen)
+    return AuditReport(rows, output_error, threshold, loss_threshold, modules, seen, total)
 
 
-NOT_TIMED = {"fp32_ms": None, "lists_ms": None, "cast_ms": None}
+NOT_TIMED = {"fp32_ms": None, "lists_ms": None, "cast_ms": None, "time_ratio": None}
+TIMED_PAIRS = 3  # an fp32 run and a run under the lists, this many times, interleaved
 
 
-def op_times(fn, args, kwargs, guard, conversion):
-    """``{op: {"fp32_ms", "lists_ms", "cast_ms"}}``: the wall time of each
-    recorded op's calls in one step in fp32 and one under ``conversion``'s
-    lists, the latter with the casts hmp makes for them (``cast_ms`` of it).
-    Both runs go through the recording wrappers (the fp32 one casting
-    nothing), so the same calls are timed under the names the rows have: a
-    TorchFunctionMode is handed ``Tensor.div`` for ``/``
-    and cannot tell ``truediv`` from ``div``. One step each: on a shared
-    machine a single op's time is noisy. None: not run in that step."""
-    _, fp32 = run_step(fn, args, kwargs, guard, conversion, passthrough=True)
-    _, lists = run_step(fn, args, kwargs, guard, conversion)
+def op_times(fn, args, kwargs, guard, conversion, repeats=TIMED_PAIRS):
+    """``({op: {"fp32_ms", "lists_ms", "cast_ms", "time_ratio"}}, total)``:
+    the wall time of each recorded op's calls in a step in fp32 and under
+    ``conversion``'s lists, the latter with the casts hmp makes for them
+    (``cast_ms`` of it): medians of ``repeats`` runs each, interleaved, and
+    the time under the lists relative to fp32 (timing.ratio); ``total``:
+    that ratio for all the ops' time together. Both runs go through the
+    recording wrappers (the fp32 one casting nothing), so the same calls are
+    timed under the names the rows have: a TorchFunctionMode is handed
+    ``Tensor.div`` for ``/`` and cannot tell ``truediv`` from ``div``. None:
+    not run in that step."""
+    runs = {"fp32": [], "lists": []}
+    for _ in range(repeats):
+        runs["fp32"].append(run_step(fn, args, kwargs, guard, conversion, passthrough=True)[1].stats)
+        runs["lists"].append(run_step(fn, args, kwargs, guard, conversion)[1].stats)
+
+    def ms(kind, name, part):
+        got = [part(stats[name]) * 1e3 for stats in runs[kind] if name in stats]
+        return got or None
+
     out = {}
-    for name in fp32.stats.keys() | lists.stats.keys():
-        a, b = fp32.stats.get(name), lists.stats.get(name)
+    for name in set().union(*runs["fp32"], *runs["lists"]):
+        a = ms("fp32", name, lambda s: s.op_seconds)
+        b = ms("lists", name, lambda s: s.op_seconds + s.cast_seconds)
+        cast = ms("lists", name, lambda s: s.cast_seconds)
         out[name] = {
-            "fp32_ms": None if a is None else a.op_seconds * 1e3,
-            "lists_ms": None if b is None else (b.op_seconds + b.cast_seconds) * 1e3,
-            "cast_ms": None if b is None else b.cast_seconds * 1e3,
+            "fp32_ms": a and statistics.median(a),
+            "lists_ms": b and statistics.median(b),
+            "cast_ms": cast and statistics.median(cast),
+            "time_ratio": timing.ratio(a, b) if a and b and len(a) == len(b) else None,
         }
-    return out
+    totals = {
+        kind: [sum(s.op_seconds + s.cast_seconds for s in stats.values()) for stats in runs[kind]] for kind in runs
+    }
+    return out, timing.ratio(totals["fp32"], totals["lists"])
 
 
 def by_op(outputs):

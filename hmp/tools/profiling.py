@@ -16,7 +16,7 @@ from hmp.tools.files import write_all
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
 from hmp.tools.record import Recorder
-from hmp.tools.report import STYLE, esc, table
+from hmp.tools.report import STYLE, boxed, esc, table
 from hmp.version import __version__
 
 COLUMNS = ("op", "calls", "inputs (most common)", "ran in", "op ms", "cast ms", "casts", "MB cast")
@@ -92,7 +92,7 @@ class ProfileReport:
                     '<p class="caption">One row per listed op the function ran, most time first: the dtypes its inputs '
                     "came in and it ran in (most common), its forward calls, the time in the op and in hmp's casts, "
                     "and how much data was cast. One run, so small differences are noise.</p>",
-                    table(COLUMNS, self.cells(), numeric=(1, 4, 5, 6, 7)),
+                    boxed(table(COLUMNS, self.cells(), numeric=(1, 4, 5, 6, 7))),
                     "</body>",
                     "</html>",
                     "",

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import sys
 
+PREFIX = "_hmp_tune_target_"  # the module name a FILE.py target is imported under
 HELP = "MODULE:FUNCTION or FILE.py:FUNCTION, a function with no arguments that returns (step, state)"
 
 
@@ -26,7 +27,7 @@ def load_target(spec):
     if where.endswith(".py") or os.sep in where or "/" in where:
         if not os.path.isfile(where):
             raise TargetError(f"TARGET {spec!r}: no file {where!r}")
-        module_name = "_hmp_tune_target_" + os.path.splitext(os.path.basename(where))[0]
+        module_name = PREFIX + os.path.splitext(os.path.basename(where))[0]
         spec_ = importlib.util.spec_from_file_location(module_name, where)
         module = importlib.util.module_from_spec(spec_)
         sys.modules[module_name] = module  # dataclasses and pickling look a module up by name
@@ -68,3 +69,12 @@ def make_target(fn, spec):
             f"starts from the same weights"
         )
     return step, state
+
+
+def user_name(cls):
+    """``cls`` as its author knows it: ``file.py:Class`` for a class from a
+    FILE.py target (imported under PREFIX), else its import path."""
+    module = sys.modules.get(cls.__module__)
+    if cls.__module__.startswith(PREFIX) and getattr(module, "__file__", None):
+        return f"{os.path.basename(module.__file__)}:{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"

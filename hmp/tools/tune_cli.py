@@ -114,7 +114,7 @@ def run(args):
     finally:
         bar.close(None if result is None else f"tuned in {bar.elapsed():.0f} s")
     print(result.table())
-    classes = ", ".join(map(class_path, result.modules_to_fp32))
+    classes = ", ".join(result.class_names())
     if classes:
         print(f"\nproposed for the FP32 list, instead of moving their ops: module classes {classes}")
     try:

@@ -15,10 +15,8 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
-from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 
 import torch
@@ -27,15 +25,14 @@ from torch.overrides import TorchFunctionMode
 from hmp.core.casts import casts_enabled
 from hmp.core.conversion import applied
 from hmp.core.hints import Step
-from hmp.core.lists import KINDS, class_path
+from hmp.core.lists import KINDS
 from hmp.core.resolve import Resolver
-from hmp.tools import tuned_files
 from hmp.tools.auditing import audit_with, by_op, compare, in_force_or_default, kind_of, made_in, pairs, run_step, worst
-from hmp.tools.files import write_all
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
 from hmp.tools.record import within
-from hmp.tools.report import write as write_html
+from hmp.tools.target import user_name
+from hmp.tools.tune_result import TuneResult
 
 # calls a step makes that are not math to run in another dtype (indexing only moves values: in the
 # BF16 list it would only round them)
@@ -108,199 +105,6 @@ class _OpTimes(TorchFunctionMode):
         return out
 
 
-class TuneResult:
-    def __init__(
-        self,
-        lists,
-        before,
-        audit_report,
-        trials,
-        validation,
-        timings,
-        modules=None,
-        proposals=None,
-        module_proposals=None,
-        samples=None,
-        same_as=None,
-        tolerance=0.02,
-        low=torch.bfloat16,
-    ):
-        self.lists = lists  # {"bf16", "fp32", "promote"} -> sorted names
-        self.before = before
-        self.audit = audit_report
-        self.trials = trials  # op -> {"seconds", "own_max_rel", "loss_error", "nonfinite", "accepted"}
-        self.validation = validation  # name -> final loss after the validation steps
-        self.timings = timings  # name -> median step seconds
-        self.modules = modules or {"bf16": (), "fp32": ()}  # module entries: classes and instances
-        # op -> {"class", "type", "own_max_rel", "loss_error", "nonfinite", "accepted"}: the module
-        # class its error is confined to, and the op's errors with that class in FP32
-        self.proposals = proposals or {}
-        # class path -> {"class", "type", "made_max_rel", "loss_error", "nonfinite", "accepted"}: a module
-        # class whose own code makes too much error (with the flagged ops moved), and the loss error with it
-        # in FP32
-        self.module_proposals = module_proposals or {}
-        self.samples = samples or {}  # name -> every step time measured (seconds), for the spread
-        self.same_as = same_as or {}  # name -> an earlier configuration with exactly the same lists and modules
-        self.tolerance = tolerance
-        self.low = low  # the lower dtype: which default list the files written extend
-
-    def spread(self, name):
-        """The relative spread of ``name``'s step times: (75th - 25th
-        percentile) / median; what two medians must differ by to mean more
-        than noise on this machine now. None with fewer than 4 samples."""
-        times = sorted(self.samples.get(name, ()))
-        if len(times) < 4:
-            return None
-        q1, _, q3 = statistics.quantiles(times, n=4)
-        return (q3 - q1) / statistics.median(times)
-
-    def loss_gap(self, name):
-        """``name``'s final loss relative to fp32's: (loss - fp32) / |fp32|;
-        against an fp32 loss of exactly 0, 0 when equal, else signed inf."""
-        diff, ref = self.validation[name] - self.validation["fp32"], abs(self.validation["fp32"])
-        if ref == 0:
-            return math.copysign(math.inf, diff) if diff else 0.0
-        return diff / ref
-
-    @property
-    def verdict(self):
-        """One line: the tuned lists' loss against fp32's and the tolerance."""
-        gap, start = self.loss_gap("tuned lists"), self.loss_gap("starting lists")
-        within = abs(gap) <= self.tolerance
-        line = (
-            f"verdict: the tuned lists end {gap:+.2%} from fp32's loss, "
-            f"{'within' if within else 'OUTSIDE'} the {self.tolerance:.0%} tolerance (starting lists: {start:+.2%})"
-        )
-        if not within:
-            line += (
-                "; tune kept no addition that made it worse than the starting lists, so the rest is the "
-                "lower dtype's on this model: put the model's most sensitive module classes in the FP32 list "
-                "(the audit's module table), or validate over more steps"
-            )
-        timed = [n for n in ("fp32", "tuned lists") if n in self.timings]
-        if len(timed) == 2:
-            ratio = self.timings["tuned lists"] / self.timings["fp32"]
-            noise = max(filter(None, (self.spread(n) for n in timed)), default=None)
-            line += f"; a step takes {ratio:.2f}x fp32's time"
-            if noise is not None and abs(ratio - 1) <= noise:
-                line += f" (within this machine's timing noise, {noise:.0%}: no measurable difference)"
-        return line
-
-    @property
-    def moved_to_fp32(self):
-        return sorted(set(self.lists["fp32"]) - set(self.before["fp32"]))
-
-    @property
-    def added_to_bf16(self):
-        return sorted(set(self.lists["bf16"]) - set(self.before["bf16"]))
-
-    @property
-    def modules_to_fp32(self):
-        """The module classes tune put under the FP32 rule."""
-        proposed = list(self.proposals.values()) + list(self.module_proposals.values())
-        return list(dict.fromkeys(p["type"] for p in proposed if p["accepted"]))
-
-    def table(self):
-        lines = [
-            "## audit of the starting lists",
-            "",
-            self.audit.table(),
-            "",
-            "## ops tried in bf16",
-            "",
-            "| op | was in | fp32 time ms | own max rel err | error passed to loss | inf/NaN | kept in bf16 |",
-            "|---|---|---:|---:|---:|---:|---|",
-        ]
-        for op, t in sorted(self.trials.items(), key=lambda kv: -kv[1]["seconds"]):
-            lines.append(
-                f"| {op} | {t['was'] or 'no list'} | {t['seconds'] * 1e3:.3f} | {t['own_max_rel']:.3g} | "
-                f"{t['loss_error']:.3g} | {t['nonfinite']} | {'yes' if t['accepted'] else 'no'} |"
-            )
-        if self.proposals:
-            lines += [
-                "",
-                "## flagged ops whose error is confined to one module class",
-                "",
-                "| op | module class | own max rel err, class in FP32 | error passed to loss | inf/NaN | "
-                "class to FP32 instead of the op |",
-                "|---|---|---:|---:|---:|---|",
-            ]
-            for op, p in self.proposals.items():
-                lines.append(
-                    f"| {op} | {p['class']} | {p['own_max_rel']:.3g} | {p['loss_error']:.3g} | "
-                    f"{p['nonfinite']} | {'yes' if p['accepted'] else 'no'} |"
-                )
-        if self.module_proposals:
-            lines += [
-                "",
-                "## module classes whose own code makes too much error",
-                "",
-                "| module class | error made in it | error passed to loss, class in FP32 | inf/NaN | to FP32 |",
-                "|---|---:|---:|---:|---|",
-            ]
-            for p in self.module_proposals.values():
-                lines.append(
-                    f"| {p['class']} | {p['made_max_rel']:.3g} | {p['loss_error']:.3g} | {p['nonfinite']} | "
-                    f"{'yes' if p['accepted'] else 'no'} |"
-                )
-        lines += [
-            "",
-            "## validation",
-            "",
-            "| lists | final loss | vs fp32 | step ms (median) | spread | timings |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-        for name in self.validation:
-            ms, spread = self.timings.get(name), self.spread(name)
-            note = f" (same lists as {self.same_as[name]})" if name in self.same_as else ""
-            lines.append(
-                f"| {name}{note} | {self.validation[name]:.5f} | {self.loss_gap(name):+.2%} | "
-                f"{'' if ms is None else f'{ms * 1e3:.2f}'} | {'' if spread is None else f'±{spread / 2:.0%}'} | "
-                f"{len(self.samples.get(name, ()))} |"
-            )
-        if self.same_as:
-            lines += [
-                "",
-                "same lists, so any difference between their step times above is this machine's "
-                "timing noise: " + ", ".join(f"{a} = {b}" for a, b in self.same_as.items()),
-            ]
-        lines += ["", self.verdict]
-        lines += [
-            "",
-            f"moved to FP32: {', '.join(self.moved_to_fp32) or 'none'}",
-            f"module classes to FP32: {', '.join(map(class_path, self.modules_to_fp32)) or 'none'}",
-            f"added to BF16: {', '.join(self.added_to_bf16) or 'none'}",
-        ]
-        return "\n".join(lines)
-
-    def __str__(self):
-        return self.table()
-
-    def save_html(self, path):
-        """One self-contained HTML file (hmp/tools/report.py): the audit's errors
-        per op and module, the ops tried, the validation and the verdict."""
-        write_html(path, tune=self)
-
-    def write(self, bf16_path, fp32_path, promote_path=None):
-        """Write list files that hmp.convert() loads, each extending the
-        default list (tuned_files.texts: ``include default`` and tune's
-        changes, module classes as their import paths). All or nothing
-        (files.write_all): raises ValueError, writing nothing, when a class
-        does not load by its import path, when two paths are the same file,
-        or when a path cannot be written."""
-        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        summary = (
-            f"# written by hmp.tune on {stamp}\n"
-            f"# moved to FP32 (flagged by the audit): {', '.join(self.moved_to_fp32) or 'none'}\n"
-            f"# module classes to FP32 (a flagged op's error is confined to them): "
-            f"{', '.join(map(class_path, self.modules_to_fp32)) or 'none'}\n"
-            f"# added to BF16 (safe and expensive): {', '.join(self.added_to_bf16) or 'none'}\n"
-            f"# validation final losses: " + ", ".join(f"{k} {v:.5f}" for k, v in self.validation.items()) + "\n"
-        )
-        targets = [("bf16", bf16_path), ("fp32", fp32_path)] + ([("promote", promote_path)] if promote_path else [])
-        write_all(tuned_files.texts(self.lists, self.modules, targets, summary, self.low), "hmp.tune")
-
-
 def _as_sets(lists):
     return {k: set(v) for k, v in lists.items()}
 
@@ -368,6 +172,222 @@ def confined_to(report, op, roots):
     return cls if elsewhere else None
 
 
+class _Tuner:
+    """One tune() run, a method per phase; the state they share is on self."""
+
+    def __init__(self, step_fn, args, kwargs, bounds, progress):
+        self.fn, self.args, self.kwargs, self.progress = step_fn, args, kwargs, progress
+        self.threshold, self.loss_threshold, self.tolerance, self.min_share, self.steps, self.rounds = bounds
+        self.start = in_force_or_default()
+        self.start_lists = _as_sets(self.start.lists)
+        self.done, self.total = 0, None
+
+    def under(self, lists, fp32_modules=()):
+        """The starting conversion with ``lists`` and ``fp32_modules`` added to its FP32 module entries."""
+        fp32 = tuple(dict.fromkeys(self.start.modules["fp32"] + tuple(fp32_modules)))
+        return self.start._replace(lists=lists, modules={"bf16": self.start.modules["bf16"], "fp32": fp32})
+
+    def tick(self, what):
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total, what)
+
+    def run_step(self, conversion, **options):
+        return run_step(self.fn, self.args, self.kwargs, self.guard, conversion, **options)
+
+    def train(self, conversion, steps=None):
+        return _train(self.fn, self.args, self.kwargs, self.guard, steps or self.steps, conversion)
+
+    def __call__(self, state):
+        self.guard = StateGuard("hmp.tune", state, self.args, self.kwargs, self.fn)
+        try:
+            check_trains(self.fn, self.args, self.kwargs, self.guard)
+            self.audit()
+            self.find_candidates()
+            self.trials = {op: self.try_in_bf16(op) for op in self.candidates}
+            self.proposals = {op: self.try_class_instead(op, cls) for op, cls in self.confined.items()}
+            self.module_proposals = {}
+            for row in self.classes:
+                self.try_class(row)
+            self.validate()
+            self.time()
+        finally:
+            self.guard.restore()
+        return self.result()
+
+    def audit(self):
+        """Audit the starting lists; the flagged ops move to FP32 (self.lists)."""
+        if self.progress is not None:
+            self.progress(0, None, "audit")
+        self.report = audit_with(self.guard, self.fn, self.args, self.kwargs, self.threshold, self.loss_threshold)
+        self.lists = _as_sets(self.start_lists)
+        for op in self.report.flagged:
+            for k in KINDS:
+                self.lists[k].discard(op)
+            self.lists["fp32"].add(op)
+        self.confined = {
+            op: cls for op in self.report.flagged if (cls := confined_to(self.report, op, self.guard.modules))
+        }
+
+    def find_candidates(self):
+        """What still computes in fp32 under the lists so far and takes at
+        least ``min_share`` of the step's op time, and the fp32 reference
+        run that records its outputs (and the confined ops') uncast."""
+        times = _OpTimes()
+        with self.guard.running(), applied(self.under(self.lists)), times:
+            self.fn(*self.args, **self.kwargs)
+        total = sum(times.seconds.values()) or 1.0
+        resolver = Resolver()
+        self.seconds = times.seconds
+        self.candidates = [
+            op
+            for op, s in times.seconds.items()
+            if s / total >= self.min_share
+            and op not in self.lists["bf16"]
+            and op not in self.report.flagged
+            and resolver.exists(op)
+        ]
+        watch = {"bf16": set(self.candidates) | set(self.confined), "fp32": set(), "promote": set()}
+        self.ref_final, self.ref = self.run_step(
+            self.under(watch), passthrough=True, keep_outputs=True, module_outputs=True
+        )
+        self.ref_outputs = by_op(self.ref.outputs)
+        self.classes = [row for row in self.report.module_classes if row["made_max_rel"] > self.threshold]
+        self.total = self.done + len(self.candidates) + len(self.confined) + len(self.classes) + 3 + self.rounds
+
+    def alone(self, op, only, fp32_modules=()):
+        """Errors of ``op`` cast alone (its list in ``only``), against the reference."""
+        own_final, own = self.run_step(self.under(only, fp32_modules), keep_outputs=True, restore_dtype=True)
+        loss_error, _, nonfinite = compare(self.ref_final, own_final)
+        own_max_rel, _, own_nonfinite = worst(pairs(self.ref_outputs, by_op(own.outputs), op))
+        stats = own.stats.get(op)
+        ok = (
+            stats is not None
+            and stats.casts > 0
+            and own_max_rel <= self.threshold
+            and loss_error <= self.loss_threshold
+            and not (nonfinite or own_nonfinite)
+        )
+        return {
+            "own_max_rel": own_max_rel,
+            "loss_error": loss_error,
+            "nonfinite": nonfinite + own_nonfinite,
+            "accepted": ok,
+        }
+
+    def try_in_bf16(self, op):
+        trial = {
+            "was": kind_of(op, self.lists),
+            "seconds": self.seconds[op],
+            **self.alone(op, {"bf16": {op}, "fp32": set(), "promote": set()}),
+        }
+        self.tick(f"{op} tried in bf16")
+        return trial
+
+    def try_class_instead(self, op, cls):
+        """The flagged ``op`` cast where its starting list says, with ``cls`` in FP32."""
+        only = {k: ({op} if op in self.start_lists[k] else set()) for k in KINDS}
+        proposal = {"class": user_name(cls), "type": cls, **self.alone(op, only, [cls])}
+        self.tick(f"{op} with {cls.__name__} in FP32")
+        return proposal
+
+    def try_class(self, row):
+        """A module class whose own code makes too much error (audit's "error made in it"), measured again
+        with the flagged ops moved: proposed for FP32 when it still makes it."""
+        cls = row["type"]
+        self.tick(f"module class {cls.__name__}")
+        if cls in self.confined.values() or any(isinstance(r, cls) for r in self.guard.modules):
+            return
+        made = made_in(self.fn, self.args, self.kwargs, self.guard, self.under(self.lists), self.ref, row["paths"])
+        made_max_rel = max((m[0] for m in made.values()), default=0.0)
+        fp32_final, _ = self.run_step(self.under(self.lists, [cls]))
+        loss_error, _, nonfinite = compare(self.ref_final, fp32_final)
+        self.module_proposals[row["class"]] = {
+            "class": row["class"],
+            "type": cls,
+            "made_max_rel": made_max_rel,
+            "loss_error": loss_error,
+            "nonfinite": nonfinite,
+            "accepted": made_max_rel > self.threshold and not nonfinite,
+        }
+
+    def proposed(self):
+        """The lists and FP32 module classes the accepted trials and proposals make."""
+        candidate = _as_sets(self.lists)
+        for op, t in self.trials.items():
+            if t["accepted"]:
+                for k in KINDS:
+                    candidate[k].discard(op)
+                candidate["bf16"].add(op)
+        for op, p in self.proposals.items():
+            if p["accepted"]:  # the op keeps its starting list; its class goes to FP32
+                for k in KINDS:
+                    candidate[k].discard(op)
+                    if op in self.start_lists[k]:
+                        candidate[k].add(op)
+        everything = list(self.proposals.values()) + list(self.module_proposals.values())
+        return candidate, [p["type"] for p in everything if p["accepted"]]
+
+    def validate(self):
+        """Train from the same state in fp32, under the starting lists and under the proposal; a proposal
+        further from fp32 than both the tolerance and the starting lists is dropped."""
+        self.candidate, to_fp32 = self.proposed()
+        self.configs = {
+            "fp32": None,
+            "starting lists": self.under(self.start_lists),
+            "tuned lists": self.under(self.candidate, to_fp32),
+        }
+        self.validation = {}
+        for name, conversion in self.configs.items():
+            self.validation[name] = self.train(conversion)[0]
+            self.tick(f"validation: {name}")
+        if not self.acceptable("tuned lists") and (self.candidate != self.lists or to_fp32):
+            everything = [*self.trials.values(), *self.proposals.values(), *self.module_proposals.values()]
+            for t in everything:
+                t["accepted"] = False
+            self.candidate = self.lists
+            self.configs["tuned lists"] = self.under(self.candidate)
+            self.validation["tuned lists"] = self.train(self.configs["tuned lists"])[0]
+
+    def acceptable(self, name):
+        """Within ``tolerance`` of fp32, or no further from it than the starting lists."""
+        v = self.validation
+        gap = abs(v[name] - v["fp32"])
+        return gap <= self.tolerance * abs(v["fp32"]) or gap <= abs(v["starting lists"] - v["fp32"])
+
+    def time(self):
+        """Step times of every configuration, interleaved; which configurations are the same lists."""
+        self.samples = _interleaved_times(
+            self.fn, self.args, self.kwargs, self.guard, self.configs, self.rounds, self.tick
+        )
+        self.timings = {name: statistics.median(s) for name, s in self.samples.items()}
+        names = list(self.configs)
+        self.same_as = {}
+        for i, name in enumerate(names):
+            earlier = next((o for o in names[:i] if _same(self.configs[o], self.configs[name])), None)
+            if earlier is not None:
+                self.same_as[name] = earlier
+
+    def result(self):
+        final = {k: sorted(v) for k, v in self.candidate.items()}
+        final["promote"] = sorted(self.candidate["promote"] - self.candidate["bf16"] - self.candidate["fp32"])
+        return TuneResult(
+            final,
+            {k: sorted(v) for k, v in self.start_lists.items()},
+            self.report,
+            self.trials,
+            self.validation,
+            self.timings,
+            self.configs["tuned lists"].modules,
+            self.proposals,
+            self.module_proposals,
+            self.samples,
+            self.same_as,
+            self.tolerance,
+            self.start.options.low,
+        )
+
+
 def tune(
     step_fn: Step,
     *args: Any,
@@ -402,168 +422,8 @@ def tune(
     A class whose own code makes an error above ``threshold`` (the audit's
     made_max_rel), still with the flagged ops moved, goes to FP32 too.
     """
-    start = in_force_or_default()
-    start_lists = _as_sets(start.lists)
-
-    def under(lists, fp32_modules=()):
-        fp32 = tuple(dict.fromkeys(start.modules["fp32"] + tuple(fp32_modules)))
-        return start._replace(lists=lists, modules={"bf16": start.modules["bf16"], "fp32": fp32})
-
-    guard = StateGuard("hmp.tune", state, args, kwargs, step_fn)
-    done, total = 0, None
-
-    def tick(what):
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, total, what)
-
-    try:
-        check_trains(step_fn, args, kwargs, guard)
-        if progress is not None:
-            progress(0, None, "audit")
-        report = audit_with(guard, step_fn, args, kwargs, threshold, loss_threshold)
-        lists = _as_sets(start_lists)
-        for op in report.flagged:
-            for k in KINDS:
-                lists[k].discard(op)
-            lists["fp32"].add(op)
-        confined = {op: cls for op in report.flagged if (cls := confined_to(report, op, guard.modules)) is not None}
-
-        # what still computes in fp32 under the lists so far, and its share of the step's op time
-        times = _OpTimes()
-        with guard.running(), applied(under(lists)), times:
-            step_fn(*args, **kwargs)
-        total = sum(times.seconds.values()) or 1.0
-        resolver = Resolver()
-        candidates = [
-            op
-            for op, s in times.seconds.items()
-            if s / total >= min_share and op not in lists["bf16"] and op not in report.flagged and resolver.exists(op)
-        ]
-        # the fp32 reference, recording the candidates' and the confined ops' outputs without casting
-        watch = {"bf16": set(candidates) | set(confined), "fp32": set(), "promote": set()}
-        ref_final, ref = run_step(
-            step_fn, args, kwargs, guard, under(watch), passthrough=True, keep_outputs=True, module_outputs=True
-        )
-        ref_outputs = by_op(ref.outputs)
-        classes = [row for row in report.module_classes if row["made_max_rel"] > threshold]
-        total = done + len(candidates) + len(confined) + len(classes) + 3 + rounds
-
-        def alone(op, only, fp32_modules=()):
-            """Errors of ``op`` cast alone (its list in ``only``), against the reference."""
-            own_final, own = run_step(
-                step_fn, args, kwargs, guard, under(only, fp32_modules), keep_outputs=True, restore_dtype=True
-            )
-            loss_error, _, nonfinite = compare(ref_final, own_final)
-            own_max_rel, _, own_nonfinite = worst(pairs(ref_outputs, by_op(own.outputs), op))
-            stats = own.stats.get(op)
-            ok = (
-                stats is not None
-                and stats.casts > 0
-                and own_max_rel <= threshold
-                and loss_error <= loss_threshold
-                and not (nonfinite or own_nonfinite)
-            )
-            return {
-                "own_max_rel": own_max_rel,
-                "loss_error": loss_error,
-                "nonfinite": nonfinite + own_nonfinite,
-                "accepted": ok,
-            }
-
-        trials = {}
-        for op in candidates:
-            trials[op] = {
-                "was": kind_of(op, lists),
-                "seconds": times.seconds[op],
-                **alone(op, {"bf16": {op}, "fp32": set(), "promote": set()}),
-            }
-            tick(f"{op} tried in bf16")
-        proposals = {}
-        for op, cls in confined.items():
-            only = {k: ({op} if op in start_lists[k] else set()) for k in KINDS}
-            proposals[op] = {"class": class_path(cls), "type": cls, **alone(op, only, [cls])}
-            tick(f"{op} with {cls.__name__} in FP32")
-        # module classes whose own code makes too much error (audit's "error made in it"), measured
-        # again with the flagged ops moved: a class that still makes it goes to FP32
-        module_proposals = {}
-        for row in classes:
-            cls = row["type"]
-            tick(f"module class {cls.__name__}")
-            if cls in confined.values() or any(isinstance(r, cls) for r in guard.modules):
-                continue
-            made = made_in(step_fn, args, kwargs, guard, under(lists), ref, row["paths"])
-            made_max_rel = max((m[0] for m in made.values()), default=0.0)
-            fp32_final, _ = run_step(step_fn, args, kwargs, guard, under(lists, [cls]))
-            loss_error, _, nonfinite = compare(ref_final, fp32_final)
-            module_proposals[row["class"]] = {
-                "class": row["class"],
-                "type": cls,
-                "made_max_rel": made_max_rel,
-                "loss_error": loss_error,
-                "nonfinite": nonfinite,
-                "accepted": made_max_rel > threshold and not nonfinite,
-            }
-        candidate = _as_sets(lists)
-        for op, t in trials.items():
-            if t["accepted"]:
-                for k in KINDS:
-                    candidate[k].discard(op)
-                candidate["bf16"].add(op)
-        for op, p in proposals.items():
-            if p["accepted"]:  # the op keeps its starting list; its class goes to FP32
-                for k in KINDS:
-                    candidate[k].discard(op)
-                    if op in start_lists[k]:
-                        candidate[k].add(op)
-        to_fp32 = [p["type"] for p in list(proposals.values()) + list(module_proposals.values()) if p["accepted"]]
-
-        configs = {"fp32": None, "starting lists": under(start_lists), "tuned lists": under(candidate, to_fp32)}
-        validation = {}
-        for name, conversion in configs.items():
-            validation[name] = _train(step_fn, args, kwargs, guard, steps, conversion)[0]
-            tick(f"validation: {name}")
-
-        def acceptable(name):
-            """Within ``tolerance`` of fp32, or no further from it than the starting lists."""
-            gap = abs(validation[name] - validation["fp32"])
-            return gap <= tolerance * abs(validation["fp32"]) or gap <= abs(
-                validation["starting lists"] - validation["fp32"]
-            )
-
-        if not acceptable("tuned lists") and (candidate != lists or to_fp32):
-            for t in list(trials.values()) + list(proposals.values()) + list(module_proposals.values()):
-                t["accepted"] = False
-            candidate, to_fp32 = lists, []
-            configs["tuned lists"] = under(candidate)
-            validation["tuned lists"] = _train(step_fn, args, kwargs, guard, steps, configs["tuned lists"])[0]
-        samples = _interleaved_times(step_fn, args, kwargs, guard, configs, rounds, tick)
-        timings = {name: statistics.median(s) for name, s in samples.items()}
-        same_as = {}
-        for i, name in enumerate(configs):
-            earlier = next((other for other in list(configs)[:i] if _same(configs[other], configs[name])), None)
-            if earlier is not None:
-                same_as[name] = earlier
-    finally:
-        guard.restore()
-    final = {k: sorted(v) for k, v in candidate.items()}
-    final["promote"] = sorted(candidate["promote"] - candidate["bf16"] - candidate["fp32"])
-    return TuneResult(
-        final,
-        {k: sorted(v) for k, v in start_lists.items()},
-        report,
-        trials,
-        validation,
-        timings,
-        configs["tuned lists"].modules,
-        proposals,
-        module_proposals,
-        samples,
-        same_as,
-        tolerance,
-        start.options.low,
-    )
+    bounds = (threshold, loss_threshold, tolerance, min_share, steps, rounds)
+    return _Tuner(step_fn, args, kwargs, bounds, progress)(state)
 
 
 def _same(a, b):

@@ -196,17 +196,20 @@ def test_verdict_says_within_exactly_when_the_gap_is_inside_the_tolerance(fp32, 
     assert ("OUTSIDE" in result.verdict) == (gap > tolerance)
 
 
-def test_equal_medians_are_said_to_be_noise():
-    times = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]
+def test_pairs_that_straddle_one_are_said_to_be_noise():
+    fp32 = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]
+    # the same times in another order: each pair's ratio is above or below 1 by chance
     result = _result(
-        {"fp32": times, "tuned lists": [t * 1.01 for t in times]},
+        {"fp32": fp32, "tuned lists": [1.1, 0.9, 1.0, 1.2, 0.8, 1.0]},
         {"fp32": 1.0, "starting lists": 1.0, "tuned lists": 1.0},
     )
-    assert "no measurable difference" in result.verdict
+    assert "step time: no measurable difference here" in result.verdict and "x fp32's time" not in result.verdict
+    assert result.time_cell("tuned lists") == "no measurable difference here"
     far = _result(
-        {"fp32": times, "tuned lists": [t * 3 for t in times]}, {"fp32": 1.0, "starting lists": 1.0, "tuned lists": 1.0}
+        {"fp32": fp32, "tuned lists": [t * 3 for t in fp32]}, {"fp32": 1.0, "starting lists": 1.0, "tuned lists": 1.0}
     )
-    assert "3.00x fp32's time" in far.verdict and "no measurable difference" not in far.verdict
+    assert "step time: 3.00x fp32's time (+-0%)" in far.verdict and "no measurable difference" not in far.verdict
+    assert far.time_cell("tuned lists") == "3.00x +-0%" and far.time_cell("fp32") == "1 (reference)"
 
 
 def test_the_shipped_example_tunes_from_the_command_line_and_draws_its_report(tmp_path, monkeypatch, capsys):

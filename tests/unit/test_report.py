@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 
 import hmp
 from hmp.tools import report
+from hmp.tools import svg as drawing
 from hmp.tools.auditing import AuditReport
 
-OVER_COLOUR = report.OVER
+OVER_COLOUR = drawing.OVER
 
 
 class Tiny(LinearNormLinear):
@@ -174,9 +175,18 @@ def test_every_op_is_one_label_and_no_other_row(audited):
     assert sorted(names) == sorted(r["op"] for r in audited.rows)
     assert len(names) == len(set(names))
     # one row per op: as many label rows as the chart is tall
-    rows = (float(charts["ops"].get("height")) - report.HEAD - report.PAD) / report.ROW
+    rows = (float(charts["ops"].get("height")) - drawing.HEAD - drawing.PAD) / drawing.ROW
     assert rows == len(audited.rows)
-    assert sorted(labels(charts["modules"])) == sorted(r["path"] or "(root)" for r in audited.modules)
+    # the modules something is cast in are charted; the rest fold into one line that names them
+    cast = [r for r in audited.modules if r["made_max_rel"] > 0 or r["own_op"] is not None]
+    quiet = [r["path"] or "(root)" for r in audited.modules if r not in cast]
+    assert quiet and cast  # norm's inputs arrive in bf16: nothing cast in it
+    assert sorted(labels(charts["modules"])) == sorted(r["path"] or "(root)" for r in cast)
+    page = report.render(audit=audited)
+    folded = re.search(r"<details[^>]*><summary>(.*?)</summary>(.*?)</details>", page, re.S)
+    noun = "module with nothing cast in it" if len(quiet) == 1 else "modules with nothing cast in them"
+    assert folded.group(1) == f"{len(quiet)} {noun}"
+    assert re.findall(r"<li>(.*?)</li>", folded.group(2)) == quiet
 
 
 def test_labels_overlap_nothing(audited, tuned):
@@ -206,7 +216,7 @@ def test_threshold_line_and_bars_sit_at_their_values(audited):
             for bar in (b for b in bars(svg) if abs(float(b.get("x")) - start) < 0.01):
                 v = float(bar.get("data-value"))
                 end = float(bar.get("x")) + float(bar.get("width"))
-                assert end == pytest.approx(max(log_x(ticks, v), start + report.MIN_BAR), abs=0.6)
+                assert end == pytest.approx(max(log_x(ticks, v), start + drawing.MIN_BAR), abs=0.6)
                 assert (bar.get("fill") == OVER_COLOUR) == (v > value)
                 checked += 1
     assert checked >= len([r for r in audited.rows if r["own_max_rel"] > 0])
@@ -352,7 +362,7 @@ values = st.one_of(st.floats(min_value=1e-40, max_value=1e6), st.sampled_from([0
     st.floats(min_value=1e-6, max_value=10),
 )
 def test_log_axis_bars(vals, width, threshold):
-    axis = report.LogAxis(vals, width, [threshold])
+    axis = drawing.LogAxis(vals, width, [threshold])
     drawn = []
     for v in vals:
         length, note = axis.bar(v)
@@ -360,7 +370,7 @@ def test_log_axis_bars(vals, width, threshold):
         if v is None or not math.isfinite(v) or v <= 0:
             assert length == 0 and note  # a visible note, not a bar
         elif note is None:
-            assert length >= report.MIN_BAR
+            assert length >= drawing.MIN_BAR
             drawn.append((v, length))
         else:
             assert length == 0 and note.startswith("below")
@@ -377,7 +387,7 @@ def test_log_axis_bars(vals, width, threshold):
     drawn.sort()
     for (_, la), (_, lb) in zip(drawn, drawn[1:]):
         assert la <= lb + 1e-9
-    unclamped = [(v, n) for v, n in drawn if n > report.MIN_BAR]
+    unclamped = [(v, n) for v, n in drawn if n > drawing.MIN_BAR]
     if len(unclamped) >= 3 and unclamped[-1][0] > unclamped[0][0] * 1.01:
         (a, la), (b, lb), (c, lc) = unclamped[0], unclamped[len(unclamped) // 2], unclamped[-1]
         expected = (math.log10(b) - math.log10(a)) / (math.log10(c) - math.log10(a))
@@ -387,14 +397,15 @@ def test_log_axis_bars(vals, width, threshold):
     for (_, xa, ta), (_, xb, tb) in zip(ticks, ticks[1:]):
         gap = xb - xa
         assert (
-            gap > 0 and gap >= (report.text_width(ta, report.TICK_FONT) + report.text_width(tb, report.TICK_FONT)) / 2
+            gap > 0
+            and gap >= (drawing.text_width(ta, drawing.TICK_FONT) + drawing.text_width(tb, drawing.TICK_FONT)) / 2
         )
 
 
 @settings(deadline=None)
 @given(st.lists(values, min_size=1, max_size=20), st.floats(min_value=40, max_value=400))
 def test_linear_axis_bars(vals, width):
-    axis = report.LinearAxis(vals, width)
+    axis = drawing.LinearAxis(vals, width)
     lengths = []
     for v in vals:
         length, note = axis.bar(v)

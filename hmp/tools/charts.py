@@ -1,0 +1,251 @@
+"""The charts of hmp's HTML reports (report.py assembles the page): one
+per op, per module and per op tune tried, and the legend that reads them."""
+
+import math
+
+from hmp.tools.svg import (
+    BAD,
+    FP32_TIME,
+    LIST_COLOURS,
+    LOW_TIME,
+    OK,
+    OUTPUT,
+    OVER,
+    SLOWER,
+    UNCLEAR_TIME,
+    BadgeColumn,
+    BarColumn,
+    LogAxis,
+    TextColumn,
+    TimeColumn,
+    _num,
+    chart,
+    esc,
+    svg_line,
+    svg_rect,
+)
+
+
+def _sort_key(value):
+    """Largest first; inf and NaN before everything (they need attention most)."""
+    if value is None:
+        return 1.0
+    if math.isnan(value) or math.isinf(value):
+        return -math.inf
+    return -value
+
+
+def _list_badge(kind):
+    return (kind or "none", LIST_COLOURS.get(kind, LIST_COLOURS[None]))
+
+
+def _error_colour(threshold):
+    def colour(row, value):
+        if not math.isfinite(value):
+            return BAD
+        return OVER if threshold is not None and value > threshold else OK
+
+    return colour
+
+
+def _error_column(title, rows, key, axis, threshold, notes=None, mark="threshold"):
+    """The bars of the error ``row[key]``, coloured against ``threshold`` and
+    with it drawn as a dashed line named ``mark``."""
+    return BarColumn(
+        title,
+        rows,
+        lambda r: r[key],
+        axis,
+        [(threshold, f"{mark} {threshold:g}")],
+        _error_colour(threshold),
+        notes=notes,
+    )
+
+
+def _no_own_error(row, value):
+    """Why an op measured no own error: its inputs arrive in its dtype, or it runs in fp32."""
+    if value != 0:
+        return None
+    if row.get("casts", 1) == 0:
+        return "casts nothing: no own error"
+    return "runs in fp32: no own error" if row.get("list") == "fp32" else None
+
+
+def op_chart(audit, tune=None):
+    rows = sorted(audit.rows, key=lambda r: (_sort_key(r["own_max_rel"]), _sort_key(r["loss_error"]), r["op"]))
+    if not rows:
+        return '<p class="empty">No listed op ran in the step.</p>'
+    threshold, loss_threshold = audit.threshold, audit.loss_threshold
+    own = LogAxis([r["own_max_rel"] for r in rows], 240, [threshold])
+    loss = LogAxis([r["loss_error"] for r in rows], 200, [loss_threshold])
+    verdict = _op_verdict(tune)
+    columns = [
+        TextColumn("op", rows, lambda r: r["op"], cls="label"),
+        BadgeColumn("list", rows, lambda r: _list_badge(r["list"])),
+        _error_column("own max rel error (only this op cast)", rows, "own_max_rel", own, threshold, _no_own_error),
+        _error_column(
+            "error it passes to the loss", rows, "loss_error", loss, loss_threshold, _no_own_error, "loss threshold"
+        ),
+        TimeColumn(
+            "forward time: fp32, and under the lists relative to it",
+            rows,
+            lambda r: r.get("fp32_ms"),
+            lambda r: r.get("lists_ms"),
+            lambda r: r.get("time_ratio"),
+        ),
+        TextColumn("verdict", rows, verdict),
+    ]
+
+    def describe(r):
+        return (
+            f"{r['op']}: {r['calls']} calls, {r['casts']} tensors cast, output max rel error {_num(r['max_rel'])}, "
+            f"mean {_num(r['mean_rel'])}, inf/NaN introduced {r['nonfinite']}"
+            + ("" if r.get("cast_ms") is None else f", casts {_num(r['cast_ms'])} ms")
+        )
+
+    return chart(rows, columns, describe, "ops")
+
+
+def _op_verdict(tune):
+    moved = set(tune.moved_to_fp32) if tune is not None else set()
+    added = set(tune.added_to_bf16) if tune is not None else set()
+    proposals = tune.proposals if tune is not None else {}
+    trials = tune.trials if tune is not None else {}
+
+    def verdict(row):
+        op = row["op"]
+        parts = []
+        if row["nonfinite"]:
+            parts.append(f"introduces inf/NaN ({row['nonfinite']})")
+        if op in proposals and proposals[op]["accepted"]:
+            return (f"flagged; kept, {proposals[op]['class']} to FP32 instead", OVER)
+        if op in moved:
+            return ("moved to FP32: " + (row["reason"] or "flagged"), OVER)
+        if op in added:
+            return ("tried in bf16: added to BF16", LOW_TIME)
+        if row["flagged"]:
+            return ("flagged: " + row["reason"], OVER)
+        if op in trials:
+            parts.append("tried in bf16: not kept")
+        return ("; ".join(parts), BAD if row["nonfinite"] else None) if parts else ("ok", "#555555")
+
+    return verdict
+
+
+def nothing_cast(row):
+    """A module row (audit's) in whose own code nothing casts: no error made in it, no own op error."""
+    return row["made_max_rel"] == 0 and row["own_op"] is None
+
+
+def module_chart(audit, tune=None):
+    """The modules in which something casts; the rest are folded (report.py)."""
+    rows = [r for r in audit.modules if not nothing_cast(r)]
+    rows.sort(key=lambda r: (_sort_key(r["made_max_rel"]), _sort_key(r["max_rel"]), r["path"]))
+    if not rows:
+        if audit.modules:
+            return '<p class="empty">Nothing is cast in the code of any module.</p>'
+        return '<p class="empty">No module among the step\'s state and arguments ran.</p>'
+    axis = LogAxis([r["made_max_rel"] for r in rows] + [r["max_rel"] for r in rows], 220, [audit.threshold])
+    flagged = {r["class"]: r["reason"] for r in audit.module_classes if r["flagged"]}
+    to_fp32 = (
+        {p["class"] for p in (*tune.proposals.values(), *tune.module_proposals.values()) if p["accepted"]}
+        if tune is not None
+        else set()
+    )
+
+    def marker(row):
+        if row["class"] in to_fp32:
+            return ("class to FP32", OVER)
+        if row["class"] in flagged:
+            return ("class flagged: " + flagged[row["class"]], OVER)
+        return ("", None)
+
+    columns = [
+        TextColumn("module", rows, lambda r: r["path"] or "(root)", cls="label"),
+        TextColumn("class", rows, lambda r: r["class"].rsplit(".", 1)[-1]),
+        _error_column("error made in it", rows, "made_max_rel", axis, audit.threshold),
+        BarColumn(
+            "output max rel error (with its inputs')",
+            rows,
+            lambda r: r["max_rel"],
+            axis,
+            colour=lambda row, value: OUTPUT if math.isfinite(value) else BAD,
+        ),
+        TextColumn(
+            "largest own op error in it",
+            rows,
+            lambda r: f"{_num(r['own_max_rel'])} ({r['own_op']})" if r["own_op"] else "",
+        ),
+        TextColumn("flagged", rows, marker),
+    ]
+
+    def describe(r):
+        return (
+            f"{r['path'] or '(root)'}: {r['class']}, {r['calls']} calls, output max rel error {_num(r['max_rel'])}, "
+            f"mean {_num(r['mean_rel'])}, error made in it {_num(r['made_max_rel'])}"
+        )
+
+    return chart(rows, columns, describe, "modules")
+
+
+def trial_chart(tune):
+    rows = [dict(t, op=op) for op, t in tune.trials.items()]
+    rows.sort(key=lambda r: (_sort_key(r["seconds"]), r["op"]))
+    if not rows:
+        return '<p class="empty">No op was tried in bf16: none left in fp32 took a large enough share of the step.</p>'
+    threshold, loss_threshold = tune.audit.threshold, tune.audit.loss_threshold
+    own = LogAxis([r["own_max_rel"] for r in rows], 220, [threshold])
+    loss = LogAxis([r["loss_error"] for r in rows], 200, [loss_threshold])
+
+    def outcome(r):
+        if r["accepted"]:
+            return ("kept in BF16", LOW_TIME)
+        why = []
+        if not r["own_max_rel"] <= threshold:
+            why.append(f"error {_num(r['own_max_rel'], 2)} > {threshold:g}")
+        if not r["loss_error"] <= loss_threshold:
+            why.append(f"loss error {_num(r['loss_error'], 2)} > {loss_threshold:g}")
+        if r["nonfinite"]:
+            why.append("inf/NaN")
+        return (
+            "not kept: " + "; ".join(why)
+            if why
+            else "not kept (within bounds: did not cast, or dropped when the tuned lists failed validation)",
+            OVER,
+        )
+
+    columns = [
+        TextColumn("op tried in bf16", rows, lambda r: r["op"], cls="label"),
+        BadgeColumn("was in", rows, lambda r: _list_badge(r["was"])),
+        _error_column("own max rel error in bf16", rows, "own_max_rel", own, threshold),
+        _error_column("error it passes to the loss", rows, "loss_error", loss, loss_threshold, mark="loss threshold"),
+        TimeColumn("fp32 time in one step", rows, lambda r: r["seconds"] * 1e3, lambda r: None),
+        TextColumn("outcome", rows, outcome),
+    ]
+    return chart(rows, columns, lambda r: f"{r['op']}: inf/NaN {r['nonfinite']}", "trials")
+
+
+def _swatch(shape):
+    return f'<svg width="22" height="12" viewBox="0 0 22 12">{shape}</svg>'
+
+
+def legend(tune=None):
+    items = [
+        (svg_rect(1, 2, 20, 8, "swatch", OK), "error under the threshold"),
+        (svg_rect(1, 2, 20, 8, "swatch", OVER), "error over the threshold"),
+        (svg_line(11, 0, 11, 12, "swatch", BAD, ' stroke-dasharray="3,2" stroke-width="1.5"'), "threshold"),
+        (svg_rect(1, 2, 20, 8, "swatch", BAD), "inf/NaN"),
+        (svg_rect(1, 2, 20, 8, "swatch", OUTPUT), "a module's output error (with what its inputs carry)"),
+        (
+            svg_rect(1, 1, 20, 4, "swatch", FP32_TIME)
+            + "".join(
+                svg_rect(1 + 7 * i, 7, 6, 4, "swatch", c) for i, c in enumerate((LOW_TIME, SLOWER, UNCLEAR_TIME))
+            ),
+            "time in fp32 (grey) and under the lists: green faster, orange slower, light grey no measurable difference",
+        ),
+    ]
+    items += [
+        (svg_rect(1, 1, 20, 10, "swatch", colour, ' rx="2"'), f"in the {kind.upper()} list" if kind else "in no list")
+        for kind, colour in LIST_COLOURS.items()
+    ]
+    return '<ul class="legend">' + "".join(f"<li>{_swatch(shape)}{esc(label)}</li>" for shape, label in items) + "</ul>"

@@ -1,0 +1,237 @@
+"""What hmp.tune returns: the tuned lists, the measurements behind them,
+the verdict, and the files and page they are written to."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from datetime import datetime, timezone
+
+import torch
+
+from hmp.tools import timing, tuned_files
+from hmp.tools.files import write_all
+from hmp.tools.report import write as write_html
+from hmp.tools.target import user_name
+
+
+class TuneResult:
+    def __init__(
+        self,
+        lists,
+        before,
+        audit_report,
+        trials,
+        validation,
+        timings,
+        modules=None,
+        proposals=None,
+        module_proposals=None,
+        samples=None,
+        same_as=None,
+        tolerance=0.02,
+        low=torch.bfloat16,
+    ):
+        self.lists = lists  # {"bf16", "fp32", "promote"} -> sorted names
+        self.before = before
+        self.audit = audit_report
+        self.trials = trials  # op -> {"seconds", "own_max_rel", "loss_error", "nonfinite", "accepted"}
+        self.validation = validation  # name -> final loss after the validation steps
+        self.timings = timings  # name -> median step seconds
+        self.modules = modules or {"bf16": (), "fp32": ()}  # module entries: classes and instances
+        # op -> {"class", "type", "own_max_rel", "loss_error", "nonfinite", "accepted"}: the module
+        # class its error is confined to, and the op's errors with that class in FP32
+        self.proposals = proposals or {}
+        # class path -> {"class", "type", "made_max_rel", "loss_error", "nonfinite", "accepted"}: a module
+        # class whose own code makes too much error (with the flagged ops moved), and the loss error with it
+        # in FP32
+        self.module_proposals = module_proposals or {}
+        self.samples = samples or {}  # name -> every step time measured (seconds), for the spread
+        self.same_as = same_as or {}  # name -> an earlier configuration with exactly the same lists and modules
+        self.tolerance = tolerance
+        self.low = low  # the lower dtype: which default list the files written extend
+        self.written = None  # (bf16 path, fp32 path) once write() wrote them, for the page's "what to do"
+
+    def spread(self, name):
+        """The relative spread of ``name``'s step times: (75th - 25th
+        percentile) / median; what two medians must differ by to mean more
+        than noise on this machine now. None with fewer than 4 samples."""
+        times = sorted(self.samples.get(name, ()))
+        if len(times) < 4:
+            return None
+        q1, _, q3 = statistics.quantiles(times, n=4)
+        return (q3 - q1) / statistics.median(times)
+
+    def loss_gap(self, name):
+        """``name``'s final loss relative to fp32's: (loss - fp32) / |fp32|;
+        against an fp32 loss of exactly 0, 0 when equal, else signed inf."""
+        diff, ref = self.validation[name] - self.validation["fp32"], abs(self.validation["fp32"])
+        if ref == 0:
+            return math.copysign(math.inf, diff) if diff else 0.0
+        return diff / ref
+
+    def ratio(self, name):
+        """``name``'s step time relative to fp32's (timing.Ratio: below 1 is
+        faster), from the interleaved samples paired by position; None when
+        either was not timed."""
+        if name not in self.samples or "fp32" not in self.samples:
+            return None
+        return timing.ratio(self.samples["fp32"], self.samples[name])
+
+    @property
+    def within(self):
+        """The tuned lists' final loss within ``tolerance`` of fp32's."""
+        return abs(self.loss_gap("tuned lists")) <= self.tolerance
+
+    @property
+    def verdict(self):
+        """One line: the tuned lists' loss against fp32's and the tolerance, and their step time."""
+        gap, start = self.loss_gap("tuned lists"), self.loss_gap("starting lists")
+        line = (
+            f"verdict: the tuned lists end {gap:+.2%} from fp32's loss, "
+            f"{'within' if self.within else 'OUTSIDE'} the {self.tolerance:.0%} tolerance (starting lists: "
+            f"{start:+.2%})"
+        )
+        if not self.within:
+            line += (
+                "; tune kept no addition that made it worse than the starting lists, so the rest is the "
+                "lower dtype's on this model: put the model's most sensitive module classes in the FP32 list "
+                "(the audit's module table), or validate over more steps"
+            )
+        ratio = self.ratio("tuned lists")
+        if ratio is not None:
+            line += "; step time: " + ratio.words()
+        return line
+
+    def time_cell(self, name):
+        """``name``'s step time relative to fp32 for a table: 1 for fp32, the ratio or 'no measurable ...'."""
+        if name == "fp32":
+            return "1 (reference)"
+        ratio = self.ratio(name)
+        return "not timed" if ratio is None else ratio.short()
+
+    def fp32_step(self):
+        """What the ratios are relative to: fp32's median step and how many steps it is the median of."""
+        return (
+            f"fp32 step: {self.timings['fp32'] * 1e3:.3g} ms (median of {len(self.samples.get('fp32', ()))} steps, "
+            f"each configuration's interleaved with fp32's)"
+        )
+
+    def class_names(self):
+        """The module classes to FP32 as their author knows them (target.user_name)."""
+        return [user_name(c) for c in self.modules_to_fp32]
+
+    @property
+    def moved_to_fp32(self):
+        return sorted(set(self.lists["fp32"]) - set(self.before["fp32"]))
+
+    @property
+    def added_to_bf16(self):
+        return sorted(set(self.lists["bf16"]) - set(self.before["bf16"]))
+
+    @property
+    def modules_to_fp32(self):
+        """The module classes tune put under the FP32 rule."""
+        proposed = list(self.proposals.values()) + list(self.module_proposals.values())
+        return list(dict.fromkeys(p["type"] for p in proposed if p["accepted"]))
+
+    def table(self):
+        lines = [
+            "## audit of the starting lists",
+            "",
+            self.audit.table(),
+            "",
+            "## ops tried in bf16",
+            "",
+            "| op | was in | fp32 time ms | own max rel err | error passed to loss | inf/NaN | kept in bf16 |",
+            "|---|---|---:|---:|---:|---:|---|",
+        ]
+        for op, t in sorted(self.trials.items(), key=lambda kv: -kv[1]["seconds"]):
+            lines.append(
+                f"| {op} | {t['was'] or 'no list'} | {t['seconds'] * 1e3:.3f} | {t['own_max_rel']:.3g} | "
+                f"{t['loss_error']:.3g} | {t['nonfinite']} | {'yes' if t['accepted'] else 'no'} |"
+            )
+        if self.proposals:
+            lines += [
+                "",
+                "## flagged ops whose error is confined to one module class",
+                "",
+                "| op | module class | own max rel err, class in FP32 | error passed to loss | inf/NaN | "
+                "class to FP32 instead of the op |",
+                "|---|---|---:|---:|---:|---|",
+            ]
+            for op, p in self.proposals.items():
+                lines.append(
+                    f"| {op} | {p['class']} | {p['own_max_rel']:.3g} | {p['loss_error']:.3g} | "
+                    f"{p['nonfinite']} | {'yes' if p['accepted'] else 'no'} |"
+                )
+        if self.module_proposals:
+            lines += [
+                "",
+                "## module classes whose own code makes too much error",
+                "",
+                "| module class | error made in it | error passed to loss, class in FP32 | inf/NaN | to FP32 |",
+                "|---|---:|---:|---:|---|",
+            ]
+            for p in self.module_proposals.values():
+                lines.append(
+                    f"| {p['class']} | {p['made_max_rel']:.3g} | {p['loss_error']:.3g} | {p['nonfinite']} | "
+                    f"{'yes' if p['accepted'] else 'no'} |"
+                )
+        lines += [
+            "",
+            "## validation",
+            "",
+            "| lists | final loss | vs fp32's loss | step time vs fp32 (below 1 is faster) |",
+            "|---|---:|---:|---:|",
+        ]
+        for name in self.validation:
+            note = f" (same lists as {self.same_as[name]})" if name in self.same_as else ""
+            lines.append(
+                f"| {name}{note} | {self.validation[name]:.5f} | {self.loss_gap(name):+.2%} | {self.time_cell(name)} |"
+            )
+        if "fp32" in self.timings:
+            lines += ["", self.fp32_step()]
+        if self.same_as:
+            lines += [
+                "",
+                "same lists, so any difference between their step times above is this machine's "
+                "timing noise: " + ", ".join(f"{a} = {b}" for a, b in self.same_as.items()),
+            ]
+        lines += ["", self.verdict]
+        lines += [
+            "",
+            f"moved to FP32: {', '.join(self.moved_to_fp32) or 'none'}",
+            f"module classes to FP32: {', '.join(self.class_names()) or 'none'}",
+            f"added to BF16: {', '.join(self.added_to_bf16) or 'none'}",
+        ]
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.table()
+
+    def save_html(self, path):
+        """One self-contained HTML file (hmp/tools/report.py): the audit's errors
+        per op and module, the ops tried, the validation and the verdict."""
+        write_html(path, tune=self)
+
+    def write(self, bf16_path, fp32_path, promote_path=None):
+        """Write list files that hmp.convert() loads, each extending the
+        default list (tuned_files.texts: ``include default`` and tune's
+        changes, module classes as their import paths). All or nothing
+        (files.write_all): raises ValueError, writing nothing, when a class
+        does not load by its import path, when two paths are the same file,
+        or when a path cannot be written."""
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        summary = (
+            f"# written by hmp.tune on {stamp}\n"
+            f"# moved to FP32 (flagged by the audit): {', '.join(self.moved_to_fp32) or 'none'}\n"
+            f"# module classes to FP32 (a flagged op's error is confined to them): "
+            f"{', '.join(self.class_names()) or 'none'}\n"
+            f"# added to BF16 (safe and expensive): {', '.join(self.added_to_bf16) or 'none'}\n"
+            f"# validation final losses: " + ", ".join(f"{k} {v:.5f}" for k, v in self.validation.items()) + "\n"
+        )
+        targets = [("bf16", bf16_path), ("fp32", fp32_path)] + ([("promote", promote_path)] if promote_path else [])
+        write_all(tuned_files.texts(self.lists, self.modules, targets, summary, self.low), "hmp.tune")
+        self.written = (os.fspath(bf16_path), os.fspath(fp32_path))
