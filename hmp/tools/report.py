@@ -328,8 +328,7 @@ def proposal_sections(tune):
             "<h2>Flagged ops whose error is confined to one module class</h2>",
             boxed(table(headers + ["class to FP32 instead of the op"], cells, numeric=(2, 3, 4))),
         ]
-    over = [p for p in tune.module_proposals.values() if p["made_max_rel"] > tune.audit.threshold]
-    under = [p["class"] for p in tune.module_proposals.values() if p not in over]
+    over, under = tune.class_proposals()
     if over:
         cells = [
             [
@@ -348,10 +347,7 @@ def proposal_sections(tune):
             boxed(table(headers, cells, numeric=(1, 2, 3))),
         ]
     if under:
-        out.append(
-            f'<p class="caption">Over the threshold in the audit, but not with the flagged ops moved to FP32, so '
-            f"left as they are: {esc(', '.join(under))}.</p>"
-        )
+        out.append(f'<p class="caption">Module classes {esc(tune.left_as_they_are(under))}.</p>')
     return out
 
 

@@ -118,6 +118,20 @@ class TuneResult:
             f"each configuration's interleaved with fp32's)"
         )
 
+    def class_proposals(self):
+        """The module classes measured again with the flagged ops moved: ``(over, under)``, the proposals
+        whose own code still makes an error over the threshold, and the classes' names that no longer do."""
+        threshold = self.audit.threshold if self.audit is not None else 0.0
+        over = [p for p in self.module_proposals.values() if p["made_max_rel"] > threshold]
+        return over, [p["class"] for p in self.module_proposals.values() if p not in over]
+
+    @staticmethod
+    def left_as_they_are(names):
+        return (
+            "over the threshold in the audit, but not with the flagged ops moved to FP32, so left as they are: "
+            + ", ".join(names)
+        )
+
     def class_names(self):
         """The module classes to FP32 as their author knows them (target.user_name)."""
         return [user_name(c) for c in self.modules_to_fp32]
@@ -166,19 +180,22 @@ class TuneResult:
                     f"| {op} | {p['class']} | {p['own_max_rel']:.3g} | {p['loss_error']:.3g} | "
                     f"{p['nonfinite']} | {'yes' if p['accepted'] else 'no'} |"
                 )
-        if self.module_proposals:
+        over, under = self.class_proposals()
+        if over:
             lines += [
                 "",
-                "## module classes whose own code makes too much error",
+                "## module classes whose own code makes too much error (with the flagged ops moved)",
                 "",
                 "| module class | error made in it | error passed to loss, class in FP32 | inf/NaN | to FP32 |",
                 "|---|---:|---:|---:|---|",
             ]
-            for p in self.module_proposals.values():
+            for p in over:
                 lines.append(
                     f"| {p['class']} | {p['made_max_rel']:.3g} | {p['loss_error']:.3g} | {p['nonfinite']} | "
                     f"{'yes' if p['accepted'] else 'no'} |"
                 )
+        if under:
+            lines += ["", self.left_as_they_are(under)]
         lines += [
             "",
             "## validation",
