@@ -3,22 +3,22 @@ Python standard library's own source, in fp32 and then under hmp, and print
 how fast each trained and how well each learned.
 
 The pieces are importable: ``data`` (stdlib text to character ids),
-``model`` (the transformer) and ``training`` (one training run, measured;
-its cast count per op comes from ``hmp.profile``). This module is only the command
-line: arguments, progress bars, the table and the JSON file.
+``model`` (the transformer), ``training`` (one training run, measured; its
+cast count per op comes from ``hmp.profile``), ``sizing`` (the model per
+device kind, the steps that fit) and ``report`` (the results and their
+table). This module is only the command line: arguments, what it says as it
+goes, and the JSON file.
 """
 
+import argparse
+import dataclasses
 import json
 import os
-import platform
 import sys
-import time
-
-import torch
 
 import hmp
 from hmp.demo import data as data_mod
-from hmp.demo import sizing
+from hmp.demo import report, sizing
 from hmp.demo.training import (
     CAST_STEPS,
     MEMORY_STEPS,
@@ -38,11 +38,22 @@ PROG = "python -m hmp demo"
 DEFAULTS = Config()
 STEPS = 120  # the most steps a default (sized) run trains
 LONG_STEPS = DEFAULTS.steps
-# seconds both configurations' training may take together in a default run, measured on the machine it
-# runs on; the rest of the run (timing, memory, casts, evaluation) takes about a third of that again
+# seconds both configurations' training aim to take together in a default run, from a step measured on
+# the machine it runs on; the model never changes with it, only the number of steps
 BUDGET_S = 40.0
+SIZING_STEPS = 3  # timed steps per configuration (after one warm-up) that size the run
 # seconds between progress lines when stderr is no terminal (a log, CI)
 LINE_EVERY_S = 10.0
+
+
+def _seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < 60:
+        raise argparse.ArgumentTypeError(f"expected seconds from 0 to 60, got {value}")
+    return value
 
 
 def add_parser(subparsers):
@@ -51,29 +62,30 @@ def add_parser(subparsers):
         help="train a small transformer on the stdlib's source, fp32 vs hmp",
         description="Train the same character-level transformer language model twice from the same seed, "
         "on the Python standard library's source files: in fp32, then under hmp.convert(). "
-        "Prints speed, memory, losses and hmp's casts per op.",
+        "Prints speed, memory, losses and hmp's casts per op. The model is the same on every run on a "
+        "kind of device (a larger one on a GPU); only the number of steps follows this machine's speed.",
     )
     length = p.add_mutually_exclusive_group()
     length.add_argument(
         "--steps",
         type=positive_int,
         default=None,
-        help=f"training steps per configuration (default: as many as fit about a minute on this "
-        f"machine, measured before training, at most {STEPS}; the model shrinks when fewer "
-        f"than {sizing.MIN_STEPS} would fit)",
+        help=f"training steps per configuration (default: as many as fit about {BUDGET_S:.0f} s of training "
+        f"on this machine, measured before training, from {sizing.MIN_STEPS} to {STEPS})",
     )
     length.add_argument(
         "--long",
         dest="steps",
         action="store_const",
         const=LONG_STEPS,
-        help=f"a longer run: {LONG_STEPS} steps per configuration of the full model (minutes)",
+        help=f"a longer run: {LONG_STEPS} steps per configuration (minutes)",
     )
     p.add_argument(
         "--batch-size",
         type=positive_int,
         default=None,
-        help=f"sequences of {DEFAULTS.seq_len} characters per step (default {DEFAULTS.batch_size})",
+        help=f"sequences per step (default {sizing.CPU_MODEL['batch_size']} on a CPU, "
+        f"{sizing.ACCELERATOR_MODEL['batch_size']} on a GPU)",
     )
     p.add_argument(
         "--device",
@@ -86,6 +98,11 @@ def add_parser(subparsers):
     p.add_argument("--fp32-file", default="", metavar="PATH", help="hmp FP32 list file (default: hmp's own)")
     p.add_argument("--seed", type=seed, default=DEFAULTS.seed, help=f"random seed (default {DEFAULTS.seed})")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument(
+        "--dry-run", action="store_true", help="say the model, what to expect and the run's length, then stop"
+    )
+    # a test knob: seconds added to every training step, a slower machine without loading this one
+    p.add_argument("--step-delay", type=_seconds, default=0.0, help=argparse.SUPPRESS)
     p.set_defaults(run=run)
     return p
 
@@ -93,9 +110,10 @@ def add_parser(subparsers):
 class _Progress:
     """One configuration's training, shown by hmp.tools.progress."""
 
-    def __init__(self, label, steps):
+    def __init__(self, label, steps, part=None):
         self.label = label
-        self.progress = Progress(f"training {label}", steps, PROG, every_s=LINE_EVERY_S)
+        title = f"training {label}" + (f" ({part})" if part else "")
+        self.progress = Progress(title, steps, PROG, every_s=LINE_EVERY_S)
 
     def __call__(self, step, loss):
         self.progress.step(f"loss {loss:.3f}", done=step + 1)
@@ -138,112 +156,8 @@ def _check_hmp_options(options):
     return None
 
 
-def _fmt_int(x):
-    return f"{x:,.0f}"
-
-
-def _casts_line(per_op, top=6):
-    parts = []
-    for op, by_dtype in list(per_op.items())[:top]:
-        dtypes = ", ".join(f"->{'bf16' if d == 'bfloat16' else 'fp16' if d == 'float16' else 'fp32'}" for d in by_dtype)
-        parts.append(f"{op} {sum(by_dtype.values()):g} ({dtypes})")
-    more = len(per_op) - top
-    return ", ".join(parts) + (f", and {more} more ops" if more > 0 else "") if parts else "none"
-
-
-def format_report(res):
-    """The text report for a results dict (what --json writes)."""
-    m, rows = res["meta"], res["results"]
-    mem_title = "peak RSS growth" if m["memory_kind"] == "rss" else "peak memory"
-    head = ("configuration", "tokens/s", "time vs fp32", mem_title, "train loss", "val loss", "train time")
-    body = []
-    for r in rows:
-        mem = "n/a" if r["peak_memory_mib"] is None else f"{r['peak_memory_mib']:,.0f} MiB"
-        body.append(
-            (
-                r["configuration"],
-                _fmt_int(r["tokens_per_s"]),
-                f"{r['time_vs_fp32']:.2f}x",
-                mem,
-                f"{r['train_loss']:.4f}",
-                f"{r['val_loss']:.4f}",
-                f"{r['wall_s']:.1f} s",
-            )
-        )
-    widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
-    line = lambda row: "  ".join(
-        c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
-        for i, (c, w) in enumerate(zip(row, widths))
-    )
-    c = res["casts"]
-    out = [
-        f"hmp demo: character-level transformer LM, fp32 vs hmp ({m['device']}, torch {m['torch']}, "
-        f"{m['threads']} threads)",
-        f"  data:  Python {m['python']} standard library source, {m['train_files']} files / "
-        f"{_fmt_int(m['train_chars'])} chars train, {m['val_files']} files / {_fmt_int(m['val_chars'])} chars "
-        f"validation",
-        f"  model: {m['n_layers']} pre-norm blocks, d_model {m['d_model']}, {m['n_heads']} heads, context "
-        f"{m['seq_len']}, {m['params'] / 1e6:.2f}M parameters; {m['steps']} steps of {m['batch_size']} "
-        f"sequences, AdamW, seed {m['seed']}",
-        "",
-        line(head),
-        line(tuple("-" * w for w in widths)),
-        *(line(row) for row in body),
-        "",
-        f"val loss: hmp {res['val_loss_change_pct']:+.2f}% vs fp32; unigram baseline {m['unigram_baseline']:.4f} "
-        f"(losses are cross-entropy in nats/char)",
-        f"this {m['device']}: a bfloat16 matmul of the model's size takes {m['bf16_matmul_time_vs_fp32']:.2f}x "
-        f"float32's time (measured now; below 1 is faster); no bf16 scheme gains more than that on the matmuls",
-        f"casts hmp made per training step (forward; {c['total_per_step']:g} casts in {c['op_calls_per_step']:g} "
-        f"op calls): {_casts_line(c['per_op'])}",
-        f"tokens/s: median step after {m['timing_warmup']} warm-up steps; train loss: mean of the last "
-        f"{m['loss_window']} steps; train time: the whole training loop",
-    ]
-    if m["memory_kind"] == "rss":
-        out.append(
-            f"{mem_title}: resident memory added by {MEMORY_STEPS} training steps, each configuration "
-            "in a fresh process"
-        )
-    else:
-        out.append(f"{mem_title}: peak allocated by torch on {m['device']} during training")
-    return "\n".join(out)
-
-
-def _sized(cfg, options, fixed_batch):
-    """The run that fits BUDGET_S on this machine (sizing.fit), said in a line."""
-    ladder = sizing.LADDER
-    if fixed_batch:  # a batch size the user chose stays
-        ladder = tuple(dict(fields, batch_size=cfg.batch_size) for fields in ladder)
-        ladder = tuple(f for i, f in enumerate(ladder) if f not in ladder[:i])
-
-    def measure(c):
-        return sum(sizing.step_seconds(c, [None, options]))
-
-    sized = sizing.fit(cfg, measure, BUDGET_S, STEPS, ladder)
-    c = sized.cfg
-    shrunk = (
-        f"; a smaller model than the default ({c.n_layers} blocks of width {c.d_model}, batch "
-        f"{c.batch_size} x {c.seq_len}) so that {sizing.MIN_STEPS}+ steps fit"
-        if sized.shrunk
-        else ""
-    )
-    _note(
-        f"sized to this machine: {c.steps} steps per configuration, about {sized.seconds:.0f} s of training "
-        f"for both{shrunk}; --steps N or --long to choose"
-    )
-    return c
-
-
-def run(args):
-    try:
-        return _run(args)
-    except KeyboardInterrupt:
-        hmp.revert()
-        print(file=sys.stderr)
-        return _error("interrupted", 130)
-
-
-def _run(args):
+def _setup(args):
+    """``(device, hmp options, corpus)``, or an exit code after saying what is wrong."""
     if args.json:
         parent = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(parent):
@@ -260,108 +174,126 @@ def _run(args):
         corpus = data_mod.load()
     except data_mod.DataError as e:
         return _error(str(e), 1)
+    return device, options, corpus
 
-    cfg = Config(
-        steps=args.steps or STEPS, batch_size=args.batch_size or DEFAULTS.batch_size, seed=args.seed, device=device
+
+def _model_line(cfg, params, batch_chosen):
+    kind = "CPU" if cfg.device == "cpu" else cfg.device
+    why = "" if cfg.device == "cpu" else f", larger than the CPU's: a small model is launch-bound on {kind}"
+    return (
+        f"model: a character-level transformer LM, {report.describe_model(dict(vars(cfg), params=params))}; "
+        f"every run on a {kind} trains this model{' (the batch size is yours)' if batch_chosen else ''}{why}"
     )
+
+
+def _plan(args, device, options):
+    """The Config to train and what was measured to choose it, each said in a line."""
+    fields = sizing.model_for(device)
+    if args.batch_size:
+        fields["batch_size"] = args.batch_size
+    cfg = Config(steps=args.steps or STEPS, seed=args.seed, device=device, step_delay_s=args.step_delay, **fields)
+    params = model_summary(cfg)
+    _note(_model_line(cfg, params, args.batch_size is not None))  # the first line names the model
     ratio = matmul_time_vs_fp32(cfg)
     native = sizing.native_bf16(device)
-    _note(f"this {device}: {sizing.expectation(ratio, native)}")
+    _note(f"this {device}: {sizing.expectation(ratio, native, device)}")
+    facts = {
+        "params": params,
+        "opt_level": args.opt_level,
+        "bf16_matmul_time_vs_fp32": ratio,
+        "native_bf16": native[0],
+        "native_bf16_why": native[1],
+        "measured_step_s": None,
+        "planned_training_s": None,
+    }
     if args.steps is None:
-        cfg = _sized(cfg, options, fixed_batch=args.batch_size is not None)
-    low = "bfloat16"
-    hmp_label = f"hmp {args.opt_level} ({low})"
-    results = []
+        cfg = _sized(cfg, options, facts)
+    return cfg, facts
+
+
+def _sized(cfg, options, facts):
+    """``cfg`` with the steps that fit BUDGET_S here, from a measured step of each configuration."""
+    _note(f"timing {SIZING_STEPS + 1} training steps of each configuration to size the run")
+    fp32_s, hmp_s = sizing.step_seconds(cfg, [None, options], steps=SIZING_STEPS)
+    plan = sizing.plan_steps(fp32_s + hmp_s, BUDGET_S, STEPS)
+    over = (
+        f" (over the {BUDGET_S:.0f} s aimed at: the model stays the same on every run, so a slow machine trains longer)"
+        if plan.over_budget
+        else ""
+    )
+    _note(
+        f"sized to this machine: a step takes {fp32_s * 1e3:.0f} ms in fp32 and {hmp_s * 1e3:.0f} ms under hmp "
+        f"(measured now); {plan.steps} steps per configuration, about {plan.seconds:.0f} s of training for "
+        f"both{over}, longer if the machine gets busier (the time left is updated as it trains); "
+        "--steps N or --long to choose"
+    )
+    facts["measured_step_s"] = {"fp32": fp32_s, "hmp": hmp_s}
+    facts["planned_training_s"] = plan.seconds
+    return dataclasses.replace(cfg, steps=plan.steps)
+
+
+def _train_both(cfg, corpus, options, opt_level):
+    """fp32 then hmp from the same seed, each with its progress; train()'s results."""
+    runs = []
+    for i, (label, opts) in enumerate((("fp32", None), (f"hmp {opt_level} (bfloat16)", options))):
+        progress = _Progress(label, cfg.steps, part=f"{i + 1} of 2")
+        result = None
+        try:
+            result = train(cfg, corpus, opts, on_step=progress)
+        finally:
+            progress.close(result)
+        result["configuration"] = label
+        result["hmp"] = opts
+        runs.append(result)
+    return runs
+
+
+def _measure_memory(cfg, runs):
+    """On a CPU, each configuration's peak RSS growth, in fresh processes (train() measured it elsewhere)."""
+    if cfg.device != "cpu":
+        return
+    _note(f"measuring memory: {MEMORY_STEPS} steps of each configuration, each in a fresh process")
+    for r, (mib, error) in zip(runs, peak_rss_growth(cfg, [r["hmp"] for r in runs])):
+        r["peak_memory_mib"], r["peak_memory_error"] = mib, error
+        if error:
+            _note(f"warning: memory of {r['configuration']} not measured: {error}")
+
+
+def _write_json(path, res):
     try:
-        for label, opts in (("fp32", None), (hmp_label, options)):
-            progress = _Progress(label, cfg.steps)
-            result = None
-            try:
-                result = train(cfg, corpus, opts, on_step=progress)
-            finally:
-                progress.close(result)
-            result["configuration"] = label
-            result["hmp"] = opts
-            results.append(result)
-        per_op, total, calls = count_casts(cfg, corpus, options)
+        with open(path, "w") as f:
+            json.dump(res, f, indent=2)
+            f.write("\n")
+    except OSError as e:
+        return _error(f"--json {path}: {e.strerror or e}", 1)
+    return 0
+
+
+def run(args):
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        hmp.revert()
+        print(file=sys.stderr)
+        return _error("interrupted", 130)
+
+
+def _run(args):
+    setup = _setup(args)
+    if isinstance(setup, int):
+        return setup
+    device, options, corpus = setup
+    cfg, facts = _plan(args, device, options)
+    if args.dry_run:
+        _note("--dry-run: stopping before training")
+        return 0
+    try:
+        runs = _train_both(cfg, corpus, options, args.opt_level)
+        _note(f"counting hmp's casts per op: {CAST_STEPS} training steps under hmp.profile")
+        casts = count_casts(cfg, corpus, options)
     except FloatingPointError as e:
         return _error(str(e), 1)
-
-    memory_kind = "rss" if device == "cpu" else "allocated"
-    if device == "cpu":
-        if sys.stderr.isatty():
-            _note(f"measuring memory: {MEMORY_STEPS} steps per configuration, each in a fresh process")
-        for r, (mib, error) in zip(results, peak_rss_growth(cfg, [r["hmp"] for r in results])):
-            r["peak_memory_mib"], r["peak_memory_error"] = mib, error
-            if error:
-                _note(f"warning: memory of {r['configuration']} not measured: {r['peak_memory_error']}")
-    base = results[0]
-    for r in results:
-        r["time_vs_fp32"] = base["tokens_per_s"] / r["tokens_per_s"]  # below 1 is faster
-    res = {
-        "meta": {
-            "device": device,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "threads": torch.get_num_threads(),
-            "machine": platform.machine(),
-            "stdlib": str(corpus.root),
-            "train_files": len(corpus.train_files),
-            "val_files": len(corpus.val_files),
-            "train_chars": corpus.train.numel(),
-            "val_chars": corpus.val.numel(),
-            "unigram_baseline": corpus.unigram_baseline(),
-            "params": model_summary(cfg),
-            "memory_kind": memory_kind,
-            "hmp_version": hmp.__version__,
-            **{
-                k: getattr(cfg, k)
-                for k in (
-                    "steps",
-                    "batch_size",
-                    "seq_len",
-                    "d_model",
-                    "n_layers",
-                    "n_heads",
-                    "dropout",
-                    "lr",
-                    "seed",
-                    "timing_warmup",
-                    "loss_window",
-                )
-            },
-            "opt_level": args.opt_level,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "bf16_matmul_time_vs_fp32": ratio,
-            "native_bf16": native[0],
-            "native_bf16_why": native[1],
-        },
-        "results": [
-            {
-                k: r.get(k)
-                for k in (
-                    "configuration",
-                    "tokens_per_s",
-                    "time_vs_fp32",
-                    "peak_memory_mib",
-                    "train_loss",
-                    "val_loss",
-                    "wall_s",
-                    "hmp",
-                    "losses",
-                )
-            }
-            for r in results
-        ],
-        "val_loss_change_pct": 100.0 * (results[1]["val_loss"] / base["val_loss"] - 1.0),
-        "casts": {"per_op": per_op, "total_per_step": total, "op_calls_per_step": calls, "steps_counted": CAST_STEPS},
-    }
-    print(format_report(res), flush=True)
-    if args.json:
-        try:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=2)
-                f.write("\n")
-        except OSError as e:
-            return _error(f"--json {args.json}: {e.strerror or e}", 1)
-    return 0
+    _measure_memory(cfg, runs)
+    res = report.results(cfg, corpus, runs, casts, facts)
+    print(report.format_report(res), flush=True)
+    return _write_json(args.json, res) if args.json else 0

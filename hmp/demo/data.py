@@ -8,7 +8,6 @@ to a fixed character budget. Characters are ASCII codes 0-126; anything else
 (non-ASCII letters in docstrings, DEL) becomes one shared id, 127.
 """
 
-import math
 import re
 import sysconfig
 from dataclasses import dataclass, field
@@ -113,7 +112,3 @@ def eval_windows(data, count, seq_len):
     starts = torch.linspace(0, high, count).long()
     window = data[starts[:, None] + torch.arange(seq_len + 1)]
     return window[:, :-1], window[:, 1:]
-
-
-def nats_to_bits(x):
-    return x / math.log(2)

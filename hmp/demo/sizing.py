@@ -1,10 +1,12 @@
-"""What to expect on this machine, and a run sized to it.
+"""What to expect on this machine, the model the demo trains on it, and how
+many steps fit.
 
-Before training, the demo measures instead of assuming: whether the CPU
-has native bf16 instructions, how a bf16 matmul of the model's size compares
-with fp32 here, and how long one training step takes in each configuration.
-From the step times it picks a run that finishes both configurations in
-about ``budget_s`` seconds on this machine, idle or busy."""
+The model is fixed per kind of device (every CPU run trains the same model,
+every GPU run the same larger one), so two runs anywhere compare like with
+like; only the number of steps follows the measured time of a step. Before
+training, the demo measures instead of assuming: whether the CPU has native
+bf16 instructions, how a bf16 matmul of the model's size compares with fp32
+here, and how long one training step takes in each configuration."""
 
 import contextlib
 import dataclasses
@@ -17,22 +19,28 @@ import torch
 import hmp
 from hmp.demo.training import build, random_batch, train_step
 
-# the shortest run the demo trains: fewer steps and the val loss says little
+# the shortest run the demo sizes itself to: fewer steps and the val loss says little
 MIN_STEPS = 40
-# the models the demo can train, largest (the default) first, as Config fields: it trains the
-# first that fits MIN_STEPS into the budget, the last when none does
-LADDER = (
-    dict(batch_size=8, n_layers=4, d_model=256, seq_len=128),
-    dict(batch_size=4, n_layers=4, d_model=256, seq_len=128),
-    dict(batch_size=4, n_layers=2, d_model=256, seq_len=128),
-    dict(batch_size=2, n_layers=2, d_model=256, seq_len=128),
-    dict(batch_size=2, n_layers=2, d_model=128, seq_len=64),
-)
+# the CPU model: a step of 8 x 128 characters takes a few hundred ms on a 2-core CPU
+CPU_MODEL = dict(n_layers=4, d_model=256, n_heads=4, batch_size=8, seq_len=128)
+# the accelerator model. On a GPU every kernel launch costs microseconds whatever its size, and hmp
+# adds host time to every wrapped call, so a small model is launch-bound and bf16 cannot pay there
+# (the CPU model trained 1.47x slower under hmp on an H100). The rule: its largest matmul (tokens x
+# d_model x 4*d_model) is at least ACCELERATOR_MIN_GEMM multiply-adds, about 0.2 ms in fp32 on a
+# ~50 TFLOPS GPU, far above a launch plus hmp's host time per call (tens of microseconds).
+ACCELERATOR_MODEL = dict(n_layers=6, d_model=768, n_heads=12, batch_size=16, seq_len=256)
+ACCELERATOR_MIN_GEMM = 8e9
 
 
-def flops(fields):
-    """A step's matmul work, up to a constant: tokens x layers x d_model^2."""
-    return fields["batch_size"] * fields["seq_len"] * fields["n_layers"] * fields["d_model"] ** 2
+def model_for(device):
+    """The model fields (Config's) the demo trains on ``device`` ("cpu",
+    "cuda", "hpu"): a function of the device kind only, never of its speed."""
+    return dict(CPU_MODEL if device == "cpu" else ACCELERATOR_MODEL)
+
+
+def largest_gemm(fields):
+    """Multiply-adds of the model's largest matmul: the MLP's first layer."""
+    return fields["batch_size"] * fields["seq_len"] * fields["d_model"] * 4 * fields["d_model"]
 
 
 def native_bf16(device="cpu", cpuinfo=None, machine=None):
@@ -69,27 +77,38 @@ def native_bf16(device="cpu", cpuinfo=None, machine=None):
     return None, f"hmp cannot tell whether this {machine} CPU has bf16 instructions"
 
 
-def expectation(matmul_ratio, native):
-    """One line: what the hmp run's speed will be against fp32, and why."""
+def expectation(matmul_ratio, native, device="cpu"):
+    """One line: what the hmp run's speed will be against fp32, and why. On
+    an accelerator it also says what the matmul alone cannot: hmp's host
+    time per call, which only a large enough model hides."""
     has, why = native
     if matmul_ratio < 0.9:
-        return f"expect hmp to train faster than fp32 here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time ({why})"
-    if matmul_ratio <= 1.1:
-        return (
+        line = f"expect hmp to train faster than fp32 here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time ({why})"
+    elif matmul_ratio <= 1.1:
+        line = (
             f"expect about fp32's speed here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time ({why}); "
             "hmp's numbers (losses, casts) are what this run shows"
         )
+    else:
+        line = (
+            f"expect hmp to train SLOWER than fp32 here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time "
+            f"({why}); no bf16 scheme gains on this machine. The losses and casts are still hmp's; the speed-up "
+            "comes on CPUs with native bf16 (AVX512-BF16, AMX, ARM bf16) and on GPUs"
+        )
+    if device == "cpu":
+        return line
     return (
-        f"expect hmp to train SLOWER than fp32 here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time "
-        f"({why}); no bf16 scheme gains on this machine. The losses and casts are still hmp's; the speed-up "
-        "comes on CPUs with native bf16 (AVX512-BF16, AMX, ARM bf16) and on GPUs"
+        f"{line}. On {device} a small model is launch-bound (each call's host time, hmp's included, exceeds "
+        "its kernel's) and bf16 gains nothing there: this model is sized so its matmuls outweigh that; "
+        "the step times measured next say what this device does"
     )
 
 
 def step_seconds(cfg, configurations, steps=3):
-    """Median seconds of one training step of ``cfg`` per configuration
-    (hmp options or None), after one warm-up step (first calls allocate and
-    fill caches) and outside convert(), which runs once per configuration."""
+    """Mean seconds of one training step of ``cfg`` per configuration (hmp
+    options or None), after one warm-up step (first calls allocate and fill
+    caches) and outside convert(), which runs once per configuration. The
+    mean, not the median: a busy machine's slow steps count in a run's time."""
     x, y = random_batch(cfg)
     out = []
     for options in configurations:
@@ -100,37 +119,20 @@ def step_seconds(cfg, configurations, steps=3):
                 start = time.perf_counter()
                 train_step(model, opt, sched, x, y, cfg).item()
                 times.append(time.perf_counter() - start)
-        out.append(statistics.median(times[1:]))
+        out.append(statistics.fmean(times[1:]))
     return out
 
 
 @dataclasses.dataclass
 class Plan:
-    cfg: object  # the Config to train
-    seconds: float  # both configurations' training, estimated from a measured step
-    shrunk: bool  # a smaller model than the first of the ladder
-    measured: int  # ladder entries timed to decide
+    steps: int  # per configuration
+    seconds: float  # both configurations' training, from the measured steps
+    over_budget: bool  # MIN_STEPS alone take longer than the budget
 
 
-def fit(cfg, measure, budget_s, max_steps, ladder=LADDER):
-    """The largest ``ladder`` entry (the first is the largest) of which
-    MIN_STEPS fit ``budget_s``, with as many steps as fit (at most
-    ``max_steps``); the smallest when none fits.
-
-    ``measure(cfg)`` times one step of ``cfg`` for all configurations
-    together. Entries are timed from the smallest up, so a slow machine
-    pays only for small models; the walk stops at the first entry that
-    does not fit, or before one that cannot, judging by the square root of
-    its work ratio (real step times grow slower than work: fixed costs)."""
-    chosen = per = None
-    measured = 0
-    for fields in reversed(ladder):
-        if per is not None and per * (flops(fields) / flops(chosen)) ** 0.5 * MIN_STEPS > budget_s:
-            break
-        seconds = measure(dataclasses.replace(cfg, **fields))
-        measured += 1
-        if chosen is not None and seconds * MIN_STEPS > budget_s:
-            break
-        chosen, per = fields, seconds
-    steps = max(MIN_STEPS, min(max_steps, int(budget_s / per)))
-    return Plan(dataclasses.replace(cfg, steps=steps, **chosen), steps * per, chosen != ladder[0], measured)
+def plan_steps(step_s, budget_s, max_steps):
+    """As many steps as fit ``budget_s`` when a step of both configurations
+    together takes ``step_s``, from MIN_STEPS to ``max_steps``."""
+    fit = int(budget_s / step_s) if step_s > 0 else max_steps
+    steps = max(MIN_STEPS, min(max_steps, fit))
+    return Plan(steps, steps * step_s, fit < MIN_STEPS)

@@ -40,6 +40,7 @@ class Config:
     eval_windows: int = 64  # validation: this many fixed windows of seq_len characters
     timing_warmup: int = 2  # steps left out of the tokens/s figure
     loss_window: int = 10  # the training loss reported is the mean of this many last steps
+    step_delay_s: float = 0.0  # added to every training step: a slower machine, for tests of the sizing
 
 
 class DeviceError(RuntimeError):
@@ -120,6 +121,8 @@ def build(cfg):
 
 
 def train_step(model, opt, sched, x, y, cfg):
+    if cfg.step_delay_s:
+        time.sleep(cfg.step_delay_s)
     loss = model.loss(x, y)
     opt.zero_grad(set_to_none=True)
     loss.backward()

@@ -4,6 +4,7 @@ quality of hmp against fp32 on the demo model, and the command line."""
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import hmp
 from hmp.__main__ import main
 from hmp.demo import LONG_STEPS, STEPS, add_parser, data
 from hmp.demo.sizing import MIN_STEPS as MIN_STEPS_DEFAULT
-from hmp.demo.training import Config, count_casts, train
+from hmp.demo.training import Config, build, count_casts, train
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,9 +84,8 @@ def test_count_casts_on_the_demo_model(small_corpus):
 @pytest.mark.slow
 def test_hmp_validation_loss_within_2_percent_of_fp32():
     corpus = data.load()
-    # the longest sized run on the smaller model the demo falls back to: a quarter of the default model's
-    # work (about 9 s for both on a quiet 2-core CPU with native bf16), so a busy machine stays far
-    # inside the test timeout
+    # the longest sized run on a model of a quarter of the demo's work (about 9 s for both on a quiet
+    # 2-core CPU with native bf16), so a busy machine stays far inside the test timeout
     cfg = Config(steps=STEPS, batch_size=4, n_layers=2)
     fp32 = train(cfg, corpus)
     mixed = train(cfg, corpus, {"opt_level": "O1"})
@@ -236,75 +236,119 @@ def test_expectation_says_what_the_measured_ratio_means(ratio, words):
     assert words in line and f"{ratio:.2f}x" in line and "no avx512_bf16" in line
 
 
-def test_fit_picks_the_largest_model_that_fits_and_times_few_models():
+def test_the_model_is_fixed_per_device_kind():
+    from hmp.demo.sizing import ACCELERATOR_MIN_GEMM, largest_gemm, model_for
+
+    cpu = model_for("cpu")
+    assert {k: getattr(Config(), k) for k in cpu} == cpu  # Config's defaults are the CPU model
+    model_for("cpu")["n_layers"] = 99  # a caller's change does not leak into the next run's model
+    assert model_for("cpu") == cpu
+    for device in ("cuda", "hpu"):
+        gpu = model_for(device)
+        # by the rule: matmuls large enough to outweigh a launch and hmp's host time per call
+        assert largest_gemm(gpu) >= ACCELERATOR_MIN_GEMM
+        assert gpu["d_model"] > cpu["d_model"] and gpu["d_model"] % gpu["n_heads"] == 0
+    # the CPU model, launch-bound on a GPU by the same rule (it trained 1.47x slower there)
+    assert largest_gemm(cpu) < ACCELERATOR_MIN_GEMM
+
+
+@pytest.mark.parametrize("device", ["cuda", "hpu"])
+def test_expectation_on_an_accelerator_says_small_models_are_launch_bound(device):
+    from hmp.demo.sizing import expectation
+
+    line = expectation(0.1, (True, "the device supports bf16"), device)
+    assert "faster than fp32" in line and f"On {device} a small model is launch-bound" in line
+    assert "launch-bound" not in expectation(0.1, (True, "avx512_bf16"), "cpu")
+
+
+def test_plan_steps_fits_the_budget_between_its_bounds():
     from hypothesis import given
     from hypothesis import strategies as st
 
-    from hmp.demo.sizing import LADDER, MIN_STEPS, fit
+    from hmp.demo.sizing import MIN_STEPS, plan_steps
 
-    cfg = Config()
-    assert {k: getattr(cfg, k) for k in LADDER[0]} == LADDER[0]  # the default model heads the ladder
-
-    def work(c):  # written apart from sizing.flops: tokens x layers x width^2
-        return c.batch_size * c.seq_len * c.n_layers * c.d_model * c.d_model
-
-    # a machine: a fixed cost per step plus a cost per unit of work, both drawn
-    @given(
-        fixed=st.floats(1e-4, 5.0),
-        per_work=st.floats(1e-12, 1e-6),
-        budget=st.floats(1.0, 600.0),
-        max_steps=st.integers(MIN_STEPS, 1000),
-    )
-    def check(fixed, per_work, budget, max_steps):
-        timed = []
-
-        def measure(c):
-            timed.append(c)
-            return fixed + per_work * work(c)
-
-        p = fit(cfg, measure, budget, max_steps)
-        c = p.cfg
-        fields = {k: getattr(c, k) for k in LADDER[0]}
-        per = fixed + per_work * work(c)
-        assert fields in LADDER and p.shrunk == (fields != LADDER[0]) and p.measured == len(timed)
-        assert MIN_STEPS <= c.steps <= max_steps
-        assert p.seconds == pytest.approx(c.steps * per)
-        fits = [f for f in LADDER if (fixed + per_work * work(Config(**f))) * MIN_STEPS <= budget]
-        if fits:
-            # the largest that fits, or a smaller one only when the walk up was cut short by its guess
-            assert per * MIN_STEPS <= budget and c.steps * per <= budget * (1 + 1e-9)
-            assert LADDER.index(fields) >= LADDER.index(fits[0])
+    @given(step_s=st.floats(1e-4, 100.0), budget=st.floats(1.0, 600.0), max_steps=st.integers(MIN_STEPS, 1000))
+    def check(step_s, budget, max_steps):
+        p = plan_steps(step_s, budget, max_steps)
+        assert MIN_STEPS <= p.steps <= max_steps and p.seconds == pytest.approx(p.steps * step_s)
+        if p.over_budget:  # the fewest steps the demo trains, even past the budget: the model stays
+            assert p.steps == MIN_STEPS and MIN_STEPS * step_s > budget * (1 - 1e-9)
         else:
-            assert fields == LADDER[-1] and c.steps == MIN_STEPS and len(timed) == 1  # nothing fits: the smallest
-        # timed from the smallest up to the chosen one, and at most one past it
-        assert timed[0] == Config(**LADDER[-1]) and len(timed) <= len(LADDER) - LADDER.index(fields) + 1
+            assert MIN_STEPS * step_s <= budget * (1 + 1e-9)
+            assert p.seconds <= budget * (1 + 1e-9)
+            # as many as fit: one more would pass the budget, unless max_steps stopped it
+            assert p.steps == max_steps or (p.steps + 1) * step_s > budget * (1 - 1e-9)
+        # a slower machine never trains more steps
+        assert plan_steps(step_s * 2, budget, max_steps).steps <= p.steps
 
     check()
 
 
-@pytest.mark.parametrize("per_work", [1e-10, 1e-9, 1e-8, 1e-7])
-def test_fit_with_step_time_proportional_to_work_chooses_exactly_the_largest_that_fits(per_work):
-    from hmp.demo.sizing import LADDER, MIN_STEPS, fit
+def _dry_run(capsys, *extra):
+    assert main(["demo", "--device", "cpu", "--dry-run", *extra]) == 0
+    return capsys.readouterr().err.splitlines()
 
-    def work(c):
-        return c.batch_size * c.seq_len * c.n_layers * c.d_model * c.d_model
 
-    p = fit(Config(), lambda c: per_work * work(c), 40.0, 120)
-    fits = [f for f in LADDER if per_work * work(Config(**f)) * MIN_STEPS <= 40.0]
-    expected = fits[0] if fits else LADDER[-1]
-    assert {k: getattr(p.cfg, k) for k in LADDER[0]} == expected
+def _measured_ms(lines):
+    """(fp32 ms, hmp ms, steps) from the sizing line."""
+    sized = next(line for line in lines if "sized to this machine:" in line)
+    m = re.search(r"a step takes (\d+) ms in fp32 and (\d+) ms under hmp \(measured now\); (\d+) steps", sized)
+    return int(m[1]), int(m[2]), int(m[3])
+
+
+def test_two_runs_train_the_same_model_however_fast_the_machine(capsys):
+    from hmp.demo.sizing import MIN_STEPS
+
+    # batches of one sequence: the cheapest steps to time; the model is the demo's, whatever the batch
+    fast = _dry_run(capsys, "--batch-size", "1")
+    delay = 0.6  # seconds added to every step: MIN_STEPS of both take 48 s or more, past the 40 s budget
+    slow = _dry_run(capsys, "--batch-size", "1", "--step-delay", str(delay))
+    # the first line names the model, and it is the same however fast a step was measured
+    assert fast[0] == slow[0]
+    assert "model: a character-level transformer LM, 4 pre-norm blocks of width 256 (4 heads)" in fast[0]
+    params = sum(p.numel() for p in build(Config())[0].parameters())
+    assert f"{params / 1e6:.2f}M parameters" in fast[0] and "batches of 1 x 128 characters" in fast[0]
+    # the slow machine was measured slow, and only its number of steps followed
+    fp32_ms, hmp_ms, steps = _measured_ms(slow)
+    assert fp32_ms >= 1000 * delay and hmp_ms >= 1000 * delay
+    assert steps == MIN_STEPS and "over the 40 s aimed at: the model stays the same" in "\n".join(slow)
+    assert MIN_STEPS <= _measured_ms(fast)[2] <= STEPS
+    assert fast[-1].endswith("--dry-run: stopping before training") and not hmp.is_converted()
+
+
+def test_steps_given_are_not_sized_and_batch_size_is_the_users(capsys):
+    lines = _dry_run(capsys, "--steps", "5", "--batch-size", "3")
+    assert "batches of 3 x 128 characters" in lines[0] and "(the batch size is yours)" in lines[0]
+    assert not any("sized to this machine" in line or "timing" in line for line in lines)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_demo_names_the_accelerator_model_and_says_what_to_expect():
+    from hmp.demo.sizing import ACCELERATOR_MODEL
+
+    proc = run_cli("--device", "cuda", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert f"blocks of width {ACCELERATOR_MODEL['d_model']}" in lines[0] and "launch-bound on cuda" in lines[0]
+    assert "this cuda:" in lines[1] and "a small model is launch-bound" in lines[1]
+    assert any("sized to this machine" in line for line in lines)
 
 
 @pytest.mark.slow  # about a minute: the whole default run
-def test_default_run_says_what_to_expect_and_sizes_itself_first(tmp_path):
+def test_default_run_names_the_model_says_what_to_expect_and_sizes_itself_first(tmp_path):
     out = tmp_path / "demo.json"
     proc = run_cli("--device", "cpu", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()
-    assert "a bf16 matmul takes" in lines[0] and "expect" in lines[0]
-    assert "sized to this machine:" in lines[1]
+    assert "model: a character-level transformer LM, 4 pre-norm blocks of width 256" in lines[0]
+    assert "a bf16 matmul takes" in lines[1] and "expect" in lines[1]
+    assert "sized to this machine:" in lines[3]
     res = json.loads(out.read_text())
     meta = res["meta"]
     assert MIN_STEPS_DEFAULT <= meta["steps"] <= STEPS
-    assert f"{meta['steps']} steps per configuration" in lines[1]
+    assert f"{meta['steps']} steps per configuration" in lines[3]
     assert meta["native_bf16"] in (True, False, None) and meta["native_bf16_why"]
+    assert meta["planned_training_s"] > 0 and set(meta["measured_step_s"]) == {"fp32", "hmp"}
+    # after training, each phase says what runs: nothing silent between the last bar and the table
+    after = lines[[i for i, line in enumerate(lines) if "trained hmp O1" in line][0] + 1 :]
+    assert "counting hmp's casts per op" in after[0] and "measuring memory" in after[1]
