@@ -2,6 +2,7 @@
 per op, per module and per op tune tried, and the legend that reads them."""
 
 import math
+import re
 
 from hmp.tools.svg import (
     BAD,
@@ -137,6 +138,11 @@ def nothing_cast(row):
     return row["made_max_rel"] == 0 and row["own_op"] is None
 
 
+def _short_class(row):
+    """The class's own name: the last part of ``module.Class`` or ``file.py:Class``."""
+    return re.split(r"[.:]", row["class"])[-1]
+
+
 def module_chart(audit, tune=None):
     """The modules in which something casts; the rest are folded (report.py)."""
     rows = [r for r in audit.modules if not nothing_cast(r)]
@@ -162,7 +168,7 @@ def module_chart(audit, tune=None):
 
     columns = [
         TextColumn("module", rows, lambda r: r["path"] or "(root)", cls="label"),
-        TextColumn("class", rows, lambda r: r["class"].rsplit(".", 1)[-1]),
+        TextColumn("class", rows, _short_class),
         _error_column("error made in it", rows, "made_max_rel", axis, audit.threshold),
         BarColumn(
             "output max rel error (with its inputs')",

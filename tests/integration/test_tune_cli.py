@@ -223,6 +223,9 @@ def test_the_shipped_example_tunes_from_the_command_line_and_draws_its_report(tm
     assert "moved to FP32: linear" in out and "verdict: " in out
     page = (tmp_path / "tune.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "<svg" in page and ">linear<" in page
+    # the example's class by the user's own file and class name, not the module tune imported it as
+    assert "tune_my_model.py:Recentered" in page and "_hmp_tune_target_" not in page + out
+    assert page.index('id="verdict"') < page.index("hmp.convert(bf16_file_path=") < page.index("<svg")
 
 
 def test_a_zero_fp32_loss_gives_a_verdict_not_a_division_error():

@@ -6,6 +6,7 @@ its length times font size times 0.6 wide (the report's monospace font),
 from 0.8 font sizes above its baseline to 0.2 below.
 """
 
+import html
 import html.parser
 import math
 import os
@@ -438,3 +439,70 @@ def test_any_op_chart_keeps_its_labels_apart(ops):
     svg = svgs(report.render(audit=AuditReport(rows, 0.0, 0.05, 2e-3)))["ops"]
     assert sorted(labels(svg)) == sorted(name for name, *_ in ops)
     assert_no_overlaps(svg)
+
+
+# --- verdict first, and no section contradicting another -----------------------------------------------------
+
+
+def hand_tune(audit, validation, samples, module_proposals=None):
+    from hmp.tools.tune_result import TuneResult
+
+    lists = {"bf16": ["linear"], "fp32": [], "promote": []}
+    timings = {name: sorted(s)[len(s) // 2] for name, s in samples.items()}
+    return TuneResult(lists, lists, audit, {}, validation, timings, samples=samples, module_proposals=module_proposals)
+
+
+def section(page, start, end):
+    return html.unescape(page[page.index(start) : page.index(end)])
+
+
+def test_outside_the_tolerance_with_no_op_flagged_says_why_not_none():
+    audit = AuditReport([op_row("linear", 0.01, 1e-4)], 0.03, 0.05, 2e-3)
+    fp32 = [1.0, 1.1, 0.9, 1.0]
+    tune = hand_tune(
+        audit,
+        {"fp32": 1.0, "starting lists": 1.05, "tuned lists": 1.05},
+        {"fp32": fp32, "starting lists": fp32, "tuned lists": [t * 0.5 for t in fp32]},
+    )
+    page = report.render(tune=tune)
+    verdict = section(page, 'id="verdict"', 'id="todo"')
+    assert "Outside the 2% tolerance" in verdict and "+5.00% from fp32's loss" in verdict
+    assert "No op is over the thresholds alone" in verdict
+    assert "Faster: a step under the tuned lists takes 0.50x fp32's time (+-0%)" in verdict
+    # the summary names no op, and says so without a bare "none" that reads as "all is well"
+    flagged = re.search(r"<dt>ops flagged</dt><dd>(.*?)</dd>", page).group(1)
+    assert flagged.startswith("none alone")
+    # the same ratio in the validation table and the summary as in the verdict
+    assert page.count("0.50x +-0%") == 2 and "outside tolerance (2%)" in page
+    # then what to do, with the call that loads the files
+    todo = section(page, 'id="todo"', "The evidence")
+    assert "result.write('tuned_bf16.txt', 'tuned_fp32.txt')" in todo
+    assert "hmp.convert(bf16_file_path='tuned_bf16.txt', fp32_file_path='tuned_fp32.txt')" in todo
+
+
+def test_the_module_class_table_lists_only_classes_that_make_too_much_error():
+    audit = AuditReport([op_row("linear", 0.01, 1e-4)], 0.001, 0.05, 2e-3)
+    proposals = {
+        name: {"class": name, "type": torch.nn.Linear, "made_max_rel": made, "loss_error": 0.0, "nonfinite": 0}
+        | {"accepted": made > 0.05}
+        for name, made in (("a.Over", 0.3), ("b.Quiet", 0.0))
+    }
+    fp32 = [1.0, 1.0, 1.0]
+    samples = {"fp32": fp32, "starting lists": fp32, "tuned lists": fp32}
+    tune = hand_tune(audit, {"fp32": 1.0, "starting lists": 1.0, "tuned lists": 1.0}, samples, proposals)
+    page = report.render(tune=tune)
+    heading = "Module classes whose own code makes too much error"
+    table_html = page[page.index(heading) : page.index("</table>", page.index(heading))]
+    assert "a.Over" in table_html and "b.Quiet" not in table_html
+    assert "so left as they are: b.Quiet" in page
+    assert "| b.Quiet |" not in tune.table() and "| a.Over |" in tune.table()
+    assert "Speed: no measurable difference here" in section(page, 'id="verdict"', 'id="todo"')
+
+
+def test_the_audit_page_leads_with_its_verdict(audited):
+    page = report.render(audit=audited)
+    assert page.index('id="verdict"') < page.index('id="todo"') < page.index("The evidence") < page.index("<svg")
+    verdict = section(page, 'id="verdict"', 'id="todo"')
+    assert ("Nothing flagged" in verdict) == (not audited.flagged and not audited.flagged_modules)
+    assert "the listed ops' forward time under the lists" in verdict
+    assert audited.time_ratio is not None and audited.time_ratio.pairs == 3
