@@ -130,3 +130,46 @@ def test_decode_quick_converts_hmp_only_for_its_own_configurations(tmp_path):
         "hmp-O1-frozen / hmp-O1",
     ]
     assert sum(line.startswith("- target ") for line in p.stdout.splitlines()) == 3
+
+
+def _tables(markdown):
+    """heading -> {first cell: the row's cells} of the tables under each '## ' heading."""
+    out, heading = {}, None
+    for line in markdown.splitlines():
+        if line.startswith("## "):
+            heading = line[3:]
+            out[heading] = {}
+        elif heading and line.startswith("| ") and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            out[heading].setdefault(cells[0], cells)
+    return out
+
+
+@pytest.mark.slow  # about 40 s: two GPT-2 builds, four compiles, a decode and the per-call table
+def test_gpu_dry_run_reports_every_configuration_with_a_ratio(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "cuda.md"
+    p = run_python(str(BENCHMARKS / "gpu.py"), "--dry-run", "--out", str(out), cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    tables = _tables(out.read_text())
+    sections = {
+        key: next(h for h in tables if h.startswith(key))
+        for key in ("Training step, eager", "Training step, torch.compile", "Decode", "Per call")
+    }
+    for key in ("Training step, eager", "Training step, torch.compile"):
+        rows = tables[sections[key]]
+        for name in ("fp32", "autocast", "hmp-O1", "bf16"):
+            vs_autocast = float(rows[name][2])
+            assert vs_autocast > 0, (key, rows[name])
+        assert float(rows["autocast"][2]) == 1.0
+        # each configuration computed in its own precision, compiled too
+        assert rows["fp32"][6] == "float32" and rows["bf16"][6] == "bfloat16", rows
+        assert rows["hmp-O1"][6] == rows["autocast"][6] == "bfloat16", rows
+    rows = tables[sections["Decode"]]
+    for name in ("fp32", "autocast", "hmp-O1", "hmp-O1-frozen", "bf16"):
+        assert float(rows[name][2]) > 0, rows[name]
+    assert rows["hmp-O1"][4] != "0" and rows["autocast"][4] == "0"  # wrapped calls per token
+    rows = tables[sections["Per call"]]
+    for case in ("linear (training)", "linear (inference)", "mm", "Tensor.mm (a.mm(b))"):
+        assert case in rows and len(rows[case]) == 6
+    assert "DRY RUN" in out.read_text()

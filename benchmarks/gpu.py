@@ -1,0 +1,294 @@
+"""hmp on a GPU in one command (issue 40, item 6): fp32, torch.autocast,
+hmp O1 (plain, and inside ``hmp.frozen_weights()`` for decode) and a
+pure-bf16 model, interleaved, written to ``benchmarks/RESULTS-cuda.md``.
+
+    python benchmarks/gpu.py                      # a CUDA machine, under 5 minutes
+    python benchmarks/gpu.py --dry-run --out x.md # the same code paths on the CPU, tiny sizes
+
+Parts: GPT-2 124M training (batch 8x1024, AdamW) eager and under
+``torch.compile``; Llama 1.1B (TinyLlama's shape) batch-1 greedy decode
+(benchmarks/decode.py); the per-call table (benchmarks/percall.py). Models
+are built from configs (random init, nothing downloaded). Each round runs
+every configuration once, the order rotated each round; hmp is converted
+for its own samples only, outside the timed region. Medians, ratios to
+autocast's. ``--dry-run`` measures nothing: it checks the script (the
+compiled part then uses the aot_eager backend, which needs no compiler).
+"""
+
+import argparse
+import contextlib
+import copy
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+for p in (str(HERE), str(HERE.parent)):  # the sibling modules, and this checkout's hmp
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import decode  # noqa: E402
+import percall  # noqa: E402
+
+import hmp  # noqa: E402
+
+TRAIN_CONFIGS = ("fp32", "autocast", "hmp-O1", "bf16")
+GPT2 = {
+    "full": dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257),
+    "dry": dict(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=1000),
+}
+LLAMA_DRY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+# per part: the full run's sizes and rounds, then the dry run's
+PLAN = {
+    "full": dict(batch=(8, 1024), rounds=4, steps=3, c_rounds=3, c_steps=3, new=64, d_rounds=4, reps=21, calls=1000),
+    "dry": dict(batch=(2, 32), rounds=2, steps=1, c_rounds=1, c_steps=1, new=4, d_rounds=1, reps=1, calls=5),
+}
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def peak_start(device):
+    if torch.device(device).type == "cuda":
+        decode.sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    return None
+
+
+def peak_mib(device, base):
+    if base is None:
+        return float("nan")  # a CPU's peak is not this process's to read per configuration
+    decode.sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+@contextlib.contextmanager
+def converted_for(name):
+    """hmp O1 for hmp's configurations; reverted on exit, and checked to be."""
+    if hmp.is_converted():
+        raise RuntimeError(f"{name}: hmp converted on entry")
+    with hmp.converted(opt_level="O1") if name.startswith("hmp") else contextlib.nullcontext():
+        yield
+    if hmp.is_converted():
+        raise RuntimeError(f"{name}: hmp still converted after its block")
+
+
+def train(device, plan, size, compiled, backend):
+    """ms per GPT-2 training step per configuration (AdamW; autocast around forward and loss)."""
+    import transformers
+
+    cfg = transformers.GPT2Config(**GPT2[size])
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        base = transformers.GPT2LMHeadModel(cfg)
+    b, t = plan["batch"]
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, cfg.vocab_size, (b, t), generator=gen).to(device) for _ in range(2)]
+    rounds, steps = (plan["c_rounds"], plan["c_steps"]) if compiled else (plan["rounds"], plan["steps"])
+    state = {}
+    for name in TRAIN_CONFIGS:
+        model = copy.deepcopy(base)
+        if name == "bf16":
+            model = model.to(torch.bfloat16)
+        # each configuration compiles its own module, hmp's while converted, so each traces what it runs
+        run = torch.compile(model, backend=backend) if compiled else model
+        state[name] = dict(model=run, opt=torch.optim.AdamW(model.parameters(), lr=3e-4), k=0, dtypes=set())
+    del base
+
+    def step(name):
+        s = state[name]
+        ids = batches[s["k"] % len(batches)]
+        s["k"] += 1
+        ctx = torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if name == "autocast" else None
+        with ctx or contextlib.nullcontext():
+            out = s["model"](input_ids=ids, labels=ids)
+        out.loss.backward()
+        s["opt"].step()
+        s["opt"].zero_grad(set_to_none=True)
+        s["dtypes"].add(str(out.logits.dtype).replace("torch.", ""))
+        return out.loss
+
+    times, peaks, losses = {n: [] for n in TRAIN_CONFIGS}, {}, {}
+    recompiles = dict.fromkeys(TRAIN_CONFIGS, 0)  # graphs compiled in timed steps: those samples time the compiler
+    for name in TRAIN_CONFIGS:  # warm-up (the compile, for torch.compile)
+        t0 = time.perf_counter()
+        with converted_for(name):
+            step(name)
+            step(name)
+        log(f"  {'compiled' if compiled else 'eager'} {name}: warm-up {time.perf_counter() - t0:.1f} s")
+    for r in range(rounds):
+        k = r % len(TRAIN_CONFIGS)
+        for name in TRAIN_CONFIGS[k:] + TRAIN_CONFIGS[:k]:
+            with converted_for(name):
+                step(name)  # untimed: a fresh conversion's first step
+                base_mem = peak_start(device)
+                decode.sync(device)
+                t0 = time.perf_counter()
+                graphs = _graphs()
+                for _ in range(steps):
+                    loss = step(name)
+                decode.sync(device)
+                times[name].append((time.perf_counter() - t0) / steps * 1e3)
+                recompiles[name] += _graphs() - graphs
+                peaks[name] = peak_mib(device, base_mem)
+                losses[name] = float(loss.detach())
+        log(f"  round {r + 1}/{rounds}: " + "  ".join(f"{n} {v[-1]:.2f}" for n, v in times.items()))
+    med = {n: statistics.median(v) for n, v in times.items()}
+    return {
+        "what": f"GPT-2 {cfg.n_layer} layers, width {cfg.n_embd}, batch {b}x{t}, AdamW"
+        + (f", torch.compile (backend {backend})" if compiled else ", eager"),
+        "samples": f"{rounds} rounds x {steps} steps",
+        "ms": med,
+        "vs_autocast": {n: med[n] / med["autocast"] for n in med},
+        "vs_bf16": {n: med[n] / med["bf16"] for n in med},
+        "peak_mib": peaks,
+        "loss": losses,
+        "logits_dtype": {n: "/".join(sorted(s["dtypes"])) for n, s in state.items()},
+        "graphs_compiled_while_timed": recompiles,
+    }
+
+
+def _graphs():
+    """Graphs torch.compile has made in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def decode_part(device, plan, size):
+    models, cfg = decode.build(size, device)
+    res = decode.measure(models, cfg.vocab_size, device, plan["new"], plan["d_rounds"], progress=log)
+    params = sum(p.numel() for p in models["fp32"].parameters())
+    res["what"] = (
+        f"Llama {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size} ({params / 1e9:.2f}B parameters), "
+        f"batch 1, prompt {decode.PROMPT}, {plan['new']} new tokens greedy with a KV cache"
+    )
+    return res
+
+
+def markdown(meta, parts):
+    L = [
+        f"# hmp on {meta['device_name']}",
+        "",
+        f"- torch {meta['torch']}, transformers {meta['transformers']}, hmp {meta['hmp']} from `{meta['hmp_path']}`, "
+        f"python {meta['python']}",
+        f"- command: `{meta['command']}`; wall time {meta['wall_s']:.0f} s"
+        + ("; **DRY RUN on the CPU: tiny sizes, the numbers measure nothing**" if meta["dry_run"] else ""),
+        "- configurations interleaved round by round (order rotated), medians; hmp converted only for its own "
+        "samples, outside the timed region; ratios are time / autocast's time (below 1: faster)",
+        "",
+    ]
+    for key, title in (("train_eager", "Training step, eager"), ("train_compiled", "Training step, torch.compile")):
+        r = parts.get(key)
+        if r is None:
+            continue
+        L += [f"## {title}: {r['what']} ({r['samples']})", ""]
+        L += [
+            "| configuration | ms/step | vs autocast | vs bf16 | peak MiB | last loss | logits | graphs compiled "
+            "while timed |",
+            "|---|---:|---:|---:|---:|---:|---|---:|",
+        ]
+        for n, ms in r["ms"].items():
+            L.append(
+                f"| {n} | {ms:.2f} | {r['vs_autocast'][n]:.3f} | {r['vs_bf16'][n]:.3f} | {r['peak_mib'][n]:.0f} | "
+                f"{r['loss'][n]:.4f} | {r['logits_dtype'][n]} | {r['graphs_compiled_while_timed'][n]} |"
+            )
+        L.append("")
+    r = parts.get("decode")
+    if r is not None:
+        L += [f"## Decode: {r['what']} ({r['rounds']} rounds)", "", decode.report(r), ""]
+    r = parts.get("percall")
+    if r is not None:
+        L += [
+            f"## Per call: {percall.SIZE}x{percall.SIZE} tensors, us added over bare torch ({meta['percall']})",
+            "",
+            percall.report(r),
+            "",
+            "| call | hmp added / autocast added |",
+            "|---|---:|",
+        ]
+        for case, c in r.items():
+            a = c["added_us"]
+            ratio = a["hmp"] / a["autocast"] if a["autocast"] > 0 else float("nan")
+            L.append(f"| {case} | {ratio:.2f} |")
+        L.append("")
+    return "\n".join(L)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: checks the code paths")
+    ap.add_argument("--device", help="default: cuda, or cpu with --dry-run")
+    ap.add_argument("--out", help="the markdown report (default on CUDA: benchmarks/RESULTS-cuda.md)")
+    ap.add_argument("--parts", default="train,compile,decode,percall", help="comma list of the parts to run")
+    ap.add_argument("--backend", help="torch.compile backend (default inductor; aot_eager with --dry-run)")
+    args = ap.parse_args(argv)
+    device = args.device or ("cpu" if args.dry_run else "cuda")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU machine, or check the script with --dry-run")
+    out = args.out or (str(HERE / "RESULTS-cuda.md") if torch.device(device).type == "cuda" else None)
+    plan = PLAN["dry" if args.dry_run else "full"]
+    backend = args.backend or ("aot_eager" if args.dry_run else "inductor")
+    parts_wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed cache argument
+    warnings.filterwarnings("ignore", message="hmp: a torch.autocast region")  # percall enters one per sample
+    if args.dry_run:
+        torch.set_num_threads(1)
+
+    import transformers
+
+    t_start = time.perf_counter()
+    meta = {
+        "device_name": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "CPU",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hmp": hmp.__version__,
+        "hmp_path": str(Path(hmp.__file__).parent),
+        "python": platform.python_version(),
+        "command": " ".join(["benchmarks/gpu.py"] + (sys.argv[1:] if argv is None else list(argv))),
+        "dry_run": args.dry_run,
+        "percall": f"median over {plan['reps']} reps of {plan['calls']} calls",
+    }
+    parts = {}
+    size = "dry" if args.dry_run else "full"
+    for part in parts_wanted:
+        log(f"[{part}] ({time.perf_counter() - t_start:.0f} s)")
+        if part == "train":
+            parts["train_eager"] = train(device, plan, size, False, backend)
+        elif part == "compile":
+            parts["train_compiled"] = train(device, plan, size, True, backend)
+            torch._dynamo.reset()
+        elif part == "decode":
+            parts["decode"] = decode_part(device, plan, LLAMA_DRY if args.dry_run else "tinyllama")
+        elif part == "percall":
+            parts["percall"] = percall.run(plan["reps"], plan["calls"], progress=log, device=device)
+        else:
+            raise SystemExit(f"unknown part {part!r}: train, compile, decode, percall")
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+    meta["wall_s"] = time.perf_counter() - t_start
+    md = markdown(meta, parts)
+    print(md)
+    if out:
+        Path(out).write_text(md + "\n")
+        log(f"written: {out}")
+
+
+if __name__ == "__main__":
+    main()
