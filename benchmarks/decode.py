@@ -3,6 +3,7 @@ inside ``hmp.frozen_weights()``) and a pure-bf16 model (issue 40, item 3).
 
     python benchmarks/decode.py [--tokens 64] [--rounds 15] [--json out.json]
     python benchmarks/decode.py --quick        # a few tokens: checks the script, measures nothing
+    python benchmarks/decode.py --profile hmp-O1-frozen   # where a token's time goes, by function
 
 The CPU proxy of GPU decode: a tiny Llama (hidden 64, 4 layers, random
 init, nothing downloaded) on one thread, where a token's time is almost all
@@ -22,9 +23,11 @@ with TinyLlama's shape.
 import argparse
 import contextlib
 import copy
+import cProfile
 import gc
 import inspect
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -153,20 +156,20 @@ def sample(models, name, prompt, new, device):
 
 
 def describe(models, name, prompt, new, device):
-    """What a configuration does, untimed: tokens, logits dtype, wrapped calls per token."""
+    """What a configuration does, untimed: tokens, logits dtype, wrapped
+    calls per token (counted over at most 16 tokens: the profile hook is slow)."""
     model = model_for(models, name)
     with active(name, device):
         got = {}
 
-        def run():
-            got["tokens"], got["dtype"] = generate(model, prompt, new)
-
-        calls = wrapped_calls.by_op(run)
+        got["tokens"], got["dtype"] = generate(model, prompt, new)
+        counted = min(new, 16)
+        calls = wrapped_calls.by_op(lambda: generate(model, prompt, counted))
     return {
         "tokens": got["tokens"],
         "logits_dtype": str(got["dtype"]).replace("torch.", ""),
-        "wrapped_per_token": sum(calls.values()) / new,
-        "wrapped_by_op_per_token": {op: n / new for op, n in calls.most_common()},
+        "wrapped_per_token": sum(calls.values()) / counted,
+        "wrapped_by_op_per_token": {op: n / counted for op, n in calls.most_common()},
     }
 
 
@@ -223,6 +226,28 @@ def _iqr_rel(s):
     return (q[2] - q[0]) / statistics.median(s)
 
 
+def profile(models, name, vocab, device, new, top=15):
+    """cProfile of one decode in configuration ``name``: the ``top`` functions
+    by own time, per token. cProfile inflates Python-heavy code: compare
+    configurations with it, not with the timed samples."""
+    model = model_for(models, name)
+    prompt = torch.randint(0, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(2)).to(device)
+    with active(name, device):
+        generate(model, prompt, new)  # warm-up
+        prof = cProfile.Profile()
+        prof.runcall(generate, model, prompt, new)
+    stats = pstats.Stats(prof).stats  # (file, line, function) -> (primitive calls, calls, own, cumulative, callers)
+    total = sum(v[2] for v in stats.values())
+    rows = sorted(((v[2], v[1], f"{Path(k[0]).name}:{k[2]}") for k, v in stats.items()), reverse=True)[:top]
+    lines = [
+        f"{name}: {total / new * 1e6:.0f} us per token under cProfile",
+        "| function | calls/token | own us/token |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {fn} | {n / new:.1f} | {tt / new * 1e6:.1f} |" for tt, n, fn in rows]
+    return "\n".join(lines)
+
+
 def report(res):
     lines = [
         "| configuration | ms/token | vs autocast | IQR/median | wrapped calls/token | logits | tokens = autocast's |",
@@ -253,11 +278,16 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--quick", action="store_true", help="4 tokens, 2 rounds: checks the script, measures nothing")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--profile", metavar="CONFIG", action="append", help="cProfile CONFIG's decode instead")
     args = ap.parse_args(argv)
     new, rounds = (4, 2) if args.quick else (args.tokens, args.rounds)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed cache argument
     models, cfg = build("proxy", args.device)
+    if args.profile:
+        for name in args.profile:
+            print(profile(models, name, cfg.vocab_size, args.device, new), end="\n\n")
+        return
     print(
         f"torch {torch.__version__}, {args.device}, one thread; Llama {cfg.num_hidden_layers} layers, hidden "
         f"{cfg.hidden_size}, vocab {cfg.vocab_size}; batch 1, prompt {PROMPT}, {new} new tokens greedy; "

@@ -53,7 +53,7 @@ LLAMA_DRY = dict(
 )
 # per part: the full run's sizes and rounds, then the dry run's
 PLAN = {
-    "full": dict(batch=(8, 1024), rounds=4, steps=3, c_rounds=3, c_steps=3, new=64, d_rounds=4, reps=21, calls=1000),
+    "full": dict(batch=(8, 1024), rounds=4, steps=3, c_rounds=3, c_steps=3, new=32, d_rounds=5, reps=21, calls=1000),
     "dry": dict(batch=(2, 32), rounds=2, steps=1, c_rounds=1, c_steps=1, new=4, d_rounds=1, reps=1, calls=5),
 }
 
@@ -188,7 +188,7 @@ def markdown(meta, parts):
         "",
         f"- torch {meta['torch']}, transformers {meta['transformers']}, hmp {meta['hmp']} from `{meta['hmp_path']}`, "
         f"python {meta['python']}",
-        f"- command: `{meta['command']}`; wall time {meta['wall_s']:.0f} s"
+        f"- command: `{meta['command']}`; wall time {meta['wall_s']:.0f} s ({meta['part_s']})"
         + ("; **DRY RUN on the CPU: tiny sizes, the numbers measure nothing**" if meta["dry_run"] else ""),
         "- configurations interleaved round by round (order rotated), medians; hmp converted only for its own "
         "samples, outside the timed region; ratios are time / autocast's time (below 1: faster)",
@@ -265,10 +265,11 @@ def main(argv=None):
         "dry_run": args.dry_run,
         "percall": f"median over {plan['reps']} reps of {plan['calls']} calls",
     }
-    parts = {}
+    parts, seconds = {}, {}
     size = "dry" if args.dry_run else "full"
     for part in parts_wanted:
         log(f"[{part}] ({time.perf_counter() - t_start:.0f} s)")
+        t_part = time.perf_counter()
         if part == "train":
             parts["train_eager"] = train(device, plan, size, False, backend)
         elif part == "compile":
@@ -282,6 +283,8 @@ def main(argv=None):
             raise SystemExit(f"unknown part {part!r}: train, compile, decode, percall")
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
+        seconds[part] = time.perf_counter() - t_part
+    meta["part_s"] = ", ".join(f"{p} {s:.0f} s" for p, s in seconds.items())
     meta["wall_s"] = time.perf_counter() - t_start
     md = markdown(meta, parts)
     print(md)
