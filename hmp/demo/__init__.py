@@ -177,9 +177,12 @@ def _setup(args):
     return device, options, corpus
 
 
+KINDS = {"cpu": "CPU", "cuda": "CUDA GPU", "hpu": "Gaudi HPU"}
+
+
 def _model_line(cfg, params, batch_chosen):
-    kind = "CPU" if cfg.device == "cpu" else cfg.device
-    why = "" if cfg.device == "cpu" else f", larger than the CPU's: a small model is launch-bound on {kind}"
+    kind = KINDS.get(cfg.device, cfg.device)
+    why = "" if cfg.device == "cpu" else f", larger than the CPU's: a small model is launch-bound on a {kind}"
     return (
         f"model: a character-level transformer LM, {report.describe_model(dict(vars(cfg), params=params))}; "
         f"every run on a {kind} trains this model{' (the batch size is yours)' if batch_chosen else ''}{why}"

@@ -300,9 +300,11 @@ def peak_rss_growth(cfg, configurations, timeout=600):
 
 
 def model_summary(cfg):
-    model = CharTransformer(
-        data_mod.VOCAB, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.dropout, cfg.activation
-    )
+    """The model's parameter count, built on the meta device: no memory, no initialisation."""
+    with torch.device("meta"):
+        model = CharTransformer(
+            data_mod.VOCAB, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.dropout, cfg.activation
+        )
     return n_params(model)
 
 

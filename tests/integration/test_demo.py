@@ -261,6 +261,20 @@ def test_expectation_on_an_accelerator_says_small_models_are_launch_bound(device
     assert "launch-bound" not in expectation(0.1, (True, "avx512_bf16"), "cpu")
 
 
+def test_the_first_line_on_a_gpu_names_its_larger_model():
+    from hmp.demo import _model_line
+    from hmp.demo.sizing import model_for
+
+    m = model_for("cuda")
+    with torch.device("meta"):  # the GPU model's size, without its memory
+        params = sum(p.numel() for p in build(Config(device="meta", **m))[0].parameters())
+    line = _model_line(Config(device="cuda", **m), params, batch_chosen=False)
+    assert line.startswith(f"model: a character-level transformer LM, {m['n_layers']} pre-norm blocks of width ")
+    assert f"{params / 1e6:.2f}M parameters, batches of {m['batch_size']} x {m['seq_len']}" in line
+    assert "every run on a CUDA GPU trains this model" in line and "launch-bound on a CUDA GPU" in line
+    assert params > 10 * 3.26e6  # not the CPU model
+
+
 def test_plan_steps_fits_the_budget_between_its_bounds():
     from hypothesis import given
     from hypothesis import strategies as st
@@ -329,7 +343,7 @@ def test_on_cuda_the_demo_names_the_accelerator_model_and_says_what_to_expect():
     proc = run_cli("--device", "cuda", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()
-    assert f"blocks of width {ACCELERATOR_MODEL['d_model']}" in lines[0] and "launch-bound on cuda" in lines[0]
+    assert f"blocks of width {ACCELERATOR_MODEL['d_model']}" in lines[0] and "launch-bound on a CUDA GPU" in lines[0]
     assert "this cuda:" in lines[1] and "a small model is launch-bound" in lines[1]
     assert any("sized to this machine" in line for line in lines)
 
