@@ -99,8 +99,7 @@ def expectation(matmul_ratio, native, device="cpu"):
         return line
     return (
         f"{line}. On {device} a small model is launch-bound (each call's host time, hmp's included, exceeds "
-        "its kernel's) and bf16 gains nothing there: this model is sized so its matmuls outweigh that; "
-        "the step times measured next say what this device does"
+        "its kernel's) and bf16 gains nothing there: this model is sized so its matmuls outweigh that"
     )
 
 
