@@ -227,7 +227,7 @@ def _sized(cfg, options, facts):
     _note(
         f"sized to this machine: a step takes {fp32_s * 1e3:.0f} ms in fp32 and {hmp_s * 1e3:.0f} ms under hmp "
         f"(measured now); {plan.steps} steps per configuration, about {plan.seconds:.0f} s of training for "
-        f"both{over}, longer if the machine gets busier (the time left is updated as it trains); "
+        f"both{over}, more or less as this machine's load changes (the time left is updated as it trains); "
         "--steps N or --long to choose"
     )
     facts["measured_step_s"] = {"fp32": fp32_s, "hmp": hmp_s}
