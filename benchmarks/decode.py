@@ -126,17 +126,21 @@ def _cache_kw(model):
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _cache_of(out):
+    return out.cache if hasattr(out, "cache") else out.past_key_values  # an empty cache is falsy: no `or`
+
+
 def generate(model, prompt, new):
     """Greedy decode of ``new`` tokens: the prefill gives the first, then one
     call per token with the KV cache. Returns (tokens, logits dtype)."""
     kw = _cache_kw(model)
     out = model(input_ids=prompt, use_cache=True)
-    cache = getattr(out, "cache", None) or out.past_key_values
+    cache = _cache_of(out)
     tok = out.logits[:, -1:].argmax(-1)
     toks = [tok]
     for _ in range(new - 1):
         out = model(input_ids=tok, use_cache=True, **{kw: cache})
-        cache = getattr(out, "cache", None) or out.past_key_values
+        cache = _cache_of(out)
         tok = out.logits[:, -1:].argmax(-1)
         toks.append(tok)
     return torch.cat(toks, 1)[0].tolist(), out.logits.dtype

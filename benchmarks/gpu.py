@@ -93,7 +93,9 @@ def train(device, plan, size, compiled, backend):
     import transformers
 
     cfg = transformers.GPT2Config(**GPT2[size])
-    cfg._attn_implementation = "sdpa"
+    # before torch 2.5 transformers builds sdpa's mask with an in-place write torch.compile refuses
+    old = torch.torch_version.TorchVersion(torch.__version__) < "2.5"
+    cfg._attn_implementation = "eager" if compiled and old else "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
         base = transformers.GPT2LMHeadModel(cfg)
@@ -151,8 +153,8 @@ def train(device, plan, size, compiled, backend):
         log(f"  round {r + 1}/{rounds}: " + "  ".join(f"{n} {v[-1]:.2f}" for n, v in times.items()))
     med = {n: statistics.median(v) for n, v in times.items()}
     return {
-        "what": f"GPT-2 {cfg.n_layer} layers, width {cfg.n_embd}, batch {b}x{t}, AdamW"
-        + (f", torch.compile (backend {backend})" if compiled else ", eager"),
+        "what": f"GPT-2 {cfg.n_layer} layers, width {cfg.n_embd}, batch {b}x{t}, AdamW, "
+        f"{cfg._attn_implementation} attention" + (f", torch.compile (backend {backend})" if compiled else ", eager"),
         "samples": f"{rounds} rounds x {steps} steps",
         "ms": med,
         "vs_autocast": {n: med[n] / med["autocast"] for n in med},
