@@ -12,6 +12,7 @@ import threading
 import types
 import warnings
 
+from hmp.core import torch_private
 from hmp.core.resolve import stand_in
 from hmp.core.state import OFF, enter, leave, tls
 
@@ -46,6 +47,10 @@ class _Switch(contextlib.ContextDecorator):
         self._found = {}  # thread id -> [what enter() returned], innermost last
         # where it was made, until it is entered or decorates: `hmp.disable_casts()` alone on a
         # line does nothing, which __del__ says instead of letting it pass silently
+        # (not while torch.compile traces: dynamo cannot trace sys._getframe, and would break the graph)
+        if torch_private.compiling():
+            self._unused_at = None
+            return
         caller = sys._getframe(1)
         self._unused_at = (caller.f_code.co_filename, caller.f_lineno, caller.f_globals.get("__name__"))
 
@@ -108,17 +113,22 @@ class _Switch(contextlib.ContextDecorator):
 
     def __enter__(self):
         self._unused_at = None
-        self._found.setdefault(threading.get_ident(), []).append(enter(self._to))
+        self._found.setdefault(_thread(), []).append(enter(self._to))
         return self
 
     def __exit__(self, *exc):
-        thread = threading.get_ident()
+        thread = _thread()
         found = self._found.get(thread)
         if found:  # none: entered in another thread, whose state it switched
             leave(found.pop())
             if not found:
                 del self._found[thread]
         return False
+
+
+def _thread():
+    # torch.compile traces one thread and cannot trace get_ident (it would break the graph there)
+    return 0 if torch_private.compiling() else threading.get_ident()
 
 
 @types.coroutine  # awaitable too: a coroutine's steps are driven the same way

@@ -21,6 +21,7 @@ import torch
 
 from hmp.core import torch_private
 from hmp.core.pointwise import is_pointwise
+from hmp.core.state import OFF, tls
 
 Tensor = torch.Tensor
 FP16, BF16, FP32, FP64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -66,6 +67,12 @@ def _finite(dtype):
     cast, top = PLAIN_CASTS[dtype], torch.finfo(dtype).max
 
     def cast_finite(t):
+        # casts off while hmp casts: a BF16 module's mode (modules.LowerMode) must not lower the
+        # source before its range is read, nor cast what the saturation computes
+        st = tls
+        shield = not st.off
+        if shield:
+            st.off = OFF
         y = cast(t)
         grad = _grad_on() and y.requires_grad
         if grad:
@@ -82,6 +89,8 @@ def _finite(dtype):
         finally:
             if grad:
                 _set_grad(True)
+            if shield:
+                st.off = 0
         return y
 
     cast_finite.__name__ = cast_finite.__qualname__ = f"to_{str(dtype).replace('torch.', '')}_finite"

@@ -41,8 +41,10 @@ class ThreadState(threading.local):
         # ... except one first seen inside a backward pass: an autograd
         # device thread (CUDA runs backward there), which only ever runs
         # backward, where hmp casts nothing. Runs once per thread.
-        if _graph_task_id is not None and _graph_task_id() != -1:
-            self.off = OFF
+        # Set on the instance even where it equals the class's: torch.compile guards on where an
+        # attribute lives, and a first write moving it would recompile once.
+        self.off = OFF if _graph_task_id is not None and _graph_task_id() != -1 else 0
+        self.lower_mode = None
         self.frames = []  # open regions' frames (enter/leave), oldest first
         self.regions = []  # [(id(autocast region), what enter() returned)] entered under hmp (regions.py)
         self.steps = []  # per step in progress: (what enter() returned, the frame calling its hooks) (steps.py)

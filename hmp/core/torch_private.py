@@ -69,6 +69,28 @@ def compiling():
     return _dynamo_compiling() or _compiler._is_compiling_flag
 
 
+# torch.compile after dynamo's capture: AOTAutograd, decompositions and
+# inductor run torch's own Python code, which calls torch's public functions
+# by name (an addmm decomposition calls torch.mm); hmp decided every cast
+# when dynamo traced the program, so its wrappers must then be torch's ops.
+# Releases that hold _is_compiling_flag for the whole compile session say
+# so (_compile_session_context); there, the flag while dynamo is not tracing
+# and nothing is exported (export's default traces the user's own code
+# without dynamo, where hmp decides) is that phase. Older releases (the
+# floor) emit call_module for torch.nn modules and run their forwards
+# (hmp's wrappers in them) only in that phase: no such rule there.
+KNOWS_COMPILE_SESSION = hasattr(_compiler, "_compile_session_context")
+
+
+def lowering():
+    return (
+        KNOWS_COMPILE_SESSION
+        and not _dynamo_compiling()  # first: dynamo folds it, and reads (guards on) nothing after it
+        and _compiler._is_compiling_flag
+        and not getattr(_compiler, "_is_exporting_flag", False)
+    )
+
+
 def import_dynamo():
     """Import torch.compile's tracer (its package is private; no public call
     imports it without other effects). Imported while hmp's wrappers stand

@@ -83,15 +83,22 @@ def make(
 PROMOTE = object()  # make(src=PROMOTE): the promote rule's common case
 _cast_seq, _one_dtype, _write_back = policy.cast_seq, policy.one_dtype, policy.write_back
 _is_compiling = torch.compiler.is_compiling
+_lowering = torch_private.lowering
 
 
 def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs, output):
+    # While torch.compile lowers a captured graph, torch's own code calls this op by name: it runs
+    # as torch's (torch_private.lowering). Not an operator (``a @ b``): dynamo records those as
+    # Python's operator, never as this wrapper, so the graph reaches it only while lowering.
+    name = getattr(op, "__name__", "")
+    lowers = not (name.startswith("__") and name.endswith("__"))
+
     def wrapper(*args, **kwargs):
         st = tls
         # read once: another thread's revert() may retire this wrapper (its prepare set to None)
         # while a call is inside it; the call then finishes under the configuration it started in
         rule = prepare
-        if st.off or rule is None or needs is not None and not needs(args, kwargs):
+        if st.off or rule is None or lowers and _lowering() or needs is not None and not needs(args, kwargs):
             return op(*args, **kwargs)
         if src is None or kwargs or len(args) > inplace_at and args[inplace_at]:
             a, k = rule(args, kwargs)
