@@ -96,12 +96,14 @@ def test_run_states_each_configurations_output_dtype_off_the_fast_path(tmp_path)
 
 
 def test_run_on_the_fast_path_every_mixed_configuration_ends_in_bf16(tmp_path):
+    want = {"fp32": "float32", "autocast": "bfloat16", "hmp-O1": "bfloat16", "hmp-O1-ac": "bfloat16"}
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.5":
+        del want["autocast"]  # torch 2.4's fused encoder raises under CPU autocast (bf16 meets fp32 weights)
     out = tmp_path / "infer.json"
-    args = ["--quick", "-w", "infer_b1", "-c", "fp32,autocast,hmp-O1,hmp-O1-ac", "--no-memory"]
+    args = ["--quick", "-w", "infer_b1", "-c", ",".join(want), "--no-memory"]
     p = run_python(str(RUN), *args, "--json", str(out), cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     w = json.loads(out.read_text())["workloads"]["infer_b1"]
-    want = {"fp32": "float32", "autocast": "bfloat16", "hmp-O1": "bfloat16", "hmp-O1-ac": "bfloat16"}
     assert w["out_dtype"] == w["expected_dtype"] == want
 
 
