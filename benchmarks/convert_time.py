@@ -12,8 +12,8 @@ import statistics
 import time
 
 import hmp
-from hmp.core import conversion
 from hmp.core.resolve import Resolver
+from hmp.driver import conversion
 
 
 def once():

@@ -8,7 +8,7 @@ but torch_private (a leaf too).
   (a BF16 module inside it casts again); 0 where hmp casts. Every writer
   follows one rule, ``enter()`` where its region starts and ``leave()``
   with what enter returned where it ends, on every exit path.
-- ``runtime``: the process-wide conversion. Only hmp/core/conversion.py writes
+- ``runtime``: the process-wide conversion. Only hmp/driver/conversion.py writes
   it, under ``runtime.lock``.
 - ``copies``: the weight-cast cache's stores (hmp/core/cache.py writes them).
 - ``warned``: keys of the warn-once messages already given.

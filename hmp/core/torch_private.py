@@ -185,6 +185,12 @@ FUSED_LINEAR_KERNELS = ("_transformer_encoder_layer_fwd", "_native_multi_head_at
 OpOverloadPacket = torch._ops.OpOverloadPacket
 
 
+def schema_of(packet, overload):
+    """The FunctionSchema of one overload: what it returns as a view and
+    which arguments it writes. OpOverload has no public name for it (2.4 to 2.13)."""
+    return getattr(packet, overload)._schema
+
+
 def all_schemas():
     """Every registered operator schema, for "did you mean" suggestions only:
     [] when this torch has no such function."""
@@ -328,6 +334,8 @@ def checkpoint_function():
 
 # nn.RNNBase checks input/weight dtypes in Python, in this method
 RNN_CHECK_INPUT = "check_input"
+# RNNBase.mode -> the kernel it runs (rules/rnn.py lists them; errors.py names them)
+RNN_MODES = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
 
 
 def rnn_flat_weights(module):

@@ -6,7 +6,7 @@ Per call the body reads the thread's ``off``; when it is 0 it casts the
 arguments by the site's rule (chosen at convert time), turns casts off for
 the op's duration (the outermost op decides: hmp/core/state.py's
 ``enter``/``leave``, inlined, since the body only gets there when ``off``
-is 0) and on an exception hands over to hmp/core/fallback.py.
+is 0) and on an exception hands over to hmp/core/rescue.py.
 
 A listed site's wrapper is lean: a call without keyword arguments (the
 common case) goes straight to the rule's casts (``policy.cast_seq``, or the
@@ -33,11 +33,10 @@ from typing import Any, Callable
 
 import torch
 
-from hmp.core import fallback, policy, torch_private
+from hmp.core import culprit, policy, rescue, torch_private
+from hmp.core.rescue import Wrapped
 from hmp.core.resolve import BUILTINS, ORIGINAL, mark, unwrap
 from hmp.core.state import OFF, copies, tls
-from hmp.diagnostics import culprit
-from hmp.diagnostics.errors import Wrapped
 
 log = logging.getLogger("hmp")
 
@@ -61,7 +60,7 @@ def make(
     output=None,
 ):
     """The wrapper of ``op``: casts through ``prepare``; ``wrapped`` (an
-    errors.Wrapped) describes it for the error path. ``original``: what
+    rescue.Wrapped) describes it for the error path. ``original``: what
     ``op`` adapts, when it is an adapter (wrapper attributes come from it).
     ``hidden``: ``op`` may write an argument without declaring it (a Python
     function; a builtin's writes are in its schema, see resolve.writes), so
@@ -119,8 +118,8 @@ def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs, ou
             return result if output is None else output(a, k, result)
         except Exception as e:  # costs nothing unless the op raises
             st.fresh.clear()
-            result = fallback.rescue(e, op, wrapped, args, kwargs, a, k)
-            if result is fallback.RAISE:
+            result = rescue.rescue(e, op, wrapped, args, kwargs, a, k)
+            if result is rescue.RAISE:
                 raise
             return result
         finally:

@@ -3,11 +3,11 @@
 When an op raises because it got a lower-precision (bfloat16/float16)
 tensor and a float32 one, one line is added with ``add_note`` (Python 3.11+;
 older Pythons get no note) naming the op and the list it probably belongs
-in (hmp/diagnostics/culprit.py finds the op). The user's exception object is always the
+in (hmp/core/culprit.py finds the op). The user's exception object is always the
 one raised, with its type and message unchanged.
 
 The note is added where the exception passes through hmp, and nowhere else:
-an op's wrapper (hmp/core/fallback.py), the backward wrapper
+an op's wrapper (hmp/core/rescue.py), the backward wrapper
 (``_uncast_backward`` in hmp/rules/regions.py), and ``python -m hmp run``
 (hmp/integrations/habana_runner.py), which catches the script's uncaught
 exception and calls ``explain`` before reporting it. hmp replaces no
@@ -19,40 +19,10 @@ a plain ``python script.py``; the script can pass the exception to
 
 import functools
 import re
-from typing import NamedTuple, Optional
 
-from hmp.core import lists, state, torch_private
+from hmp.core import culprit, lists, rescue, state, torch_private
 from hmp.core.policy import NORM_OPS
-from hmp.diagnostics import culprit
-from hmp.rules.rnn import MODES
-
-
-class Wrapped(NamedTuple):
-    """What the error path knows of the callable a wrapper wraps: a listed
-    site (``of(binding)``), a user function or an ``op_wrap``."""
-
-    label: str  # torch.nn.functional.layer_norm
-    name: Optional[str] = None  # the list name, layer_norm (None for op_wrap and user functions)
-    kind: Optional[str] = None  # "bf16", "fp32" or "promote" (None for op_wrap)
-    inplace: bool = False  # X_ / __iX__: the first argument is written
-    inplace_param: Optional[int] = None  # position of an inplace= parameter
-    written: tuple = ()  # positions of other arguments the op's schema marks written
-
-    @classmethod
-    def of(cls, binding):
-        """The Wrapped of a resolve.Binding (a site a list name binds)."""
-        site, kind, name = binding[:3]
-        return cls(site.label, name, kind, site.inplace, site.inplace_param, site.written)
-
-    def writes(self, args, kwargs):
-        """True when this call writes one of its arguments."""
-        if self.inplace or (kwargs and (kwargs.get("out") is not None or kwargs.get("inplace"))):
-            return True
-        if any(i < len(args) and args[i] is not None for i in self.written):
-            return True
-        i = self.inplace_param
-        return i is not None and len(args) > i and bool(args[i])
-
+from hmp.core.rescue import Wrapped  # noqa: F401 (what annotate() is given)
 
 _LOW = re.compile(r"BFloat16|bfloat16|\bHalf\b|\bhalf\b|float16")
 _FP32 = re.compile(r"\bFloat\b|\bfloat\b|float32|FloatTensor")
@@ -131,7 +101,11 @@ def _explain_python_check(frame):
     code = frame.f_code
     where = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{frame.f_lineno})"
     module = frame.f_locals.get("self")
-    kernel = MODES.get(getattr(module, "mode", None)) if code.co_name == torch_private.RNN_CHECK_INPUT else None
+    kernel = (
+        torch_private.RNN_MODES.get(getattr(module, "mode", None))
+        if code.co_name == torch_private.RNN_CHECK_INPUT
+        else None
+    )
     if kernel is None:
         return (
             f"hmp: {where} checked dtypes itself and raised before any op ran; hmp casts only at op calls, so "
@@ -278,3 +252,7 @@ def explain(exc):
         return line
     except Exception:  # a note must never replace the user's error
         return None
+
+
+# the wrappers' error path (hmp/core/rescue.py) calls it: core knows nothing of this floor
+rescue.on_error(annotate)

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from hmp.core import lists, modules
-from hmp.core.conversion import convert, revert
 from hmp.core.lists import OPT_LEVELS, Names
 from hmp.core.resolve import NO_PYTHON, UNKNOWN, Resolver
+from hmp.driver.conversion import convert, revert
 
 log = logging.getLogger("hmp")
 

@@ -35,8 +35,8 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins import Precision
 
 import hmp
-from hmp.core import conversion
 from hmp.core.resolve import Resolver, stand_in, unwrap
+from hmp.driver import conversion
 
 log = logging.getLogger("hmp")
 

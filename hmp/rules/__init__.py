@@ -1,5 +1,5 @@
 """How hmp stays out of the rest of PyTorch: one module per rule, each with
-the same small interface, which ``hmp.core.conversion`` loops over (as
+the same small interface, which ``hmp.driver.conversion`` loops over (as
 OpenTelemetry's instrumentors do):
 
 - ``patches(ctx) -> [(namespace, attr, value)]``: what the rule replaces,

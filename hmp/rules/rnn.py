@@ -17,7 +17,7 @@ from hmp.core.resolve import stand_in, unwrap
 from hmp.core.state import tls
 
 # nn.RNNBase.mode -> the kernel that module calls
-MODES = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
+MODES = torch_private.RNN_MODES
 
 
 def patches(ctx):

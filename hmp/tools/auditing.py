@@ -24,9 +24,9 @@ from typing import Any, Iterable
 
 import torch
 
-from hmp.core.conversion import applied, in_force, plan
 from hmp.core.hints import Step
 from hmp.core.lists import KINDS
+from hmp.driver.conversion import applied, in_force, plan
 from hmp.tools import timing
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss

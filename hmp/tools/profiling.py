@@ -10,8 +10,8 @@ from typing import Any, Iterable
 
 import torch
 
-from hmp.core.conversion import applied, in_force
 from hmp.core.hints import Step
+from hmp.driver.conversion import applied, in_force
 from hmp.tools.files import write_all
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss

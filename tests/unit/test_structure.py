@@ -1,7 +1,7 @@
-"""The package's shape, checked from its source: no import cycle, state in
-one leaf module written by conversion.py only, imports at the top, module
-names no public function shadows, and one wrapper body for every kind of
-wrapper."""
+"""The package's shape, checked from its source: floors (core at the
+bottom, nothing importing upward), no import cycle, state in one leaf module
+written by the driver's conversion.py only, imports at the top, module names
+no public function shadows, and one wrapper body for every kind of wrapper."""
 
 import ast
 import inspect
@@ -141,7 +141,7 @@ def test_only_conversion_writes_the_runtime():
                         and t.attr == "runtime"
                     ):
                         writers.add(m)
-    assert writers == {"hmp.core.conversion"}
+    assert writers == {"hmp.driver.conversion"}
 
 
 def _thread_state_writes(tree):
@@ -415,3 +415,48 @@ def test_every_replacement_outside_op_sites_is_listed():
         if not any(f"`{owner}.{attr}`" in row or (f"`{owner}." in row and f"`{attr}`" in row) for row in rows)
     ]
     assert unlisted == [], "add them to docs/architecture.md with their reason and test"
+
+
+# The floors, bottom up: a module imports from its own floor and those below.
+# core is the ground floor (tested.py and version.py are data beside it);
+# diagnostics notes errors and other precision machinery; rules install what
+# each rule changes; the driver (convert/revert) puts them together; tools,
+# integrations, the demo and the package's front door use it.
+FLOORS = (
+    ("hmp.core", "hmp.tested", "hmp.version"),
+    ("hmp.diagnostics",),
+    ("hmp.rules",),
+    ("hmp.driver",),
+    ("hmp.tools", "hmp.integrations", "hmp.demo", "hmp.__main__", "hmp.regions", "hmp"),
+)
+
+
+def floor(module):
+    for level, prefixes in enumerate(FLOORS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes if p != "hmp"):
+            return level
+    assert module == "hmp", f"{module} is on no floor: add it to FLOORS"
+    return len(FLOORS) - 1
+
+
+def upward(edges):
+    return sorted((m, n) for m, names in edges.items() for n in names if floor(n) > floor(m))
+
+
+def test_every_module_is_on_a_floor():
+    for m in SOURCES:
+        floor(m)
+
+
+def test_core_imports_nothing_above_it():
+    assert [(m, n) for m, n in upward(graph()) if floor(m) == 0] == []
+
+
+def test_no_import_runs_back_up_a_floor():
+    assert upward(graph()) == []
+
+
+def test_the_floor_check_finds_a_planted_upward_import():
+    edges = graph()
+    edges["hmp.core.policy"] = edges["hmp.core.policy"] | {"hmp.rules.rnn"}
+    assert ("hmp.core.policy", "hmp.rules.rnn") in upward(edges)

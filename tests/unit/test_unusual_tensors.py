@@ -286,7 +286,7 @@ def test_no_kernel_falls_back_to_fp32_when_an_input_was_already_lowered(fresh_no
 
 
 def test_the_fp32_fallback_never_replaces_a_written_tensor():
-    from hmp.diagnostics.errors import Wrapped
+    from hmp.core.rescue import Wrapped
 
     assert Wrapped("torch.Tensor.mul_", "mul", "bf16", inplace=True).writes((1, 2), {})
     assert Wrapped("torch.mm", "mm", "bf16").writes((1, 2), {"out": 3})

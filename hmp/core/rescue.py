@@ -16,12 +16,51 @@ clause (free in Python 3.11 when nothing is raised).
 
 import re
 import warnings
+from typing import NamedTuple, Optional
 
-from hmp.core import state, torch_private
+from hmp.core import culprit, state, torch_private
 from hmp.core.policy import FP32, PLAIN_CASTS, fp32
-from hmp.diagnostics import culprit, errors
 
 RAISE = object()  # rescue(): the wrapper re-raises its exception
+
+# what adds a note to an error the wrapper re-raises: registered from the floor above
+# (hmp/diagnostics/errors.py), so the core imports nothing of it
+_annotators = []
+
+
+def on_error(annotate):
+    """Have ``annotate(exc, wrapped)`` called on every error a wrapper re-raises."""
+    if annotate not in _annotators:
+        _annotators.append(annotate)
+    return annotate
+
+
+class Wrapped(NamedTuple):
+    """What the error path knows of the callable a wrapper wraps: a listed
+    site (``of(binding)``), a user function or an ``op_wrap``."""
+
+    label: str  # torch.nn.functional.layer_norm
+    name: Optional[str] = None  # the list name, layer_norm (None for op_wrap and user functions)
+    kind: Optional[str] = None  # "bf16", "fp32" or "promote" (None for op_wrap)
+    inplace: bool = False  # X_ / __iX__: the first argument is written
+    inplace_param: Optional[int] = None  # position of an inplace= parameter
+    written: tuple = ()  # positions of other arguments the op's schema marks written
+
+    @classmethod
+    def of(cls, binding):
+        """The Wrapped of a resolve.Binding (a site a list name binds)."""
+        site, kind, name = binding[:3]
+        return cls(site.label, name, kind, site.inplace, site.inplace_param, site.written)
+
+    def writes(self, args, kwargs):
+        """True when this call writes one of its arguments."""
+        if self.inplace or (kwargs and (kwargs.get("out") is not None or kwargs.get("inplace"))):
+            return True
+        if any(i < len(args) and args[i] is not None for i in self.written):
+            return True
+        i = self.inplace_param
+        return i is not None and len(args) > i and bool(args[i])
+
 
 _NO_KERNEL = re.compile(torch_private.NO_KERNEL_MESSAGE)
 _to_fp32 = fp32(None, PLAIN_CASTS)
@@ -55,7 +94,8 @@ def rescue(exc, op, wrapped, args, kwargs, cast_args, cast_kwargs):
                 return result
     except Exception:
         pass
-    errors.annotate(exc, wrapped)
+    for annotate in _annotators:
+        annotate(exc, wrapped)
     return RAISE
 
 

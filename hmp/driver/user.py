@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from hmp.core import conversion, lists, wrap
+from hmp.core import lists, wrap
+from hmp.driver import conversion
 
 F = TypeVar("F", bound=Callable)
 

@@ -25,7 +25,7 @@ from hmp.core.patch import MISSING, PatchLog
 from hmp.core.policy import CASTS
 from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label, returns_view, unwrap
 from hmp.core.state import close_block, runtime
-from hmp.diagnostics import interop
+from hmp.diagnostics import errors, interop  # noqa: F401 (errors registers its note on the wrappers' errors)
 from hmp.rules import pickling, regions, steps, uncast_calls
 
 log = logging.getLogger("hmp")
