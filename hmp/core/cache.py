@@ -39,7 +39,7 @@ from typing import Iterator
 import torch
 
 from hmp.core import torch_private
-from hmp.core.policy import CASTS
+from hmp.core.cast_copies import CASTS
 from hmp.core.state import copies, tls
 
 _grad_enabled = torch.is_grad_enabled

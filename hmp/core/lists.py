@@ -9,7 +9,8 @@ default list of the file's kind), ``include <name>`` (a shipped list,
 ``list_path(name)``) or ``-name`` (take ``name`` out of what the file
 holds), so a file can extend a default list instead of replacing it. A list
 holds precision choices only: names of ops that alias, copy, move or only
-write data are skipped with a warning (``refusal``).
+write data are skipped with a warning (refusals.py). Reading a file's lines
+and finding the shipped files is list_files.py's.
 """
 
 import fnmatch
@@ -24,7 +25,27 @@ from typing import NamedTuple
 import torch
 
 from hmp.core import imports, state
-from hmp.core.resolve import BOUND, NO_PYTHON, UNKNOWN, is_module_path, module_class, returns_view
+from hmp.core.list_files import (
+    INCLUDE,
+    SANE,
+    SHOWN,
+    check_path,
+    default_path,
+    error_text,
+    is_pattern,
+    list_dir,
+    list_path,
+    read_lines,
+    read_names,
+    short,
+)
+from hmp.core.list_files import is_name as is_name  # re-exported: gaudi_config reads it here
+from hmp.core.refusals import DTYPE_CONVERSIONS as DTYPE_CONVERSIONS  # re-exported: modules.py reads it here
+from hmp.core.refusals import refusal
+from hmp.core.resolve import BOUND, NO_PYTHON, UNKNOWN, is_module_path, module_class
+
+# uncast_calls reads the line reader through lists (its old names)
+_read_lines, _check_path, _error_text = read_lines, check_path, error_text
 
 log = logging.getLogger("hmp")
 
@@ -68,21 +89,6 @@ class Names(NamedTuple):
     source: str  # where they came from, for messages
 
 
-def list_dir():
-    """The folder holding the shipped list files.
-
-    Installed, it is ``hmp/op_lists``; in a source checkout it is the
-    repository's ``op_lists/`` next to the package.
-    """
-    here = Path(__file__).resolve().parent.parent  # hmp/
-    installed = here / "op_lists"
-    return installed if installed.is_dir() else here.parent / "op_lists"
-
-
-def default_path(name):
-    return list_dir() / name
-
-
 # Ops in no list that fail when a lower-precision tensor reaches them (no
 # kernel for its dtype, or they need one dtype), found from torch itself by
 # benchmarks/kernel_lists.py: they run as they would without hmp's cast.
@@ -116,133 +122,6 @@ def default_file(opt_level, kind, low=torch.bfloat16):
     return DEFAULT_FILES[opt_level][kind]
 
 
-def shipped_names():
-    """The names of the shipped lists (``include <name>``, ``list_path``)."""
-    return sorted(p.stem for p in list_dir().glob("*.txt"))
-
-
-def list_path(name: str) -> Path:
-    """The path of the shipped list ``name`` (``"bf16"``, ``"fp32"``,
-    ``"promote"``, ``"fp16"``, ``"o2_bf16"``, ``"autocast_cpu_bf16"``, ...):
-    the file to read, copy or name in ``include``."""
-    if isinstance(name, str) and name.isidentifier() and (list_dir() / f"{name}.txt").is_file():
-        return list_dir() / f"{name}.txt"
-    raise ValueError(f"hmp: no shipped list named {name!r}; the shipped lists are {', '.join(shipped_names())}")
-
-
-def _check_path(path, what):
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"hmp: {what} must be a str or os.PathLike, got {type(path).__name__}: {path!r}")
-    return Path(os.fspath(path))
-
-
-MAX_BYTES = 64 << 20  # a list of every op torch has is under 100 KiB
-
-
-def read_names(path, what="list file"):
-    """Return ``[(line_number, text), ...]`` from a list file: each text an
-    op name or module path, ``-name`` or ``include <list>``.
-
-    Tolerates a UTF-8 BOM, CRLF, blank lines, surrounding whitespace and
-    ``#`` comments. Raises OSError naming the path when it cannot be read and
-    ValueError naming the path and line for text that is not a valid line.
-    """
-    entries, errors = _read_lines(path, what)
-    if errors:
-        raise ValueError(_error_text(_check_path(path, what), what, [e for _, e in errors]))
-    return entries
-
-
-def _read_lines(path, what):
-    """``(entries, errors)``: the lines of a list file, and ``(line number,
-    message)`` for each line that is not a valid one."""
-    path = _check_path(path, what)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)  # bounded: /dev/zero or a runaway pipe must not eat all memory
-    except OSError as e:
-        raise type(e)(e.errno, f"hmp: cannot read {what} {str(path)!r}: {e.strerror}", str(path)) from None
-    except ValueError as e:  # a path the OS cannot take (an embedded NUL byte)
-        raise ValueError(f"hmp: cannot read {what} {str(path)!r}: {e}") from None
-    if len(data) > MAX_BYTES:
-        raise ValueError(
-            f"hmp: bad {what} {str(path)!r}: larger than {MAX_BYTES >> 20} MiB; a list file holds one op name per line"
-        )
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    entries = []
-    errors = []
-    # split on \n only so line numbers match what an editor shows
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            errors.append((number, f"line {number}: not valid UTF-8 ({e.reason} at byte {e.start})"))
-            continue
-        line = _line(text.split("#", 1)[0])
-        if line is None:
-            errors.append(
-                (
-                    number,
-                    f"line {number}: {_short(text.split('#', 1)[0].strip())!r} is not an op name, "
-                    f"a module class's import path, '-name' or 'include <list>'",
-                )
-            )
-        elif line:
-            entries.append((number, line))
-    return entries, errors
-
-
-INCLUDE = "include "
-
-
-def _line(text):
-    """The normalised text of a list line ("" for a blank one), or None
-    when it is not a valid line."""
-    text = text.strip()
-    if not text or is_name(text) or is_pattern(text):
-        return text
-    if text.startswith("-") and (is_name(text[1:].strip()) or is_pattern(text[1:].strip())):
-        return "-" + text[1:].strip()
-    words = text.split()
-    if len(words) == 2 and words[0] == INCLUDE.strip() and is_name(words[1]):
-        return INCLUDE + words[1]
-    return None
-
-
-def is_name(text):
-    """An op name (an identifier, or an aten operator and its overload,
-    ``pow.Tensor_Scalar``, as Habana's autocast lists write them) or a
-    module class's import path (``torch.nn.LSTM``): dotted identifiers."""
-    return all(p.isascii() and p.isidentifier() for p in text.split("."))
-
-
-def is_pattern(text):
-    """A module class's import path with ``fnmatch`` wildcards in its parts
-    (``transformers.models.*.modeling_*.*RotaryEmbedding``)."""
-    parts = text.split(".")
-    return (
-        len(parts) > 1
-        and any(c in text for c in "*?")
-        and all(p.isascii() and p.replace("*", "x").replace("?", "x").isidentifier() for p in parts)
-    )
-
-
-_SANE = 80  # longer than any op name torch has
-
-
-def _short(text, limit=_SANE):
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-SHOWN = 10  # errors listed in a message; the rest are counted
-
-
-def _error_text(path, what, errors, limit=SHOWN):
-    more = f"\n  ... and {len(errors) - limit} more" if len(errors) > limit else ""
-    return f"hmp: bad {what} {str(path)!r}:\n  " + "\n  ".join(errors[:limit]) + more
-
-
 class Entries(NamedTuple):
     """What one list holds: op names and module classes, in file order;
     ``explicit``: the op names the file itself names (not through ``include``)."""
@@ -265,87 +144,110 @@ def load(path, known, what, modules=True, default=None):
     with one warning for the file; bad lines (syntax, unknown or refused
     names, all of them at once) raise ValueError naming the file and lines.
     """
-    entries, syntax = _read_lines(path, what)
-    errors, unreachable, skipped = [], [], []
-    names, classes, explicit, removed = {}, {}, set(), {}
+    entries, syntax = read_lines(path, what)
+    r = _Reading(path, known, what)
     for number, name in entries:
         if name.startswith(INCLUDE):
-            target = name[len(INCLUDE) :]
-            try:
-                source = default if target == "default" else list_path(target)
-                if source is None:
-                    raise ValueError("no default list here")
-                included = load(source, known, f"list {target!r}", modules)
-            except ValueError as e:
-                errors.append((number, f"line {number}: {name!r}: {str(e).replace('hmp: ', '')}"))
-                continue
-            for op in included.ops:
-                names.setdefault(op, number)
-            for entry in included.modules:
-                classes.setdefault(entry_key(entry), entry)
+            r.include(number, name, modules, default)
             continue
         remove = name.startswith("-")
         name = name[1:] if remove else name
-        if not remove and (name in explicit or name in classes):
+        if not remove and (name in r.explicit or name in r.classes):
             continue
         if is_pattern(name) or is_module_path(name):
-            try:
-                if not modules:
-                    raise ValueError(f"{name!r}: module entries go in the BF16 or FP32 list")
-                entry = _module_entry(name, path)
-                if remove:  # as written (how an included pattern is known) and as the class it names
-                    removed[name] = removed[entry_key(entry)] = number
-                else:
-                    classes[name] = entry
-            except ValueError as e:
-                op = name.rpartition(".")[2]
-                if known.exists(op):  # torch.relu: an op written with its module
-                    e = f"unknown op {name!r}; did you mean {op}? (an op is listed by its name alone; {e})"
-                errors.append((number, f"line {number}: {e}"))
-            continue
+            r.module_line(number, name, remove, modules)
+        else:
+            r.op_line(number, name, remove)
+    return r.entries(syntax)
+
+
+class _Reading:
+    """What load() gathers from one file's lines, in file order."""
+
+    def __init__(self, path, known, what):
+        self.path, self.known, self.what = path, known, what
+        self.errors, self.unreachable, self.skipped = [], [], []
+        self.names, self.classes, self.explicit, self.removed = {}, {}, set(), {}
+
+    def include(self, number, name, modules, default):
+        target = name[len(INCLUDE) :]
+        try:
+            source = default if target == "default" else list_path(target)
+            if source is None:
+                raise ValueError("no default list here")
+            included = load(source, self.known, f"list {target!r}", modules)
+        except ValueError as e:
+            self.errors.append((number, f"line {number}: {name!r}: {str(e).replace('hmp: ', '')}"))
+            return
+        for op in included.ops:
+            self.names.setdefault(op, number)
+        for entry in included.modules:
+            self.classes.setdefault(entry_key(entry), entry)
+
+    def module_line(self, number, name, remove, modules):
+        try:
+            if not modules:
+                raise ValueError(f"{name!r}: module entries go in the BF16 or FP32 list")
+            entry = _module_entry(name, self.path)
+            if remove:  # as written (how an included pattern is known) and as the class it names
+                self.removed[name] = self.removed[entry_key(entry)] = number
+            else:
+                self.classes[name] = entry
+        except ValueError as e:
+            op = name.rpartition(".")[2]
+            if self.known.exists(op):  # torch.relu: an op written with its module
+                e = f"unknown op {name!r}; did you mean {op}? (an op is listed by its name alone; {e})"
+            self.errors.append((number, f"line {number}: {e}"))
+
+    def op_line(self, number, name, remove):
         # suggestions cost milliseconds each (seconds for a huge name):
         # only for the errors shown, and only for names of a sane length
-        sane = len(name) <= _SANE
-        op, status, message = known.check(name, hint=sane and len(errors) < SHOWN)
+        sane = len(name) <= SANE
+        op, status, message = self.known.check(name, hint=sane and len(self.errors) < SHOWN)
         if status == UNKNOWN:
-            errors.append((number, f"line {number}: {message if sane else f'unknown op {_short(name)!r}'}"))
-            continue
+            self.errors.append((number, f"line {number}: {message if sane else f'unknown op {short(name)!r}'}"))
+            return
         reason = refusal(op) if status == BOUND else None  # an unbindable name is skipped below anyway
         if reason is not None and not remove:
-            skipped.append(f"line {number}: {op!r} ({reason})")
-            continue
+            self.skipped.append(f"line {number}: {op!r} ({reason})")
+            return
         if op != name:
             log.info(
                 "hmp: %s %s line %d: %s stands for aten::%s as a whole (hmp binds Python functions, "
                 "which reach every overload)",
-                what,
-                str(path),
+                self.what,
+                str(self.path),
                 number,
                 name,
                 op,
             )
         if remove:
-            removed[op] = number
-            continue
+            self.removed[op] = number
+            return
         if status == NO_PYTHON:
-            if op not in (o for _, o in unreachable):
-                unreachable.append((number, op))
-            continue
-        names.setdefault(op, number)
-        explicit.add(op)
-    both = [(n, op) for op, n in removed.items() if op in explicit]
-    errors += [(n, f"line {n}: {op!r} is both listed (line {names[op]}) and taken out ('-{op}')") for n, op in both]
-    if errors or syntax:
-        errors = [e for _, e in sorted(syntax + errors, key=lambda e: e[0])]
-        raise ValueError(_error_text(_check_path(path, what), what, errors))
-    if unreachable:
-        where = ", ".join(f"line {n}: aten::{op}" for n, op in unreachable)
-        warn_unreachable(f"{what} {str(path)!r}: {where}")
-    if skipped:
-        warn_skipped(f"{what} {str(path)!r}: {'; '.join(skipped)}")
-    ops = [op for op in names if op not in removed]
-    found = [entry for key, entry in classes.items() if key not in removed and entry_key(entry) not in removed]
-    return Entries(ops, list(dict.fromkeys(found)), frozenset(explicit))
+            if op not in (o for _, o in self.unreachable):
+                self.unreachable.append((number, op))
+            return
+        self.names.setdefault(op, number)
+        self.explicit.add(op)
+
+    def entries(self, syntax):
+        """The Entries read; raises for every bad line at once, warns once for the skipped ones."""
+        path, what, names, removed, explicit = self.path, self.what, self.names, self.removed, self.explicit
+        errors = self.errors
+        both = [(n, op) for op, n in removed.items() if op in explicit]
+        errors += [(n, f"line {n}: {op!r} is both listed (line {names[op]}) and taken out ('-{op}')") for n, op in both]
+        if errors or syntax:
+            errors = [e for _, e in sorted(syntax + errors, key=lambda e: e[0])]
+            raise ValueError(error_text(check_path(path, what), what, errors))
+        if self.unreachable:
+            where = ", ".join(f"line {n}: aten::{op}" for n, op in self.unreachable)
+            warn_unreachable(f"{what} {str(path)!r}: {where}")
+        if self.skipped:
+            warn_skipped(f"{what} {str(path)!r}: {'; '.join(self.skipped)}")
+        ops = [op for op in names if op not in removed]
+        found = [e for key, e in self.classes.items() if key not in removed and entry_key(e) not in removed]
+        return Entries(ops, list(dict.fromkeys(found)), frozenset(explicit))
 
 
 def _module_entry(name, path):
@@ -364,55 +266,6 @@ def _module_entry(name, path):
 def entry_key(entry):
     """The text a module entry is known by: its class's path, or the pattern."""
     return entry.path if isinstance(entry, Pattern) else class_path(entry)
-
-
-# Names hmp refuses in a list: calls that alias, copy, move or only write
-# data. A cast there does not choose a precision, it breaks the program:
-# `x[i] = v` writing a cast copy of x, `clone()` making a bf16 copy of a
-# parameter, `x.float()` returning bfloat16. Views (a result that aliases an
-# input, by torch's schema) and the `X_copy` forms of views are found from
-# torch's schemas; these are the rest, which no schema marks.
-# Tensor methods that convert to the dtype they name (modules.py's mode leaves them alone too):
-DTYPE_CONVERSIONS = ("type", "type_as", "float", "double", "half", "bfloat16")
-MOVES = frozenset(
-    (
-        "__getitem__",
-        "__setitem__",
-        "__delitem__",  # indexing: a view or a copy, a write
-        "clone",
-        "copy",
-        "_to_copy",
-        *DTYPE_CONVERSIONS,
-        "new_tensor",
-        "to_dense",
-        "to_sparse",  # copies and conversions (`to`, `cpu`, `contiguous` are views by their schemas)
-        "copy_",
-        "fill_",
-        "zero_",
-        "set_",
-        "resize_",
-        "resize_as_",
-        "detach_",
-        "requires_grad_",  # writes only
-    )
-)
-# Habana's published default lists name `t` (a view): scripts written for
-# them keep working; a view is never cast, so the line binds nothing.
-SEED_VIEWS = frozenset(("t",))
-
-
-def refusal(op):
-    """Why ``op`` may not be in a list (a phrase), or None when it may."""
-    if op in SEED_VIEWS:
-        return None
-    if op in MOVES:
-        return "copies, moves or writes data rather than computing"
-    if returns_view(op):
-        return "returns a view of its input (a cast copy would not be one)"
-    base = op[: -len("_copy")] if op.endswith("_copy") else None
-    if base and returns_view(base):
-        return f"copies the view {base} returns"
-    return None
 
 
 def how_to_add(name, kind, low=None):

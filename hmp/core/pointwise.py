@@ -14,7 +14,7 @@ import operator
 import torch
 
 from hmp.core import torch_private
-from hmp.core.resolve import aten_op
+from hmp.core.aten import aten_op
 
 _POINTWISE, _SEEDED = torch.Tag.pointwise, torch.Tag.nondeterministic_seeded
 

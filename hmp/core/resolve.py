@@ -6,8 +6,15 @@ A list name ``X`` binds every entry point of the op: ``torch.X``,
 ``torchvision.ops.X`` when torchvision is installed. A name may also be an
 aten operator, alone or as ``op.overload`` (``pow.Tensor_Scalar``): it binds
 every builtin Python function generated from that operator (see
-``aten_entry_points``). Nothing is hand-kept, so a name torch does not have
-is an error rather than a silent skip.
+``aten_entry_points``). The names a list may hold come from torch itself, so
+a name torch does not have is an error rather than a silent skip.
+
+Three tables are hand-kept, each where torch's Python names or schemas do
+not show the path a call takes: FUSED (fused kernels reached without the
+name of the op they contain), RNN_KERNELS (reached through torch._VF's
+``__getattr__``) and UNMARKED_WRITERS (batch_norm's schema does not mark
+the running statistics it writes). tests/unit/test_fused.py, test_rnn.py
+and test_written_arguments.py exercise each on the running torch.
 """
 
 import difflib
@@ -25,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from hmp.core import state, torch_private
+from hmp.core.aten import aten_names, aten_op, schema_writes
+from hmp.core.aten import returns_view as returns_view  # re-exported: the driver, modules.py, benchmarks
 
 log = logging.getLogger("hmp")
 
@@ -159,7 +168,7 @@ def _parameters(fn, attr):
         packet = aten_op(getattr(fn, "__name__", attr))
         if packet is None or not packet.overloads():
             return []
-        schema = getattr(packet, packet.overloads()[0])._schema
+        schema = torch_private.schema_of(packet, packet.overloads()[0])
         return [a.name for a in schema.arguments if not a.kwarg_only]
 
 
@@ -382,7 +391,7 @@ class Resolver:
                 names.update(a for a in dir(module) if not a.startswith("__"))
             for a in dir(torch.Tensor):
                 names.add(a[2:-2] if a.startswith("__") and a.endswith("__") else a)
-            names.update(_aten_names())
+            names.update(aten_names())
             self._universe = sorted(names)
         return suggest(name, self._universe)
 
@@ -451,53 +460,6 @@ ATEN_HOMES = (
 )
 
 
-def aten_op(name):
-    """``torch.ops.aten.<name>`` (an OpOverloadPacket) when torch's operator
-    registry has that operator, else None."""
-    if not name.isidentifier() or name.startswith("__"):
-        return None
-    try:
-        packet = getattr(torch.ops.aten, name)
-    except (AttributeError, RuntimeError):
-        return None
-    return packet if isinstance(packet, torch_private.OpOverloadPacket) else None
-
-
-@functools.lru_cache(maxsize=None)
-def returns_view(name):
-    """True when ``aten::name`` returns a view of an input (by its schema:
-    a result that aliases an argument without writing it, as ``t``,
-    ``transpose``, ``view``, ``reshape``, ``split``, ``to``). Such an op is
-    never cast: its result must be a view of the tensor it was given, so
-    writes through it reach that tensor (docs/never-changes.md)."""
-    packet = aten_op(name)
-    if packet is None:
-        return False
-    for overload in packet.overloads():
-        for ret in getattr(packet, overload)._schema.returns:
-            alias = ret.alias_info
-            if alias is not None and not alias.is_write:
-                return True
-    return False
-
-
-@functools.lru_cache(maxsize=None)
-def schema_writes(name):
-    """``((position, name), ...)`` of the tensor arguments ``aten::name``
-    writes (``Tensor(a!)``), over all its overloads; keyword-only ones
-    (``out``) are left to the ``out=`` rule."""
-    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None  # dunders too (__iand__)
-    if not isinstance(packet, torch_private.OpOverloadPacket):
-        return ()
-    found = set()
-    for overload in packet.overloads():
-        for i, arg in enumerate(getattr(packet, overload)._schema.arguments):
-            alias = arg.alias_info
-            if alias is not None and alias.is_write and not arg.kwarg_only and "Tensor" in str(arg.type):
-                found.add((i, arg.name))
-    return tuple(sorted(found))
-
-
 @functools.lru_cache(maxsize=None)
 def aten_entry_points():
     """``{aten op name: [(owner, module, attr), ...]}`` for every builtin in
@@ -514,9 +476,3 @@ def aten_entry_points():
             if isinstance(op, str) and aten_op(op) is not None:
                 table.setdefault(op, []).append((owner, module, attr))
     return table
-
-
-def _aten_names():
-    """Every aten operator name the registry reports, for suggestions only."""
-    schemas = torch_private.all_schemas()  # [] when it fails: suggestions are a nicety
-    return {s.name[6:] for s in schemas if s.name.startswith("aten::")}

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import hmp
 from hmp.core import lists
-from hmp.core.policy import CASTS
+from hmp.core.cast_copies import CASTS
 from hmp.core.resolve import ORIGINAL, Resolver
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
