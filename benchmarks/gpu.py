@@ -2,8 +2,12 @@
 hmp O1 (plain, and inside ``hmp.frozen_weights()`` for decode) and a
 pure-bf16 model, interleaved, written to ``benchmarks/RESULTS-cuda.md``.
 
-    python benchmarks/gpu.py                      # a CUDA machine, under 5 minutes
+    python benchmarks/gpu.py                      # a CUDA machine
     python benchmarks/gpu.py --dry-run --out x.md # the same code paths on the CPU, tiny sizes
+
+Sized to finish in under 5 minutes; not yet timed on a GPU. The four
+inductor compiles of GPT-2 124M should be most of it (each part's seconds
+are in the report); ``--parts train,decode,percall`` leaves them out.
 
 Parts: GPT-2 124M training (batch 8x1024, AdamW) eager and under
 ``torch.compile``; Llama 1.1B (TinyLlama's shape) batch-1 greedy decode
