@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from hmp.core import lists, policy
 from hmp.core.resolve import is_module_path, mark, module_class, returns_view, unwrap
-from hmp.core.state import MODULE, OFF, enter, leave, runtime, tls
+from hmp.core.state import MODULE, OFF, enter, leave, tls
 from hmp.core.torch_private import tree_map_only
 
 Module = torch.nn.Module
@@ -203,22 +203,22 @@ def resolved(modules):
     }
 
 
-def watch(modules, watch, forwards):
+def watch(modules, watch, forwards, later):
     """Have ``watch`` (imports.Watch) give the classes of a Pattern in a
     module imported later their entry (a class that already has one keeps it)."""
     taken = {c for targets in resolved(modules).values() for c in targets if isinstance(c, type)}
     for kind, targets in modules.items():
         for target in targets:
             if isinstance(target, lists.Pattern):
-                watch.add(target.module, _late(target, kind, forwards, taken))
+                watch.add(target.module, _late(target, kind, forwards, taken, later))
 
 
-def _late(pattern, kind, forwards, taken):
+def _late(pattern, kind, forwards, taken, later):
     def resolve(module):
         found = [c for c in pattern.classes(module) if c not in taken]
         taken.update(found)
         for namespace, attr, value in patches({kind: found}, forwards):
-            runtime.patches.setattr(namespace, attr, value)
+            later(namespace, attr, value)
 
     return resolve
 

@@ -354,9 +354,8 @@ MIXED_DTYPE_MESSAGE = r"mixed dtype"
 HOOK_CHANGED_TYPE_MESSAGE = r"hook '([^']*)' has changed the type of value(?: \(was (\S+) got (\S+)\))?"
 
 
-def missing():
-    """What this torch lacks that hmp needs to keep its promises, as lines
-    for convert() to report ([] on the tested releases)."""
+def checkpoint_lacks():
+    """What this torch lacks that the checkpoint rule needs, as lines ([] on the tested releases)."""
     out = []
     if checkpoint_generator() is None:
         out.append(
@@ -369,12 +368,22 @@ def missing():
             f"hmp: torch {VERSION} has no torch.utils.checkpoint.CheckpointFunction; reentrant gradient "
             f"checkpointing cannot be kept cast; please report"
         )
+    return out
+
+
+def step_lacks():
+    """What this torch lacks that the optimizer-step rule needs, as lines."""
     if record_function_exit_call() is None:
-        out.append(
+        return [
             f"hmp: torch {VERSION} closes record_function blocks through no operator hmp knows; an optimizer "
             f"step that raises leaves casts off in its thread until revert(); please report"
-        )
-    return out
+        ]
+    return []
+
+
+def missing():
+    """Everything this torch lacks that hmp's rules need ([] on the tested releases)."""
+    return checkpoint_lacks() + step_lacks()
 
 
 # Which aten overloads a call reaches (hmp/core/pointwise.py classifies list

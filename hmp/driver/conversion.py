@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from typing import Any, Iterator, NamedTuple
 
 import torch
@@ -24,7 +25,7 @@ from hmp.core.hints import ListPath, ModuleTargets
 from hmp.core.patch import MISSING, PatchLog
 from hmp.core.policy import CASTS
 from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label, returns_view, unwrap
-from hmp.core.state import close_block, runtime
+from hmp.core.state import close_block, first_time, runtime
 from hmp.diagnostics import errors, interop  # noqa: F401 (errors registers its note on the wrappers' errors)
 from hmp.rules import pickling, regions, steps, uncast_calls
 
@@ -53,7 +54,6 @@ class Conversion(NamedTuple):
 
     lists: dict  # "bf16", "fp32", "promote" -> set of op names
     options: Options
-    extra: tuple = ()  # (namespace, attr, value) patched along with it (the Lightning plugin's)
     modules: dict = NO_MODULES  # "bf16", "fp32" -> module classes and instances (hmp/core/modules.py)
     uncast: tuple = ()  # uncast_calls.Entry: code that runs with casts off (building, averaging, merging)
 
@@ -134,7 +134,7 @@ def plan(
     )
     fp32 = modules.targets(fp32_modules, model, "fp32_modules")
     bf16 = modules.targets(bf16_modules, model, "bf16_modules")
-    return Conversion(effective, options, (), modules.merge(classes, fp32, bf16), uncast_calls.load(uncast_file_path))
+    return Conversion(effective, options, modules.merge(classes, fp32, bf16), uncast_calls.load(uncast_file_path))
 
 
 def convert(
@@ -238,7 +238,7 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
     and ``passthrough``."""
     wrap.ready_for_compile()  # outside the lock: an import that may run a watched module's callback
     with runtime.lock:
-        effective, options, extra, by_module, uncast = conversion
+        effective, options, by_module, uncast = conversion
         casters = cache.casters() if options.cache else dict(CASTS)
         watch = imports.Watch()  # entries whose module the program imports later
         wrappers = wrap.Wrappers(options.low, casters, options.verbose, recorder, passthrough, options.strict)
@@ -259,11 +259,12 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
             fp32_names = set(effective["fp32"]).union(n for n in no_kernel if not _listed(n, effective))
             forwards = modules.Forwards(options.low, casters, fp32_names)
             patches += modules.patches(by_module, forwards)
-            modules.watch(by_module, watch, forwards)
-        ctx = rules.Context(effective, uncast, watch, not passthrough, bool(by_module["bf16"]))
-        for rule in rules.RULES:
-            patches += rule.patches(ctx)
-        patches += list(extra)
+            modules.watch(by_module, watch, forwards, _later)
+        ctx = rules.Context(effective, uncast, watch, not passthrough, bool(by_module["bf16"]), _later)
+        changes = [rule.changes(ctx) for rule in rules.RULES]
+        _say_lacks(changes)
+        for change in changes:
+            patches += change.patches
         user = {w: wrappers.user_prepare(kind, w.__qualname__) for w, kind in list(runtime.decorated.items())}
 
         _revert_locked()
@@ -277,11 +278,10 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
                 log_.setattr(namespace, attr, value, if_unchanged=isinstance(namespace, torch.nn.Module))
             runtime.forwards = forwards
             runtime.pickle_names = pickling.names(log_.entries())
-            for namespace, attr, value in pickling.patches():
-                log_.setattr(namespace, attr, value)
             runtime.hooks = []  # filled one by one: revert() removes those registered before a failure
-            for rule in rules.RULES:
-                runtime.hooks += rule.hooks(ctx) if hasattr(rule, "hooks") else []
+            for change in changes:
+                for register_hook in change.hooks:
+                    runtime.hooks.append(register_hook())
             if watch.patterns:
                 runtime.hooks.append(watch.hook())
         except BaseException:
@@ -289,12 +289,28 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
             raise
         for w, prepare in user.items():
             wrap.resume(w, prepare)
-        runtime.conversion = Conversion(
-            {k: frozenset(v) for k, v in effective.items()}, options, tuple(extra), by_module, uncast
-        )
+        runtime.conversion = Conversion({k: frozenset(v) for k, v in effective.items()}, options, by_module, uncast)
         runtime.wrappers = wrappers
         if options.verbose:
             _log_conversion(log_)
+
+
+def _later(namespace, attr, value):
+    """A change a rule or module entry makes after convert() returned (a
+    module imported, a class created): through the conversion's undo log, the
+    one writer of it, unless the conversion is gone meanwhile (then False)."""
+    with runtime.lock:
+        if runtime.conversion is None or runtime.patches is None:
+            return False
+        runtime.patches.setattr(namespace, attr, value)
+        return True
+
+
+def _say_lacks(changes):
+    for change in changes:
+        for line in change.lacks:  # a torch newer than the tested ones: what is not kept, once per process
+            if first_time(("torch lacks", line)):
+                warnings.warn(f"{line} (hmp warns about this once per process.)", RuntimeWarning, stacklevel=4)
 
 
 def _held():

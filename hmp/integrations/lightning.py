@@ -31,28 +31,15 @@ import logging
 import warnings
 
 import torch
-from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins import Precision
 
 import hmp
-from hmp.core.resolve import Resolver, stand_in, unwrap
+from hmp.core.resolve import Resolver
 from hmp.driver import conversion
 
 log = logging.getLogger("hmp")
 
 __all__ = ["HMPPrecision"]
-
-
-def _uncast_log(log_method):
-    """``LightningModule.log`` with casts off: it is called from inside a
-    step, where casts are on, and does Lightning's arithmetic (``value *
-    batch_size``, sums) on the logged tensor."""
-
-    def log(*args, **kwargs):
-        with hmp.disable_casts():
-            return log_method(*args, **kwargs)
-
-    return stand_in(log, log_method)
 
 
 class HMPPrecision(Precision):
@@ -132,11 +119,9 @@ class HMPPrecision(Precision):
             model=model,
             resolver=resolver,
         )
-        # patched along with the lists, so revert()/restore() undo it with the rest
-        log_patch = (LightningModule, "log", _uncast_log(unwrap(LightningModule.__dict__["log"])))
         if not self._active:
             self._previous = conversion.in_force()  # None when hmp is not converted
-        conversion.apply(wanted._replace(extra=(log_patch,)), resolver)
+        conversion.apply(wanted, resolver)
         self._active = True
 
     def revert(self):

@@ -1,23 +1,19 @@
 """How hmp stays out of the rest of PyTorch: one module per rule, each with
-the same small interface, which ``hmp.driver.conversion`` loops over (as
-OpenTelemetry's instrumentors do):
+one small interface (hmp/rules/interface.py), which ``hmp.driver.conversion``
+loops over as OpenTelemetry's instrumentors do: ``changes(ctx) -> Changes``,
+the patches, the hooks and what this torch lacks for the rule, built without
+changing anything; the driver installs them through its undo log, and
+revert() undoes each rule with the rest.
 
-- ``patches(ctx) -> [(namespace, attr, value)]``: what the rule replaces,
-  built without changing anything (convert() installs them through its undo
-  log, so revert() undoes each rule with the rest);
-- ``hooks(ctx) -> [handle]`` (optional): torch hooks it registers, each
-  removed with ``handle.remove()`` at revert().
-
-``ctx`` is a :class:`Context`. What each rule keeps out and why is in
-docs/architecture.md; RULES is their order of installation.
+What each rule keeps out and why is in docs/architecture.md; RULES is their
+order of installation.
 """
-
-from typing import NamedTuple
 
 from hmp.rules import (
     buffers,
     checkpoint,
     functions,
+    pickling,
     region_factories,
     regions,
     rnn,
@@ -25,17 +21,7 @@ from hmp.rules import (
     uncast_calls,
     weight_writes,
 )
-
-
-class Context(NamedTuple):
-    """What a rule may read while convert() builds it."""
-
-    lists: dict  # list kind -> op names in force ("bf16", "fp32", "promote")
-    uncast: tuple  # the conversion's uncast_calls entries
-    watch: object  # hmp.core.imports.Watch: call back when the program imports a module later
-    casting: bool  # False for profile/audit's pass-through run, which casts nothing
-    lower_modules: bool  # there are module entries under the lower list's rule
-
+from hmp.rules.interface import Changes, Context  # noqa: F401 (the interface, for the driver)
 
 RULES = (
     rnn,  # RNN modules' own dtype check, where a kernel is listed
@@ -47,4 +33,5 @@ RULES = (
     uncast_calls,  # building, averaging, merging, sampling: what the program keeps, uncast
     region_factories,  # an author's autocast region however a library builds it
     buffers,  # a buffer reassigned while converted keeps its dtype
+    pickling,  # torch.save and multiprocessing pickle hmp's wrappers as torch's functions
 )

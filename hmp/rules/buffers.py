@@ -19,6 +19,7 @@ import torch
 from torch.nn.modules.module import register_module_buffer_registration_hook
 
 from hmp.core import state
+from hmp.rules.interface import Changes
 
 _KEPT = (torch.float32, torch.float64)
 _LOW = (torch.bfloat16, torch.float16)
@@ -46,11 +47,6 @@ def _keep_dtype(module, name, value):
     return value.to(old.dtype)
 
 
-def patches(ctx):
-    """None: a module hook does the work (``hooks``)."""
-    return []
-
-
-def hooks(ctx):
-    """Register the hook; returns its handles (``remove()`` each)."""
-    return [register_module_buffer_registration_hook(_keep_dtype)]
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py): one module hook, no patch."""
+    return Changes(hooks=(lambda: register_module_buffer_registration_hook(_keep_dtype),))

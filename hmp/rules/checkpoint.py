@@ -22,19 +22,15 @@ torch enters for the rerun: the forward's state wins over anything that
 turned casts off around the backward.
 """
 
-import warnings
-
 from hmp.core import state, torch_private
 from hmp.core.casts import run_as
 from hmp.core.resolve import stand_in, unwrap
+from hmp.rules.interface import Changes
 
 
 def patches(ctx):
     """``[(namespace, attr, replacement)]`` for the checkpoint entry points this
     torch has; built without changing anything."""
-    for line in torch_private.missing():  # a torch newer than the tested ones: say what is not kept cast
-        if state.first_time(("torch lacks", line)):
-            warnings.warn(f"{line} (hmp warns about this once per process.)", RuntimeWarning, stacklevel=4)
     out = []
     torch_checkpoint = torch_private.CHECKPOINT_MODULE
     name = torch_private.checkpoint_generator()
@@ -55,3 +51,8 @@ def patches(ctx):
 
         out.append((function, "forward", staticmethod(stand_in(reentrant_forward, original))))
     return out
+
+
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py)."""
+    return Changes(tuple(patches(ctx)), lacks=tuple(torch_private.checkpoint_lacks()))

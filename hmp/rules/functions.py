@@ -56,7 +56,8 @@ from hmp.core import torch_private
 from hmp.core.casts import run_as
 from hmp.core.policy import FLOATS, FP64, PLAIN_CASTS, cast_kwargs, cast_seq
 from hmp.core.resolve import ORIGINAL, stand_in, subclasses, unwrap
-from hmp.core.state import OFF, current, enter, leave, runtime, tls
+from hmp.core.state import OFF, current, enter, leave, tls
+from hmp.rules.interface import Changes
 
 _Function = torch.autograd.Function
 _Meta = torch_private.FunctionMeta
@@ -152,28 +153,27 @@ def class_patches(cls):
     return out
 
 
-def _adopt(cls, hook):
+def _adopt(cls, hook, later):
     """A Function class created while converted: its patches, through the log."""
-    with runtime.lock:
-        log = runtime.patches
-        if log is None or _Meta.__dict__.get("__init__") is not hook:  # reverted meanwhile
-            return
-        for namespace, attr, value in class_patches(cls):
-            log.setattr(namespace, attr, value)
+    if _Meta.__dict__.get("__init__") is not hook:  # reverted meanwhile
+        return
+    for namespace, attr, value in class_patches(cls):
+        later(namespace, attr, value)
 
 
-def _class_created(original):
+def _class_created(original, later):
     def __init__(cls, *args, **kwargs):
         original(cls, *args, **kwargs)
         if issubclass(cls, _Function) and _plan(cls) != (None, None, None):
-            _adopt(cls, __init__)
+            _adopt(cls, __init__, later)
 
     return stand_in(__init__, original)
 
 
-def patches(ctx):
-    """``[(namespace, attr, value)]``: ``apply`` of each decorated Function
-    class and of its backward node class, and the class-creation hook."""
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py): ``apply`` of each decorated
+    Function class and of its backward node class, and the class-creation hook."""
     out = [p for cls in dict.fromkeys(subclasses(_Function)) for p in class_patches(cls)]
-    out.append((_Meta, "__init__", _class_created(unwrap(inspect.getattr_static(_Meta, "__init__")))))
-    return out
+    init = _class_created(unwrap(inspect.getattr_static(_Meta, "__init__")), ctx.later)
+    out.append((_Meta, "__init__", init))
+    return Changes(tuple(out))

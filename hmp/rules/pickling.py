@@ -49,6 +49,7 @@ import torch
 
 from hmp.core.resolve import stand_in, unwrap
 from hmp.core.state import runtime
+from hmp.rules.interface import Changes
 
 
 def _reduce(obj):
@@ -146,7 +147,7 @@ def names(entries):
     return out
 
 
-def patches():
+def patches(ctx=None):
     """``[(namespace, attr, value)]``: ``torch.save`` giving torch's hmp's
     Pickler, and ForkingPickler's ``reducer_override`` (see above)."""
     original = unwrap(torch.serialization.save)
@@ -155,3 +156,8 @@ def patches():
     return [(ns, "save", save) for ns in homes] + [
         (reduction.ForkingPickler, "reducer_override", _reducer_override),
     ]
+
+
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py)."""
+    return Changes(tuple(patches(ctx)))

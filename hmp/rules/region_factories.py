@@ -23,6 +23,7 @@ from hmp.core import lists
 from hmp.core.resolve import stand_in, unwrap
 from hmp.core.state import runtime, tls
 from hmp.core.wrap import script_as
+from hmp.rules.interface import Changes
 from hmp.rules.uncast_calls import entries, target
 
 FILE = "autocast_factories.txt"
@@ -86,3 +87,8 @@ class Factories:
         stand_in(is_autocast_enabled, original)
         script_as(is_autocast_enabled, original)  # TorchScript compiles torch's (nn.TransformerEncoderLayer asks)
         return [(torch, "is_autocast_enabled", is_autocast_enabled)]
+
+
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py)."""
+    return Changes(tuple(patches(ctx)))

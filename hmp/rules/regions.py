@@ -38,6 +38,7 @@ from hmp.core.casts import uncast
 from hmp.core.resolve import mark, stand_in, subclasses, unwrap
 from hmp.core.state import OFF, enter, leave, tls
 from hmp.diagnostics import errors
+from hmp.rules.interface import Changes
 
 _GRAD_SCALER_METHODS = ("scale", "unscale_", "step", "update")
 
@@ -150,3 +151,8 @@ def patches(ctx):
     if fetch is not None:
         patches.append((*fetch, uncast(_unwrapped_own(*fetch))))
     return patches
+
+
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py)."""
+    return Changes(tuple(patches(ctx)))

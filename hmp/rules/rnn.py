@@ -15,6 +15,7 @@ from hmp.core import torch_private
 from hmp.core.policy import FLOATS
 from hmp.core.resolve import stand_in, unwrap
 from hmp.core.state import tls
+from hmp.rules.interface import Changes
 
 # nn.RNNBase.mode -> the kernel that module calls
 MODES = torch_private.RNN_MODES
@@ -49,3 +50,8 @@ def check_input_patches(effective, lower_modules=False):
         return original(self, input, batch_sizes)
 
     return [(base, name, stand_in(check_input, original))]
+
+
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py)."""
+    return Changes(tuple(patches(ctx)))

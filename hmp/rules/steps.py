@@ -37,6 +37,7 @@ from hmp.core.cache import clear_cache
 from hmp.core.casts import run_as
 from hmp.core.resolve import stand_in, unwrap
 from hmp.core.state import OFF, current, enter, first_time, leave, tls, user_stacklevel
+from hmp.rules.interface import Changes
 
 _checked = weakref.WeakSet()  # optimizers whose parameters were looked at
 _LOW = (torch.bfloat16, torch.float16)
@@ -153,7 +154,7 @@ def forget_open_steps():
 def patches(ctx):
     """``[(namespace, attr, value)]``: what record_function's exit operator
     calls, extended to leave a step that raised ([] on a torch where it is
-    not found; convert() then says so, torch_private.missing)."""
+    not found; convert() then says so, through ``needs()``)."""
     site = torch_private.record_function_exit_call()
     if site is None:
         return []
@@ -162,6 +163,7 @@ def patches(ctx):
     return [(overload, name, stand_in(_Closing(original), original))]
 
 
-def hooks(ctx):
-    """Register the step hooks; returns their handles (``remove()`` each)."""
-    return [register_optimizer_step_pre_hook(_pre_hook), register_optimizer_step_post_hook(_post_hook)]
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py): the exit operator's patch and the step hooks."""
+    hooks = (lambda: register_optimizer_step_pre_hook(_pre_hook), lambda: register_optimizer_step_post_hook(_post_hook))
+    return Changes(tuple(patches(ctx)), hooks, tuple(torch_private.step_lacks()))

@@ -41,7 +41,8 @@ import torch
 from hmp.core import lists
 from hmp.core.casts import uncast
 from hmp.core.resolve import stand_in, subclasses, unwrap
-from hmp.core.state import OFF, enter, first_time, leave, runtime, tls, user_stacklevel
+from hmp.core.state import OFF, enter, first_time, leave, tls, user_stacklevel
+from hmp.rules.interface import Changes
 
 log = logging.getLogger("hmp")
 
@@ -150,20 +151,21 @@ def _is_ours(raw):
     return getattr(getattr(raw, "__func__", raw), "__code__", None) is _UNCAST
 
 
-def patches(ctx):
-    """The rule's patches (hmp/rules/__init__.py): the entries resolvable now;
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py): the entries resolvable now;
     ``ctx.watch`` resolves the others when the program imports their module."""
-    calls = Calls(ctx.uncast)
+    calls = Calls(ctx.uncast, ctx.later)
     out = calls.patches()
     calls.watch(ctx.watch)
-    return out
+    return Changes(tuple(out))
 
 
 class Calls:
     """The entry points of one conversion and what resolving them patched."""
 
-    def __init__(self, entries):
+    def __init__(self, entries, later):
         self.entries = tuple(entries)
+        self.later = later
         self.done = set()  # entries resolved
 
     def patches(self):
@@ -185,7 +187,7 @@ class Calls:
                 out.append((cls, name, constructing(unwrap(inspect.getattr_static(cls, name)))))
                 continue
             out += _class_patches(cls, name)
-            out.append((cls, "__init_subclass__", _subclass_hook(cls, name)))
+            out.append((cls, "__init_subclass__", _subclass_hook(cls, name, self.later)))
         return out
 
     def watch(self, watch):
@@ -196,7 +198,7 @@ class Calls:
 
     def _imported(self, module):
         for namespace, attr, value in self.patches():
-            runtime.patches.setattr(namespace, attr, value)
+            self.later(namespace, attr, value)
             log.info(
                 "hmp: %s.%s runs uncast (%s imported after convert())",
                 getattr(namespace, "__qualname__", namespace),
@@ -205,7 +207,7 @@ class Calls:
             )
 
 
-def _subclass_hook(cls, name):
+def _subclass_hook(cls, name, later):
     """``cls.__init_subclass__`` while converted: a subclass created then that
     defines its own ``name`` gets it wrapped too (through the patch log)."""
     previous = cls.__dict__.get("__init_subclass__")
@@ -217,9 +219,7 @@ def _subclass_hook(cls, name):
         else:
             super(cls, sub).__init_subclass__(**kwargs)
         if name in sub.__dict__ and not _is_ours(sub.__dict__[name]):
-            with runtime.lock:
-                if runtime.patches is not None and runtime.conversion is not None:
-                    runtime.patches.setattr(sub, name, _wrapped(sub, name))
+            later(sub, name, _wrapped(sub, name))
 
     setattr(__init_subclass__, _PREVIOUS, previous)
     return classmethod(__init_subclass__)

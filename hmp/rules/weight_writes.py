@@ -16,6 +16,7 @@ import torch
 
 from hmp.core.resolve import stand_in, unwrap
 from hmp.core.state import OFF, first_time, runtime, tls, user_stacklevel
+from hmp.rules.interface import Changes
 
 FP32 = torch.float32
 
@@ -60,3 +61,8 @@ def _checked(load_state_dict):
 def patches(ctx):
     """``[(namespace, attr, value)]``: ``Module.load_state_dict`` checked."""
     return [(torch.nn.Module, "load_state_dict", _checked(unwrap(torch.nn.Module.__dict__["load_state_dict"])))]
+
+
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py)."""
+    return Changes(tuple(patches(ctx)))

@@ -161,8 +161,8 @@ def test_one_protocol_writes_the_thread_cast_state():
     # state.enter()/leave() everywhere; the per-call bodies (wrap.py, the
     # BF16 module's mode, the cast down) inline the pair, and only from off == 0 back to 0
     writers = {m for m, tree in SOURCES.items() if _thread_state_writes(tree)}
-    assert writers == {"hmp.core.state", "hmp.core.wrap", "hmp.core.modules", "hmp.core.policy"}
-    for m in ("hmp.core.wrap", "hmp.core.modules", "hmp.core.policy"):
+    assert writers == {"hmp.core.state", "hmp.core.wrap", "hmp.core.modules", "hmp.core.cast_copies"}
+    for m in ("hmp.core.wrap", "hmp.core.modules", "hmp.core.cast_copies"):
         lines = SOURCE_TEXT[m].splitlines()
         for n in _thread_state_writes(SOURCES[m]):
             assert lines[n - 1].strip() in ("st.off = OFF", "st.off = 0") or lines[n - 1].strip().startswith(
@@ -427,7 +427,7 @@ FLOORS = (
     ("hmp.diagnostics",),
     ("hmp.rules",),
     ("hmp.driver",),
-    ("hmp.tools", "hmp.integrations", "hmp.demo", "hmp.__main__", "hmp.regions", "hmp"),
+    ("hmp.tools", "hmp.integrations", "hmp.demo", "hmp.__main__", "hmp"),
 )
 
 
@@ -460,3 +460,39 @@ def test_the_floor_check_finds_a_planted_upward_import():
     edges = graph()
     edges["hmp.core.policy"] = edges["hmp.core.policy"] | {"hmp.rules.rnn"}
     assert ("hmp.core.policy", "hmp.rules.rnn") in upward(edges)
+
+
+def _uses_the_undo_log(tree):
+    """True when the module reaches the undo log: ``runtime.patches`` (or
+    ``rt.patches``), or makes a PatchLog."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "patches":
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("runtime", "rt"):
+                return True
+            if isinstance(base, ast.Attribute) and base.attr == "runtime":
+                return True
+        if isinstance(node, ast.Name) and node.id == "PatchLog":
+            return True
+    return False
+
+
+def test_one_owner_writes_the_undo_log():
+    # rules and module entries change the process later through ctx.later (the driver's)
+    owners = {m for m, tree in SOURCES.items() if _uses_the_undo_log(tree)}
+    assert owners == {"hmp.driver.conversion"}
+
+
+def test_the_undo_log_check_finds_a_planted_writer():
+    assert _uses_the_undo_log(ast.parse("runtime.patches.setattr(a, 'b', c)"))
+    assert _uses_the_undo_log(ast.parse("log = state.runtime.patches"))
+    assert not _uses_the_undo_log(ast.parse("ctx.later(a, 'b', c)"))
+
+
+def test_every_rule_has_the_one_interface():
+    from hmp import rules
+
+    for rule in rules.RULES:
+        public = {n for n, v in vars(rule).items() if callable(v) and getattr(v, "__module__", None) == rule.__name__}
+        assert "changes" in public, rule.__name__
+        assert not {"hooks", "needs"} & public, f"{rule.__name__}: hooks and what it lacks go in changes()"
