@@ -14,6 +14,7 @@ import time
 import hmp
 from hmp.core.resolve import Resolver
 from hmp.driver import conversion
+from hmp.driver.plan import plan
 
 
 def once():
@@ -27,7 +28,7 @@ def once():
 def twice():
     start = time.perf_counter()
     with conversion.runtime.lock:
-        wanted = conversion.plan(resolver=Resolver())
+        wanted = plan(resolver=Resolver())
         conversion.apply(wanted, Resolver())
     took = time.perf_counter() - start
     hmp.revert()

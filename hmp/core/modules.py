@@ -35,7 +35,7 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hmp.core import lists, policy
+from hmp.core import dtypes, lists, policy
 from hmp.core.resolve import is_module_path, mark, module_class, returns_view, unwrap
 from hmp.core.state import MODULE, OFF, enter, leave, tls
 from hmp.core.torch_private import tree_map_only
@@ -170,7 +170,7 @@ class Forwards:
 
     def __init__(self, low, casters, fp32_names):
         self.live = True
-        to_fp32, lower = casters[torch.float32], (torch.bfloat16, torch.float16)
+        to_fp32, lower = casters[torch.float32], dtypes.LOW
 
         def up(t):
             return to_fp32(t) if t.dtype in lower else t

@@ -18,7 +18,7 @@ import re
 import warnings
 from typing import NamedTuple, Optional
 
-from hmp.core import culprit, state, torch_private
+from hmp.core import culprit, dtypes, state, torch_private
 from hmp.core.policy import FP32, PLAIN_CASTS, fp32
 
 RAISE = object()  # rescue(): the wrapper re-raises its exception
@@ -113,6 +113,6 @@ def _without_the_cast(op, wrapped, args, kwargs):
     if up_args is args and up_kwargs is kwargs:
         return None, None
     try:
-        return op(*up_args, **up_kwargs), f"in {str(FP32).replace('torch.', '')}"
+        return op(*up_args, **up_kwargs), f"in {dtypes.name(FP32)}"
     except Exception:
         return None, None

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from hmp.core import culprit, policy, rescue, torch_private
+from hmp.core import culprit, dtypes, policy, rescue, torch_private
 from hmp.core.rescue import Wrapped
 from hmp.core.resolve import BUILTINS, ORIGINAL, mark, unwrap
 from hmp.core.state import OFF, copies, tls
@@ -336,7 +336,7 @@ def _dtypes(args, kwargs):
 
     def visit(v):
         if isinstance(v, torch.Tensor):
-            out.append(str(v.dtype).replace("torch.", ""))
+            out.append(dtypes.name(v.dtype))
         elif type(v) is list or type(v) is tuple:
             for x in v:
                 visit(x)

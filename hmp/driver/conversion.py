@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import warnings
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator
 
 import torch
 
 from hmp import rules, tested
-from hmp.core import cache, imports, lists, modules, policy, wrap
+from hmp.core import cache, dtypes, imports, lists, modules, policy, wrap
 from hmp.core.cache import clear_cache
 from hmp.core.hints import ListPath, ModuleTargets
 from hmp.core.patch import MISSING, PatchLog
@@ -27,114 +26,14 @@ from hmp.core.policy import CASTS
 from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label, returns_view, unwrap
 from hmp.core.state import close_block, first_time, runtime
 from hmp.diagnostics import errors, interop  # noqa: F401 (errors registers its note on the wrappers' errors)
-from hmp.rules import pickling, regions, steps, uncast_calls
+from hmp.driver.plan import Conversion, plan
+from hmp.rules import pickling, regions, steps
 
 log = logging.getLogger("hmp")
 # every entry point convert() patched, one line each: isVerbose=True says how many; set this logger to
 # DEBUG for the list (hundreds of lines)
 patch_log = logging.getLogger("hmp.patches")
 patch_log.setLevel(logging.INFO)
-
-LOW_DTYPES = (torch.bfloat16, torch.float16)
-
-
-class Options(NamedTuple):
-    opt_level: str = "O1"
-    low: torch.dtype = torch.bfloat16  # the lower-precision dtype
-    verbose: bool = False
-    cache: bool = True  # the weight-cast cache (hmp/core/cache.py)
-    strict: bool = False  # Habana's literal rule: every listed op casts, pointwise ones too
-
-
-NO_MODULES = {"bf16": (), "fp32": ()}
-
-
-class Conversion(NamedTuple):
-    """What one convert() installed; ``apply()`` installs it again."""
-
-    lists: dict  # "bf16", "fp32", "promote" -> set of op names
-    options: Options
-    modules: dict = NO_MODULES  # "bf16", "fp32" -> module classes and instances (hmp/core/modules.py)
-    uncast: tuple = ()  # uncast_calls.Entry: code that runs with casts off (building, averaging, merging)
-
-
-def _looks_like_path(text):
-    """A string a Habana-era caller meant as fp16_file_path (a separator, a
-    file suffix, or a file that exists), not a word like "yes"."""
-    text = os.fsdecode(text)
-    return os.sep in text or "/" in text or os.path.splitext(text)[1] != "" or os.path.exists(text)
-
-
-STRICT_ENV = "HMP_STRICT"  # strict=None reads it: HMP_STRICT=1 runs an unchanged script under Habana's rule
-
-
-def _strict(strict):
-    if strict is None:
-        value = os.environ.get(STRICT_ENV, "").strip()
-        if value not in ("", "0", "1"):
-            raise ValueError(f"hmp: {STRICT_ENV} must be 0 or 1, got {value!r}")
-        return value == "1"
-    if not isinstance(strict, bool):
-        raise TypeError(f"hmp: strict must be a bool (or None: {STRICT_ENV} decides), got {strict!r}")
-    return strict
-
-
-def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bfloat16, cache=True, strict=False):
-    if isinstance(opt_level, torch.nn.Module):
-        raise TypeError(
-            f"hmp: convert() takes no model: it patches torch's ops process-wide, so every model runs under "
-            f"the lists once it is called; call hmp.convert() and run {type(opt_level).__name__} as it is "
-            f"(model= is only for naming modules in fp32_modules/bf16_modules)"
-        )
-    if opt_level not in lists.OPT_LEVELS:
-        raise ValueError(f"hmp: opt_level must be one of {', '.join(lists.OPT_LEVELS)}, got {opt_level!r}")
-    if low_precision_type not in LOW_DTYPES:
-        raise ValueError(f"hmp: low_precision_type must be torch.bfloat16 or torch.float16, got {low_precision_type!r}")
-    if isinstance(isVerbose, (str, bytes)) and not _looks_like_path(isVerbose):
-        raise TypeError(f"hmp: isVerbose must be a bool (True or False), got the string {isVerbose!r}")
-    if isinstance(isVerbose, (str, bytes)) or hasattr(isVerbose, "__fspath__"):
-        raise TypeError(
-            f"hmp: isVerbose must be a bool, got the path {isVerbose!r}: hmp's 4th positional parameter "
-            f"is isVerbose (Habana's later HMP put fp16_file_path there); pass fp16_file_path= by keyword"
-        )
-    if not isinstance(isVerbose, bool):
-        raise TypeError(f"hmp: isVerbose must be a bool, got {isVerbose!r}")
-    if not isinstance(cache, bool):
-        raise TypeError(f"hmp: cache must be a bool, got {cache!r}")
-    return Options(opt_level, low_precision_type, isVerbose, cache, _strict(strict))
-
-
-def plan(
-    opt_level="O1",
-    bf16_file_path="",
-    fp32_file_path="",
-    isVerbose=False,
-    low_precision_type=torch.bfloat16,
-    *,
-    promote_file_path="",
-    cache=True,
-    fp16_file_path="",
-    fp32_modules=None,
-    bf16_modules=None,
-    model=None,
-    uncast_file_path="",
-    strict=None,
-    resolver=None,
-):
-    """The Conversion convert() would install, checked; changes nothing."""
-    options = check_options(opt_level, isVerbose, low_precision_type, cache, strict)
-    effective, classes = lists.effective(
-        resolver or Resolver(),
-        opt_level,
-        bf16_file_path,
-        fp32_file_path,
-        promote_file_path,
-        fp16=fp16_file_path,
-        low=low_precision_type,
-    )
-    fp32 = modules.targets(fp32_modules, model, "fp32_modules")
-    bf16 = modules.targets(bf16_modules, model, "bf16_modules")
-    return Conversion(effective, options, modules.merge(classes, fp32, bf16), uncast_calls.load(uncast_file_path))
 
 
 def convert(
@@ -366,7 +265,7 @@ def _listed(name, effective):
 def _log_conversion(patches):
     runtime.log_restore = _start_verbose_logging()
     options, effective = runtime.conversion.options, runtime.conversion.lists
-    log.info("hmp: convert opt_level=%s, lower dtype %s", options.opt_level, str(options.low).replace("torch.", ""))
+    log.info("hmp: convert opt_level=%s, lower dtype %s", options.opt_level, dtypes.name(options.low))
     for kind in lists.KINDS:
         log.info("hmp: %s list: %s", kind, ", ".join(sorted(effective[kind])))
         views = sorted(n for n in effective[kind] if returns_view(n))

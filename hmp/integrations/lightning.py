@@ -36,6 +36,7 @@ from lightning.pytorch.plugins import Precision
 import hmp
 from hmp.core.resolve import Resolver
 from hmp.driver import conversion
+from hmp.driver.plan import plan
 
 log = logging.getLogger("hmp")
 
@@ -70,7 +71,7 @@ class HMPPrecision(Precision):
         super().__init__()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # convert() warns about O2 and files when the run starts
-            conversion.plan(
+            plan(
                 opt_level,
                 bf16_file_path,
                 fp32_file_path,
@@ -106,7 +107,7 @@ class HMPPrecision(Precision):
         """Convert hmp with this plugin's settings (the Trainer calls it with
         the model, which module names are matched against)."""
         resolver = Resolver()  # one for checking the lists and binding them: names resolve once
-        wanted = conversion.plan(
+        wanted = plan(
             self.opt_level,
             self.bf16_file_path,
             self.fp32_file_path,

@@ -18,15 +18,14 @@ import warnings
 import torch
 from torch.nn.modules.module import register_module_buffer_registration_hook
 
-from hmp.core import state
+from hmp.core import dtypes, state
 from hmp.rules.interface import Changes
 
 _KEPT = (torch.float32, torch.float64)
-_LOW = (torch.bfloat16, torch.float16)
 
 
 def _keep_dtype(module, name, value):
-    if not isinstance(value, torch.Tensor) or value.dtype not in _LOW:
+    if not isinstance(value, torch.Tensor) or value.dtype not in dtypes.LOW:
         return None
     try:
         old = getattr(module, name)
@@ -35,7 +34,7 @@ def _keep_dtype(module, name, value):
     if not isinstance(old, torch.Tensor) or old.dtype not in _KEPT:
         return None
     if state.first_time(("buffer kept its dtype", type(module), name)):
-        low, kept = (str(d).replace("torch.", "") for d in (value.dtype, old.dtype))
+        low, kept = (dtypes.name(d) for d in (value.dtype, old.dtype))
         warnings.warn(
             f"hmp: buffer '{name}' of {type(module).__qualname__} was assigned a {low} value while "
             f"converted; it is stored as {kept} again (buffers keep their dtype), but the value was "

@@ -32,7 +32,7 @@ import warnings
 import torch
 from torch.amp.autocast_mode import autocast
 
-from hmp.core import state, torch_private
+from hmp.core import dtypes, state, torch_private
 from hmp.core.cache import release
 from hmp.core.casts import uncast
 from hmp.core.resolve import mark, stand_in, subclasses, unwrap
@@ -45,7 +45,7 @@ _GRAD_SCALER_METHODS = ("scale", "unscale_", "step", "update")
 
 def _warn_enabled_region(region):
     warnings.warn(
-        f"hmp: a torch.autocast region ({region.device}, {str(region.fast_dtype).replace('torch.', '')}) was "
+        f"hmp: a torch.autocast region ({region.device}, {dtypes.name(region.fast_dtype)}) was "
         f"entered while hmp is converted. hmp casts nothing inside torch.autocast regions: autocast's own lists "
         f"apply there, as without hmp (docs/leaves-alone.md). (hmp warns about this once per process.)",
         UserWarning,

@@ -32,7 +32,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from hmp.core import torch_private
+from hmp.core import dtypes, torch_private
 from hmp.core.cache import clear_cache
 from hmp.core.casts import run_as
 from hmp.core.resolve import stand_in, unwrap
@@ -40,7 +40,6 @@ from hmp.core.state import OFF, current, enter, first_time, leave, tls, user_sta
 from hmp.rules.interface import Changes
 
 _checked = weakref.WeakSet()  # optimizers whose parameters were looked at
-_LOW = (torch.bfloat16, torch.float16)
 _is_compiling = torch.compiler.is_compiling
 # torch's record_function.__exit__ (hmp leaves it as it is): the frame that calls it owns the block
 _EXIT_CODE = torch.autograd.profiler.record_function.__dict__["__exit__"].__code__
@@ -54,10 +53,10 @@ def _warn_without_master_weights(optimizer):
     _checked.add(optimizer)
     low = sorted(
         {
-            str(p.dtype).replace("torch.", "")
+            dtypes.name(p.dtype)
             for group in optimizer.param_groups
             for p in group["params"]
-            if p.requires_grad and p.dtype in _LOW
+            if p.requires_grad and p.dtype in dtypes.LOW
         }
     )
     if low and first_time(("no master weights", type(optimizer))):

@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from hmp.core import dtypes
 from hmp.core.resolve import stand_in, unwrap
 from hmp.core.state import OFF, first_time, runtime, tls, user_stacklevel
 from hmp.rules.interface import Changes
@@ -41,7 +42,7 @@ def _checked(load_state_dict):
             low = conversion.options.low
             keys = _rounded_into_fp32(self, state_dict, low)
             if keys and first_time(("rounded into fp32", low)):
-                name = str(low).replace("torch.", "")
+                name = dtypes.name(low)
                 shown = ", ".join(repr(k) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
                 warnings.warn(
                     f"hmp: load_state_dict() writes {name} values into float32 parameters or buffers of "

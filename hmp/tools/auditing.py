@@ -26,7 +26,8 @@ import torch
 
 from hmp.core.hints import Step
 from hmp.core.lists import KINDS
-from hmp.driver.conversion import applied, in_force, plan
+from hmp.driver.conversion import applied, in_force
+from hmp.driver.plan import plan
 from hmp.tools import timing
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss

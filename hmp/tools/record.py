@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from hmp.core import dtypes
 from hmp.core.torch_private import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
 _Tensor = torch.Tensor
@@ -43,7 +44,7 @@ def _tensors(args, kwargs):
 
 
 def _dtype_names(tensors):
-    return tuple(str(t.dtype).replace("torch.", "") for t in tensors)
+    return tuple(dtypes.name(t.dtype) for t in tensors)
 
 
 def _synchronize(tensors):
@@ -152,7 +153,7 @@ class Recorder:
             for old, new in zip(before, after):
                 if new is not old:
                     stats.casts += 1
-                    stats.cast_to[str(new.dtype).replace("torch.", "")] += 1
+                    stats.cast_to[dtypes.name(new.dtype)] += 1
                     stats.bytes_cast += new.numel() * new.element_size()
             first = next((t.dtype for t in before if t.is_floating_point()), None)
             self._tls.pending = (name, stats, after, first)
@@ -304,7 +305,7 @@ def _largest_index(value):
 
 
 def _float32(value):
-    return tree_map_only(_Tensor, lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t, value)
+    return tree_map_only(_Tensor, lambda t: t.float() if t.dtype in dtypes.LOW else t, value)
 
 
 def within(path, outer):

@@ -18,23 +18,11 @@ SOURCES = {p.relative_to(PACKAGE.parent).as_posix(): p.read_text() for p in sort
 
 # Modules still over the limit, by file and their size when listed, while issue 42 splits
 # them: an upper bound (one may not grow); the lead of issue 42 empties it.
-STILL_OVER = {
-    "hmp/driver/conversion.py": 518,  # the driver, taking the single undo-log owner in
-}
+STILL_OVER = {}
 
 # Modules that still spell a constant dtypes.py defines, by file and count (an upper
 # bound), until they read it from there: the lead of issue 42 empties this.
-STILL_SPELLED = {
-    "hmp/core/modules.py": 1,
-    "hmp/core/rescue.py": 1,
-    "hmp/core/wrap.py": 1,
-    "hmp/driver/conversion.py": 2,
-    "hmp/rules/buffers.py": 2,
-    "hmp/rules/regions.py": 1,
-    "hmp/rules/steps.py": 2,
-    "hmp/rules/weight_writes.py": 1,
-    "hmp/tools/record.py": 3,
-}
+STILL_SPELLED = {}
 # (torch.bfloat16, torch.float16) in either order, and str(dtype).replace("torch.", "")
 SPELLINGS = re.compile(
     r"\(torch\.bfloat16, torch\.float16\)|\(torch\.float16, torch\.bfloat16\)|\.replace\(([\"'])torch\.\1, \1\1\)"

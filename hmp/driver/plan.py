@@ -1,0 +1,112 @@
+"""What a convert() call asks for, checked before anything changes: its
+options and the Conversion (lists, module entries, uncast calls) that
+hmp/driver/conversion.py installs."""
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from hmp.core import lists, modules
+from hmp.core.dtypes import LOW
+from hmp.core.resolve import Resolver
+from hmp.rules import uncast_calls
+
+
+class Options(NamedTuple):
+    opt_level: str = "O1"
+    low: torch.dtype = torch.bfloat16  # the lower-precision dtype
+    verbose: bool = False
+    cache: bool = True  # the weight-cast cache (hmp/core/cache.py)
+    strict: bool = False  # Habana's literal rule: every listed op casts, pointwise ones too
+
+
+NO_MODULES = {"bf16": (), "fp32": ()}
+
+
+class Conversion(NamedTuple):
+    """What one convert() installed; ``apply()`` installs it again."""
+
+    lists: dict  # "bf16", "fp32", "promote" -> set of op names
+    options: Options
+    modules: dict = NO_MODULES  # "bf16", "fp32" -> module classes and instances (hmp/core/modules.py)
+    uncast: tuple = ()  # uncast_calls.Entry: code that runs with casts off (building, averaging, merging)
+
+
+def _looks_like_path(text):
+    """A string a Habana-era caller meant as fp16_file_path (a separator, a
+    file suffix, or a file that exists), not a word like "yes"."""
+    text = os.fsdecode(text)
+    return os.sep in text or "/" in text or os.path.splitext(text)[1] != "" or os.path.exists(text)
+
+
+STRICT_ENV = "HMP_STRICT"  # strict=None reads it: HMP_STRICT=1 runs an unchanged script under Habana's rule
+
+
+def _strict(strict):
+    if strict is None:
+        value = os.environ.get(STRICT_ENV, "").strip()
+        if value not in ("", "0", "1"):
+            raise ValueError(f"hmp: {STRICT_ENV} must be 0 or 1, got {value!r}")
+        return value == "1"
+    if not isinstance(strict, bool):
+        raise TypeError(f"hmp: strict must be a bool (or None: {STRICT_ENV} decides), got {strict!r}")
+    return strict
+
+
+def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bfloat16, cache=True, strict=False):
+    if isinstance(opt_level, torch.nn.Module):
+        raise TypeError(
+            f"hmp: convert() takes no model: it patches torch's ops process-wide, so every model runs under "
+            f"the lists once it is called; call hmp.convert() and run {type(opt_level).__name__} as it is "
+            f"(model= is only for naming modules in fp32_modules/bf16_modules)"
+        )
+    if opt_level not in lists.OPT_LEVELS:
+        raise ValueError(f"hmp: opt_level must be one of {', '.join(lists.OPT_LEVELS)}, got {opt_level!r}")
+    if low_precision_type not in LOW:
+        raise ValueError(f"hmp: low_precision_type must be torch.bfloat16 or torch.float16, got {low_precision_type!r}")
+    if isinstance(isVerbose, (str, bytes)) and not _looks_like_path(isVerbose):
+        raise TypeError(f"hmp: isVerbose must be a bool (True or False), got the string {isVerbose!r}")
+    if isinstance(isVerbose, (str, bytes)) or hasattr(isVerbose, "__fspath__"):
+        raise TypeError(
+            f"hmp: isVerbose must be a bool, got the path {isVerbose!r}: hmp's 4th positional parameter "
+            f"is isVerbose (Habana's later HMP put fp16_file_path there); pass fp16_file_path= by keyword"
+        )
+    if not isinstance(isVerbose, bool):
+        raise TypeError(f"hmp: isVerbose must be a bool, got {isVerbose!r}")
+    if not isinstance(cache, bool):
+        raise TypeError(f"hmp: cache must be a bool, got {cache!r}")
+    return Options(opt_level, low_precision_type, isVerbose, cache, _strict(strict))
+
+
+def plan(
+    opt_level="O1",
+    bf16_file_path="",
+    fp32_file_path="",
+    isVerbose=False,
+    low_precision_type=torch.bfloat16,
+    *,
+    promote_file_path="",
+    cache=True,
+    fp16_file_path="",
+    fp32_modules=None,
+    bf16_modules=None,
+    model=None,
+    uncast_file_path="",
+    strict=None,
+    resolver=None,
+):
+    """The Conversion convert() would install, checked; changes nothing."""
+    options = check_options(opt_level, isVerbose, low_precision_type, cache, strict)
+    effective, classes = lists.effective(
+        resolver or Resolver(),
+        opt_level,
+        bf16_file_path,
+        fp32_file_path,
+        promote_file_path,
+        fp16=fp16_file_path,
+        low=low_precision_type,
+    )
+    fp32 = modules.targets(fp32_modules, model, "fp32_modules")
+    bf16 = modules.targets(bf16_modules, model, "bf16_modules")
+    return Conversion(effective, options, modules.merge(classes, fp32, bf16), uncast_calls.load(uncast_file_path))
