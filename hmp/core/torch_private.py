@@ -343,7 +343,7 @@ def rnn_flat_weights(module):
     return module._flat_weights
 
 
-# -- wordings of torch's error messages (errors.py, fallback.py) -------------------------------
+# -- wordings of torch's error messages (errors.py, rescue.py) -------------------------------
 
 # a kernel that has no lower-precision implementation; oneDNN's wording for
 # one it cannot build on this CPU (2.4's bf16 LSTM without AVX-512 BF16)

@@ -18,8 +18,8 @@ Pickler reaches two places, through the patch log, only while converted:
   ``pickle_module`` argument. hmp's ``torch.save`` passes ``PICKLE`` (pickle
   with hmp's Pickler) where the caller passed none or the stdlib ``pickle``,
   and otherwise calls torch's unchanged.
-- ``multiprocessing.reduction.ForkingPickler.reducer_override``, the one
-  replacement outside torch: spawn-started DataLoader workers receive their
+- ``multiprocessing.reduction.ForkingPickler.reducer_override`` (outside
+  torch, as the library methods uncast_calls.txt names are): spawn-started DataLoader workers receive their
   dataset, collate_fn and worker_init_fn through ForkingPickler
   (tests/unit/test_interop_pickle.py::test_spawn_dataloader_while_converted
   fails without it). torch offers no way in: torch.multiprocessing uses the
