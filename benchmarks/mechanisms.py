@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hmp  # noqa: E402
 from hmp import wrap  # noqa: E402
-from hmp.core import policy
+from hmp.core import cast_copies, dtypes, policy
 from hmp.diagnostics.errors import Wrapped  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def pairs(a, b, n_pairs, calls):
 
 def cases():
     out = {}
-    finite, plain = policy.CASTS[torch.bfloat16], policy.PLAIN_CASTS[torch.bfloat16]
+    finite, plain = cast_copies.CASTS[torch.bfloat16], cast_copies.PLAIN_CASTS[torch.bfloat16]
     for shape in [(8, 8), (64, 64), (256, 1024)]:
         x = torch.randn(*shape)
         out[f"saturating cast, {shape[0]}x{shape[1]}"] = (lambda x=x: finite(x), lambda x=x: plain(x))
@@ -61,9 +61,10 @@ def cases():
         out[f"saturating cast with autograd, {shape[0]}x{shape[1]}"] = (lambda h=h: finite(h), lambda h=h: plain(h))
 
     relu = F.relu  # the Python function (hmp not converted yet)
-    casters = dict(policy.CASTS)
+    casters = dict(cast_copies.CASTS)
     prepare = policy.lower(torch.bfloat16, casters, policy.inplace_out(casters), "relu")
-    kw = dict(src=policy.FP32_ONLY, cast=casters[torch.bfloat16], refuse=policy.numbers_check(torch.bfloat16, "relu"))
+    refuse = cast_copies.numbers_check(torch.bfloat16, "relu")
+    kw = dict(src=dtypes.FP32_ONLY, cast=casters[torch.bfloat16], refuse=refuse)
     with_check = wrap.make(relu, prepare, Wrapped("relu"), hidden=True, **kw)
     without = wrap.make(relu, prepare, Wrapped("relu"), hidden=False, **kw)
     x = torch.randn(8, 8)
@@ -78,14 +79,14 @@ def converted_cases():
     x = torch.randn(8, 8)
     hmp.convert()
     yield "fallback wrapper stepping aside, cdist 8x4", (lambda: torch.cdist(a, b), lambda: cdist(a, b))
-    cast, refuse = policy.CASTS[torch.bfloat16], policy.numbers_check(torch.bfloat16, "f")
+    cast, refuse = cast_copies.CASTS[torch.bfloat16], cast_copies.numbers_check(torch.bfloat16, "f")
     y = cast(x)
     args = (y, 0.5, np.float32(0.5), None, True, "mean")  # nothing to cast: only the number check differs
     yield (
         "number check, 6 arguments (float, numpy, None, bool, str)",
         (
-            lambda: policy.cast_seq(args, policy.FP32_ONLY, cast, refuse),
-            lambda: policy.cast_seq(args, policy.FP32_ONLY, cast),
+            lambda: policy.cast_seq(args, dtypes.FP32_ONLY, cast, refuse),
+            lambda: policy.cast_seq(args, dtypes.FP32_ONLY, cast),
         ),
     )
 

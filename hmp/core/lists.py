@@ -39,8 +39,6 @@ from hmp.core.list_files import (
     read_names,
     short,
 )
-from hmp.core.list_files import is_name as is_name  # re-exported: gaudi_config reads it here
-from hmp.core.refusals import DTYPE_CONVERSIONS as DTYPE_CONVERSIONS  # re-exported: modules.py reads it here
 from hmp.core.refusals import refusal
 from hmp.core.resolve import BOUND, NO_PYTHON, UNKNOWN, is_module_path, module_class
 

@@ -35,8 +35,9 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hmp.core import dtypes, lists, policy
-from hmp.core.resolve import is_module_path, mark, module_class, returns_view, unwrap
+from hmp.core import cast_copies, dtypes, lists, policy, refusals
+from hmp.core.aten import returns_view
+from hmp.core.resolve import is_module_path, mark, module_class, unwrap
 from hmp.core.state import MODULE, OFF, enter, leave, tls
 from hmp.core.torch_private import tree_map_only
 
@@ -51,7 +52,7 @@ _UNCAST = frozenset(
         "__set__",
         "__delete__",
         "to",
-        *lists.DTYPE_CONVERSIONS,
+        *refusals.DTYPE_CONVERSIONS,
         "cpu",
         "cuda",
         "numpy",
@@ -123,7 +124,7 @@ class LowerMode(TorchFunctionMode):
         try:
             result = func(*a, **k)
             if not _is_compiling() and (a is not args or k is not kwargs):  # writes reach the caller's tensor
-                policy.write_back(a, args, k, kwargs)
+                cast_copies.write_back(a, args, k, kwargs)
             return result
         finally:
             st.off = 0
@@ -140,7 +141,7 @@ def _fp32_forward(original, cast_in, cast_out, forwards):
         try:
             out = original(self, *cast_args, **cast_kwargs)
             if not _is_compiling() and (cast_args is not args or cast_kwargs is not kwargs):  # input writes too
-                policy.write_back(cast_args, args, cast_kwargs, kwargs)
+                cast_copies.write_back(cast_args, args, cast_kwargs, kwargs)
         finally:
             leave(found)
         return cast_out(out)

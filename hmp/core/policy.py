@@ -16,13 +16,8 @@ in cast_copies.py.
 
 import torch
 
-# re-exported (``as``): wrap, modules, rescue, rules/functions and the driver read these here
-from hmp.core.cast_copies import CASTS as CASTS
-from hmp.core.cast_copies import PLAIN_CASTS as PLAIN_CASTS
 from hmp.core.cast_copies import is_number, numbers_check
-from hmp.core.cast_copies import write_back as write_back
 from hmp.core.dtypes import FLOATS, FP32, FP32_ONLY, HALVES, OTHER_FLOATS
-from hmp.core.dtypes import FP64 as FP64
 from hmp.core.pointwise import is_pointwise
 
 Tensor = torch.Tensor

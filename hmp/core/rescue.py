@@ -19,7 +19,9 @@ import warnings
 from typing import NamedTuple, Optional
 
 from hmp.core import culprit, dtypes, state, torch_private
-from hmp.core.policy import FP32, PLAIN_CASTS, fp32
+from hmp.core.cast_copies import PLAIN_CASTS
+from hmp.core.dtypes import FP32
+from hmp.core.policy import fp32
 
 RAISE = object()  # rescue(): the wrapper re-raises its exception
 

@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 from hmp.core import state, torch_private
 from hmp.core.aten import aten_names, aten_op, schema_writes
-from hmp.core.aten import returns_view as returns_view  # re-exported: the driver, modules.py, benchmarks
 
 log = logging.getLogger("hmp")
 

@@ -33,16 +33,16 @@ from typing import Any, Callable
 
 import torch
 
-from hmp.core import culprit, dtypes, policy, rescue, torch_private
+from hmp.core import cast_copies, culprit, dtypes, policy, rescue, torch_private
 from hmp.core.rescue import Wrapped
 from hmp.core.resolve import BUILTINS, ORIGINAL, mark, unwrap
 from hmp.core.state import OFF, copies, tls
 
 log = logging.getLogger("hmp")
 
-_to_bf16 = policy.CASTS[torch.bfloat16]
-_to_fp32 = policy.PLAIN_CASTS[torch.float32]
-_FP32 = policy.FP32
+_to_bf16 = cast_copies.CASTS[torch.bfloat16]
+_to_fp32 = cast_copies.PLAIN_CASTS[torch.float32]
+_FP32 = dtypes.FP32
 _NEVER = 1 << 62  # inplace_at of a site without an ``inplace`` parameter
 
 
@@ -65,7 +65,7 @@ def make(
     ``hidden``: ``op`` may write an argument without declaring it (a Python
     function; a builtin's writes are in its schema, see resolve.writes), so
     after a call that cast something, writes into the copies are carried
-    back to the caller's tensors (policy.write_back). ``needs(args,
+    back to the caller's tensors (cast_copies.write_back). ``needs(args,
     kwargs)``: False for a call the wrapper leaves entirely alone, casts
     staying on for the ops it calls (an op in no list, see policy.needs).
 
@@ -80,7 +80,7 @@ def make(
 
 
 PROMOTE = object()  # make(src=PROMOTE): the promote rule's common case
-_cast_seq, _one_dtype, _write_back = policy.cast_seq, policy.one_dtype, policy.write_back
+_cast_seq, _one_dtype, _write_back = policy.cast_seq, policy.one_dtype, cast_copies.write_back
 _is_compiling = torch.compiler.is_compiling
 _lowering = torch_private.lowering
 
@@ -398,7 +398,7 @@ class Wrappers:
         if policy.rejects_mixed(kind, name) and not self.passthrough:
             op = mixed_or_lower(op, policy.lower(self.low, self.casters))
         rounds = policy.rounds_output(kind, name, self.strict)
-        output = policy.round_output(policy.CASTS[self.low]) if rounds and not self.passthrough else None
+        output = policy.round_output(cast_copies.CASTS[self.low]) if rounds and not self.passthrough else None
         if output is not None and self.recorder is not None:
             output = self.recorder.output(output)
         wrapped = Wrapped.of(binding)
@@ -429,9 +429,9 @@ class Wrappers:
         # lean for calls without keywords: the rule's casts without the prepare call
         at = _NEVER if site.inplace_param is None else site.inplace_param
         if kind == "bf16":
-            src, cast, refuse = policy.FP32_ONLY, self.casters[self.low], policy.numbers_check(self.low)
+            src, cast, refuse = dtypes.FP32_ONLY, self.casters[self.low], cast_copies.numbers_check(self.low)
         elif kind == "fp32":
-            src, cast, refuse = policy.HALVES, self.casters[_FP32], None
+            src, cast, refuse = dtypes.HALVES, self.casters[_FP32], None
         else:
             src, cast, refuse = PROMOTE, None, None
         return make(op, prepare, wrapped, original, src, cast, refuse, at, hidden)

@@ -22,7 +22,6 @@ import re
 
 from hmp.core import culprit, lists, rescue, state, torch_private
 from hmp.core.policy import NORM_OPS
-from hmp.core.rescue import Wrapped  # noqa: F401 (what annotate() is given)
 
 _LOW = re.compile(r"BFloat16|bfloat16|\bHalf\b|\bhalf\b|float16")
 _FP32 = re.compile(r"\bFloat\b|\bfloat\b|float32|FloatTensor")

@@ -19,11 +19,12 @@ import torch
 
 from hmp import rules, tested
 from hmp.core import cache, dtypes, imports, lists, modules, policy, wrap
+from hmp.core.aten import returns_view
 from hmp.core.cache import clear_cache
+from hmp.core.cast_copies import CASTS
 from hmp.core.hints import ListPath, ModuleTargets
 from hmp.core.patch import MISSING, PatchLog
-from hmp.core.policy import CASTS
-from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label, returns_view, unwrap
+from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label, unwrap
 from hmp.core.state import close_block, first_time, runtime
 from hmp.diagnostics import errors, interop  # noqa: F401 (errors registers its note on the wrappers' errors)
 from hmp.driver.plan import Conversion, plan
@@ -141,7 +142,7 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         casters = cache.casters() if options.cache else dict(CASTS)
         watch = imports.Watch()  # entries whose module the program imports later
         wrappers = wrap.Wrappers(options.low, casters, options.verbose, recorder, passthrough, options.strict)
-        # an op returning a view of its input is never wrapped (see resolve.returns_view); ops in no list
+        # an op returning a view of its input is never wrapped (see aten.returns_view); ops in no list
         # that have no kernel for the lower dtype or need one dtype run as they would without hmp's casts
         fallback = lists.fallback_names(options.low)
         held = _held()

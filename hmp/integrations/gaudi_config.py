@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hmp.core import lists, modules
+from hmp.core import list_files, lists, modules
 from hmp.core.lists import OPT_LEVELS, Names
 from hmp.core.resolve import NO_PYTHON, UNKNOWN, Resolver
 from hmp.driver.conversion import convert, revert
@@ -136,7 +136,7 @@ def _check_names(config, fields, resolver, errors):
             where = f"{field}[{i}]"
             if not isinstance(name, str):
                 errors.append(f"{where}: {name!r} is not an op name (a string)")
-            elif not lists.is_name(name):
+            elif not list_files.is_name(name):
                 errors.append(f"{where}: {name!r} is not an op name")
             else:
                 op, status, message = resolver.check(name)

@@ -53,8 +53,10 @@ import weakref
 import torch
 
 from hmp.core import torch_private
+from hmp.core.cast_copies import PLAIN_CASTS
 from hmp.core.casts import run_as
-from hmp.core.policy import FLOATS, FP64, PLAIN_CASTS, cast_kwargs, cast_seq
+from hmp.core.dtypes import FLOATS, FP64
+from hmp.core.policy import cast_kwargs, cast_seq
 from hmp.core.resolve import ORIGINAL, stand_in, subclasses, unwrap
 from hmp.core.state import OFF, current, enter, leave, tls
 from hmp.rules.interface import Changes

@@ -12,7 +12,7 @@ get, while casts are on; its shape checks still run.
 import torch
 
 from hmp.core import torch_private
-from hmp.core.policy import FLOATS
+from hmp.core.dtypes import FLOATS
 from hmp.core.resolve import stand_in, unwrap
 from hmp.core.state import tls
 from hmp.rules.interface import Changes

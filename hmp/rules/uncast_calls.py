@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from hmp.core import lists
+from hmp.core import list_files, lists
 from hmp.core.casts import uncast
 from hmp.core.resolve import stand_in, subclasses, unwrap
 from hmp.core.state import OFF, enter, first_time, leave, tls, user_stacklevel
@@ -72,7 +72,7 @@ def entries(source, default):
 
 
 def _read(source, default):
-    entries, errors = lists._read_lines(source, TITLE)
+    entries, errors = list_files.read_lines(source, TITLE)
     out, bad = [], [e for _, e in errors]
     for number, text in entries:
         if text.startswith(lists.INCLUDE):
@@ -90,7 +90,7 @@ def _read(source, default):
         else:
             out.append((number, text))
     if bad:
-        raise ValueError(lists._error_text(lists._check_path(source, TITLE), TITLE, bad))
+        raise ValueError(list_files.error_text(list_files.check_path(source, TITLE), TITLE, bad))
     return out
 
 

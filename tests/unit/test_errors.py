@@ -170,7 +170,7 @@ def test_mismatch_in_an_op_called_inside_a_wrapped_python_op():
 def test_mismatch_inside_a_listed_python_op_says_to_list_what_it_calls():
     """A listed op implemented in Python (the site label is what convert()
     gives the wrapper) whose inner call mixes dtypes."""
-    from hmp.core import policy, wrap
+    from hmp.core import cast_copies, policy, rescue, wrap
 
     hmp.convert()
 
@@ -178,8 +178,8 @@ def test_mismatch_inside_a_listed_python_op_says_to_list_what_it_calls():
         scale = torch.ones(q.shape[0], q.shape[0])  # made inside: fp32
         return torch.baddbmm(scale[None], q[None], k[None].transpose(1, 2))
 
-    casts = dict(policy.PLAIN_CASTS)
-    about = errors.Wrapped("torch.nn.functional.attention", "attention", "bf16")
+    casts = dict(cast_copies.PLAIN_CASTS)
+    about = rescue.Wrapped("torch.nn.functional.attention", "attention", "bf16")
     wrapped = wrap.make(attention, policy.lower(BF16, casts), about)
     with pytest.raises(RuntimeError) as info:
         wrapped(torch.randn(3, 2), torch.randn(3, 2))

@@ -145,7 +145,7 @@ def test_layer_norm_kernel_gets_fp32_weight_on_cpu():
 
 def test_norm_falls_back_where_a_kernel_rejects_mixed_dtypes():
     """A stand-in for a device kernel (CUDA's layer_norm) that requires one dtype."""
-    from hmp.core import policy, wrap
+    from hmp.core import cast_copies, policy, wrap
 
     calls = []
 
@@ -155,7 +155,7 @@ def test_norm_falls_back_where_a_kernel_rejects_mixed_dtypes():
             raise RuntimeError(f"expected scalar type {x.dtype} but found {weight.dtype}")
         return torch.ones_like(x)
 
-    lower_all = policy.lower(BF16, policy.PLAIN_CASTS)
+    lower_all = policy.lower(BF16, cast_copies.PLAIN_CASTS)
     call = wrap.mixed_or_lower(strict_layer_norm, lower_all)
     x, w, b = torch.randn(2, 4).bfloat16(), torch.randn(4), torch.randn(4)
     assert call(x, (4,), w, b).dtype == BF16
