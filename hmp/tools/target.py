@@ -10,7 +10,8 @@ import importlib.util
 import os
 import sys
 
-PREFIX = "_hmp_tune_target_"  # the module name a FILE.py target is imported under
+PREFIX = "_hmp_tune_target_"  # before a FILE.py target's name where another module holds that name
+FILE_MODULES = set()  # the module names FILE.py targets were imported under
 HELP = "MODULE:FUNCTION or FILE.py:FUNCTION, a function with no arguments that returns (step, state)"
 
 
@@ -27,7 +28,8 @@ def load_target(spec):
     if where.endswith(".py") or os.sep in where or "/" in where:
         if not os.path.isfile(where):
             raise TargetError(f"TARGET {spec!r}: no file {where!r}")
-        module_name = PREFIX + os.path.splitext(os.path.basename(where))[0]
+        module_name = _module_name(where)
+        FILE_MODULES.add(module_name)
         spec_ = importlib.util.spec_from_file_location(module_name, where)
         module = importlib.util.module_from_spec(spec_)
         sys.modules[module_name] = module  # dataclasses and pickling look a module up by name
@@ -49,6 +51,24 @@ def load_target(spec):
     if not callable(fn):
         raise TargetError(f"TARGET {spec!r}: {where!r} has no function {name!r}")
     return fn
+
+
+def _module_name(path):
+    """The name a FILE.py target is imported under: its own (``tune_my_model``),
+    so a class defined in it is written to a tuned list file by a path that
+    loads it again from that folder, as the file's own imports do; PREFIX +
+    its name where that name is taken by another module."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    if not name.isidentifier():
+        return PREFIX + name
+    try:
+        found = sys.modules.get(name) or importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return PREFIX + name
+    origin = getattr(found, "__file__", None) or getattr(found, "origin", None)
+    if found is None or (origin and os.path.abspath(origin) == os.path.abspath(path)):
+        return name
+    return PREFIX + name  # a module of that name is installed or imported: keep clear of it
 
 
 def make_target(fn, spec):
@@ -73,8 +93,8 @@ def make_target(fn, spec):
 
 def user_name(cls):
     """``cls`` as its author knows it: ``file.py:Class`` for a class from a
-    FILE.py target (imported under PREFIX), else its import path."""
+    FILE.py target, else its import path."""
     module = sys.modules.get(cls.__module__)
-    if cls.__module__.startswith(PREFIX) and getattr(module, "__file__", None):
+    if cls.__module__ in FILE_MODULES and getattr(module, "__file__", None):
         return f"{os.path.basename(module.__file__)}:{cls.__qualname__}"
     return f"{cls.__module__}.{cls.__qualname__}"

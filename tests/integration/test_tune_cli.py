@@ -236,3 +236,38 @@ def test_a_zero_fp32_loss_gives_a_verdict_not_a_division_error():
     from hmp.tools.report import validation_table
 
     assert "outside tolerance (2%)" in validation_table(apart)
+
+
+def test_a_class_from_a_file_target_is_written_by_a_path_a_fresh_process_loads(tmp_path, monkeypatch):
+    """A FILE.py target is imported under its own name, so a tuned list file
+    names its classes by a path that loads again from that folder."""
+    import subprocess
+    import sys
+
+    from hmp.tools import target, tuned_files
+
+    (tmp_path / "planted_model.py").write_text(
+        "import torch\n\nclass Scale(torch.nn.Module):\n    def forward(self, x):\n        return x\n\n"
+        "def make():\n    return Scale\n"
+    )
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "json.py").write_text("def make():\n    class Local: pass\n    return Local\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_target puts each file's folder first
+    cls = target.load_target(str(tmp_path / "planted_model.py") + ":make")()
+    assert tuned_files.importable(cls) == "planted_model.Scale"
+    assert target.user_name(cls) == "planted_model.py:Scale"
+    fresh = subprocess.run(
+        [sys.executable, "-c", "from hmp.core.resolve import module_class; print(module_class('planted_model.Scale'))"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert fresh.returncode == 0 and "planted_model.Scale" in fresh.stdout, fresh.stderr
+    # a file named like a module the process has (the stdlib's json) keeps clear of it
+    fn = target.load_target(str(tmp_path / "other" / "json.py") + ":make")
+    assert fn.__module__ == target.PREFIX + "json"
+    import json
+
+    assert hasattr(json, "dumps")
