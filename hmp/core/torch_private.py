@@ -27,8 +27,8 @@ VERSION = torch.__version__.split("+")[0]
 # -- tensors ----------------------------------------------------------------------------------
 
 # Casts call TensorBase's C methods directly, never a name hmp may patch on
-# torch.Tensor (listing `to` or `float` cannot recurse). 2.1: torch._C._TensorBase.
-TensorBase = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
+# torch.Tensor (listing `to` or `float` cannot recurse).
+TensorBase = torch._C.TensorBase
 
 # The in-place write counter the weight-cast cache checks; a C attrgetter, as
 # cheap as the attribute on the hot path.
@@ -232,24 +232,14 @@ def autocast_enabled(region):
     return bool(getattr(region, "_enabled", False))
 
 
-# backward() and grad() both call this at call time (2.3+); before, hmp
-# patches torch.autograd.backward/grad themselves.
+# backward() and grad() both call this at call time (every release from the floor on)
 ENGINE_RUN_BACKWARD = "_engine_run_backward"
 
 
 def engine_run_backward_homes():
-    """``[(namespace, "_engine_run_backward")]``: torch.autograd's global and
-    torch.autograd.graph's (export tracing copies graph's back over autograd's);
-    [] on a torch without it."""
-    autograd = torch.autograd
-    graph = getattr(autograd, "graph", None)
-    if (
-        graph is None
-        or not callable(getattr(autograd, ENGINE_RUN_BACKWARD, None))
-        or not callable(getattr(graph, ENGINE_RUN_BACKWARD, None))
-    ):
-        return []
-    return [(graph, ENGINE_RUN_BACKWARD), (autograd, ENGINE_RUN_BACKWARD)]
+    """``[(namespace, "_engine_run_backward")]``: torch.autograd.graph's and
+    torch.autograd's global (export tracing copies graph's back over autograd's)."""
+    return [(torch.autograd.graph, ENGINE_RUN_BACKWARD), (torch.autograd, ENGINE_RUN_BACKWARD)]
 
 
 # DataLoader worker processes start in this function (any start method).

@@ -127,19 +127,12 @@ def patches(ctx):
         (autocast, "__enter__", _autocast_enter(_unwrapped_own(autocast, "__enter__"))),
         (autocast, "__exit__", _autocast_exit(_unwrapped_own(autocast, "__exit__"))),
     ]
-    autograd = torch.autograd
+    # backward() and grad() both call torch.autograd's global at call time,
+    # also when imported by name before convert(); graph's is patched too
+    # because torch.compiler's export tracing copies it back over autograd's
     homes = torch_private.engine_run_backward_homes()
-    if homes:
-        # backward() and grad() both call torch.autograd's global at call
-        # time, also when imported by name before convert(); graph's is
-        # patched too because torch.compiler's export tracing copies it
-        # back over torch.autograd's when it is done
-        run = _uncast_backward(unwrap(getattr(*homes[0])))
-        patches += [(namespace, attr, run) for namespace, attr in homes]
-    else:  # older torch
-        patches += [
-            (autograd, name, _uncast_backward(unwrap(getattr(autograd, name)))) for name in ("backward", "grad")
-        ]
+    run = _uncast_backward(unwrap(getattr(*homes[0])))
+    patches += [(namespace, attr, run) for namespace, attr in homes]
     for cls in subclasses(torch.amp.GradScaler):  # subclasses defined later are not reached
         for name in _GRAD_SCALER_METHODS:
             if name in cls.__dict__:
