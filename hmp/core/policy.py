@@ -402,12 +402,12 @@ def needs(kind):
     return lambda args, kwargs: widest(args, kwargs) is not None
 
 
-RULES = {"bf16": lower, "fp32": fp32, "promote": promote}  # list kind -> policy factory
+FACTORIES = {"bf16": lower, "fp32": fp32, "promote": promote}  # list kind -> policy factory
 
 
 def for_kind(kind, low, casters):
     """The rule of list ``kind`` for a whole call (user functions, registered ops)."""
-    return RULES[kind](low, casters, inplace_out(casters))
+    return FACTORIES[kind](low, casters, inplace_out(casters))
 
 
 def runs_as_torch(binding, one_dtype, strict):
@@ -461,7 +461,7 @@ def for_site(kind, name, site, low, casters, strict=False):
     elif kind == "bf16":
         main = lower_input_only(low, casters, out) if name in NORM_OPS else lower(low, casters, out)
     else:
-        main = RULES[kind](low, casters, out)
+        main = FACTORIES[kind](low, casters, out)
     if site.written:
         main = written_into(site.written, main, casters)
     if site.inplace_param is None:

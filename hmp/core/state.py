@@ -46,7 +46,7 @@ class ThreadState(threading.local):
         self.off = OFF if _graph_task_id is not None and _graph_task_id() != -1 else 0
         self.lower_mode = None
         self.frames = []  # open regions' frames (enter/leave), oldest first
-        self.regions = []  # [(id(autocast region), what enter() returned)] entered under hmp (regions.py)
+        self.autocast_regions = []  # [(id(autocast region), what enter() returned)] entered under hmp (regions.py)
         self.steps = []  # per step in progress: (what enter() returned, the frame calling its hooks) (steps.py)
         self.frozen_depth = 0  # frozen_weights() nesting (cache.py)
         self.frozen = None  # that block's stores, {dtype: {id(tensor): entry}}
@@ -99,7 +99,7 @@ def close_block(stack, block):
 
 
 def current():
-    """The calling thread's cast state ``(off, lower_mode)``, for ``casts.run_as``."""
+    """The calling thread's cast state ``(off, lower_mode)``, for ``switches.run_as``."""
     st = tls
     return st.off, st.lower_mode
 

@@ -262,7 +262,7 @@ def resume(wrapper, prepare):
     _set(wrapper, "prepare", prepare)
 
 
-def adopt(wrapper, donor):
+def take_over(wrapper, donor):
     """Give ``wrapper`` (an hmp wrapper another library holds: it wrapped it,
     or saved it to put back later) everything ``donor``, a wrapper built for
     the same op by this conversion, would do: the closures, cell for cell."""

@@ -233,7 +233,7 @@ def _install(log_, namespace, attr, value):
     theirs and the wrapper they hold does what ``value`` would."""
     held = runtime.displaced.get((id(namespace), attr))
     if held is not None and namespace.__dict__.get(attr, MISSING) not in (held.value, held.previous):
-        wrap.adopt(held.value, value)
+        wrap.take_over(held.value, value)
         runtime.adopted.append(held)
         return
     log_.setattr(namespace, attr, value, if_unchanged=True)
@@ -405,7 +405,7 @@ def unregister(owner, name):
         runtime.registered[:] = [e for e in runtime.registered if not (e[0] is owner and e[1] == name)]
 
 
-def adopt(wrapper, kind):
+def track_decorated(wrapper, kind):
     """Take a ``@hmp.*_function`` wrapper (wrap.user_function) into every
     conversion: resumed while converted, paused otherwise."""
     with runtime.lock:

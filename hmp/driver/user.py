@@ -28,7 +28,7 @@ def _decorator(kind):
         if not callable(fn):
             raise TypeError(f"hmp: {kind}_function needs a callable, got {fn!r}")
         wrapper = wrap.user_function(fn, kind)
-        conversion.adopt(wrapper, kind)
+        conversion.track_decorated(wrapper, kind)
         return wrapper
 
     decorate.__name__ = decorate.__qualname__ = f"{kind}_function"

@@ -23,8 +23,8 @@ turned casts off around the backward.
 """
 
 from hmp.core import state, torch_private
-from hmp.core.casts import run_as
 from hmp.core.resolve import stand_in, unwrap
+from hmp.core.switches import run_as
 from hmp.rules.interface import Changes
 
 

@@ -54,11 +54,11 @@ import torch
 
 from hmp.core import torch_private
 from hmp.core.cast_copies import PLAIN_CASTS
-from hmp.core.casts import run_as
 from hmp.core.dtypes import FLOATS, FP64
 from hmp.core.policy import cast_kwargs, cast_seq
 from hmp.core.resolve import ORIGINAL, stand_in, subclasses, unwrap
 from hmp.core.state import OFF, current, enter, leave, tls
+from hmp.core.switches import run_as
 from hmp.rules.interface import Changes
 
 _Function = torch.autograd.Function
@@ -155,7 +155,7 @@ def class_patches(cls):
     return out
 
 
-def _adopt(cls, hook, later):
+def _patch_new_class(cls, hook, later):
     """A Function class created while converted: its patches, through the log."""
     if _Meta.__dict__.get("__init__") is not hook:  # reverted meanwhile
         return
@@ -167,7 +167,7 @@ def _class_created(original, later):
     def __init__(cls, *args, **kwargs):
         original(cls, *args, **kwargs)
         if issubclass(cls, _Function) and _plan(cls) != (None, None, None):
-            _adopt(cls, __init__, later)
+            _patch_new_class(cls, __init__, later)
 
     return stand_in(__init__, original)
 

@@ -34,9 +34,9 @@ from torch.amp.autocast_mode import autocast
 
 from hmp.core import dtypes, state, torch_private
 from hmp.core.cache import release
-from hmp.core.casts import uncast
 from hmp.core.resolve import mark, stand_in, subclasses, unwrap
 from hmp.core.state import OFF, enter, leave, tls
+from hmp.core.switches import uncast
 from hmp.diagnostics import errors
 from hmp.rules.interface import Changes
 
@@ -58,7 +58,7 @@ def _autocast_enter(original):
         if torch_private.autocast_enabled(self) and state.first_time("autocast region entered"):
             _warn_enabled_region(self)  # first: a warnings filter set to "error" changes nothing
         result = original(self)
-        tls.regions.append((id(self), enter(OFF)))  # after torch's own __enter__, which can raise
+        tls.autocast_regions.append((id(self), enter(OFF)))  # after torch's own __enter__, which can raise
         return result
 
     return stand_in(__enter__, original)
@@ -71,7 +71,7 @@ def _autocast_exit(original):
         finally:
             # only a region this thread entered under hmp puts a state back:
             # one entered before convert() leaves the thread's state as it is
-            regions, key = tls.regions, id(self)
+            regions, key = tls.autocast_regions, id(self)
             for i in range(len(regions) - 1, -1, -1):
                 if regions[i][0] == key:
                     leave(regions.pop(i)[1])
@@ -83,7 +83,7 @@ def _autocast_exit(original):
 def forget_open_regions():
     """revert() in the calling thread: regions it is inside stop counting,
     so their exits (by torch's own code after revert) leave no casts off."""
-    regions = tls.regions
+    regions = tls.autocast_regions
     if regions:
         for _, frame in reversed(regions):
             leave(frame)
@@ -91,7 +91,7 @@ def forget_open_regions():
 
 
 def _uncast_backward(original):
-    """``casts.uncast`` for a backward pass; an error raised in it gets the note
+    """``switches.uncast`` for a backward pass; an error raised in it gets the note
     for errors in backward (hmp/diagnostics/errors.py)."""
 
     def backward(*args, **kwargs):

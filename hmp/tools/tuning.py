@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hmp.core.casts import casts_enabled
 from hmp.core.hints import Step
 from hmp.core.lists import KINDS
 from hmp.core.resolve import Resolver
+from hmp.core.switches import casts_enabled
 from hmp.driver.conversion import applied
 from hmp.tools.auditing import audit_with, by_op, compare, in_force_or_default, kind_of, made_in, pairs, run_step, worst
 from hmp.tools.guard import StateGuard
