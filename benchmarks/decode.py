@@ -54,15 +54,7 @@ TARGETS = (
 )
 # model sizes: the CPU proxy, and TinyLlama's shape (1.1B parameters) for a GPU
 SIZES = {
-    "proxy": dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    ),
+    "proxy": dict(wrapped_calls.TINY_LLAMA, max_position_embeddings=512),
     "tinyllama": dict(
         vocab_size=32000,
         hidden_size=2048,

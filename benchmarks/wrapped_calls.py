@@ -22,6 +22,17 @@ import torch
 import hmp
 from hmp.core import wrap
 
+# the small Llama counted here, and decode.py's CPU proxy (hidden 64, 4 layers)
+TINY_LLAMA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
 
 def count(step):
     """Calls of the wrapper body during ``step()``."""
@@ -72,15 +83,7 @@ def llama_step():
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
+    cfg = transformers.LlamaConfig(**TINY_LLAMA)
     model = transformers.LlamaForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))

@@ -8,18 +8,19 @@ from pathlib import Path
 from hmp.tools import inspect_cli
 from hmp.tools.arguments import fraction
 from hmp.tools.auditing import audit
+from hmp.tools.target import add_command
 
 PROG = "python -m hmp audit"
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "audit",
-        help="measure where the lists' lower dtype hurts your model: each op's and module's error against fp32",
-        description="Run TARGET's training step in fp32 and under the lists from the same state, pair each listed "
-        "op's and module's outputs, and flag those whose own error or the error they pass to the loss is too "
-        "large. TARGET is " + inspect_cli.HELP + ": step() runs one training step and returns the loss; state is "
-        "a tuple of the modules and optimizers it changes (put back after each run).",
+        "measure where the lists' lower dtype hurts your model: each op's and module's error against fp32",
+        "Run TARGET's training step in fp32 and under the lists from the same state, pair each listed op's and "
+        "module's outputs, and flag those whose own error or the error they pass to the loss is too large.",
+        " (put back after each run).",
     )
     inspect_cli.add_common(p)
     p.add_argument(

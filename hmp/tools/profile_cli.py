@@ -5,18 +5,19 @@ writes it as HTML."""
 
 from hmp.tools import inspect_cli
 from hmp.tools.profiling import profile
+from hmp.tools.target import add_command
 
 PROG = "python -m hmp profile"
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "profile",
-        help="run your training step once under the lists: per op, the dtypes, calls, time and casts",
-        description="Run TARGET's training step once under the lists with instrumented wrappers and report, per "
-        "listed op, the dtypes its inputs came in and it ran in, its calls, its time and what casting cost. "
-        "TARGET is " + inspect_cli.HELP + ": step() runs one training step and returns the loss; state is a "
-        "tuple of the modules and optimizers it changes (put back afterwards).",
+        "run your training step once under the lists: per op, the dtypes, calls, time and casts",
+        "Run TARGET's training step once under the lists with instrumented wrappers and report, per listed op, "
+        "the dtypes its inputs came in and it ran in, its calls, its time and what casting cost.",
+        " (put back afterwards).",
     )
     inspect_cli.add_common(p)
     p.set_defaults(run=run)

@@ -15,6 +15,17 @@ FILE_MODULES = set()  # the module names FILE.py targets were imported under
 HELP = "MODULE:FUNCTION or FILE.py:FUNCTION, a function with no arguments that returns (step, state)"
 
 
+def add_command(subparsers, name, summary, does, after=""):
+    """The parser of a subcommand that takes TARGET, described one way:
+    ``does`` (what it runs), then what TARGET is, then ``after``."""
+    return subparsers.add_parser(
+        name,
+        help=summary,
+        description=f"{does} TARGET is {HELP}: step() runs one training step and returns the loss; state is a "
+        f"tuple of the modules and optimizers it changes{after}",
+    )
+
+
 class TargetError(ValueError):
     """TARGET cannot be loaded or does not return (step, state)."""
 

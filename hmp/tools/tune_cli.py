@@ -20,20 +20,19 @@ from hmp.tools import tuning
 from hmp.tools.arguments import fraction, positive_int, seed
 from hmp.tools.files import check_outputs
 from hmp.tools.progress import Progress
-from hmp.tools.target import TargetError, load_target, make_target
+from hmp.tools.target import TargetError, add_command, load_target, make_target
 
 PROG = "python -m hmp tune"
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "tune",
-        help="fit the op lists to your model (or the demo's) by measurement",
-        description="Audit the current lists on a training step, move ops that hurt to FP32, try expensive ops "
-        "in bf16, validate against fp32 and write the tuned list files. TARGET is "
-        "MODULE:FUNCTION or FILE.py:FUNCTION, a function with no arguments that returns (step, "
-        "state): step() runs one training step and returns the loss; state is a tuple of the "
-        "modules and optimizers it changes. Without TARGET, the demo's language model is tuned.",
+        "fit the op lists to your model (or the demo's) by measurement",
+        "Audit the current lists on a training step, move ops that hurt to FP32, try expensive ops in bf16, "
+        "validate against fp32 and write the tuned list files.",
+        ". Without TARGET, the demo's language model is tuned.",
     )
     p.add_argument(
         "target",

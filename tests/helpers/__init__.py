@@ -157,3 +157,27 @@ def tiny_gpt2_config(vocab=64, hidden=32, layers=2, heads=4, **fields):
     import transformers
 
     return transformers.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, **fields)
+
+
+def inductor_works():
+    try:
+        from torch._inductor import cpp_builder  # noqa: F401
+    except Exception:
+        return False
+    import shutil
+
+    return shutil.which("g++") is not None or shutil.which("c++") is not None or shutil.which("gcc") is not None
+
+
+# torch.compile backends the compile tests run: aot_eager always, inductor where a C++ compiler is
+COMPILE_BACKENDS = [
+    "aot_eager",
+    pytest.param(
+        "inductor",
+        marks=[
+            pytest.mark.slow,
+            pytest.mark.torch_internals,
+            pytest.mark.skipif(not inductor_works(), reason="inductor needs a C++ compiler"),
+        ],
+    ),
+]

@@ -241,8 +241,9 @@ def test_a_zero_fp32_loss_gives_a_verdict_not_a_division_error():
 def test_a_class_from_a_file_target_is_written_by_a_path_a_fresh_process_loads(tmp_path, monkeypatch):
     """A FILE.py target is imported under its own name, so a tuned list file
     names its classes by a path that loads again from that folder."""
-    import subprocess
     import sys
+
+    from helpers import run_python
 
     from hmp.tools import target, tuned_files
 
@@ -257,12 +258,8 @@ def test_a_class_from_a_file_target_is_written_by_a_path_a_fresh_process_loads(t
     cls = target.load_target(str(tmp_path / "planted_model.py") + ":make")()
     assert tuned_files.importable(cls) == "planted_model.Scale"
     assert target.user_name(cls) == "planted_model.py:Scale"
-    fresh = subprocess.run(
-        [sys.executable, "-c", "from hmp.core.resolve import module_class; print(module_class('planted_model.Scale'))"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    fresh = run_python(
+        "-c", "from hmp.core.resolve import module_class; print(module_class('planted_model.Scale'))", cwd=tmp_path
     )
     assert fresh.returncode == 0 and "planted_model.Scale" in fresh.stdout, fresh.stderr
     # a file named like a module the process has (the stdlib's json) keeps clear of it

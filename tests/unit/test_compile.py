@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import COMPILE_BACKENDS as BACKENDS
 from helpers import LinearNormLinear, needs_torch
 
 import hmp
@@ -32,29 +33,6 @@ ONE_GRAPH = needs_torch(
     (2, 6),
     "dynamo traces hmp's writes to its thread state (a threading.local) without a graph break and guards on them",
 )
-
-
-def inductor_works():
-    try:
-        from torch._inductor import cpp_builder  # noqa: F401
-    except Exception:
-        return False
-    import shutil
-
-    return shutil.which("g++") is not None or shutil.which("c++") is not None or shutil.which("gcc") is not None
-
-
-BACKENDS = [
-    "aot_eager",
-    pytest.param(
-        "inductor",
-        marks=[
-            pytest.mark.slow,
-            pytest.mark.torch_internals,
-            pytest.mark.skipif(not inductor_works(), reason="inductor needs a C++ compiler"),
-        ],
-    ),
-]
 
 
 class Block(LinearNormLinear):

@@ -10,6 +10,7 @@ eager output differs from what plain O1 gives without the declaration.
 
 import pytest
 import torch
+from helpers import COMPILE_BACKENDS as BACKENDS
 from helpers import needs_torch
 from torch import nn
 
@@ -22,25 +23,6 @@ pytestmark = [
     # without a compile-session flag give hmp no way to tell them from the program
     pytest.mark.skipif(not torch_private.KNOWS_COMPILE_SESSION, reason="this torch does not flag its compile session"),
     needs_torch((2, 6), "dynamo traces hmp's thread state without a graph break"),
-]
-
-
-def _inductor_works():
-    import shutil
-
-    return any(shutil.which(c) for c in ("g++", "c++", "gcc"))
-
-
-BACKENDS = [
-    "aot_eager",
-    pytest.param(
-        "inductor",
-        marks=[
-            pytest.mark.slow,
-            pytest.mark.torch_internals,
-            pytest.mark.skipif(not _inductor_works(), reason="inductor needs a C++ compiler"),
-        ],
-    ),
 ]
 
 
