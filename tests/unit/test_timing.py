@@ -22,8 +22,9 @@ def paired(draw, ratios):
 @given(
     st.data(),
     st.floats(0.2, 5.0),
-    st.floats(0.0, 0.2),
-    st.lists(st.floats(-1.0, 1.0), min_size=4, max_size=30),
+    # no subnormals: the floor's torch build flushes them to zero, which hypothesis refuses to run under
+    st.floats(0.0, 0.2, allow_subnormal=False),
+    st.lists(st.floats(-1.0, 1.0, allow_subnormal=False), min_size=4, max_size=30),
 )
 def test_a_tight_ratio_off_one_is_a_number_and_a_direction(data, centre, width, offsets):
     ratios = [centre * (1 + width * u) for u in offsets]
