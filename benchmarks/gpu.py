@@ -45,20 +45,16 @@ TRAIN_CONFIGS = ("fp32", "autocast", "hmp-O1", "bf16")
 GPT2 = {
     "full": dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257),
     "dry": dict(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=1000),
+    # issue 40's compiled-step check on a CPU: small enough to compile in minutes, big enough that
+    # a step is more than overhead
+    "cpu": dict(n_layer=2, n_embd=256, n_head=4, n_positions=128, vocab_size=2000),
 }
-LLAMA_DRY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
+LLAMA_DRY = dict(decode.SIZES["proxy"], num_hidden_layers=2, max_position_embeddings=128)
 # per part: the full run's sizes and rounds, then the dry run's
 PLAN = {
     "full": dict(batch=(8, 1024), rounds=4, steps=3, c_rounds=3, c_steps=3, new=32, d_rounds=5, reps=21, calls=1000),
     "dry": dict(batch=(2, 32), rounds=2, steps=1, c_rounds=1, c_steps=1, new=4, d_rounds=1, reps=1, calls=5),
+    "cpu": dict(batch=(4, 128), rounds=7, steps=3, c_rounds=7, c_steps=3, new=8, d_rounds=3, reps=5, calls=100),
 }
 
 
@@ -244,12 +240,16 @@ def main(argv=None):
     ap.add_argument("--out", help="the markdown report (default on CUDA: benchmarks/RESULTS-cuda.md)")
     ap.add_argument("--parts", default="train,compile,decode,percall", help="comma list of the parts to run")
     ap.add_argument("--backend", help="torch.compile backend (default inductor; aot_eager with --dry-run)")
+    ap.add_argument(
+        "--cpu-sizes", action="store_true", help="GPT-2 2 x 256 on 4 x 128 tokens: the compiled-step ratio on a CPU"
+    )
     args = ap.parse_args(argv)
     device = args.device or ("cpu" if args.dry_run else "cuda")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on a GPU machine, or check the script with --dry-run")
     out = args.out or (str(HERE / "RESULTS-cuda.md") if torch.device(device).type == "cuda" else None)
-    plan = PLAN["dry" if args.dry_run else "full"]
+    size = "dry" if args.dry_run else "cpu" if args.cpu_sizes else "full"
+    plan = PLAN[size]
     backend = args.backend or ("aot_eager" if args.dry_run else "inductor")
     parts_wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed cache argument
@@ -272,7 +272,6 @@ def main(argv=None):
         "percall": f"median over {plan['reps']} reps of {plan['calls']} calls",
     }
     parts, seconds = {}, {}
-    size = "dry" if args.dry_run else "full"
     for part in parts_wanted:
         log(f"[{part}] ({time.perf_counter() - t_start:.0f} s)")
         t_part = time.perf_counter()
@@ -282,7 +281,8 @@ def main(argv=None):
             parts["train_compiled"] = train(device, plan, size, True, backend)
             torch._dynamo.reset()
         elif part == "decode":
-            parts["decode"] = decode_part(device, plan, LLAMA_DRY if args.dry_run else "tinyllama")
+            llama = LLAMA_DRY if args.dry_run else "proxy" if args.cpu_sizes else "tinyllama"
+            parts["decode"] = decode_part(device, plan, llama)
         elif part == "percall":
             parts["percall"] = percall.run(plan["reps"], plan["calls"], progress=log, device=device)
         else:
