@@ -57,7 +57,7 @@ def by_op(step):
 
     def profiler(frame, event, arg):
         if event == "call" and frame.f_code is wrap._BODY:
-            op = wrap._op_of(frame)
+            op = wrap.op_of(frame)
             calls[getattr(op, "__name__", None) or repr(op)] += 1
 
     sys.setprofile(profiler)

@@ -16,8 +16,8 @@ keeps hmp out of the rest of PyTorch; docs/architecture.md maps the rest.
 
 from hmp.core.cache import clear_cache, frozen_weights
 from hmp.core.lists import list_path
+from hmp.core.op_wrap import op_wrap, to_bf16, to_fp32
 from hmp.core.switches import casts_enabled, disable_casts, enable_casts
-from hmp.core.wrap import op_wrap, to_bf16, to_fp32
 from hmp.driver.conversion import convert, converted, effective_lists, is_converted, revert
 from hmp.driver.user import bf16_function, fp32_function, promote_function, register, unregister
 from hmp.integrations.gaudi_config import convert_from_config

@@ -49,7 +49,7 @@ DROPOUTS = frozenset(
 ROUND_OUTPUT = NORM_OPS | DROPOUTS
 # Norms without running statistics. Some devices' kernels reject a bf16 input
 # with fp32 weight and bias (CUDA's layer_norm); there these fall back to
-# casting weight and bias too (see wrap.mixed_or_lower).
+# casting weight and bias too (see sites.mixed_or_lower).
 AFFINE_ONLY_NORMS = frozenset(("layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm"))
 
 
@@ -471,5 +471,5 @@ def for_site(kind, name, site, low, casters, strict=False):
 
 def rejects_mixed(kind, name):
     """True for a site whose kernel may reject its input cast alone (a BF16
-    norm without running statistics: see wrap.mixed_or_lower)."""
+    norm without running statistics: see sites.mixed_or_lower)."""
     return kind == "bf16" and name in AFFINE_ONLY_NORMS

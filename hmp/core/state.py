@@ -111,7 +111,7 @@ class Runtime:
         self.lock = threading.RLock()
         self.patches = None  # patch.PatchLog, made by the first convert(); kept for retries of a failed undo
         self.conversion = None  # conversion.Conversion in force; None: not converted
-        self.wrappers = None  # wrap.Wrappers of this conversion, for register() while converted
+        self.wrappers = None  # sites.Wrappers of this conversion, for register() while converted
         self.forwards = None  # modules.Forwards of this conversion: revert() makes what others captured plain
         self.hooks = []  # handles of torch's global hooks hmp registered (optimizer steps, buffers)
         self.pickle_names = {}  # id(function) -> (function, "module:attr") (pickling.py)

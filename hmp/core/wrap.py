@@ -1,6 +1,8 @@
 """The wrapper: one body for every call hmp casts (listed ops, registered
-functions, ``@hmp.*_function`` decorators, ``op_wrap``), and ``Wrappers``,
-the one place where what a site's wrapper does is decided.
+functions, ``@hmp.*_function`` decorators, ``op_wrap``), and its life:
+paused, resumed, taken over, retired by revert(), compiled by TorchScript
+as its original. What a site's wrapper does is decided in
+hmp/core/sites.py; Habana's ``op_wrap`` helpers are in hmp/core/op_wrap.py.
 
 Per call the body reads the thread's ``off``; when it is 0 it casts the
 arguments by the site's rule (chosen at convert time), turns casts off for
@@ -29,21 +31,16 @@ import logging
 import threading
 import types
 import weakref
-from typing import Any, Callable
 
 import torch
 
-from hmp.core import cast_copies, culprit, dtypes, policy, rescue, torch_private
-from hmp.core.rescue import Wrapped
-from hmp.core.resolve import BUILTINS, ORIGINAL, mark, unwrap
+from hmp.core import cast_copies, culprit, policy, rescue, torch_private
+from hmp.core.resolve import ORIGINAL, mark, unwrap
 from hmp.core.state import OFF, copies, tls
 
 log = logging.getLogger("hmp")
 
-_to_bf16 = cast_copies.CASTS[torch.bfloat16]
-_to_fp32 = cast_copies.PLAIN_CASTS[torch.float32]
-_FP32 = dtypes.FP32
-_NEVER = 1 << 62  # inplace_at of a site without an ``inplace`` parameter
+NEVER = 1 << 62  # inplace_at of a site without an ``inplace`` parameter
 
 
 def make(
@@ -54,7 +51,7 @@ def make(
     src=None,
     cast=None,
     refuse=None,
-    inplace_at=_NEVER,
+    inplace_at=NEVER,
     hidden=True,
     needs=None,
     output=None,
@@ -76,7 +73,7 @@ def make(
     ``src=PROMOTE``, a call whose floating tensors share one dtype runs as
     given. ``prepare`` applies the same rule to every other call."""
     original = op if original is None else original
-    return _finish(_body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs, output), original)
+    return finish(_body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs, output), original)
 
 
 PROMOTE = object()  # make(src=PROMOTE): the promote rule's common case
@@ -164,12 +161,12 @@ def hold(result, fresh):
     fresh.clear()
 
 
-def _op_of(frame):
+def op_of(frame):
     return frame.f_locals.get("op")
 
 
 _BODY = _body(None, None, None, None, None, None, None, None, None, None).__code__
-culprit.register_wrapper(_BODY, _op_of)
+culprit.register_wrapper(_BODY, op_of)
 
 
 _FIELDS = ("op", "prepare", "wrapped", "src", "cast", "refuse", "inplace_at", "hidden", "needs", "output")
@@ -198,7 +195,7 @@ def ready_for_compile():
         _ready = True
 
 
-def _finish(wrapper, op):
+def finish(wrapper, op):
     try:
         functools.update_wrapper(wrapper, op)
     except (AttributeError, TypeError):  # some builtins lack __dict__ or names
@@ -287,195 +284,3 @@ def retire(wrapper):
         f"{wrapper.__qualname__} [an hmp wrapper retired by revert(): pickle the state_dict, "
         f"or build the module after revert()]"
     )
-
-
-def _mentions_dtype(error):
-    text = str(error).lower()
-    return "dtype" in text or "scalar type" in text
-
-
-def mixed_or_lower(op, lower_all):
-    """``op`` for a norm whose input alone was cast. Where the device's kernel
-    rejects mixed dtypes, retry with weight and bias cast too, and from then
-    on go straight there for that device type."""
-    return _finish(_mixed_or_lower(op, lower_all), op)
-
-
-def _mixed_or_lower(op, lower_all):
-    unsupported = set()
-
-    def call(*args, **kwargs):
-        x = args[0] if args else kwargs.get("input")
-        device = x.device.type if isinstance(x, torch.Tensor) else None
-        if device in unsupported:
-            args, kwargs = lower_all(args, kwargs)
-            return op(*args, **kwargs)
-        try:
-            return op(*args, **kwargs)
-        except RuntimeError as e:
-            if not _mentions_dtype(e):
-                raise
-            cast_args, cast_kwargs = lower_all(args, kwargs)
-            if cast_args is args and cast_kwargs is kwargs:
-                raise  # nothing left to cast: not a mixed-dtype problem
-            result = op(*cast_args, **cast_kwargs)
-            unsupported.add(device)
-            log.info(
-                "hmp: %s rejects mixed dtypes on %s; casting weight and bias too", getattr(op, "__name__", op), device
-            )
-            return result
-
-    return call
-
-
-culprit.register_wrapper(_mixed_or_lower(None, None).__code__, _op_of)
-
-
-def _dtypes(args, kwargs):
-    out = []
-
-    def visit(v):
-        if isinstance(v, torch.Tensor):
-            out.append(dtypes.name(v.dtype))
-        elif type(v) is list or type(v) is tuple:
-            for x in v:
-                visit(x)
-
-    visit(args)
-    if kwargs:
-        visit(tuple(kwargs.values()))
-    return out
-
-
-def logged(prepare, label):
-    """``prepare`` that also logs the op, its input dtypes and what it ran in."""
-
-    def verbose_prepare(args, kwargs):
-        before = _dtypes(args, kwargs)
-        args, kwargs = prepare(args, kwargs)
-        log.debug("hmp: %s inputs (%s) -> (%s)", label, ", ".join(before), ", ".join(_dtypes(args, kwargs)))
-        return args, kwargs
-
-    return verbose_prepare
-
-
-class Wrappers:
-    """What every wrapper of one conversion does, decided per site.
-
-    ``casters``: dtype -> cast function (plain or through the weight cache);
-    ``verbose`` logs every cast call; ``recorder`` (hmp/tools/record.py)
-    instruments the wrappers for profile/audit/tune; ``passthrough`` makes
-    them cast nothing while still recording (an audit's fp32 reference).
-    """
-
-    def __init__(self, low, casters, verbose=False, recorder=None, passthrough=False, strict=False):
-        self.low, self.casters, self.verbose, self.recorder, self.passthrough, self.strict = (
-            low,
-            casters,
-            verbose,
-            recorder,
-            passthrough,
-            strict,
-        )
-
-    def _prepare(self, prepare, label, name):
-        if self.passthrough:
-            prepare = policy.cast_nothing
-        if self.verbose:
-            prepare = logged(prepare, label)
-        if self.recorder is not None:
-            prepare = self.recorder.prepare(prepare, name)
-        return prepare
-
-    def _op(self, op):
-        return op if self.recorder is None else self.recorder.op(op)
-
-    def site(self, binding, original):
-        """The wrapper of ``original`` for a resolve.Binding."""
-        site, kind, name, fallback = binding
-        prepare = policy.for_site(kind, name, site, self.low, self.casters, self.strict)
-        op = original
-        if policy.rejects_mixed(kind, name) and not self.passthrough:
-            op = mixed_or_lower(op, policy.lower(self.low, self.casters))
-        rounds = policy.rounds_output(kind, name, self.strict)
-        output = policy.round_output(cast_copies.CASTS[self.low]) if rounds and not self.passthrough else None
-        if output is not None and self.recorder is not None:
-            output = self.recorder.output(output)
-        wrapped = Wrapped.of(binding)
-        hidden = not isinstance(original, BUILTINS)
-        op = self._op(op)
-        # an op in no list steps in only for a call that needs it: otherwise the ops it calls cast as usual
-        needs = policy.needs(kind) if fallback else None
-        if (
-            self.passthrough
-            or self.verbose
-            or self.recorder is not None
-            or site.inplace
-            or site.written
-            or rounds
-            or name in policy.NORM_OPS
-            and kind == "bf16"
-            or fallback
-        ):
-            return make(
-                op,
-                self._prepare(prepare, site.label, name),
-                wrapped,
-                original,
-                hidden=hidden,
-                needs=needs,
-                output=output,
-            )
-        # lean for calls without keywords: the rule's casts without the prepare call
-        at = _NEVER if site.inplace_param is None else site.inplace_param
-        if kind == "bf16":
-            src, cast, refuse = dtypes.FP32_ONLY, self.casters[self.low], cast_copies.numbers_check(self.low)
-        elif kind == "fp32":
-            src, cast, refuse = dtypes.HALVES, self.casters[_FP32], None
-        else:
-            src, cast, refuse = PROMOTE, None, None
-        return make(op, prepare, wrapped, original, src, cast, refuse, at, hidden)
-
-    def user_prepare(self, kind, label):
-        """The prepare of a user function (``@hmp.*_function``) of list ``kind``."""
-        return self._prepare(policy.for_kind(kind, self.low, self.casters), label, f"user_{kind}_function")
-
-
-def user_function(fn, kind):
-    """The wrapper ``@hmp.{kind}_function`` returns; paused until convert()
-    resumes it with that conversion's prepare."""
-    label = getattr(fn, "__qualname__", None) or repr(fn)
-    return make(fn, None, Wrapped(label, None, kind))  # paused: prepare None
-
-
-def op_wrap(op: Callable, cast_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    """Habana's public helper: a wrapper of ``op`` that passes every tensor
-    argument (positional, keyword, or inside a list/tuple) through
-    ``cast_fn`` before calling it. It follows ``disable_casts`` and the
-    outermost-op rule like every hmp wrapper, converted or not."""
-
-    def cast_value(v):
-        if isinstance(v, torch.Tensor):
-            return cast_fn(v)
-        if type(v) is list or type(v) is tuple:
-            return type(v)(cast_value(x) for x in v)
-        return v
-
-    def prepare(args, kwargs):
-        return tuple(cast_value(a) for a in args), {k: cast_value(v) for k, v in kwargs.items()}
-
-    return make(op, prepare, Wrapped(getattr(op, "__qualname__", None) or repr(op)))
-
-
-def to_bf16(t: Any) -> Any:
-    """Cast a float32 tensor to bfloat16; anything else is returned as is."""
-    if isinstance(t, torch.Tensor) and t.dtype is torch.float32:
-        return _to_bf16(t)
-    return t
-
-
-def to_fp32(t: Any) -> Any:
-    """Cast a bfloat16/float16 tensor to float32; anything else is returned as is."""
-    if isinstance(t, torch.Tensor) and (t.dtype is torch.bfloat16 or t.dtype is torch.float16):
-        return _to_fp32(t)
-    return t

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 
 from hmp import rules, tested
-from hmp.core import cache, dtypes, imports, lists, modules, policy, wrap
+from hmp.core import cache, dtypes, imports, lists, modules, policy, sites, wrap
 from hmp.core.aten import returns_view
 from hmp.core.cache import clear_cache
 from hmp.core.cast_copies import CASTS
@@ -141,18 +141,18 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         effective, options, by_module, uncast = conversion
         casters = cache.casters() if options.cache else dict(CASTS)
         watch = imports.Watch()  # entries whose module the program imports later
-        wrappers = wrap.Wrappers(options.low, casters, options.verbose, recorder, passthrough, options.strict)
+        wrappers = sites.Wrappers(options.low, casters, options.verbose, recorder, passthrough, options.strict)
         # an op returning a view of its input is never wrapped (see aten.returns_view); ops in no list
         # that have no kernel for the lower dtype or need one dtype run as they would without hmp's casts
         fallback = lists.fallback_names(options.low)
         held = _held()
         one_dtype = lists.one_dtype_names()
-        sites = [
+        op_sites = [
             (b.site.namespace, b.site.attr, wrappers.site(b, _original(b.site, held)))
             for b in (resolver or Resolver()).bind(effective, fallback)
             if not returns_view(b.name) and not policy.runs_as_torch(b, one_dtype, options.strict)
         ]
-        sites += [_registration(wrappers, *entry) for entry in runtime.registered]
+        op_sites += [_registration(wrappers, *entry) for entry in runtime.registered]
         patches, forwards = [], None
         if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
             no_kernel = dict(fallback).get("fp32", ())
@@ -170,7 +170,7 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         _revert_locked()
         log_ = runtime.patches = runtime.patches or PatchLog()
         try:
-            for namespace, attr, value in sites:
+            for namespace, attr, value in op_sites:
                 _install(log_, namespace, attr, value)
             for namespace, attr, value in patches:
                 # an instance entry's forward: another library may wrap it while converted (accelerate's
@@ -406,7 +406,7 @@ def unregister(owner, name):
 
 
 def track_decorated(wrapper, kind):
-    """Take a ``@hmp.*_function`` wrapper (wrap.user_function) into every
+    """Take a ``@hmp.*_function`` wrapper (sites.user_function) into every
     conversion: resumed while converted, paused otherwise."""
     with runtime.lock:
         runtime.decorated[wrapper] = kind

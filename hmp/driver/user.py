@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from hmp.core import lists, wrap
+from hmp.core import lists, sites
 from hmp.driver import conversion
 
 F = TypeVar("F", bound=Callable)
@@ -27,7 +27,7 @@ def _decorator(kind):
     def decorate(fn: F) -> F:
         if not callable(fn):
             raise TypeError(f"hmp: {kind}_function needs a callable, got {fn!r}")
-        wrapper = wrap.user_function(fn, kind)
+        wrapper = sites.user_function(fn, kind)
         conversion.track_decorated(wrapper, kind)
         return wrapper
 

@@ -128,7 +128,7 @@ def test_mismatch_in_a_wrapped_norm_names_it_and_a_list():
 
 def test_half_converted_layer_norm_runs_through_the_norm_fallback():
     """layer_norm has no running statistics: where its kernel rejects mixed
-    weight and bias, hmp casts them too (see wrap.mixed_or_lower)."""
+    weight and bias, hmp casts them too (see sites.mixed_or_lower)."""
     hmp.convert()
     out = F.layer_norm(torch.randn(4, 8), (8,), torch.ones(8).bfloat16(), torch.zeros(8))
     assert out.dtype == torch.bfloat16

@@ -145,7 +145,7 @@ def test_layer_norm_kernel_gets_fp32_weight_on_cpu():
 
 def test_norm_falls_back_where_a_kernel_rejects_mixed_dtypes():
     """A stand-in for a device kernel (CUDA's layer_norm) that requires one dtype."""
-    from hmp.core import cast_copies, policy, wrap
+    from hmp.core import cast_copies, policy, sites
 
     calls = []
 
@@ -156,7 +156,7 @@ def test_norm_falls_back_where_a_kernel_rejects_mixed_dtypes():
         return torch.ones_like(x)
 
     lower_all = policy.lower(BF16, cast_copies.PLAIN_CASTS)
-    call = wrap.mixed_or_lower(strict_layer_norm, lower_all)
+    call = sites.mixed_or_lower(strict_layer_norm, lower_all)
     x, w, b = torch.randn(2, 4).bfloat16(), torch.randn(4), torch.randn(4)
     assert call(x, (4,), w, b).dtype == BF16
     assert calls == [(BF16, FP32), (BF16, BF16)]
@@ -168,4 +168,4 @@ def test_norm_falls_back_where_a_kernel_rejects_mixed_dtypes():
         raise RuntimeError("normalized_shape mismatch")
 
     with pytest.raises(RuntimeError, match="normalized_shape"):
-        wrap.mixed_or_lower(shape_error, lower_all)(x, (4,), w, b)
+        sites.mixed_or_lower(shape_error, lower_all)(x, (4,), w, b)
