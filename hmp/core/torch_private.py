@@ -8,7 +8,8 @@ tests/unit/test_torch_private.py checks each of them on the running torch.
 Each entry says why hmp needs it and the releases it is known for (the
 tested releases: hmp/tested.py). A name a release lacks
 gets a fallback here, never an AttributeError at ``import hmp``; where no
-fallback keeps hmp's promise, convert() says what is missing (``missing()``).
+fallback keeps hmp's promise, convert() says what is missing (``checkpoint_lacks()``,
+``step_lacks()``, through the rules' ``Changes.lacks``).
 """
 
 import importlib
@@ -369,11 +370,6 @@ def step_lacks():
             f"step that raises leaves casts off in its thread until revert(); please report"
         ]
     return []
-
-
-def missing():
-    """Everything this torch lacks that hmp's rules need ([] on the tested releases)."""
-    return checkpoint_lacks() + step_lacks()
 
 
 # Which aten overloads a call reaches (hmp/core/pointwise.py classifies list

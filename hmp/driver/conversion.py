@@ -396,8 +396,7 @@ def register(owner, name, kind):
         unregister(owner, name)
         runtime.registered.append((owner, name, kind))
         if runtime.conversion is not None:
-            namespace, attr, wrapper = _registration(runtime.wrappers, owner, name, kind)
-            runtime.patches.setattr(namespace, attr, wrapper)
+            _later(*_registration(runtime.wrappers, owner, name, kind))
 
 
 def unregister(owner, name):

@@ -28,7 +28,7 @@ from hmp.core.switches import run_as
 from hmp.rules.interface import Changes
 
 
-def patches(ctx):
+def _patches(ctx):
     """``[(namespace, attr, replacement)]`` for the checkpoint entry points this
     torch has; built without changing anything."""
     out = []
@@ -55,4 +55,4 @@ def patches(ctx):
 
 def changes(ctx):
     """The rule's changes (hmp/rules/interface.py)."""
-    return Changes(tuple(patches(ctx)), lacks=tuple(torch_private.checkpoint_lacks()))
+    return Changes(tuple(_patches(ctx)), lacks=tuple(torch_private.checkpoint_lacks()))

@@ -147,17 +147,11 @@ def names(entries):
     return out
 
 
-def patches(ctx=None):
-    """``[(namespace, attr, value)]``: ``torch.save`` giving torch's hmp's
-    Pickler, and ForkingPickler's ``reducer_override`` (see above)."""
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py): ``torch.save`` giving
+    torch hmp's Pickler, and ForkingPickler's ``reducer_override`` (see above)."""
     original = unwrap(torch.serialization.save)
     save = _save(original)
     homes = [ns for ns in (torch, torch.serialization) if unwrap(getattr(ns, "save", None)) is original]
-    return [(ns, "save", save) for ns in homes] + [
-        (reduction.ForkingPickler, "reducer_override", _reducer_override),
-    ]
-
-
-def changes(ctx):
-    """The rule's changes (hmp/rules/interface.py)."""
-    return Changes(tuple(patches(ctx)))
+    saves = tuple((ns, "save", save) for ns in homes)
+    return Changes((*saves, (reduction.ForkingPickler, "reducer_override", _reducer_override)))

@@ -37,12 +37,12 @@ def load():
     return entries(default, default)
 
 
-def patches(ctx):
-    """The rule's patches (hmp/rules/__init__.py); ``ctx.watch`` takes in the
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py); ``ctx.watch`` takes in the
     factories of modules the program imports later."""
     factories = Factories(load())
     factories.watch(ctx.watch)
-    return factories.patches()
+    return Changes(tuple(factories.patches()))
 
 
 class Factories:
@@ -87,8 +87,3 @@ class Factories:
         stand_in(is_autocast_enabled, original)
         script_as(is_autocast_enabled, original)  # TorchScript compiles torch's (nn.TransformerEncoderLayer asks)
         return [(torch, "is_autocast_enabled", is_autocast_enabled)]
-
-
-def changes(ctx):
-    """The rule's changes (hmp/rules/interface.py)."""
-    return Changes(tuple(patches(ctx)))

@@ -120,9 +120,9 @@ def _unwrapped_own(cls, name):
     return unwrap(cls.__dict__[name])
 
 
-def patches(ctx):
-    """``[(namespace, attr, new value)]`` for every region hmp leaves alone.
-    Builds everything and changes nothing."""
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py): a patch for every region
+    hmp leaves alone. Builds everything and changes nothing."""
     patches = [
         (autocast, "__enter__", _autocast_enter(_unwrapped_own(autocast, "__enter__"))),
         (autocast, "__exit__", _autocast_exit(_unwrapped_own(autocast, "__exit__"))),
@@ -143,9 +143,4 @@ def patches(ctx):
     fetch = torch_private.single_process_fetch()
     if fetch is not None:
         patches.append((*fetch, uncast(_unwrapped_own(*fetch))))
-    return patches
-
-
-def changes(ctx):
-    """The rule's changes (hmp/rules/interface.py)."""
-    return Changes(tuple(patches(ctx)))
+    return Changes(tuple(patches))

@@ -21,9 +21,9 @@ from hmp.rules.interface import Changes
 MODES = torch_private.RNN_MODES
 
 
-def patches(ctx):
-    """The rule's patches (hmp/rules/__init__.py): none on a run that casts nothing."""
-    return check_input_patches(ctx.lists, ctx.lower_modules) if ctx.casting else []
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py): none on a run that casts nothing."""
+    return Changes(tuple(check_input_patches(ctx.lists, ctx.lower_modules)) if ctx.casting else ())
 
 
 def check_input_patches(effective, lower_modules=False):
@@ -50,8 +50,3 @@ def check_input_patches(effective, lower_modules=False):
         return original(self, input, batch_sizes)
 
     return [(base, name, stand_in(check_input, original))]
-
-
-def changes(ctx):
-    """The rule's changes (hmp/rules/interface.py)."""
-    return Changes(tuple(patches(ctx)))

@@ -150,7 +150,7 @@ def forget_open_steps():
     _unwind(0)
 
 
-def patches(ctx):
+def _patches(ctx):
     """``[(namespace, attr, value)]``: what record_function's exit operator
     calls, extended to leave a step that raised ([] on a torch where it is
     not found; convert() then says so, through ``needs()``)."""
@@ -165,4 +165,4 @@ def patches(ctx):
 def changes(ctx):
     """The rule's changes (hmp/rules/interface.py): the exit operator's patch and the step hooks."""
     hooks = (lambda: register_optimizer_step_pre_hook(_pre_hook), lambda: register_optimizer_step_post_hook(_post_hook))
-    return Changes(tuple(patches(ctx)), hooks, tuple(torch_private.step_lacks()))
+    return Changes(tuple(_patches(ctx)), hooks, tuple(torch_private.step_lacks()))

@@ -59,11 +59,7 @@ def _checked(load_state_dict):
     return stand_in(checked_load_state_dict, load_state_dict)
 
 
-def patches(ctx):
-    """``[(namespace, attr, value)]``: ``Module.load_state_dict`` checked."""
-    return [(torch.nn.Module, "load_state_dict", _checked(unwrap(torch.nn.Module.__dict__["load_state_dict"])))]
-
-
 def changes(ctx):
-    """The rule's changes (hmp/rules/interface.py)."""
-    return Changes(tuple(patches(ctx)))
+    """The rule's changes (hmp/rules/interface.py): ``Module.load_state_dict`` checked."""
+    checked = _checked(unwrap(torch.nn.Module.__dict__["load_state_dict"]))
+    return Changes(((torch.nn.Module, "load_state_dict", checked),))

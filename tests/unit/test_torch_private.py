@@ -210,7 +210,7 @@ def test_record_function_exit_call_is_what_a_block_calls_at_its_close():
 
 def test_checkpoint_generator_is_what_non_reentrant_checkpoint_calls():
     name = tp.checkpoint_generator()
-    assert name is not None and tp.missing() == []
+    assert name is not None and tp.checkpoint_lacks() == []
     module = tp.CHECKPOINT_MODULE
     original, calls = module.__dict__[name], []
 
@@ -260,8 +260,8 @@ def test_error_wordings_match_torch_messages():
     assert re.search(tp.MIXED_DTYPE_MESSAGE, str(info.value)) or "dtype" in str(info.value)
 
 
-def test_missing_is_empty_on_a_tested_release():
-    assert tp.missing() == []
+def test_nothing_is_lacking_on_a_tested_release():
+    assert tp.checkpoint_lacks() == [] and tp.step_lacks() == []
     assert tp.VERSION == torch.__version__.split("+")[0]
 
 
