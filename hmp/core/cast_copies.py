@@ -59,9 +59,15 @@ def _finite(dtype):
         # casts off while hmp casts: a BF16 module's mode (modules.LowerMode) must not lower the
         # source before its range is read, nor cast what the saturation computes
         st = tls
-        shield = not st.off
-        if shield:
-            st.off = OFF
+        if st.off:
+            return _saturated(t)
+        st.off = OFF
+        try:
+            return _saturated(t)
+        finally:  # also when the cast raises (a subclass refusing the dtype): casts come back on
+            st.off = 0
+
+    def _saturated(t):
         y = cast(t)
         grad = _grad_on() and y.requires_grad
         if grad:
@@ -78,8 +84,6 @@ def _finite(dtype):
         finally:
             if grad:
                 _set_grad(True)
-            if shield:
-                st.off = 0
         return y
 
     cast_finite.__name__ = cast_finite.__qualname__ = f"to_{dtype_name(dtype)}_finite"

@@ -325,3 +325,32 @@ def test_fake_tensors_stay_fake():
             (x.mul_(x.bfloat16()), FP32),
         ):
             assert isinstance(out, fake_tensor.FakeTensor) and out.dtype == dtype
+
+
+class RefusesLowerDtypes(torch.Tensor):
+    """A subclass whose casts to a lower dtype raise (as MaskedTensor's can)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("bfloat16", "half", "to", "_to_copy"):
+            raise TypeError("this subclass refuses lower dtypes")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_cast_that_raises_leaves_casting_on_in_the_thread():
+    """A BF16 module entry casts its inputs before its forward, outside any
+    op's wrapper: a refused cast there must not leave casts off afterwards."""
+    from hmp.core.state import tls
+
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    hmp.convert(bf16_modules=[Scale])
+    try:
+        t = torch.randn(4).as_subclass(RefusesLowerDtypes)
+        out = Scale()(t)  # the refused cast leaves the input as it is
+        assert out.dtype == torch.float32 and tls.off == 0
+        assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.bfloat16  # still casting
+    finally:
+        hmp.revert()
