@@ -59,32 +59,30 @@ def _finite(dtype):
         # casts off while hmp casts: a BF16 module's mode (modules.LowerMode) must not lower the
         # source before its range is read, nor cast what the saturation computes
         st = tls
-        if st.off:
-            return _saturated(t)
-        st.off = OFF
+        shield = not st.off
+        if shield:
+            st.off = OFF
         try:
-            return _saturated(t)
-        finally:  # also when the cast raises (a subclass refusing the dtype): casts come back on
-            st.off = 0
-
-    def _saturated(t):
-        y = cast(t)
-        grad = _grad_on() and y.requires_grad
-        if grad:
-            _set_grad(False)
-        try:
-            if _tracing() is not None:  # jit.trace: an op on the source would keep it alive; infinities saturate
-                _nan_to_num_(y, _NAN, top, -top)
-            elif t.is_cpu and not _compiling() and _within(t, top):
-                _bump(y)  # nothing to saturate; the copy's version moves once either way
-            else:  # outside autograd: out= is fine
-                _where(_isinf(t), y, _clamp(y, -top, top), out=y)
-        except (RuntimeError, NotImplementedError):  # a layout without these ops (nested): torch's rounding
-            pass
-        finally:
+            y = cast(t)
+            grad = _grad_on() and y.requires_grad
             if grad:
-                _set_grad(True)
-        return y
+                _set_grad(False)
+            try:
+                if _tracing() is not None:  # jit.trace: an op on the source would keep it alive; infinities saturate
+                    _nan_to_num_(y, _NAN, top, -top)
+                elif t.is_cpu and not _compiling() and _within(t, top):
+                    _bump(y)  # nothing to saturate; the copy's version moves once either way
+                else:  # outside autograd: out= is fine
+                    _where(_isinf(t), y, _clamp(y, -top, top), out=y)
+            except (RuntimeError, NotImplementedError):  # a layout without these ops (nested): torch's rounding
+                pass
+            finally:
+                if grad:
+                    _set_grad(True)
+            return y
+        finally:  # also when the cast raises (a subclass refusing the dtype): casts come back on
+            if shield:
+                st.off = 0
 
     cast_finite.__name__ = cast_finite.__qualname__ = f"to_{dtype_name(dtype)}_finite"
     return cast_finite
