@@ -66,7 +66,8 @@ def read_lines(path, what):
         with open(path, "rb") as f:
             data = f.read(MAX_BYTES + 1)  # bounded: /dev/zero or a runaway pipe must not eat all memory
     except OSError as e:
-        raise type(e)(e.errno, f"hmp: cannot read {what} {str(path)!r}: {e.strerror}", str(path)) from None
+        where = str(path) if path.is_absolute() else f"{str(path)!r} ({os.path.abspath(path)})"
+        raise type(e)(e.errno, f"hmp: cannot read {what} {where}: {e.strerror}", str(path)) from None
     except ValueError as e:  # a path the OS cannot take (an embedded NUL byte)
         raise ValueError(f"hmp: cannot read {what} {str(path)!r}: {e}") from None
     if len(data) > MAX_BYTES:

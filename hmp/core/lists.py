@@ -417,7 +417,9 @@ def effective(resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16=""
                 titles[kind] = f"{FILE_TITLE[kind]} (from ${var})"
                 log.info("hmp: %s list from $%s: %s", kind, var, sources[kind])
     if opt_level == "O2":
-        ignored = [titles[k] for k in ("bf16", "fp32") if given(sources[k])]
+        ignored = [
+            f"{titles[k]} {str(getattr(s, 'source', s))!r}" for k, s in sources.items() if k != "promote" and given(s)
+        ]
         if ignored:
             warnings.warn(
                 f"hmp: opt_level O2 uses its own lists; ignoring the given {' and '.join(ignored)}",

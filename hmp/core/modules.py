@@ -28,6 +28,7 @@ modules without a policy get no rule (their constructors run uncast:
 hmp/rules/uncast_calls.py).
 """
 
+import difflib
 import fnmatch
 import inspect
 import types
@@ -360,17 +361,30 @@ def _by_name(pattern, names, where):
             return [module_class(pattern)]
         except ValueError as e:
             if names is None:
-                raise ValueError(f"{where}: {e}") from None
+                raise ValueError(f"{where}: {e}{_did_you_mean(pattern, names)}") from None
     if names is None:
         raise ValueError(
             f"{where}: {pattern!r} is a module name pattern, and convert() got no model= to match "
-            f"it against (or give the class, an instance or a class's import path)"
+            f"it against (or give the class, an instance or a class's import path){_did_you_mean(pattern, names)}"
         )
     close = fnmatch.filter(names, f"*{pattern.strip('*')}*")[:3] or [n for n in names if n][:3]
     raise ValueError(
         f"{where}: {pattern!r} matches no module of the model (its names look like "
-        f"{', '.join(close)}) and is no module class's import path"
+        f"{', '.join(close)}) and is no module class's import path{_did_you_mean(pattern, names)}"
     )
+
+
+def _did_you_mean(pattern, names):
+    """A mistyped entry's close matches: the model's module names, and the import paths of the
+    module classes (the model's and torch.nn's) whose class name is close to its last part."""
+    classes = {}
+    for cls in [type(m) for m in (names or {}).values()] + list(vars(torch.nn).values()):
+        if isinstance(cls, type) and issubclass(cls, Module) and cls.__name__ not in classes:
+            short = f"torch.nn.{cls.__name__}"
+            classes[cls.__name__] = short if getattr(torch.nn, cls.__name__, None) is cls else lists.class_path(cls)
+    found = difflib.get_close_matches(pattern, [n for n in names or () if n], n=3, cutoff=0.8)
+    found += [classes[c] for c in difflib.get_close_matches(pattern.rsplit(".", 1)[-1], list(classes), 3, 0.8)]
+    return f"; did you mean {' or '.join(repr(f) for f in found)}?" if found else ""
 
 
 def merge(from_files, fp32, bf16):
