@@ -21,10 +21,18 @@ Correct by construction: no copy outlives the reason it was made.
 Within those lifetimes an entry (named fields, see ``_Entry``) is also
 checked against what can change cheaply (version counter, data pointer,
 requires_grad), and it holds the source storage so its address cannot be
-reused. A write through the
-``p.data`` alias bumps no counter: it is invisible only while a graph that
-saved the old copy is still alive (``retain_graph=True``) or inside
-``frozen_weights()``. The cache steps aside for inference tensors (no
+reused. A write that keeps the version counter does so through torch's one
+way to put a counter back, ``torch._C._autograd._unsafe_set_version_counter``
+(``torch.autograd._unsafe_preserve_version_counter`` calls it): FSDP2 refills
+an unsharded parameter in place with it at every all-gather (same tensor,
+same version, often the same address), DDP broadcasts buffers with it.
+hmp/rules/refills.py sees each call and ``refilled()`` drops every copy, so
+the per-call check stays the three comparisons above. What no counter
+shows at all is a write through another tensor on the same memory (the
+``p.data`` alias, storage-level copies, collectives such as
+``dist.broadcast``, which declare no write): invisible only while a graph
+that saved the old copy is still alive (a forward's output kept across the
+write, ``retain_graph=True``) or inside ``frozen_weights()``. The cache steps aside for inference tensors (no
 version counter), under functorch transforms (their tensors have no
 storage), while ``torch.jit.trace`` runs (a cached copy would be recorded
 as a constant) and while torch.compile traces (fake tensors).
@@ -132,6 +140,19 @@ def clear_cache() -> None:
             store.clear()
 
 
+def refilled() -> None:
+    """A tensor was written and its version counter put back (hmp/rules/refills.py):
+    drop every copy. Which copies came from that memory is not worth finding
+    at each refill (FSDP2 refills every module's parameters at every forward);
+    each store is emptied at C speed, and what went is cast again at its next
+    use, so the work is at most one drop per cast."""
+    for store in copies.live.values():
+        store.clear()
+    for frozen in list(copies.frozen):
+        for store in frozen.stores.values():
+            store.clear()
+
+
 def caster(dtype):
     """A one-argument cast to ``dtype`` that goes through the cache for
     parameters and other leaf tensors that require grad. A hit is one
@@ -184,9 +205,11 @@ def frozen_weights() -> Iterator[None]:
     are kept across calls (fast repeated inference); dropped on exit.
 
     Thread-local and nestable, like ``torch.autocast``. hmp still sees
-    in-place ops, ``p.data = ...``, ``load_state_dict`` and optimizer steps
-    inside the block; what it cannot see is an in-place write through the
-    ``p.data`` alias, which is what you promise not to do here. Outside the
+    in-place ops, ``p.data = ...``, ``load_state_dict``, optimizer steps and
+    refills that put the version counter back (FSDP2's all-gathers) inside
+    the block; what it cannot see is a write through another tensor on the
+    weight's memory (the ``p.data`` alias, ``dist.broadcast`` into a
+    parameter), which is what you promise not to do here. Outside the
     block no-grad casts are never reused, so the default is always exact."""
     st = tls
     if st.frozen_depth == 0:

@@ -243,6 +243,14 @@ def engine_run_backward_homes():
     return [(torch.autograd.graph, ENGINE_RUN_BACKWARD), (torch.autograd, ENGINE_RUN_BACKWARD)]
 
 
+# torch's one way to write a tensor and keep its version counter: it puts the
+# counter back afterwards (torch.autograd._unsafe_preserve_version_counter, FSDP2's
+# all-gather copy-out, DDP's buffer broadcast, AOTAutograd's input mutations all
+# call it by this name at call time). 2.4 takes (tensor, version), later releases
+# (tensors, versions).
+VERSION_COUNTER_RESET = (torch._C._autograd, "_unsafe_set_version_counter")
+
+
 # DataLoader worker processes start in this function (any start method).
 WORKER_MODULE = _worker
 WORKER_LOOP = "_worker_loop"

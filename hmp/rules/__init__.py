@@ -14,6 +14,7 @@ from hmp.rules import (
     checkpoint,
     functions,
     pickling,
+    refills,
     region_factories,
     regions,
     rnn,
@@ -29,6 +30,7 @@ RULES = (
     functions,  # custom_fwd/custom_bwd Functions: the author's choice wins
     regions,  # autocast regions, backward, GradScaler, DataLoader workers: left alone
     steps,  # optimizer steps run uncast and drop the weight-cast cache
+    refills,  # a write that keeps the version counter drops the weight-cast cache
     weight_writes,  # lower-precision values loaded into float32 weights: said once
     uncast_calls,  # building, averaging, merging, sampling: what the program keeps, uncast
     region_factories,  # an author's autocast region however a library builds it

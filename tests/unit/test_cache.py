@@ -53,6 +53,18 @@ def _update(kind, model, opts, x):
         for q in model.parameters():
             if q.grad is not None:
                 q.data -= 0.1 * q.grad
+    elif kind == "refill":  # FSDP2's copy-out: a write, and the version counter put back
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
+            p.copy_(torch.randn_like(p))
+    elif kind == "refill_freed":  # FSDP2's reshard and unshard: the storage freed, reallocated, refilled
+        for q in model.parameters():
+            storage = q.untyped_storage()
+            size = storage.nbytes()
+            new = torch.randn_like(q)
+            storage.resize_(0)
+            storage.resize_(size)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(q):
+                q.copy_(new)
     elif kind == "load_state_dict":
         model.load_state_dict({k: v + 0.01 for k, v in model.state_dict().items()})
     elif kind == "requires_grad_off_on":
@@ -80,19 +92,27 @@ UPDATES = [
     "data_copy",
     "data_sgd",
     "load_state_dict",
+    "refill",
+    "refill_freed",
     "requires_grad_off_on",
     "step_fused/plain",
     "step_fused/disable",
     "step_foreach/plain",
     "step_single/disable",
 ]
+# writes through another tensor on the weight's memory: no counter shows them (cache.py says where that matters)
+UNSEEN = {"data_inplace", "data_copy", "data_sgd"}
 USES = ["grad", "grad_backward", "no_grad", "eval_no_grad", "inference_mode", "frozen_burst"]
 
 
-def _use(kind, model, x):
-    """What the run computes: the outputs to compare."""
+def _use(kind, model, x, alive=None):
+    """What the run computes: the outputs to compare (``alive``: keep each
+    grad-mode output, and so its graph and the copies it holds, to the end)."""
     if kind == "grad":
-        return [model(x).detach()]
+        out = model(x)
+        if alive is not None:
+            alive.append(out)
+        return [out.detach()]
     if kind == "grad_backward":
         out = model(x)
         out.float().pow(2).sum().backward()
@@ -118,7 +138,7 @@ def _use(kind, model, x):
     raise AssertionError(kind)
 
 
-def _run(program, use_cache):
+def _run(program, use_cache, keep_graphs=False):
     torch.manual_seed(0)
     model = Tied()
     opts = {
@@ -128,12 +148,12 @@ def _run(program, use_cache):
     }
     x = torch.randn(4, 6)
     hmp.convert(cache=use_cache)
-    outs = []
+    outs, alive = [], [] if keep_graphs else None
     try:
         for update, use in program:
             if update is not None:
                 _update(update, model, opts, x)
-            outs.extend(_use(use, model, x))
+            outs.extend(_use(use, model, x, alive))
     finally:
         hmp.revert()
     return outs
@@ -146,6 +166,62 @@ def test_cache_on_computes_exactly_what_cache_off_computes(program):
     assert len(with_cache) == len(without)
     for a, b in zip(with_cache, without):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@settings(deadline=None)
+@given(
+    program=st.lists(
+        st.tuples(st.none() | st.sampled_from([u for u in UPDATES if u not in UNSEEN]), st.sampled_from(USES)),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_cache_on_computes_what_cache_off_computes_while_earlier_graphs_live(program):
+    """Every grad-mode output is kept to the end, so its graph holds the
+    copies it used while the weights are written (the window in which FSDP2's
+    refills went unseen)."""
+    with_cache, without = _run(program, True, keep_graphs=True), _run(program, False, keep_graphs=True)
+    assert len(with_cache) == len(without)
+    for a, b in zip(with_cache, without):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_refill_that_puts_the_version_back_is_seen():
+    """The write pattern of FSDP2's all-gather copy-out, on a plain layer: the
+    first output's graph still holds the bf16 copy of the old weight."""
+    hmp.convert()
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16)
+    new = torch.randn(16, 16)
+    first = lin(x)
+    version, address = lin.weight._version, lin.weight.data_ptr()
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(lin.weight):
+        lin.weight.copy_(new)
+    assert (lin.weight._version, lin.weight.data_ptr()) == (version, address)  # nothing a per-call check reads
+    want = F.linear(x.to(BF16), new.to(BF16), lin.bias.to(BF16))
+    assert torch.equal(lin(x), want)
+    # a view refilled (FSDP2 writes views of the all-gather output) and a frozen_weights() block
+    with hmp.frozen_weights(), torch.no_grad():
+        lin(x)
+        with torch.autograd._unsafe_preserve_version_counter(lin.weight.view(-1)):
+            lin.weight.view(-1).mul_(2)
+        assert torch.equal(lin(x), F.linear(x.to(BF16), (2 * new).to(BF16), lin.bias.to(BF16)))
+    del first
+
+
+def test_the_version_counter_reset_is_torchs_own_after_revert():
+    from hmp.core import torch_private
+
+    namespace, attr = torch_private.VERSION_COUNTER_RESET
+    original = getattr(namespace, attr)
+    hmp.convert()
+    assert getattr(namespace, attr) is not original
+    t = torch.zeros(3)
+    t.add_(1)
+    getattr(namespace, attr)((t,), (0,))  # still torch's behaviour
+    assert t._version == 0
+    hmp.revert()
+    assert getattr(namespace, attr) is original
 
 
 def _loss_after(steps, use_cache, fused=True, manual=False):
