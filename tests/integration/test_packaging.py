@@ -1,35 +1,94 @@
-"""The shipped list files work from an installed wheel, from any directory."""
+"""What pip installs is the whole package: the wheel and the sdist hold every module and list file
+of the tree, and the installed wheel works from any directory, away from this checkout."""
 
+import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 import hmp
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# what an editable install or a test run leaves in a checkout: not sources
+BUILT_HERE = ("build", "dist", "*.so", "*.egg-info", ".venv", ".git", "__pycache__", ".hypothesis", ".pytest_cache")
+
+
+def _tree_files():
+    """What the wheel must hold, from the source tree: every module and data file of hmp/ and every
+    list file of op_lists/ (shipped as hmp/op_lists/), as paths inside the wheel."""
+    out = set()
+    for folder, inside in (("hmp", "hmp"), ("op_lists", "hmp/op_lists")):
+        for path in (ROOT / folder).rglob("*"):
+            rel = path.relative_to(ROOT / folder)
+            if path.is_file() and "__pycache__" not in rel.parts and path.suffix != ".pyc":
+                out.add(f"{inside}/{rel.as_posix()}")
+    return out
+
+
+def _build(source, out, what):
+    """Build ``what`` ("wheel" or "sdist") of the project at ``source`` into ``out`` with the installed
+    setuptools (PEP 517's hooks, no isolation: nothing downloaded); the archive's path."""
+    code = f"import sys; from setuptools import build_meta; print(build_meta.build_{what}(sys.argv[1]))"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(out)], cwd=source, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out / done.stdout.strip().splitlines()[-1]
+
+
+def test_the_wheel_and_the_sdist_hold_every_module_and_list_file(tmp_path):
+    """pyproject.toml names hmp's packages one by one (setuptools' find cannot map op_lists/ to
+    hmp/op_lists): a package added under hmp/ and not named there, or a list file not matched by the
+    package data, fails here. The sdist is checked by building the wheel again from it."""
+    pytest.importorskip("setuptools")
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*BUILT_HERE))
+    wheel = _build(source, tmp_path / "dist", "wheel")
+    sdist = _build(source, tmp_path / "dist", "sdist")
+    assert wheel.name.startswith("torch_hmp-") and wheel.name.endswith("-py3-none-any.whl"), wheel.name
+    expected = _tree_files()
+    assert "hmp/driver/conversion.py" in expected and "hmp/op_lists/bf16.txt" in expected  # the walk finds them
+    with zipfile.ZipFile(wheel) as z:
+        in_wheel = {n for n in z.namelist() if not n.split("/")[0].endswith(".dist-info")}
+        metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        entry_points = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert not expected - in_wheel, f"missing from the wheel: {sorted(expected - in_wheel)}"
+    assert not in_wheel - expected, f"in the wheel but not in the tree: {sorted(in_wheel - expected)}"
+    assert "Requires-Dist: torch>=" in metadata and "hmp = hmp.__main__:main" in entry_points
+    with tarfile.open(sdist) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        in_sdist = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python 3.12's default, earlier too
+        tar.extractall(tmp_path / "unpacked", **safe)
+    sources = {p.replace("hmp/op_lists/", "op_lists/", 1) for p in expected}
+    assert not sources - in_sdist, f"missing from the sdist: {sorted(sources - in_sdist)}"
+    assert {"pyproject.toml", "setup.cfg", "README.md"} <= in_sdist
+    again = _build(tmp_path / "unpacked" / top, tmp_path / "from-sdist", "wheel")
+    with zipfile.ZipFile(again) as z:
+        from_sdist = {n for n in z.namelist() if not n.split("/")[0].endswith(".dist-info")}
+    assert from_sdist == in_wheel, sorted(from_sdist ^ in_wheel)
+
+
 @pytest.mark.slow
 @pytest.mark.torch_internals
-def test_installed_wheel_finds_its_lists(tmp_path):
+def test_the_installed_wheel_works_from_anywhere(tmp_path):
+    """The wheel installed into a folder of its own, run from another folder with ``-S`` (no
+    site-packages .pth files, so the editable install of this checkout cannot answer an import; torch's
+    own folder is put on the path instead): .ci/installed.py imports every module from the installed
+    copy, loads every shipped list and runs ``python -m hmp --version``. CI's wheel leg runs the same
+    script in a fresh venv, with the examples and a short demo."""
     pytest.importorskip("setuptools")
-    wheels, site, source = tmp_path / "wheels", tmp_path / "site", tmp_path / "source"
-    # the sources alone: no build folder or extension an editable install left in this checkout
-    built_here = ("build", "dist", "*.so", "*.egg-info", ".venv", ".git", "__pycache__", ".hypothesis")
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*built_here))
-    build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)]
-        + [str(source)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert build.returncode == 0, build.stderr
-    (wheel,) = wheels.glob("torch_hmp-*.whl")  # the distribution's name; the import name is hmp
-    assert wheel.name.endswith("-py3-none-any.whl"), wheel.name  # pure Python: one wheel for every platform
+    source, site = tmp_path / "source", tmp_path / "site"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*BUILT_HERE))
+    wheel = _build(source, tmp_path / "dist", "wheel")
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
         capture_output=True,
@@ -40,25 +99,19 @@ def test_installed_wheel_finds_its_lists(tmp_path):
     assert (site / "hmp" / "op_lists" / "bf16.txt").is_file()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    code = (
-        "import hmp, torch\n"
-        "hmp.convert()\n"
-        "print(hmp.__file__)\n"
-        "print(len(hmp.effective_lists()['bf16']), len(hmp.effective_lists()['fp32']))\n"
-        "print(torch.nn.functional.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype)\n"
-        "hmp.convert(opt_level='O2')\n"
+    libraries = {str(Path(torch.__file__).parents[1])} | {str(Path(p)) for p in sys.path if p.endswith("site-packages")}
+    env = {"PYTHONPATH": os.pathsep.join([str(site), *sorted(libraries)]), "PATH": os.environ.get("PATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-S", str(ROOT / ".ci" / "installed.py"), str(ROOT)],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
-    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
-    res = subprocess.run(
-        [sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, env=env, timeout=120
-    )
-    assert res.returncode == 0, res.stderr
-    where, counts, dtype = res.stdout.split("\n")[:3]
-    assert where.startswith(str(site)), where  # the installed copy, not the source tree
-    hmp.convert()  # the source tree's lists, in this process
-    expected = f"{len(hmp.effective_lists()['bf16'])} {len(hmp.effective_lists()['fp32'])}"
-    hmp.revert()
-    assert counts == expected and dtype == "torch.bfloat16"
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"hmp imported from {site.resolve() / 'hmp'}" in done.stdout, done.stdout
+    assert "python -m hmp --version: hmp " in done.stdout and "all " in done.stdout.splitlines()[-1]
 
 
 def test_requirements_never_cap_torch_and_start_at_the_floor_ci_tests():
