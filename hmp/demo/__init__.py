@@ -31,7 +31,7 @@ from hmp.demo.training import (
     resolve_device,
     train,
 )
-from hmp.tools.arguments import positive_int, seed
+from hmp.tools.arguments import list_file_problem, positive_int, seed
 from hmp.tools.progress import Progress
 
 PROG = "python -m hmp demo"
@@ -140,19 +140,19 @@ def _hmp_options(args):
     if args.opt_level == "O1":  # O2 has its own lists and ignores these
         options.update(bf16_file_path=args.bf16_file, fp32_file_path=args.fp32_file)
     elif args.bf16_file or args.fp32_file:
-        _note("warning: --opt-level O2 uses hmp's O2 lists; ignoring --bf16-file/--fp32-file")
+        pairs = (("--bf16-file", args.bf16_file), ("--fp32-file", args.fp32_file))
+        ignored = " and ".join(f"{flag} {path}" for flag, path in pairs if path)
+        _note(f"warning: --opt-level O2 uses hmp's O2 lists; ignoring {ignored}")
     return options
 
 
-def _check_hmp_options(options):
+def _check_hmp_options(options, args):
     """Convert once and revert, so a bad list file fails before any training."""
     try:
         with hmp.converted(**options):
             pass
-    except OSError as e:
-        return e.strerror or str(e)
-    except (ValueError, TypeError) as e:
-        return str(e)
+    except (OSError, ValueError, TypeError) as e:
+        return list_file_problem(e, args, PROG)
     return None
 
 
@@ -167,7 +167,7 @@ def _setup(args):
     except DeviceError as e:
         return _error(str(e))
     options = _hmp_options(args)
-    problem = _check_hmp_options(options)
+    problem = _check_hmp_options(options, args)
     if problem:
         return _error(problem)
     try:

@@ -1,7 +1,17 @@
-"""Argument types the command line's subcommands share: a bad value is
-argparse's usage error naming the flag and the value, not a traceback."""
+"""What the command line's subcommands share: argument types (a bad value is
+argparse's usage error naming the flag and the value, not a traceback), the
+list-file flags, and the one-line ``PROG: error: ...`` every refusal prints
+before its exit code (2: bad input, fixable by changing the command)."""
 
 import argparse
+import os
+import sys
+from pathlib import Path
+
+# flag -> the attribute argparse stores it under
+LIST_FLAGS = {"--bf16-file": "bf16_file", "--fp32-file": "fp32_file"}
+# what hmp's own messages start with; after "PROG: error: " they say nothing more
+PREFIXES = ("hmp.tune: ", "hmp.audit: ", "hmp.profile: ", "hmp.tools.report: ", "hmp: ")
 
 
 def _checked(text, convert, expected, within, expected_range):
@@ -30,3 +40,43 @@ def fraction(text):
     return _checked(
         text, float, "a number such as 0.02", lambda v: 0 < v < 1, "a fraction between 0 and 1 (0.02 is 2%)"
     )
+
+
+def add_list_files(p, what="to run under"):
+    """--bf16-file and --fp32-file on parser ``p``."""
+    for flag, kind, example in (("--bf16-file", "BF16", "tuned_bf16.txt"), ("--fp32-file", "FP32", "tuned_fp32.txt")):
+        env = "LOWER_LIST" if kind == "BF16" else "FP32_LIST"
+        p.add_argument(
+            flag,
+            default="",
+            metavar="PATH",
+            help=f"the {kind} list file {what}, e.g. {example} (default: ${env}, else the shipped list)",
+        )
+
+
+def said(error, prog=""):
+    """What ``error`` says, once: an OSError hmp raised by its own message (not errno's repeat of
+    the path), without the prefixes of hmp's messages."""
+    text = error.strerror if isinstance(error, OSError) and str(error.strerror).startswith("hmp") else str(error)
+    for prefix in ((f"{prog}: ",) if prog else ()) + PREFIXES:
+        text = text.removeprefix(prefix)
+    return text
+
+
+def list_file_problem(error, args, prog=""):
+    """The line for a list file hmp.convert() refused (an OSError or a ValueError it raised), led
+    by the flag that gave the file when one did."""
+    named = getattr(error, "filename", None)
+    for flag, attr in LIST_FLAGS.items():
+        given = getattr(args, attr, "")
+        if given and (
+            (named and Path(named) == Path(given)) or repr(given) in str(error) or os.path.abspath(given) in str(error)
+        ):
+            return f"{flag} {given}: {said(error, prog)}"
+    return said(error, prog)
+
+
+def fail(prog, message, code=2):
+    """``PROG: error: message`` on stderr; the exit code."""
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    return code

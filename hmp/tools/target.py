@@ -5,6 +5,7 @@ one training step and returns its loss; ``state`` is a tuple of the
 modules, optimizers and schedulers the step changes (the tools put them
 back as they were after each of their runs)."""
 
+import difflib
 import importlib
 import importlib.util
 import os
@@ -38,7 +39,7 @@ def load_target(spec):
         raise TargetError(f"TARGET {spec!r}: expected MODULE:FUNCTION or FILE.py:FUNCTION, e.g. train:make_step")
     if where.endswith(".py") or os.sep in where or "/" in where:
         if not os.path.isfile(where):
-            raise TargetError(f"TARGET {spec!r}: no file {where!r}")
+            raise TargetError(f"TARGET {spec!r}: no file {os.path.abspath(where)!r}")
         module_name = _module_name(where)
         FILE_MODULES.add(module_name)
         spec_ = importlib.util.spec_from_file_location(module_name, where)
@@ -60,7 +61,10 @@ def load_target(spec):
             ) from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise TargetError(f"TARGET {spec!r}: {where!r} has no function {name!r}")
+        functions = [n for n, v in vars(module).items() if callable(v) and not isinstance(v, type) and n[:1] != "_"]
+        close = difflib.get_close_matches(name, functions, n=3)
+        hint = f"; did you mean {' or '.join(f'{where}:{c}' for c in close)}?" if close else ""
+        raise TargetError(f"TARGET {spec!r}: {getattr(module, '__file__', where)!r} has no function {name!r}{hint}")
     return fn
 
 

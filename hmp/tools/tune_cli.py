@@ -9,15 +9,15 @@ is a tuple of the modules, optimizers and schedulers the step changes
 (hmp.tune puts them back as they were after each trial)."""
 
 import json
-import sys
 
 import torch
 
+import hmp
 from hmp.core.lists import class_path
 from hmp.demo import data as demo_data
 from hmp.demo.training import Config, build, train_step
-from hmp.tools import tuning
-from hmp.tools.arguments import fraction, positive_int, seed
+from hmp.tools import inspect_cli, tuning
+from hmp.tools.arguments import add_list_files, fail, fraction, positive_int, said, seed
 from hmp.tools.files import check_outputs
 from hmp.tools.progress import Progress
 from hmp.tools.target import TargetError, add_command, load_target, make_target
@@ -48,6 +48,7 @@ def add_parser(subparsers):
         ("--seed", seed, 0, "torch.manual_seed before the model is built and the batch drawn (default 0)"),
     ):
         p.add_argument(flag, type=kind, default=default, help=text)
+    add_list_files(p, "to start from")
     p.add_argument("--bf16-out", default="tuned_bf16.txt", help="where to write the BF16 list (default tuned_bf16.txt)")
     p.add_argument("--fp32-out", default="tuned_fp32.txt", help="where to write the FP32 list (default tuned_fp32.txt)")
     p.add_argument(
@@ -71,11 +72,6 @@ def _demo_target(args):
     return step, (model, opt, sched)
 
 
-def _fail(message, code=2):
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return code
-
-
 def _progress():
     bar = Progress("tuning", None, PROG, unit="run")
 
@@ -95,21 +91,25 @@ def run(args):
     try:  # before tuning, which takes minutes
         check_outputs(outputs, PROG)
     except ValueError as e:
-        return _fail(str(e).removeprefix(f"{PROG}: "))
+        return fail(PROG, said(e, PROG))
+    problem = inspect_cli.check_lists(args, PROG)
+    if problem:
+        return fail(PROG, problem)
     torch.manual_seed(args.seed)
     try:
         step, state = make_target(load_target(args.target), args.target) if args.target else _demo_target(args)
     except TargetError as e:
-        return _fail(str(e))
+        return fail(PROG, str(e))
     bar, report = _progress()
     result = None
     try:
-        result = tuning.tune(
-            step, state=state, steps=args.steps, rounds=args.rounds, tolerance=args.tolerance, progress=report
-        )
+        with hmp.converted(**inspect_cli.lists(args)):
+            result = tuning.tune(
+                step, state=state, steps=args.steps, rounds=args.rounds, tolerance=args.tolerance, progress=report
+            )
     except tuning.StepDoesNotTrain as e:
         where = f"TARGET {args.target!r}" if args.target else "the demo model"
-        return _fail(f"{where}: {str(e).removeprefix('hmp.tune: ')}", 1)
+        return fail(PROG, f"{where}: {said(e)}", 1)
     finally:
         bar.close(None if result is None else f"tuned in {bar.elapsed():.0f} s")
     print(result.table())
@@ -119,7 +119,7 @@ def run(args):
     try:
         result.write(args.bf16_out, args.fp32_out)
     except (ValueError, OSError) as e:
-        return _fail(str(e))
+        return fail(PROG, said(e))
     print(
         f"\nwrote {args.bf16_out} and {args.fp32_out}; use them with "
         f"hmp.convert(bf16_file_path={args.bf16_out!r}, fp32_file_path={args.fp32_out!r})"
@@ -128,7 +128,7 @@ def run(args):
         try:
             result.save_html(args.report)
         except (ValueError, OSError) as e:
-            return _fail(str(e), 1)
+            return fail(PROG, said(e), 1)
         print(f"wrote {args.report}")
     if args.json:
         with open(args.json, "w") as f:

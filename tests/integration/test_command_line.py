@@ -1,8 +1,15 @@
 """``python -m hmp``'s subcommands: a bad flag value is argparse's usage error
-(exit status 2) naming the flag and the value, not a traceback."""
+(exit status 2) naming the flag and the value; a bad list file or TARGET is one
+line, ``python -m hmp CMD: error: ...``, naming the absolute path or the close
+names, exit status 2, before anything runs; never a traceback."""
+
+import re
+from pathlib import Path
 
 import pytest
+import torch
 
+import hmp
 from hmp.__main__ import main
 
 
@@ -28,3 +35,76 @@ def test_bad_flag_values_are_argparse_errors(argv, message, capsys):
         main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+TARGET = Path(__file__).resolve().parents[2] / "examples" / "tune_my_model.py"
+# every subcommand that takes list files, with what it needs besides them (nothing runs: the files
+# are checked first)
+WITH_LISTS = {
+    "audit": [f"{TARGET}:make_step"],
+    "profile": [f"{TARGET}:make_step"],
+    "tune": [f"{TARGET}:make_step"],
+    "demo": ["--dry-run"],
+}
+
+
+def _one_error_line(err, command):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"python -m hmp {command}: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", sorted(WITH_LISTS))
+@pytest.mark.parametrize("flag", ["--bf16-file", "--fp32-file"])
+def test_a_missing_list_file_is_one_line_naming_its_absolute_path(command, flag, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main([command, *WITH_LISTS[command], flag, "missing.txt"]) == 2
+    line = _one_error_line(capsys.readouterr().err, command)
+    assert f"{flag} missing.txt: " in line and str(tmp_path / "missing.txt") in line and "No such file" in line
+    assert not hmp.is_converted() and not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+@pytest.mark.parametrize("command", sorted(WITH_LISTS))
+def test_a_missing_list_file_from_the_environment_is_one_line_too(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FP32_LIST", "gone.txt")
+    assert main([command, *WITH_LISTS[command]]) == 2
+    line = _one_error_line(capsys.readouterr().err, command)
+    assert "$FP32_LIST" in line and str(tmp_path / "gone.txt") in line
+
+
+@pytest.mark.parametrize("command", ["audit", "profile", "tune"])
+def test_a_target_that_is_not_there_names_the_absolute_path_or_the_close_names(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "nofile.py:make_step"]) == 2
+    assert f"no file {str(tmp_path / 'nofile.py')!r}" in _one_error_line(capsys.readouterr().err, command)
+    assert main([command, f"{TARGET}:make_stpe"]) == 2
+    line = _one_error_line(capsys.readouterr().err, command)
+    assert "has no function 'make_stpe'; did you mean" in line and f"{TARGET}:make_step" in line
+
+
+def test_o2_names_the_list_files_it_ignores(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.txt").write_text("include default\n")
+    with pytest.warns(UserWarning, match=r"ignoring the given BF16 list file 'mine\.txt'"):
+        hmp.convert(opt_level="O2", bf16_file_path="mine.txt")
+    hmp.revert()
+    assert main(["demo", "--opt-level", "O2", "--fp32-file", "mine.txt", "--dry-run"]) == 0
+    assert "ignoring --fp32-file mine.txt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "given, model, meant",
+    [
+        ("LayerNorn", None, "'torch.nn.LayerNorm'"),
+        ("torch.nn.LayerNorn", None, "'torch.nn.LayerNorm'"),
+        ("LayerNorn", torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2)), "'torch.nn.LayerNorm'"),
+        ("O.norm", torch.nn.ModuleDict({"0": torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(2)})}), "'0.norm'"),
+    ],
+)
+@pytest.mark.parametrize("argument", ["fp32_modules", "bf16_modules"])
+def test_a_module_entry_that_matches_nothing_says_what_was_meant(given, model, meant, argument):
+    with pytest.raises(ValueError, match=rf"hmp: {argument}\[0\]: .*did you mean {re.escape(meant)}\?") as e:
+        hmp.convert(**{argument: [given]}, model=model)
+    assert not hmp.is_converted() and given in str(e.value)

@@ -126,9 +126,9 @@ def test_identical_lists_are_flagged_as_noise(project, capsys):
     "target, message",
     [
         ("nomodule:make_step", "no module 'nomodule'"),
-        ("mymodel.py:nothere", "'mymodel.py' has no function 'nothere'"),
+        ("mymodel.py:nothere", "/mymodel.py' has no function 'nothere'"),  # the file by its absolute path
         ("mymodel", "expected MODULE:FUNCTION or FILE.py:FUNCTION"),
-        ("missing/file.py:make_step", "no file 'missing/file.py'"),
+        ("missing/file.py:make_step", "/missing/file.py'"),
         ("mymodel:not_a_pair", "not_a_pair() must return (step, state)"),
         ("mymodel:no_state", "no_state() returned an empty state: it must hold the modules and optimizers"),
     ],
