@@ -5,7 +5,7 @@ it after; the steps compute in bfloat16 and float32 as the lists say, while the 
 their gradients and what ``self.log`` records stay float32.
 
 Run:  python examples/lightning_trainer.py
-Needs Lightning:  pip install lightning   (or: pip install "torch-hmp[lightning]")
+Needs Lightning:  pip install lightning   (or, in a checkout of hmp: pip install ".[lightning]")
 """
 
 import torch
@@ -15,7 +15,7 @@ try:
     import lightning.pytorch as pl
 except ImportError as error:
     raise ImportError(
-        'this example needs Lightning: pip install lightning  (or: pip install "torch-hmp[lightning]")'
+        'this example needs Lightning: pip install lightning  (or, in a checkout of hmp: pip install ".[lightning]")'
     ) from error
 
 import hmp

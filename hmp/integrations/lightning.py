@@ -22,8 +22,8 @@ the loops), the optimizer step and gradient clipping run in the run's
 thread with casts off, so logged values are fp32 arithmetic on the logged
 tensors.
 
-Needs ``lightning`` (``pip install "torch-hmp[lightning]"``); importing ``hmp`` or
-``hmp.integrations`` does not import it.
+Needs ``lightning`` (``pip install lightning``, or ``pip install ".[lightning]"`` in a
+checkout of hmp); importing ``hmp`` or ``hmp.integrations`` does not import it.
 """
 
 import contextlib

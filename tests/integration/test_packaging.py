@@ -2,6 +2,7 @@
 of the tree, and the installed wheel works from any directory, away from this checkout."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,8 +116,6 @@ def test_the_installed_wheel_works_from_anywhere(tmp_path):
 
 
 def test_requirements_never_cap_torch_and_start_at_the_floor_ci_tests():
-    import re
-
     tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11's")
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -131,6 +130,29 @@ def test_requirements_never_cap_torch_and_start_at_the_floor_ci_tests():
         for line in f.read_text().splitlines()
         if "pip install" in line and bare.search(line)
     ]
+
+
+def test_a_pip_install_shown_works_before_the_package_is_published():
+    """torch-hmp is not on the package index: a `pip install "torch-hmp[...]"` a user reads would fail.
+    Shown are installs from a checkout (".[extra]", each extra one pyproject.toml declares), from a
+    URL (`torch-hmp[extra] @ git+...`), or the published form on a line that says it is for later."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11's")
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    files = [*(ROOT / "docs").glob("*.md"), ROOT / "README.md", *(ROOT / "hmp").rglob("*.py")]
+    files += [*(ROOT / "examples").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+    unpublished, unknown = [], []
+    for f in files:
+        for number, line in enumerate(f.read_text().splitlines(), 1):
+            if "pip install" not in line:
+                continue
+            where = f"{f.relative_to(ROOT)}:{number}: {line.strip()}"
+            if re.search(r"torch-hmp\[[^\]]*\](?!\s*@)", line) and "published" not in line:
+                unpublished.append(where)
+            for group in re.findall(r"(?:torch-hmp|\.)\[([^\]]+)\]", line):
+                unknown += [f"{where} ({name})" for name in group.split(",") if name.strip() not in extras]
+    assert not unpublished, "installs from the package index, where torch-hmp is not:\n" + "\n".join(unpublished)
+    assert not unknown, "extras pyproject.toml does not declare:\n" + "\n".join(unknown)
 
 
 def test_a_torch_newer_than_ci_tested_is_said_once(recwarn):
