@@ -251,6 +251,15 @@ def engine_run_backward_homes():
 VERSION_COUNTER_RESET = (torch._C._autograd, "_unsafe_set_version_counter")
 
 
+def object_collectives_pickler_home():
+    """``(distributed_c10d, "_pickler")``: the Pickler class torch.distributed's
+    object collectives (``all_gather_object``, ``broadcast_object_list``,
+    ``send_object_list``, ...) read at each call (2.4 to 2.15), or None
+    without torch.distributed."""
+    c10d = getattr(torch.distributed, "distributed_c10d", None) if torch.distributed.is_available() else None
+    return (c10d, "_pickler") if hasattr(c10d, "_pickler") else None
+
+
 # DataLoader worker processes start in this function (any start method).
 WORKER_MODULE = _worker
 WORKER_LOOP = "_worker_loop"

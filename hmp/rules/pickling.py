@@ -28,8 +28,13 @@ Pickler reaches two places, through the patch log, only while converted:
   with ``save_global`` before it looks at any dispatch table, so a reducer
   registered for functions is never called; DataLoader builds the worker's
   ``Process`` with the dataset in its arguments, with no hook between.
+- torch.distributed's object collectives (``all_gather_object``,
+  ``broadcast_object_list``, ``gather_object``, ``send_object_list``...)
+  pickle with the class in ``distributed_c10d._pickler``, read at each call.
+  Without hmp's there, a sender of such an object raises while the other
+  ranks wait in the collective until the process group times out: a hang.
 
-Not covered: ``pickle.dump``/``pickle.dumps`` (or any pickler but these two)
+Not covered: ``pickle.dump``/``pickle.dumps`` (or any pickler but these)
 called directly while converted on an object that holds an original captured
 before ``convert()``. pickle's own check fails: ``PicklingError: Can't pickle
 <function relu ...>: it's not the same object as torch.nn.functional.relu``.
@@ -47,6 +52,7 @@ from multiprocessing import reduction
 
 import torch
 
+from hmp.core import torch_private
 from hmp.core.resolve import stand_in, unwrap
 from hmp.core.state import runtime
 from hmp.rules.interface import Changes
@@ -149,9 +155,12 @@ def names(entries):
 
 def changes(ctx):
     """The rule's changes (hmp/rules/interface.py): ``torch.save`` giving
-    torch hmp's Pickler, and ForkingPickler's ``reducer_override`` (see above)."""
+    torch hmp's Pickler, ForkingPickler's ``reducer_override`` and the object
+    collectives' Pickler (see above)."""
     original = unwrap(torch.serialization.save)
     save = _save(original)
     homes = [ns for ns in (torch, torch.serialization) if unwrap(getattr(ns, "save", None)) is original]
     saves = tuple((ns, "save", save) for ns in homes)
-    return Changes((*saves, (reduction.ForkingPickler, "reducer_override", _reducer_override)))
+    collectives = torch_private.object_collectives_pickler_home()
+    objects = ((*collectives, Pickler),) if collectives is not None else ()
+    return Changes((*saves, (reduction.ForkingPickler, "reducer_override", _reducer_override), *objects))
