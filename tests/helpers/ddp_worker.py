@@ -66,14 +66,8 @@ def train(model, x, y, steps=STEPS):
     return seen
 
 
-def main(out_dir, variant="plain"):
-    torch.set_num_threads(1)
-    # A rank that hangs prints every thread's stack and exits, so the test can say where it waited
-    faulthandler.dump_traceback_later(90, exit=True)
-    # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    print("rendezvous done", flush=True)
-    rank, world = dist.get_rank(), dist.get_world_size()
+def run(rank, world, variant="plain"):
+    """Convert, train under DDP on this rank's shard, revert: what it saw."""
     hmp.convert(**CONVERT[variant])
     model = make_model()
     ddp = DistributedDataParallel(model)
@@ -91,6 +85,18 @@ def main(out_dir, variant="plain"):
     seen["converted"] = hmp.is_converted()
     seen["state"] = {k: v.clone() for k, v in model.state_dict().items()}
     hmp.revert()
+    return seen
+
+
+def main(out_dir, variant="plain"):
+    torch.set_num_threads(1)
+    # A rank that hangs prints every thread's stack and exits, so the test can say where it waited
+    faulthandler.dump_traceback_later(90, exit=True)
+    # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    print("rendezvous done", flush=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seen = run(rank, world, variant)
     torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
