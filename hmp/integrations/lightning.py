@@ -32,6 +32,12 @@ import warnings
 
 import torch
 from lightning.pytorch.plugins import Precision
+from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
+
+try:
+    from torch.distributed.fsdp import MixedPrecision
+except ImportError:  # a torch built without torch.distributed: FSDP cannot run either
+    MixedPrecision = None
 
 import hmp
 from hmp.core.resolve import Resolver
@@ -40,7 +46,7 @@ from hmp.driver.plan import plan
 
 log = logging.getLogger("hmp")
 
-__all__ = ["HMPPrecision"]
+__all__ = ["HMPPrecision", "HMPFSDPPrecision"]
 
 
 class HMPPrecision(Precision):
@@ -69,6 +75,30 @@ class HMPPrecision(Precision):
         bf16_modules=None,
     ):
         super().__init__()
+        self._setup(
+            opt_level,
+            bf16_file_path,
+            fp32_file_path,
+            verbose,
+            low_precision_type,
+            promote_file_path,
+            cache,
+            fp32_modules,
+            bf16_modules,
+        )
+
+    def _setup(
+        self,
+        opt_level,
+        bf16_file_path,
+        fp32_file_path,
+        verbose,
+        low_precision_type,
+        promote_file_path,
+        cache,
+        fp32_modules,
+        bf16_modules,
+    ):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # convert() warns about O2 and files when the run starts
             plan(
@@ -178,3 +208,57 @@ class HMPPrecision(Precision):
             if gradient_clip_algorithm is None:
                 return super().clip_gradients(optimizer, clip_val, **kwargs)
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm, **kwargs)
+
+
+class HMPFSDPPrecision(HMPPrecision, FSDPPrecision):
+    """hmp's plugin for Lightning's ``FSDPStrategy`` (FSDP1), which takes
+    only an ``FSDPPrecision``::
+
+        trainer = pl.Trainer(strategy=FSDPStrategy(...), plugins=[HMPFSDPPrecision()])
+
+    FSDP casts each unit's parameters to ``param_dtype`` before it gathers
+    them and reduces gradients in ``reduce_dtype`` (torch's
+    ``MixedPrecision``; by default the low dtype and float32), and hmp, as
+    :class:`HMPPrecision` does, computes the float32 islands its lists name
+    (losses, softmax, normalisations) in float32 from them: the recipe of
+    docs/distributed.md. ``param_dtype=torch.float32`` gathers float32
+    weights and lets hmp cast each instead, which keeps a lower-precision copy
+    of every full weight from forward to backward. A ``mixed_precision``
+    given to ``FSDPStrategy`` itself wins over both. Buffers keep their dtype.
+    With ``low_precision_type=torch.float16`` Lightning's sharded gradient
+    scaler scales the loss, as its own ``FSDPPrecision("16-mixed")`` does.
+    """
+
+    def __init__(
+        self,
+        opt_level="O1",
+        bf16_file_path=None,
+        fp32_file_path=None,
+        verbose=False,
+        *,
+        low_precision_type=torch.bfloat16,
+        promote_file_path=None,
+        cache=True,
+        fp32_modules=None,
+        bf16_modules=None,
+        param_dtype=None,
+        reduce_dtype=torch.float32,
+    ):
+        FSDPPrecision.__init__(self, "bf16-mixed" if low_precision_type is torch.bfloat16 else "16-mixed")
+        self._setup(
+            opt_level,
+            bf16_file_path,
+            fp32_file_path,
+            verbose,
+            low_precision_type,
+            promote_file_path,
+            cache,
+            fp32_modules,
+            bf16_modules,
+        )
+        self.param_dtype = low_precision_type if param_dtype is None else param_dtype
+        self.reduce_dtype = reduce_dtype
+
+    @property
+    def mixed_precision_config(self):
+        return MixedPrecision(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)

@@ -7,7 +7,11 @@ import torch.nn.functional as F
 import hmp
 
 pl = pytest.importorskip("lightning.pytorch")
-from hmp.integrations.lightning import HMPPrecision  # noqa: E402
+from helpers.ranks import ROOT, run_ranks  # noqa: E402
+
+from hmp.integrations.lightning import HMPFSDPPrecision, HMPPrecision  # noqa: E402
+
+LIGHTNING_WORKER = ROOT / "tests" / "helpers" / "lightning_worker.py"
 
 ACCELERATORS = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -291,3 +295,51 @@ def test_module_policy_by_name_in_the_plugin():
     with pytest.raises(ValueError, match=r"fp32_modules\[0\]: 'nt\.2' matches no module"):
         trainer(HMPPrecision(fp32_modules=["nt.2"]), max_epochs=1).fit(MLP(), loader())
     assert not hmp.is_converted() and hmp.casts_enabled()
+
+
+def test_fsdp_strategy_takes_hmps_fsdp_plugin():
+    """Lightning's FSDPStrategy takes only an FSDPPrecision: HMPFSDPPrecision is one, with the
+    policy of docs/distributed.md (FSDP gathers bf16 and reduces in float32, hmp computes the
+    float32 islands); HMPPrecision stays for every other strategy."""
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import MixedPrecision
+
+    strategy = FSDPStrategy(precision_plugin=HMPFSDPPrecision())
+    assert isinstance(strategy.precision_plugin, HMPFSDPPrecision)
+    assert strategy.mixed_precision_config == MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    gather_fp32 = HMPFSDPPrecision(param_dtype=torch.float32).mixed_precision_config
+    assert gather_fp32 == MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    fp16 = HMPFSDPPrecision(low_precision_type=torch.float16)
+    assert fp16.precision == "16-mixed" and fp16.scaler is not None  # Lightning's sharded scaler, as its own
+    assert HMPFSDPPrecision().scaler is None
+    with pytest.raises(TypeError, match="FSDPPrecision"):  # Lightning's own check
+        FSDPStrategy(precision_plugin=HMPPrecision())
+    # the hmp side is HMPPrecision's: a step casts inside forward_context, nowhere else
+    plugin = HMPFSDPPrecision()
+    plugin.convert()
+    try:
+        with plugin.forward_context():
+            assert F.linear(torch.randn(2, 4), torch.randn(3, 4)).dtype == torch.bfloat16
+    finally:
+        plugin.revert()
+    assert not hmp.is_converted()
+
+
+def test_ddp_and_fsdp_with_two_devices(tmp_path):
+    """Trainer(devices=2) on CPU, as a user starts it (one process; Lightning starts the other):
+    strategy="ddp" with HMPPrecision, then Lightning's FSDPStrategy with HMPFSDPPrecision (on CPU
+    only its wrapping is said again, with the CPU as FSDP's device: Lightning runs FSDP on GPUs only)."""
+    run_ranks(tmp_path, LIGHTNING_WORKER, "ddp", "fsdp", ranks=1, timeout=240)
+    for strategy in ("ddp", "fsdp"):
+        runs = [torch.load(tmp_path / f"lightning_{strategy}_rank{r}.pt", weights_only=False) for r in range(2)]
+        for run in runs:
+            assert run["converted"] == [True] and not run["converted_after"]
+            assert run["logits"] == ["torch.bfloat16"] and run["loss_dtypes"] == ["torch.float32"]
+            assert run["param_dtypes"] == ["torch.float32"]
+            assert run["losses"][-1] < run["losses"][0]
+        # what the first layer's forward received: DDP's float32 weight, FSDP's bf16 gathered one
+        assert runs[0]["weights"] == (["torch.float32"] if strategy == "ddp" else ["torch.bfloat16"])
+        assert runs[0]["precision"] == ("HMPPrecision" if strategy == "ddp" else "HMPFSDPPrecision")
+        if strategy == "ddp":  # replicas identical (FSDP's full state dict is rank 0's only)
+            for k, v in runs[0]["state"].items():
+                assert torch.equal(v, runs[1]["state"][k]), k
