@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from hmp.core import imports, state
+from hmp.core import imports, pays, refusals, state
 from hmp.core.list_files import (
     INCLUDE,
     SANE,
@@ -66,6 +66,9 @@ DEFAULT_FILES = {
     "O2": {"bf16": "o2_bf16.txt", "fp32": "o2_fp32.txt", "promote": "promote.txt"},
 }
 OPT_LEVELS = tuple(DEFAULT_FILES)
+# strict=True under O1: Habana's BF16 list, which also names the entries that cast only in strict
+# mode (pointwise ops, normalisations, dropout: hmp/core/pays.py)
+STRICT_LOWER_FILE = "bf16_strict.txt"
 # float16 overflows above 65504: its O1 lower list is the GEMM/convolution
 # family, as torch.autocast's and apex O1's float16 lists (the seed's BF16
 # list stays available: ``include bf16``). O2's lower list already is.
@@ -113,10 +116,13 @@ def one_dtype_names():
     return frozenset(n for _, n in read_names(default_path(ONE_DTYPE_FILE)))
 
 
-def default_file(opt_level, kind, low=torch.bfloat16):
+def default_file(opt_level, kind, low=torch.bfloat16, strict=False):
     """The shipped file of ``kind``'s default list."""
-    if kind == "bf16" and low == torch.float16 and opt_level == "O1":
-        return FP16_LOWER_FILE
+    if kind == "bf16" and opt_level == "O1":
+        if low == torch.float16:
+            return FP16_LOWER_FILE
+        if strict:
+            return STRICT_LOWER_FILE
     return DEFAULT_FILES[opt_level][kind]
 
 
@@ -242,7 +248,7 @@ class _Reading:
             where = ", ".join(f"line {n}: aten::{op}" for n, op in self.unreachable)
             warn_unreachable(f"{what} {str(path)!r}: {where}")
         if self.skipped:
-            warn_skipped(f"{what} {str(path)!r}: {'; '.join(self.skipped)}")
+            refusals.warn_skipped(f"{what} {str(path)!r}: {'; '.join(self.skipped)}")
         ops = [op for op in names if op not in removed]
         found = [e for key, e in self.classes.items() if key not in removed and entry_key(e) not in removed]
         return Entries(ops, list(dict.fromkeys(found)), frozenset(explicit))
@@ -301,18 +307,6 @@ class Pattern(NamedTuple):
                 ):
                     found.append(value)
         return found
-
-
-def warn_skipped(where):
-    """One warning for a file's names that are no precision choice (views,
-    copies, moves: Habana's lists name ``view``, apex's ``cpu``): skipped, so
-    the script runs; nothing is cast through them and a view stays a view."""
-    warnings.warn(
-        f"hmp: {where}: not a precision choice (a cast there would break the program, not choose a "
-        f"precision), so hmp skips it (docs/lists.md)",
-        UserWarning,
-        stacklevel=state.user_stacklevel(),
-    )
 
 
 def warn_unreachable(where):
@@ -399,13 +393,15 @@ def _load_one(source, resolver, title, kind, default):
     return load(source, resolver, title, modules=kind != "promote", default=default), printable
 
 
-def effective(resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16="", low=torch.bfloat16, environ=None):
+def effective(
+    resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16="", low=torch.bfloat16, strict=False, environ=None
+):
     """Read, validate and combine the lists: ``({"bf16", "fp32", "promote"}
     -> set of op names, {"bf16", "fp32"} -> module classes)``. Each of
     ``bf16``/``fp32``/``promote`` is a path, a Names, or ``""``/None for the
     environment's list, else the shipped default. ``fp16`` is the
-    lower-precision list under ``low=torch.float16``. Raises before anything
-    changes."""
+    lower-precision list under ``low=torch.float16``; ``strict``: Habana's
+    literal rule (its default BF16 list). Raises before anything changes."""
     environ = os.environ if environ is None else environ
     titles = dict(FILE_TITLE)
     bf16, titles["bf16"] = _low_list(bf16, fp16, low)
@@ -429,22 +425,16 @@ def effective(resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16=""
     from_user = {k: given(v) for k, v in sources.items()}
     loaded, printable = {}, {}
     for kind in KINDS:
-        default = default_path(default_file(opt_level, kind, low))
+        default = default_path(default_file(opt_level, kind, low, strict))
         source = sources[kind] if from_user[kind] else default
         loaded[kind], printable[kind] = _load_one(source, resolver, titles[kind], kind, default)
         if not from_user[kind]:  # a default list names nothing on the user's behalf
             loaded[kind] = loaded[kind]._replace(explicit=frozenset())
     ops = combine(*(loaded[k] for k in KINDS), printable)
-    _warn_dropped(
-        ops,
-        loaded,
-        {k: from_user[k] and not isinstance(sources[k], Names) for k in KINDS},
-        printable,
-        titles,
-        opt_level,
-        low,
-        resolver,
-    )
+    files = {k: from_user[k] and not isinstance(sources[k], Names) for k in KINDS}
+    _warn_dropped(ops, loaded, files, printable, titles, (opt_level, low, strict), resolver)
+    if from_user["bf16"] and not strict:
+        pays.warn_left_to_torch(ops["bf16"], f"{titles['bf16']} {printable['bf16']!r}")
     classes = {k: loaded[k].modules for k in ("bf16", "fp32")}
     both = [c for c in classes["bf16"] if c in classes["fp32"]]
     if both:
@@ -461,9 +451,11 @@ def effective(resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16=""
 _GUARDED = ("fp32", "promote")
 
 
-def _warn_dropped(ops, loaded, from_user, printable, titles, opt_level, low, resolver):
+def _warn_dropped(ops, loaded, from_user, printable, titles, mode, resolver):
     """One warning per file for a user list that is empty, or that replaces
-    a default FP32 or promote list and leaves out ops it holds."""
+    a default FP32 or promote list and leaves out ops it holds. ``mode``:
+    ``(opt_level, low, strict)``, which pick the defaults."""
+    opt_level, low, strict = mode
     for kind in KINDS:
         if not from_user[kind]:  # a default, or a gaudi config's complete list
             continue
@@ -480,7 +472,7 @@ def _warn_dropped(ops, loaded, from_user, printable, titles, opt_level, low, res
             continue
         if kind not in _GUARDED:
             continue
-        default = load(default_path(default_file(opt_level, kind, low)), resolver, "default list").ops
+        default = load(default_path(default_file(opt_level, kind, low, strict)), resolver, "default list").ops
         elsewhere = set().union(*(ops[k] for k in KINDS if k != kind))
         dropped = sorted(set(default) - ops[kind] - elsewhere)
         if dropped and state.first_time(("dropped defaults", kind, printable[kind], tuple(dropped))):

@@ -38,7 +38,8 @@ from torch.overrides import TorchFunctionMode
 
 from hmp.core import cast_copies, dtypes, lists, policy, refusals
 from hmp.core.aten import returns_view
-from hmp.core.resolve import is_module_path, mark, module_class, unwrap
+from hmp.core.pays import NORMALIZATIONS
+from hmp.core.resolve import is_module_path, mark, module_class, unwrap, writes
 from hmp.core.state import MODULE, OFF, enter, leave, tls
 from hmp.core.torch_private import tree_map_only
 
@@ -91,13 +92,18 @@ def _writes_first(name):
 class LowerMode(TorchFunctionMode):
     """Inside a BF16 module: each op not in a listed wrapper casts its float32
     arguments to the lower dtype first (the FP32 list's ops to float32, an
-    in-place op's arguments to the dtype of the tensor it writes)."""
+    in-place op's arguments to the dtype of the tensor it writes, a
+    normalisation with running statistics its input only: the statistics it
+    writes stay the module's own tensors, in their dtype)."""
 
     def __init__(self, low, casters, fp32_names):
         super().__init__()
-        self._lower = policy.lower(low, casters, policy.inplace_out(casters))
-        self._fp32 = policy.fp32(low, casters, policy.inplace_out(casters))
+        out = policy.inplace_out(casters)
+        self._lower = policy.lower(low, casters, out)
+        self._lower_input = policy.lower_input_only(low, casters, out)
+        self._fp32 = policy.fp32(low, casters, out)
         self._into = policy.inplace_self(casters)
+        self._casters = casters
         self._fp32_names = fp32_names
         self._prepares = {}
 
@@ -111,7 +117,13 @@ class LowerMode(TorchFunctionMode):
             elif _writes_first(name):
                 prepare = self._into
             else:
-                prepare = self._fp32 if op in self._fp32_names else self._lower
+                written = writes(func, op)  # batch_norm's running statistics: never a cast copy
+                if op in self._fp32_names:
+                    prepare = self._fp32
+                else:
+                    prepare = self._lower_input if written and op in NORMALIZATIONS else self._lower
+                if written:
+                    prepare = policy.written_into(written, prepare, self._casters)
             self._prepares[func] = prepare
         return prepare
 

@@ -18,38 +18,14 @@ import torch
 
 from hmp.core.cast_copies import is_number, numbers_check
 from hmp.core.dtypes import FLOATS, FP32, FP32_ONLY, HALVES, OTHER_FLOATS
-from hmp.core.pointwise import is_pointwise
+from hmp.core.pays import NORMALIZATIONS
 
 Tensor = torch.Tensor
 _promote_types = torch.promote_types  # captured: listing promote_types cannot recurse
 
-NORM_OPS = frozenset(
-    (
-        "batch_norm",
-        "layer_norm",
-        "group_norm",
-        "instance_norm",
-        "rms_norm",
-        "native_batch_norm",
-        "native_layer_norm",
-        "native_group_norm",
-    )
-)
-# Dropout: no arithmetic worth a lower dtype, and like a normalisation it
-# may compute on the float32 it is given and hand on its output rounded.
-DROPOUTS = frozenset(
-    ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "feature_dropout")
-)
-# BF16-list ops that never round their input (rounding meets the mean's
-# subtraction: bf16's step at 1000 is 8): fed float32, they compute in
-# float32 and return their output in the lower dtype, where rounding is
-# harmless and the next matrix product gets it without a cast of its own.
-# Named here: torch has no tag for a normalisation (a last resort, checked by
-# tests/unit/test_nn_sweep.py against every normalisation module of torch.nn).
-ROUND_OUTPUT = NORM_OPS | DROPOUTS
 # Norms without running statistics. Some devices' kernels reject a bf16 input
-# with fp32 weight and bias (CUDA's layer_norm); there these fall back to
-# casting weight and bias too (see sites.mixed_or_lower).
+# with fp32 weight and bias (CUDA's layer_norm); under strict=True, which casts
+# a norm's input, these retry with weight and bias cast too (sites.one_dtype_on_reject).
 AFFINE_ONLY_NORMS = frozenset(("layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm"))
 
 
@@ -180,24 +156,6 @@ def lower_input_only(low, casters, out=None):
             x = kwargs.get("input")
             if isinstance(x, Tensor) and x.dtype is FP32:
                 kwargs = dict(kwargs, input=cast_seq((x,), FP32_ONLY, cast)[0])
-        return args, kwargs
-
-    return prepare
-
-
-def input_as_parameters(low, casters, out):
-    """ROUND_OUTPUT ops: the input is left as given (a float32 input is never
-    rounded), unless a parameter (weight, bias, statistics) is already in a
-    lower dtype: a module its author made bf16 computes in bf16, as its
-    parameters do, and its kernel needs the input in their dtype. A call
-    with ``out=`` follows the in-place rule."""
-    lower_input = lower_input_only(low, casters, out)
-
-    def prepare(args, kwargs):
-        if kwargs and kwargs.get("out") is not None:
-            return out(args, kwargs)
-        if _floating_dtypes((args[1:], tuple(kwargs.values())), set()) & HALVES:
-            return lower_input(args, kwargs)
         return args, kwargs
 
     return prepare
@@ -410,56 +368,32 @@ def for_kind(kind, low, casters):
     return FACTORIES[kind](low, casters, inplace_out(casters))
 
 
-def runs_as_torch(binding, one_dtype, strict):
-    """True for a list entry whose op torch already runs as its rule asks, so
-    it is not wrapped (it stays torch's own object, at no cost): outside
-    strict mode, a pointwise op in the BF16 list (torch's type promotion runs
-    it in bfloat16 when its floating inputs are, and never pulls float32 data
-    down: hmp/core/pointwise.py) and a promote-list op torch promotes itself
-    (every op but those that need one dtype, ``one_dtype``)."""
-    if strict or binding.fallback:
-        return False
-    if binding.kind == "bf16":
-        return is_pointwise(binding.name)
-    return binding.kind == "promote" and binding.name not in one_dtype
+def as_given(low, casters, out=None):
+    """A call left to torch, but for ``out=`` (the in-place rule): an op in no
+    list that may need one dtype runs as given, and only where its kernel
+    rejects the mix are its arguments promoted (sites.one_dtype_on_reject)."""
+
+    def prepare(args, kwargs):
+        if kwargs and out is not None and kwargs.get("out") is not None:
+            return out(args, kwargs)
+        return args, kwargs
+
+    return prepare
 
 
-def rounds_output(kind, name, strict):
-    """True for a site that computes on its float32 input and rounds its
-    output (ROUND_OUTPUT, outside strict mode)."""
-    return kind == "bf16" and name in ROUND_OUTPUT and not strict
-
-
-def round_output(cast):
-    """``output(args, kwargs, result)`` of a ROUND_OUTPUT site's wrapper: given a
-    float32 input, its float32 result (the first, of a tuple) comes back
-    through ``cast``; an in-place call's result (the input itself) and the
-    result of any other input are left as they are."""
-
-    def output(args, kwargs, result):
-        x = args[0] if args else kwargs.get("input")
-        if not isinstance(x, Tensor) or x.dtype is not FP32 or result is x:
-            return result
-        if isinstance(result, Tensor):
-            return cast(result) if result.dtype is FP32 else result
-        if type(result) is tuple and result and isinstance(result[0], Tensor) and result[0].dtype is FP32:
-            return (cast(result[0]), *result[1:])
-        return result
-
-    return output
-
-
-def for_site(kind, name, site, low, casters, strict=False):
+def for_site(kind, name, site, low, casters, strict=False, fallback=False):
     """The one prepare for calls of ``site`` (a resolve.Site) bound by list
     entry ``name`` of list ``kind``; ``strict``: Habana's literal rule (a
-    normalisation's input is cast too)."""
+    normalisation is bound only then, and only its input is cast);
+    ``fallback``: an op in no list (lists.fallback_names), whose promote rule
+    waits for its kernel to reject a mix."""
     if site.inplace:
         return inplace_self(casters)
     out = inplace_out(casters)
-    if rounds_output(kind, name, strict):
-        main = input_as_parameters(low, casters, out)
-    elif kind == "bf16":
-        main = lower_input_only(low, casters, out) if name in NORM_OPS else lower(low, casters, out)
+    if kind == "bf16":
+        main = lower_input_only(low, casters, out) if name in NORMALIZATIONS else lower(low, casters, out)
+    elif kind == "promote" and fallback:
+        main = as_given(low, casters, out)
     else:
         main = FACTORIES[kind](low, casters, out)
     if site.written:
@@ -469,7 +403,16 @@ def for_site(kind, name, site, low, casters, strict=False):
     return _checking_inplace(main, inplace_input(casters), site.inplace_param)
 
 
-def rejects_mixed(kind, name):
-    """True for a site whose kernel may reject its input cast alone (a BF16
-    norm without running statistics: see sites.mixed_or_lower)."""
-    return kind == "bf16" and name in AFFINE_ONLY_NORMS
+def one_dtype_rule(kind, name, site, low, casters, fallback):
+    """The rule that puts every floating argument of a call in one dtype
+    where the site's kernel rejects the mix it was given, or None: a strict
+    BF16 norm without running statistics (its input cast alone: weight and
+    bias go down too) and an op in no list that needs one dtype (all to the
+    widest, as torch's type promotion gives; a call that writes a tensor runs
+    in that tensor's dtype instead). See sites.one_dtype_on_reject."""
+    if kind == "bf16" and name in AFFINE_ONLY_NORMS:
+        return lower(low, casters)
+    if kind == "promote" and fallback and not site.inplace:
+        to_one = promote(low, casters)
+        return written_into(site.written, to_one, casters) if site.written else to_one
+    return None

@@ -1,7 +1,10 @@
 """The names a list may not hold: calls that alias, copy, move or only
 write data, where a cast would break the program instead of choosing a
-precision. lists.py skips them with a warning."""
+precision. lists.py skips them with a warning (``warn_skipped``)."""
 
+import warnings
+
+from hmp.core import state
 from hmp.core.aten import returns_view
 
 # Names hmp refuses in a list: calls that alias, copy, move or only write
@@ -51,3 +54,15 @@ def refusal(op):
     if base and returns_view(base):
         return f"copies the view {base} returns"
     return None
+
+
+def warn_skipped(where):
+    """One warning for a file's names that are no precision choice (views,
+    copies, moves: Habana's lists name ``view``, apex's ``cpu``): skipped, so
+    the script runs; nothing is cast through them and a view stays a view."""
+    warnings.warn(
+        f"hmp: {where}: not a precision choice (a cast there would break the program, not choose a "
+        f"precision), so hmp skips it (docs/lists.md)",
+        UserWarning,
+        stacklevel=state.user_stacklevel(),
+    )

@@ -1,14 +1,15 @@
 """What each site's wrapper does, decided once per site at convert time
 (``Wrappers``): its rule's casts, the lean path for calls without keywords,
-a normalisation's output rounding and its retry where a kernel rejects mixed
-dtypes, the verbose log, the recorder of profile/audit/tune; and the wrapper
-``@hmp.*_function`` returns. The wrapper itself is hmp/core/wrap.py's."""
+the retry in one dtype where a kernel rejects mixed dtypes, the verbose log,
+the recorder of profile/audit/tune; and the wrapper ``@hmp.*_function``
+returns. The wrapper itself is hmp/core/wrap.py's."""
 
 import logging
 
 import torch
 
 from hmp.core import cast_copies, culprit, dtypes, policy
+from hmp.core.pays import NORMALIZATIONS
 from hmp.core.rescue import Wrapped
 from hmp.core.resolve import BUILTINS
 from hmp.core.wrap import NEVER, PROMOTE, finish, make, op_of
@@ -21,41 +22,42 @@ def _mentions_dtype(error):
     return "dtype" in text or "scalar type" in text
 
 
-def mixed_or_lower(op, lower_all):
-    """``op`` for a norm whose input alone was cast. Where the device's kernel
-    rejects mixed dtypes, retry with weight and bias cast too, and from then
-    on go straight there for that device type."""
-    return finish(_mixed_or_lower(op, lower_all), op)
+def one_dtype_on_reject(op, to_one):
+    """``op`` run with the arguments it is given; where the device's kernel
+    rejects their mix of dtypes, run again with ``to_one``'s (every floating
+    argument in one dtype), and from then on go straight there for that
+    device type. torch's kernel decides where it can: CPU's layer_norm takes
+    a bf16 input with float32 weight, CUDA's does not."""
+    return finish(_one_dtype_on_reject(op, to_one), op)
 
 
-def _mixed_or_lower(op, lower_all):
+def _one_dtype_on_reject(op, to_one):
     unsupported = set()
 
     def call(*args, **kwargs):
         x = args[0] if args else kwargs.get("input")
         device = x.device.type if isinstance(x, torch.Tensor) else None
         if device in unsupported:
-            args, kwargs = lower_all(args, kwargs)
+            args, kwargs = to_one(args, kwargs)
             return op(*args, **kwargs)
         try:
             return op(*args, **kwargs)
         except RuntimeError as e:
             if not _mentions_dtype(e):
                 raise
-            cast_args, cast_kwargs = lower_all(args, kwargs)
-            if cast_args is args and cast_kwargs is kwargs:
-                raise  # nothing left to cast: not a mixed-dtype problem
-            result = op(*cast_args, **cast_kwargs)
+            one_args, one_kwargs = to_one(args, kwargs)
+            if one_args is args and one_kwargs is kwargs:
+                raise  # nothing to put in one dtype: not a mixed-dtype problem
+            result = op(*one_args, **one_kwargs)
             unsupported.add(device)
-            log.info(
-                "hmp: %s rejects mixed dtypes on %s; casting weight and bias too", getattr(op, "__name__", op), device
-            )
+            name = getattr(op, "__name__", op)
+            log.info("hmp: %s rejects mixed dtypes on %s; putting them in one dtype", name, device)
             return result
 
     return call
 
 
-culprit.register_wrapper(_mixed_or_lower(None, None).__code__, op_of)
+culprit.register_wrapper(_one_dtype_on_reject(None, None).__code__, op_of)
 
 
 def _dtypes(args, kwargs):
@@ -120,39 +122,18 @@ class Wrappers:
     def site(self, binding, original):
         """The wrapper of ``original`` for a resolve.Binding."""
         site, kind, name, fallback = binding
-        prepare = policy.for_site(kind, name, site, self.low, self.casters, self.strict)
+        prepare = policy.for_site(kind, name, site, self.low, self.casters, self.strict, fallback)
         op = original
-        if policy.rejects_mixed(kind, name) and not self.passthrough:
-            op = mixed_or_lower(op, policy.lower(self.low, self.casters))
-        rounds = policy.rounds_output(kind, name, self.strict)
-        output = policy.round_output(cast_copies.CASTS[self.low]) if rounds and not self.passthrough else None
-        if output is not None and self.recorder is not None:
-            output = self.recorder.output(output)
+        to_one = policy.one_dtype_rule(kind, name, site, self.low, self.casters, fallback)
+        if to_one is not None and not self.passthrough:
+            op = one_dtype_on_reject(op, to_one)
         wrapped = Wrapped.of(binding)
         hidden = not isinstance(original, BUILTINS)
         op = self._op(op)
         # an op in no list steps in only for a call that needs it: otherwise the ops it calls cast as usual
         needs = policy.needs(kind) if fallback else None
-        if (
-            self.passthrough
-            or self.verbose
-            or self.recorder is not None
-            or site.inplace
-            or site.written
-            or rounds
-            or name in policy.NORM_OPS
-            and kind == "bf16"
-            or fallback
-        ):
-            return make(
-                op,
-                self._prepare(prepare, site.label, name),
-                wrapped,
-                original,
-                hidden=hidden,
-                needs=needs,
-                output=output,
-            )
+        if not self._lean(binding):
+            return make(op, self._prepare(prepare, site.label, name), wrapped, original, hidden=hidden, needs=needs)
         # lean for calls without keywords: the rule's casts without the prepare call
         at = NEVER if site.inplace_param is None else site.inplace_param
         if kind == "bf16":
@@ -162,6 +143,18 @@ class Wrappers:
         else:
             src, cast, refuse = PROMOTE, None, None
         return make(op, prepare, wrapped, original, src, cast, refuse, at, hidden)
+
+    def _lean(self, binding):
+        """True when a call without keywords may skip ``prepare`` and apply the
+        list's rule to every argument directly: not a call that is logged or
+        recorded, writes a tensor (the in-place rule), is a strict norm (its
+        input alone is cast) or an op in no list (it steps in only where needed)."""
+        site, kind, name, fallback = binding
+        if self.passthrough or self.verbose or self.recorder is not None:
+            return False
+        if site.inplace or site.written or fallback:
+            return False
+        return not (kind == "bf16" and name in NORMALIZATIONS)
 
     def user_prepare(self, kind, label):
         """The prepare of a user function (``@hmp.*_function``) of list ``kind``."""

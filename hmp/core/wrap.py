@@ -36,7 +36,7 @@ import torch
 
 from hmp.core import cast_copies, culprit, policy, rescue, torch_private
 from hmp.core.resolve import ORIGINAL, mark, unwrap
-from hmp.core.state import OFF, copies, tls
+from hmp.core.state import OFF, copies, graph_off, tls
 
 log = logging.getLogger("hmp")
 
@@ -54,7 +54,6 @@ def make(
     inplace_at=NEVER,
     hidden=True,
     needs=None,
-    output=None,
 ):
     """The wrapper of ``op``: casts through ``prepare``; ``wrapped`` (an
     rescue.Wrapped) describes it for the error path. ``original``: what
@@ -73,16 +72,18 @@ def make(
     ``src=PROMOTE``, a call whose floating tensors share one dtype runs as
     given. ``prepare`` applies the same rule to every other call."""
     original = op if original is None else original
-    return finish(_body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs, output), original)
+    return finish(_body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs), original)
 
 
 PROMOTE = object()  # make(src=PROMOTE): the promote rule's common case
 _cast_seq, _one_dtype, _write_back = policy.cast_seq, policy.one_dtype, cast_copies.write_back
+_graph_off = graph_off
 _is_compiling = torch.compiler.is_compiling
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
 _lowering = torch_private.lowering
 
 
-def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs, output):
+def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
     # While torch.compile lowers a captured graph, torch's own code calls this op by name: it runs
     # as torch's (torch_private.lowering). Not an operator (``a @ b``): dynamo records those as
     # Python's operator, never as this wrapper, so the graph reaches it only while lowering.
@@ -105,6 +106,10 @@ def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs, ou
             if a is None:  # a number the lower dtype cannot hold: prepare runs the FP32 rule
                 a, k = rule(args, kwargs)
         st.off = OFF
+        # a Python function's body may hold operators, decided when the captured graph is lowered
+        graph = hidden and _dynamo_tracing()
+        if graph:
+            _graph_off(OFF)
         try:
             result = op(*a, **k)
             if st.fresh:
@@ -112,7 +117,7 @@ def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs, ou
             # a write into a copy reaches the caller's tensor (traced code: functionalized)
             if hidden and not _is_compiling() and (a is not args or k is not kwargs):
                 _write_back(a, args, k, kwargs)
-            return result if output is None else output(a, k, result)
+            return result
         except Exception as e:  # costs nothing unless the op raises
             st.fresh.clear()
             result = rescue.rescue(e, op, wrapped, args, kwargs, a, k)
@@ -121,6 +126,8 @@ def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs, ou
             return result
         finally:
             st.off = 0
+            if graph:
+                _graph_off(0)
 
     return wrapper
 
@@ -165,11 +172,11 @@ def op_of(frame):
     return frame.f_locals.get("op")
 
 
-_BODY = _body(None, None, None, None, None, None, None, None, None, None).__code__
+_BODY = _body(None, None, None, None, None, None, None, None, None).__code__
 culprit.register_wrapper(_BODY, op_of)
 
 
-_FIELDS = ("op", "prepare", "wrapped", "src", "cast", "refuse", "inplace_at", "hidden", "needs", "output")
+_FIELDS = ("op", "prepare", "wrapped", "src", "cast", "refuse", "inplace_at", "hidden", "needs")
 
 
 def fields(wrapper):
@@ -192,6 +199,10 @@ def ready_for_compile():
         if _ready:
             return
         torch_private.import_dynamo()
+        # a change of the cast state while dynamo traces is a node of the graph (state.graph_off),
+        # kept by dead-code elimination: its lowering replays it
+        torch.compiler.allow_in_graph(graph_off)
+        torch.fx.node.has_side_effect(graph_off)
         _ready = True
 
 

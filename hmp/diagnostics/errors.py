@@ -21,7 +21,7 @@ import functools
 import re
 
 from hmp.core import culprit, lists, rescue, state, torch_private
-from hmp.core.policy import NORM_OPS
+from hmp.core.pays import NORMALIZATIONS
 
 _LOW = re.compile(r"BFloat16|bfloat16|\bHalf\b|\bhalf\b|float16")
 _FP32 = re.compile(r"\bFloat\b|\bfloat\b|float32|FloatTensor")
@@ -180,7 +180,7 @@ def _explain(exc, wrapped, in_backward=False):
                 f"(`from torch import {callee}`)."
             )
     if label is not None and name is not None:
-        if kind == "bf16" and name in NORM_OPS:
+        if kind == "bf16" and name in NORMALIZATIONS:
             return (
                 f"hmp: {label} ({_title('bf16')} list) got lower-precision and float32 tensors: hmp casts only "
                 f"the input "

@@ -18,14 +18,14 @@ from typing import Any, Iterator
 import torch
 
 from hmp import rules, tested
-from hmp.core import cache, dtypes, imports, lists, modules, policy, sites, wrap
+from hmp.core import cache, dtypes, imports, lists, modules, pays, sites, wrap
 from hmp.core.aten import returns_view
 from hmp.core.cache import clear_cache
 from hmp.core.cast_copies import CASTS
 from hmp.core.hints import ListPath, ModuleTargets
 from hmp.core.patch import MISSING, PatchLog
 from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label, unwrap
-from hmp.core.state import close_block, first_time, runtime
+from hmp.core.state import close_block, first_time, runtime, user_stacklevel
 from hmp.diagnostics import errors, interop  # noqa: F401 (errors registers its note on the wrappers' errors)
 from hmp.driver.plan import Conversion, plan
 from hmp.rules import pickling, regions, steps
@@ -69,9 +69,11 @@ def convert(
     points that run with casts off (hmp/rules/uncast_calls.py); ``""`` is the
     shipped list. ``strict=True`` (``None``: ``HMP_STRICT=1`` in the
     environment) is Habana's literal rule: every op in the lower-precision list
-    casts float32 down, pointwise ops and normalisations' inputs too, as on
-    HPU (docs/never-changes.md says what that risks); by default a pointwise
-    op follows torch's type promotion and a normalisation rounds only its output.
+    casts float32 down, pointwise ops, normalisations and dropout too, as on
+    HPU, and warns once with what that risks (docs/never-changes.md); by
+    default only the entries that gain from the lower dtype (matrix products,
+    convolutions, RNNs) cast, and every other op follows torch's type
+    promotion (hmp/core/pays.py; ``effective_lists(detail=True)`` says per entry).
     """
     with runtime.lock:
         resolver = Resolver()  # one for checking the lists and binding them: names resolve once
@@ -93,7 +95,23 @@ def convert(
         )
         interop.warn_inside_autocast()  # before patching: a warnings filter set to "error" patches nothing
         tested.warn_if_newer()
+        if wanted.options.strict:
+            _warn_strict()
         apply(wanted, resolver)
+
+
+def _warn_strict():
+    if first_time(("strict",)):
+        warnings.warn(
+            "hmp: strict=True (or HMP_STRICT=1) is Habana's literal rule: every listed op casts its float32 "
+            "inputs down, pointwise ops, normalisations and dropout too. Float32 state updated through them "
+            "outside optimizer.step() is then computed in bfloat16 and may stall or drift: an EMA "
+            "(ema = d * ema + (1 - d) * p), AveragedModel, a soft target update (t.copy_(tau * p + (1 - tau) * t)), "
+            "running sums. Keep such updates inside `with hmp.disable_casts():`, or leave strict off "
+            "(docs/never-changes.md). hmp warns about this once per process.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 @contextlib.contextmanager
@@ -146,11 +164,13 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
         # that have no kernel for the lower dtype or need one dtype run as they would without hmp's casts
         fallback = lists.fallback_names(options.low)
         held = _held()
+        # entries that gain nothing from their list's rule are not bound: torch runs them (hmp/core/pays.py)
         one_dtype = lists.one_dtype_names()
+        bound = {k: {n for n in v if pays.decision(k, n, options.strict, one_dtype)[0]} for k, v in effective.items()}
         op_sites = [
             (b.site.namespace, b.site.attr, wrappers.site(b, _original(b.site, held)))
-            for b in (resolver or Resolver()).bind(effective, fallback)
-            if not returns_view(b.name) and not policy.runs_as_torch(b, one_dtype, options.strict)
+            for b in (resolver or Resolver()).bind(bound, fallback)
+            if not returns_view(b.name)
         ]
         op_sites += [_registration(wrappers, *entry) for entry in runtime.registered]
         patches, forwards = [], None
@@ -160,7 +180,7 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
             forwards = modules.Forwards(options.low, casters, fp32_names)
             patches += modules.patches(by_module, forwards)
             modules.watch(by_module, watch, forwards, _later)
-        ctx = rules.Context(effective, uncast, watch, not passthrough, bool(by_module["bf16"]), _later)
+        ctx = rules.Context(effective, uncast, watch, not passthrough, bool(by_module["bf16"]), _later, _again)
         changes = [rule.changes(ctx) for rule in rules.RULES]
         _say_lacks(changes)
         for change in changes:
@@ -204,6 +224,21 @@ def _later(namespace, attr, value):
             return False
         runtime.patches.setattr(namespace, attr, value)
         return True
+
+
+def _again(fn):
+    """``fn`` run under the conversion in force now, wherever and whenever it
+    runs: when another (or none) is in force then, this one is installed for
+    its call and the one in force put back after (rules/checkpoint.py)."""
+    saved = runtime.conversion
+
+    def run(*args, **kwargs):
+        if runtime.conversion is saved or saved is None:
+            return fn(*args, **kwargs)
+        with applied(saved):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _say_lacks(changes):
@@ -265,15 +300,17 @@ def _listed(name, effective):
 
 def _log_conversion(patches):
     runtime.log_restore = _start_verbose_logging()
-    options, effective = runtime.conversion.options, runtime.conversion.lists
+    options = runtime.conversion.options
     log.info("hmp: convert opt_level=%s, lower dtype %s", options.opt_level, dtypes.name(options.low))
-    for kind in lists.KINDS:
-        log.info("hmp: %s list: %s", kind, ", ".join(sorted(effective[kind])))
-        views = sorted(n for n in effective[kind] if returns_view(n))
-        if views:
-            log.info(
-                "hmp: %s return views of their input: left uncast, so writes through them reach it", ", ".join(views)
-            )
+    for kind, entries in effective_lists(detail=True).items():
+        cast = [n for n, why in entries.items() if why == pays.CAST]
+        log.info("hmp: %s list, cast: %s", kind, ", ".join(cast) or "(none)")
+        by_why = {}
+        for name, why in entries.items():
+            if why != pays.CAST and not why.startswith("module entry"):
+                by_why.setdefault(why, []).append(name)
+        for why, names in by_why.items():
+            log.info("hmp: %s list, %s: %s", kind, why, ", ".join(names))
     for kind, targets in runtime.conversion.modules.items():
         if targets:
             log.info("hmp: %s modules: %s", kind, ", ".join(modules.label(t) for t in targets))
@@ -376,18 +413,33 @@ def applied(conversion, recorder=None, passthrough=False):
         restore(saved)
 
 
-def effective_lists() -> dict[str, list[str]]:
+def effective_lists(detail: bool = False) -> dict:
     """``{"bf16", "fp32", "promote"}`` to the sorted op names of each list
     and, after them, its module entries as a list file names them (a
-    class's import path, or a pattern); empty when not converted."""
+    class's import path, or a pattern); empty when not converted.
+
+    ``detail=True``: each list maps every entry to what hmp does with it:
+    ``"cast"``, or why it is not (it gains nothing from the lower dtype
+    outside strict mode, returns a view, torch already promotes it), and a
+    module entry to ``"module entry: ..."`` (hmp/core/pays.py)."""
     conversion = runtime.conversion
     if conversion is None:
-        return {k: [] for k in lists.KINDS}
+        return {k: {} if detail else [] for k in lists.KINDS}
     named = {
         k: sorted(lists.entry_key(t) for t in conversion.modules.get(k, ()) if isinstance(t, (type, lists.Pattern)))
         for k in lists.KINDS
     }
-    return {k: sorted(v) + named[k] for k, v in conversion.lists.items()}
+    if not detail:
+        return {k: sorted(v) + named[k] for k, v in conversion.lists.items()}
+    strict, one_dtype = conversion.options.strict, lists.one_dtype_names()
+    rule = {"bf16": "the whole forward in the lower dtype", "fp32": "the whole forward in float32"}
+    return {
+        k: {
+            **{n: pays.decision(k, n, strict, one_dtype)[1] for n in sorted(v)},
+            **{m: f"module entry: {rule.get(k, '')}" for m in named[k]},
+        }
+        for k, v in conversion.lists.items()
+    }
 
 
 def register(owner, name, kind):

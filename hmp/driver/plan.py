@@ -106,6 +106,7 @@ def plan(
         promote_file_path,
         fp16=fp16_file_path,
         low=low_precision_type,
+        strict=options.strict,
     )
     fp32 = modules.targets(fp32_modules, model, "fp32_modules")
     bf16 = modules.targets(bf16_modules, model, "bf16_modules")

@@ -161,20 +161,6 @@ class Recorder:
 
         return recorded_prepare
 
-    def output(self, output):
-        """A site's rounding of its result (policy.round_output), applied where
-        this run casts: not when each op's output goes on in its input's dtype
-        (``restore_dtype``), nor outside the modules at ``cast_only_in``."""
-        if self.restore_dtype:
-            return None
-
-        def recorded_output(args, kwargs, result):
-            if self.cast_only_in is None or self._inside():
-                return output(args, kwargs, result)
-            return result
-
-        return recorded_output
-
     def op(self, op):
         """``op`` timed when called by the outermost wrapper's guarded path."""
 

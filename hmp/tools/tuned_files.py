@@ -37,10 +37,11 @@ def importable(cls):
     return path
 
 
-def default_entries(kind, low=torch.bfloat16):
+def default_entries(kind, low=torch.bfloat16, strict=False):
     """What ``include default`` reads in a ``kind`` file given to
-    ``hmp.convert()`` (opt_level O1, the lower dtype ``low``)."""
-    return load(default_path(default_file("O1", kind, low)), Resolver(), "default list", modules=kind != "promote")
+    ``hmp.convert()`` (opt_level O1, the lower dtype ``low``, ``strict``)."""
+    path = default_path(default_file("O1", kind, low, strict))
+    return load(path, Resolver(), "default list", modules=kind != "promote")
 
 
 def written(entry):
@@ -48,10 +49,10 @@ def written(entry):
     return importable(entry) if isinstance(entry, type) else entry.path
 
 
-def changes(kind, ops, modules=(), low=torch.bfloat16):
+def changes(kind, ops, modules=(), low=torch.bfloat16, strict=False):
     """The lines after ``include default`` that make ``kind``'s list hold
     exactly ``ops`` and the classes and patterns among ``modules``."""
-    default = default_entries(kind, low)
+    default = default_entries(kind, low, strict)
     ops = set(ops)
     entries = {entry_key(m): m for m in modules if isinstance(m, (type, Pattern))}
     shipped = [entry_key(m) for m in default.modules]
@@ -68,7 +69,7 @@ def instances(modules):
     return [label(t) for targets in modules.values() for t in targets if not isinstance(t, (type, Pattern))]
 
 
-def texts(lists, modules, targets, summary, low=torch.bfloat16):
+def texts(lists, modules, targets, summary, low=torch.bfloat16, strict=False):
     """``[(path, text)]`` for ``targets``, ``[(kind, path)]``: each file
     ``summary`` (comment lines), the header, ``include default`` and the
     changes. Raises ValueError for a class that does not load by its path."""
@@ -77,6 +78,6 @@ def texts(lists, modules, targets, summary, low=torch.bfloat16):
         summary += f"# not in these files, give them to convert() again: module instances {', '.join(note)}\n"
     out = []
     for kind, path in targets:
-        lines = ["include default", *changes(kind, lists[kind], modules.get(kind, ()), low)]
+        lines = ["include default", *changes(kind, lists[kind], modules.get(kind, ()), low, strict)]
         out.append((path, summary + HEADER.format(kind=list_title(kind, low)) + "\n".join(lines) + "\n"))
     return out

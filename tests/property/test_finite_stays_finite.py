@@ -101,7 +101,7 @@ def test_a_number_of_any_kind_the_lower_dtype_cannot_hold_runs_the_call_in_float
         return  # np.float16(1e5) is inf already: not a finite value to keep
     x = torch.tensor([1.0, -0.5, 0.0])
     plain = x * float(number)
-    seed = {"fp16_file_path": hmp.list_path("bf16")} if low == torch.float16 else {}  # mul in the lower list
+    seed = {"fp16_file_path": hmp.list_path("bf16_strict")} if low == torch.float16 else {}  # mul in the lower list
     with hmp.converted(low_precision_type=low, strict=True, **seed):  # Habana's rule: mul casts
         out = torch.mul(x, number)
     fits = abs(float(number)) <= torch.finfo(low).max

@@ -113,6 +113,8 @@ def test_keyboard_interrupt_inside_wrapped_op_passes_untouched():
 
 @needs_notes
 def test_mismatch_in_a_wrapped_norm_names_it_and_a_list():
+    """batch_norm is in no list (a normalisation in the BF16 list casts only
+    under strict): it runs as torch runs it, which here raises, with a note."""
     hmp.convert()
     x = torch.randn(4, 8)
     mean, var = torch.zeros(8).bfloat16(), torch.ones(8)  # a half-converted BatchNorm
@@ -123,15 +125,21 @@ def test_mismatch_in_a_wrapped_norm_names_it_and_a_list():
     e = info.value
     assert str(e) == str(expected)  # message unchanged
     (note,) = notes(e)
-    assert "torch.nn.functional.batch_norm" in note and "FP32 list" in note and "'batch_norm'" in note
+    assert note.startswith("hmp: batch_norm got") and "FP32 list" in note and "'batch_norm'" in note
 
 
-def test_half_converted_layer_norm_runs_through_the_norm_fallback():
-    """layer_norm has no running statistics: where its kernel rejects mixed
-    weight and bias, hmp casts them too (see sites.mixed_or_lower)."""
+def test_half_converted_layer_norm_runs_where_its_kernel_rejects_the_mix():
+    """layer_norm is left to torch (a normalisation gains nothing from bf16);
+    where its kernel rejects the mix it is given, hmp puts it in one dtype,
+    the widest, as torch's promotion gives (see sites.one_dtype_on_reject)."""
+    x, w, b = torch.randn(4, 8), torch.ones(8).bfloat16(), torch.zeros(8)
+    with pytest.raises(RuntimeError, match="dtype"):
+        F.layer_norm(x, (8,), w, b)  # plain torch
     hmp.convert()
-    out = F.layer_norm(torch.randn(4, 8), (8,), torch.ones(8).bfloat16(), torch.zeros(8))
-    assert out.dtype == torch.bfloat16
+    out = F.layer_norm(x, (8,), w, b)
+    assert out.dtype == torch.float32 and torch.equal(out, F.layer_norm(x, (8,), w.float(), b))
+    hmp.convert(strict=True)  # Habana's rule casts the input down: weight and bias follow it
+    assert F.layer_norm(x, (8,), w, b).dtype == torch.bfloat16
 
 
 @needs_notes
@@ -273,7 +281,7 @@ MISMATCH_SCRIPT = """\
 import sys, threading, torch, hmp
 import torch.nn.functional as F
 hmp.core.lists.fallback_names = lambda low: ()  # an op the fallback lists do not cover
-hmp.convert()
+hmp.convert(strict="--listed" in sys.argv)  # strict: batch_norm is cast, through its wrapper
 bias, a = torch.randn(2, 2), torch.randn(1, 2, 2).bfloat16()
 def step():
     if "--listed" in sys.argv:  # a half-converted BatchNorm: batch_norm's wrapper notes it

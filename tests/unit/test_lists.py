@@ -13,11 +13,14 @@ from hmp.core.lists import effective, entry_key
 from hmp.core.resolve import Resolver
 
 DEFAULT_BF16 = sorted(
-    "addmm baddbmm batch_norm bilinear bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d "
-    "dot vdot "
-    "dropout dropout1d dropout2d dropout3d group_norm instance_norm layer_norm leaky_relu linear matmul "
-    "mm mul mv prelu relu t "
+    "addmm baddbmm bilinear bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d "
+    "dot vdot linear matmul mm mv prelu "
     "lstm gru rnn_tanh rnn_relu lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell".split()  # benchmarks/rnn_precision.py
+)
+# Habana's O1 list, the default under strict=True: what casts only under Habana's literal rule added
+DEFAULT_BF16_STRICT = sorted(
+    DEFAULT_BF16
+    + "batch_norm dropout dropout1d dropout2d dropout3d group_norm instance_norm layer_norm leaky_relu mul relu".split()
 )
 DEFAULT_FP32 = sorted(
     "avg_pool3d binary_cross_entropy binary_cross_entropy_with_logits cross_entropy ctc_loss div divide embedding "
@@ -46,6 +49,25 @@ def test_default_lists_exactly():
     assert PROMOTE_AT_LEAST - set(DEFAULT_BF16) - set(DEFAULT_FP32) <= set(lists["promote"])
     assert not set(lists["promote"]) & (set(DEFAULT_BF16) | set(DEFAULT_FP32))
     assert lists["promote"] == sorted(lists["promote"])
+
+
+def test_every_default_entry_casts_and_strict_adds_habanas():
+    """Every line of a shipped default list does what it says: each entry casts
+    (or, in the promote list, is torch's own where torch promotes it); strict's
+    default is Habana's O1 list, each of whose extra entries casts only there."""
+    hmp.convert()
+    detail = hmp.effective_lists(detail=True)
+    ops = {kind: {n: why for n, why in detail[kind].items() if not why.startswith("module entry")} for kind in detail}
+    assert set(ops["bf16"].values()) == set(ops["fp32"].values()) == {"cast"}
+    assert sorted(n for n, why in detail["fp32"].items() if why.startswith("module entry")) == DEFAULT_FP32_MODULES
+    hmp.convert(strict=True)
+    detail = hmp.effective_lists(detail=True)
+    assert sorted(detail["bf16"]) == DEFAULT_BF16_STRICT and set(detail["bf16"].values()) == {"cast"}
+    hmp.convert(bf16_file_path=hmp.list_path("bf16_strict"))
+    detail = hmp.effective_lists(detail=True)["bf16"]
+    left = {n for n, why in detail.items() if why != "cast"}
+    assert left == set(DEFAULT_BF16_STRICT) - set(DEFAULT_BF16)
+    assert all("not cast outside strict mode" in detail[n] for n in left)
 
 
 def test_effective_lists_empty_when_not_converted():
@@ -97,8 +119,7 @@ def test_single_user_list_wins_over_other_default(tmp_path, caplog):
 
 def test_promote_file_replaces_promote_list(tmp_path):
     hmp.convert(promote_file_path=write(tmp_path, "p.txt", "add\nmaximum\nmul\n"))
-    # mul stays in the BF16 list, which wins
-    assert hmp.effective_lists()["promote"] == ["add", "maximum"]
+    assert hmp.effective_lists()["promote"] == ["add", "maximum", "mul"]
     a, b = torch.randn(3), torch.randn(3).bfloat16()
     assert torch.maximum(a, b).dtype == torch.float32
     assert torch.cat([a, b]).dtype == torch.float32  # cat is no longer in any list: torch's own promotion

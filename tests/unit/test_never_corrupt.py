@@ -29,6 +29,14 @@ def _tagged_pointwise(name):
     return any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
 
 
+def _one_pass(name):
+    """Oracle: an op that gains nothing from bf16, by torch's own tags
+    (pointwise, or random as dropout is)."""
+    packet = getattr(torch.ops.aten, name)
+    tags = {t for o in packet.overloads() for t in getattr(packet, o).tags}
+    return torch.Tag.pointwise in tags or torch.Tag.nondeterministic_seeded in tags
+
+
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_listed_ops_on_float32_inputs_run_in_their_lists_dtype(opt_level, strict):
@@ -49,8 +57,8 @@ def test_listed_ops_on_float32_inputs_run_in_their_lists_dtype(opt_level, strict
         }
         for name, call in calls.items():
             kind = "bf16" if name in lists["bf16"] else "fp32" if name in lists["fp32"] else None
-            assert kind, name
-            lowered = kind == "bf16" and (strict or not _tagged_pointwise(name))
+            assert kind or (opt_level, strict) == ("O1", False), name  # Habana's lists name them all
+            lowered = kind == "bf16" and (strict or not _one_pass(name))
             assert call().dtype == (BF16 if lowered else FP32), (opt_level, name)
 
 
@@ -93,7 +101,7 @@ def test_a_bf16_listed_call_never_turns_a_finite_number_inf(number, low):
     gives. (strict=True: mul is cast there; by default it is torch's own.)"""
     x = torch.tensor([1.0, -0.5])
     low_max = torch.finfo(low).max
-    seed = {"fp16_file_path": hmp.list_path("bf16")} if low == torch.float16 else {}  # mul in the lower list
+    seed = {"fp16_file_path": hmp.list_path("bf16_strict")} if low == torch.float16 else {}  # mul in the lower list
     with hmp.converted(low_precision_type=low, strict=True, **seed):
         out = torch.mul(x, number)
     if abs(number) <= low_max:
@@ -270,7 +278,7 @@ def test_a_product_with_float32_data_runs_as_plain_torch_runs_it(factor, low):
     that dtype, as torch's promotion gives. strict=True casts it."""
     ema = torch.randn(4)
     plain = (ema * factor, factor * ema, ema * torch.tensor(factor), ema.to(low) * factor)
-    seed = {"fp16_file_path": hmp.list_path("bf16")} if low == torch.float16 else {}
+    seed = {"fp16_file_path": hmp.list_path("bf16_strict")} if low == torch.float16 else {}
     with hmp.converted(low_precision_type=low, **seed):
         got = (ema * factor, factor * ema, ema * torch.tensor(factor), ema.to(low) * factor)
         keyword = torch.mul(ema, other=factor)

@@ -28,13 +28,31 @@ def test_fp32_list_casts_lower_to_fp32():
     assert x.half().log().dtype == FP32
 
 
-def test_norms_cast_only_the_input(device):
+def _plain_or_promoted(module, x):
+    """Oracle: what plain torch gives for ``module(x)``, or, where its kernel
+    rejects a bf16 input with float32 parameters (CUDA's layer_norm), the same
+    call on the float32 input (torch's type promotion)."""
+    with hmp.disable_casts(), torch.no_grad():
+        try:
+            return module(x)
+        except RuntimeError:
+            return module(x.float())
+
+
+def test_norms_are_left_to_torch_and_strict_casts_only_the_input(device):
     hmp.convert()
     x = torch.randn(8, 4, 5, device=device)
+    for module in (torch.nn.BatchNorm1d(4), torch.nn.LayerNorm(5), torch.nn.GroupNorm(2, 4)):
+        module = module.to(device).eval()
+        assert module(x).dtype == FP32  # a float32 input is never rounded
+        low = x.bfloat16()
+        expected = _plain_or_promoted(module, low)
+        out = module(low)  # bf16 data (a convolution's output): as torch runs it
+        assert out.dtype == expected.dtype and torch.equal(out, expected), type(module).__name__
+    hmp.convert(strict=True)  # Habana's rule: the input is cast, parameters and statistics keep their dtype
     bn = torch.nn.BatchNorm1d(4).to(device)
     before = bn.running_mean.clone()
-    out = bn(x)
-    assert out.dtype == BF16
+    assert bn(x).dtype == BF16
     assert bn.running_mean.dtype == FP32 and bn.weight.dtype == FP32
     assert not torch.equal(before, bn.running_mean)  # running stats keep updating
     with hmp.disable_casts():
@@ -155,17 +173,21 @@ def test_norm_falls_back_where_a_kernel_rejects_mixed_dtypes():
             raise RuntimeError(f"expected scalar type {x.dtype} but found {weight.dtype}")
         return torch.ones_like(x)
 
-    lower_all = policy.lower(BF16, cast_copies.PLAIN_CASTS)
-    call = sites.mixed_or_lower(strict_layer_norm, lower_all)
+    lower_all = policy.lower(BF16, cast_copies.PLAIN_CASTS)  # strict=True: the input was cast down
+    call = sites.one_dtype_on_reject(strict_layer_norm, lower_all)
     x, w, b = torch.randn(2, 4).bfloat16(), torch.randn(4), torch.randn(4)
     assert call(x, (4,), w, b).dtype == BF16
     assert calls == [(BF16, FP32), (BF16, BF16)]
     call(x, (4,), w, b)  # remembered for this device type: no failing first try
     assert calls[2:] == [(BF16, BF16)]
     assert w.dtype == FP32  # the user's weight is never changed
+    calls.clear()  # by default the norm is torch's: the mix goes to the widest dtype, as promotion gives
+    call = sites.one_dtype_on_reject(strict_layer_norm, policy.promote(BF16, cast_copies.PLAIN_CASTS))
+    assert call(x, (4,), w, b).dtype == FP32
+    assert calls == [(BF16, FP32), (FP32, FP32)] and x.dtype == BF16
 
     def shape_error(x, shape, weight, bias):
         raise RuntimeError("normalized_shape mismatch")
 
     with pytest.raises(RuntimeError, match="normalized_shape"):
-        sites.mixed_or_lower(shape_error, lower_all)(x, (4,), w, b)
+        sites.one_dtype_on_reject(shape_error, lower_all)(x, (4,), w, b)

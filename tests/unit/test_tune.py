@@ -259,7 +259,9 @@ def test_write_module_classes_as_import_paths(tmp_path):
         pass
 
     lists = {"bf16": ["linear", "sub"], "fp32": ["softmax"], "promote": []}
-    result = TuneResult(lists, lists, None, {}, {"fp32": 1.0}, {}, {"bf16": (), "fp32": (planted.Recenter,)})
+    result = TuneResult(
+        lists, lists, None, {}, {"fp32": 1.0}, {}, {"bf16": (), "fp32": (planted.Recenter,)}, strict=True
+    )  # written as tune under HMP_STRICT=1 writes them: extending strict's default
     result.write(tmp_path / "b.txt", tmp_path / "f.txt")
     written = (tmp_path / "f.txt").read_text().splitlines()
     assert "include default" in written and written[-1] == "helpers.planted.Recenter"

@@ -1,0 +1,174 @@
+"""Which entries of the lower-precision list gain from it: bf16 where it pays.
+
+A matrix product, a convolution or an RNN does many multiply-adds for each
+element it reads: the lower dtype halves the bytes and runs the arithmetic
+faster, so such an entry casts its float32 inputs down. An op that makes one
+pass over memory gains nothing from a cast (the cast is a pass of its own)
+and what it would round may be the program's state: a pointwise op (an EMA,
+a metric's sums), a random op (dropout), a normalisation (rounding meets the
+mean's subtraction: bf16's step at 1000 is 8). Outside strict mode such an
+entry is treated as if its list did not name it: torch decides its dtype
+from what it is given (bf16 data stays bf16, float32 is never pulled down),
+and a value no matrix product consumes stays as torch made it
+(docs/never-changes.md). ``strict=True`` casts every entry, as Habana's HMP did.
+
+Pointwise and random ops are read from torch's op tags; torch has no tag for
+a normalisation, so those are named (``NORMALIZATIONS``, a last resort:
+tests/unit/test_where_it_pays.py checks it against every normalisation
+module of torch.nn).
+"""
+
+import functools
+import operator
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from hmp.core import state, torch_private
+from hmp.core.aten import aten_op, returns_view
+from hmp.core.resolve import FUSED, RNN_KERNELS
+
+POINTWISE, RANDOM, NORMALIZATION = "pointwise", "random", "normalization"
+
+# why an entry of the lower list does not cast outside strict mode, for messages
+WHY = {
+    POINTWISE: "pointwise (torch's pointwise tag): torch's type promotion decides its dtype",
+    RANDOM: "random, like dropout (torch's nondeterministic_seeded tag): it runs in its input's dtype",
+    NORMALIZATION: "a normalisation: it runs in its input's dtype, and a float32 input is never rounded",
+}
+
+NORMALIZATIONS = frozenset(
+    (
+        "batch_norm",
+        "layer_norm",
+        "group_norm",
+        "instance_norm",
+        "rms_norm",
+        "native_batch_norm",
+        "native_layer_norm",
+        "native_group_norm",
+    )
+)
+
+_POINTWISE, _SEEDED = torch.Tag.pointwise, torch.Tag.nondeterministic_seeded
+_HOLD_PRODUCTS = RNN_KERNELS.union(*FUSED.values())  # kernels with matrix products inside
+
+
+def why_not(name):
+    """None for a lower-list entry that casts (it gains from the lower
+    dtype); else the reason it is left to torch outside strict mode
+    (POINTWISE, RANDOM or NORMALIZATION)."""
+    if name in NORMALIZATIONS:
+        return NORMALIZATION
+    if is_random(name):
+        return RANDOM
+    if is_pointwise(name):
+        return POINTWISE
+    return None
+
+
+def _tagged(packet, tag):
+    return packet is not None and any(tag in getattr(packet, o).tags for o in packet.overloads())
+
+
+def _callables(name):
+    """What a call of list name ``name`` may reach first: a torch.nn.functional
+    or torch function (``dropout1d``, whose arguments have defaults), its aten
+    operator, a Python operator (``truediv``)."""
+    found = (getattr(F, name, None), getattr(torch, name, None), aten_op(name), getattr(operator, name, None))
+    return [fn for fn in found if callable(fn)]
+
+
+def _reached(fn):
+    """The aten overloads a call of ``fn`` on float tensors reaches (one or two
+    arguments, as it accepts), with the random stream as it was; None when
+    it takes no such call."""
+    for arity in (1, 2):
+        for shape in ((2, 2, 2, 2), (2, 2, 2)):  # dropout1d takes 3 dimensions at most
+            args = [torch.ones(shape) for _ in range(arity)]
+            try:
+                with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    return torch_private.reached_ops(fn, *args)
+            except Exception:  # not callable with float tensors alone
+                continue
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def is_random(name):
+    """True when list name ``name`` binds a random op (dropout and its kind):
+    an overload of ``aten::name`` carries torch's ``nondeterministic_seeded``
+    tag, or (``dropout1d``, a Python function) a call of it on float tensors
+    reaches one that does. A kernel that contains a matrix product (the RNN
+    kernels, scaled_dot_product_attention: resolve.py's tables of them)
+    carries the tag for its optional dropout, and is not: its products gain."""
+    if name.startswith("_") or name in _HOLD_PRODUCTS:
+        return False
+    packet = aten_op(name)
+    if packet is not None:
+        return _tagged(packet, _SEEDED)
+    for fn in _callables(name):
+        reached = _reached(fn)
+        if reached is not None:
+            return any(_SEEDED in op.tags for op in reached)
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def is_pointwise(name):
+    """True when list name ``name`` binds a pointwise op: an overload of
+    ``aten::name`` carries torch's ``pointwise`` tag, or (an alias such as
+    ``multiply``, a Python operator name such as ``truediv`` or Habana's
+    ``iadd``) a call of it on float tensors reaches only tagged overloads."""
+    packet = aten_op(name)
+    if _tagged(packet, _POINTWISE):
+        return True
+    fn = packet if packet is not None else getattr(operator, name, None)
+    if fn is None or name.startswith("_") or _tagged(packet, _SEEDED):
+        return False
+    reached = _reached(fn)
+    return bool(reached) and all(_POINTWISE in op.tags for op in reached)
+
+
+CAST = "cast"
+
+
+def decision(kind, name, strict, one_dtype):
+    """What list ``kind``'s entry ``name`` does: ``(casts, why)``. ``casts``:
+    it gets a wrapper that applies its list's rule; ``why``: one line for
+    effective_lists(detail=True) and the verbose log. ``one_dtype``: the ops
+    whose kernels need one dtype (lists.one_dtype_names)."""
+    if returns_view(name):
+        return False, "never cast: it returns a view of its input, and a cast copy would not be one"
+    if strict:
+        return True, CAST
+    if kind == "bf16":
+        why = why_not(name)
+        if why is not None:
+            return False, f"not cast outside strict mode: {WHY[why]}"
+    elif kind == "promote" and name not in one_dtype:
+        return False, "not wrapped: torch's type promotion already gives its inputs one dtype"
+    return True, CAST
+
+
+def warn_left_to_torch(names, where):
+    """One warning for a user's lower-precision list (``where``: its title and
+    path) naming entries that cast only under strict=True: it names them and
+    why, so no line of the file seems to do what it does not."""
+    left = {n: why_not(n) for n in sorted(names)}
+    left = {n: why for n, why in left.items() if why is not None}
+    if not left or not state.first_time(("left to torch", where, tuple(left))):
+        return
+    by_reason = {}
+    for name, why in left.items():
+        by_reason.setdefault(why, []).append(name)
+    said = "; ".join(f"{', '.join(names)}: {WHY[why]}" for why, names in by_reason.items())
+    warnings.warn(
+        f"hmp: {where} names ops that are not cast outside strict mode, since they gain nothing from the "
+        f"lower dtype ({said}). They run as torch runs them. convert(strict=True) casts them, as Habana's "
+        f"HMP did (docs/never-changes.md says what that risks).",
+        UserWarning,
+        stacklevel=state.user_stacklevel(),
+    )
