@@ -55,6 +55,18 @@ class ThreadState(threading.local):
 
 tls = ThreadState()
 _KEEP = object()
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
+
+
+def graph_off(off):
+    """Set the thread's ``off``: called where hmp's cast state changes while
+    torch.compile's dynamo traces, it is recorded in the captured graph (a
+    node of its own: wrap.ready_for_compile registers it), so the lowering of
+    that graph replays each change in program order. A Python operator
+    (``a @ b``), which dynamo records as Python's operator and hmp decides only
+    at lowering, is then decided in the state it was traced in: inside an
+    FP32 module, ``disable_casts()`` or an ``@hmp.fp32_function`` too."""
+    tls.off = off
 
 
 def enter(off, lower_mode=_KEEP):
@@ -67,6 +79,8 @@ def enter(off, lower_mode=_KEEP):
     frame = [st.off, st.lower_mode]
     st.frames.append(frame)
     st.off = off
+    if _dynamo_tracing():
+        graph_off(off)
     if lower_mode is not _KEEP:
         st.lower_mode = lower_mode
     return frame
@@ -77,6 +91,8 @@ def leave(frame):
     rule). A frame already left (by revert()'s unwinding) is ignored."""
     if close_block(tls.frames, frame):
         tls.off, tls.lower_mode = frame
+        if _dynamo_tracing():
+            graph_off(frame[0])
 
 
 def close_block(stack, block):

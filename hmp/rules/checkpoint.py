@@ -19,7 +19,11 @@ holds a reference to that one):
 
 The wrapper sets the captured state innermost, inside the autocast regions
 torch enters for the rerun: the forward's state wins over anything that
-turned casts off around the backward.
+turned casts off around the backward. The conversion travels with it: a
+backward run after the converted block exited (``with hmp.converted():
+loss = f(x)``, then ``loss.backward()``, torch.autocast's idiom) or after
+convert() reconfigured reruns under the forward's conversion, installed for
+the rerun alone (``ctx.again``).
 """
 
 from hmp.core import state, torch_private
@@ -38,7 +42,7 @@ def _patches(ctx):
     if callable(generator):
 
         def without_reentrant(fn, *args, **kwargs):
-            return generator(run_as(fn, state.current()), *args, **kwargs)
+            return generator(ctx.again(run_as(fn, state.current())), *args, **kwargs)
 
         out.append((torch_checkpoint, name, stand_in(without_reentrant, generator)))
     function = torch_private.checkpoint_function()
@@ -46,8 +50,9 @@ def _patches(ctx):
     if isinstance(forward, staticmethod):
         original = unwrap(forward.__func__)
 
-        def reentrant_forward(ctx, run_function, preserve_rng_state, *args):
-            return original(ctx, run_as(run_function, state.current()), preserve_rng_state, *args)
+        def reentrant_forward(function_ctx, run_function, preserve_rng_state, *args):
+            rerun = ctx.again(run_as(run_function, state.current()))
+            return original(function_ctx, rerun, preserve_rng_state, *args)
 
         out.append((function, "forward", staticmethod(stand_in(reentrant_forward, original))))
     return out

@@ -17,6 +17,9 @@ class Context(NamedTuple):
     # later(namespace, attr, value): a change made after convert() returned (a module imported, a
     # class created), through the same undo log; False when the conversion is gone meanwhile
     later: Callable
+    # again(fn): fn, run later under the conversion in force now, installed for its call if another
+    # (or none) is in force then (a checkpoint's recompute after the converted block exited)
+    again: Callable = None
 
 
 class Changes(NamedTuple):

@@ -3,6 +3,7 @@ under: gradients equal those of the same model without checkpointing, bit
 for bit, whichever of forward and backward ran inside disable_casts()."""
 
 import contextlib
+import threading
 import warnings
 
 import pytest
@@ -152,3 +153,43 @@ def test_a_torch_without_the_generator_gets_one_warning_naming_it(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hmp.convert()  # once per process
+
+
+def _grads_when(mode, backward_at):
+    """Gradients of ``Net(mode)`` whose forward ran under hmp O1 and whose
+    backward ran at ``backward_at``: after the converted block exited (as
+    torch.autocast's docs do it), in another thread after that, after
+    revert(), or after convert() reconfigured to O2."""
+    torch.manual_seed(0)
+    net = Net(mode)
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    if backward_at in ("after the block", "in another thread"):
+        with hmp.converted():
+            loss = F.cross_entropy(net(x), y)
+    else:
+        hmp.convert()
+        loss = F.cross_entropy(net(x), y)
+        hmp.revert() if backward_at == "after revert" else hmp.convert(opt_level="O2")
+    if backward_at == "in another thread":
+        thread = threading.Thread(target=loss.backward)
+        thread.start()
+        thread.join()
+    else:
+        loss.backward()
+    return loss, {n: p.grad for n, p in net.named_parameters()}
+
+
+@pytest.mark.parametrize("backward_at", ["after the block", "in another thread", "after revert", "after reconfiguring"])
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_recompute_after_the_conversion_changed_reruns_the_forwards_conversion(pristine, use_reentrant, backward_at):
+    """Oracle: the same program without checkpointing (its backward casts
+    nothing, whatever is in force by then). The recompute installs the
+    forward's conversion for itself and puts back what was in force."""
+    loss, plain = _grads_when(None, backward_at)
+    after = hmp.effective_lists()
+    loss_ckpt, ckpt = _grads_when(use_reentrant, backward_at)
+    assert torch.equal(loss, loss_ckpt) and loss.dtype == torch.float32
+    for name, grad in plain.items():
+        assert grad is not None and torch.equal(ckpt[name], grad), name
+    assert hmp.effective_lists() == after  # none, or O2's, as before the backward
+    hmp.revert()
