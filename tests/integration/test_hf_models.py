@@ -158,3 +158,40 @@ def test_gpt2_gradient_checkpointing_gives_the_same_gradients(use_reentrant, bac
     assert calls == [True, True]  # recomputed, with the forward's casts on
     for name, grad in plain.items():
         assert grad is not None and torch.equal(ckpt[name], grad), name
+
+
+def _encoders():
+    """BERT, CLIP's vision tower (an embedding norm, ln_pre) and ViT, built from tiny configs."""
+    bert_cfg = tiny_bert_config(VOCAB, HIDDEN, max_position_embeddings=64)
+    vision = dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2, num_attention_heads=2)
+    clip_cfg = transformers.CLIPVisionConfig(image_size=32, patch_size=8, **vision)
+    vit_cfg = transformers.ViTConfig(image_size=32, patch_size=8, **vision)
+    g = torch.Generator().manual_seed(0)
+    ids, pixels = torch.randint(0, VOCAB, (2, 16), generator=g), torch.randn(2, 3, 32, 32, generator=g)
+    return {
+        "bert": (transformers.BertModel(bert_cfg), {"input_ids": ids}),
+        "clip": (transformers.CLIPVisionModel(clip_cfg), {"pixel_values": pixels}),
+        "vit": (transformers.ViTModel(vit_cfg), {"pixel_values": pixels}),
+    }
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("name", ["bert", "clip", "vit"])
+def test_encoder_features_stay_float32_and_reach_numpy(name, train, compiled):
+    """The consumer decides: every block boundary of the residual stream (its
+    hidden states) is float32 under hmp, as under torch.autocast, train and
+    eval, eager and compiled; features reach numpy (sklearn, faiss)."""
+    if compiled and tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 5):
+        pytest.skip("hmp's compiled rules need torch >= 2.5 (docs/integrations.md)")
+    torch.manual_seed(0)
+    model, inputs = _encoders()[name]
+    model.train(train)
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    torch._dynamo.reset()
+    with hmp.converted(), torch.no_grad():
+        out = run(**inputs, output_hidden_states=True)
+    torch._dynamo.reset()
+    assert [h.dtype for h in out.hidden_states] == [torch.float32] * len(out.hidden_states)
+    assert out.last_hidden_state.dtype == torch.float32
+    assert out.last_hidden_state[:, 0].numpy().shape == (2, HIDDEN)
