@@ -31,11 +31,12 @@ BF16 = torch.bfloat16
 
 
 def _fsdp2():
-    """(fully_shard, MixedPrecisionPolicy) of this torch: public from 2.6, under _composable before."""
+    """(fully_shard, MixedPrecisionPolicy): public in torch.distributed.fsdp from torch 2.6, which
+    first runs it on CPU (2.4's and 2.5's, under torch.distributed._composable, make CUDA streams)."""
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    except ImportError:
-        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError as e:
+        raise ImportError(f"FSDP2 runs on CPU from torch 2.6 ({e})") from e
     return fully_shard, MixedPrecisionPolicy
 
 
