@@ -26,18 +26,23 @@ def one_dtype_on_reject(op, to_one):
     """``op`` run with the arguments it is given; where the device's kernel
     rejects their mix of dtypes, run again with ``to_one``'s (every floating
     argument in one dtype), and from then on go straight there for that
-    device type. torch's kernel decides where it can: CPU's layer_norm takes
-    a bf16 input with float32 weight, CUDA's does not."""
+    device type and mix. torch's kernel decides where it can: CPU's
+    layer_norm takes a bf16 input with float32 weight, CUDA's does not."""
     return finish(_one_dtype_on_reject(op, to_one), op)
 
 
+def _mix(args, kwargs):
+    """The device type and the tensor arguments' dtypes, in order: what a kernel accepts or rejects."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    return (tensors[0].device.type if tensors else None, *(t.dtype for t in tensors))
+
+
 def _one_dtype_on_reject(op, to_one):
-    unsupported = set()
+    rejected = set()  # _mix keys whose kernel rejected the mix
 
     def call(*args, **kwargs):
-        x = args[0] if args else kwargs.get("input")
-        device = x.device.type if isinstance(x, torch.Tensor) else None
-        if device in unsupported:
+        mix = _mix(args, kwargs)
+        if mix in rejected:
             args, kwargs = to_one(args, kwargs)
             return op(*args, **kwargs)
         try:
@@ -49,9 +54,9 @@ def _one_dtype_on_reject(op, to_one):
             if one_args is args and one_kwargs is kwargs:
                 raise  # nothing to put in one dtype: not a mixed-dtype problem
             result = op(*one_args, **one_kwargs)
-            unsupported.add(device)
+            rejected.add(mix)
             name = getattr(op, "__name__", op)
-            log.info("hmp: %s rejects mixed dtypes on %s; putting them in one dtype", name, device)
+            log.info("hmp: %s rejects mixed dtypes on %s; putting them in one dtype", name, mix[0])
             return result
 
     return call

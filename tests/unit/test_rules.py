@@ -185,6 +185,10 @@ def test_norm_falls_back_where_a_kernel_rejects_mixed_dtypes():
     call = sites.one_dtype_on_reject(strict_layer_norm, policy.promote(BF16, cast_copies.PLAIN_CASTS))
     assert call(x, (4,), w, b).dtype == FP32
     assert calls == [(BF16, FP32), (FP32, FP32)] and x.dtype == BF16
+    calls.clear()  # what is remembered is the mix the kernel rejected, not the site: others run as given
+    assert call(x, (4,), w.bfloat16(), b.bfloat16()).dtype == BF16 and calls == [(BF16, BF16)]
+    call(x, (4,), w, b)
+    assert calls[1:] == [(FP32, FP32)]  # the rejected mix goes straight to one dtype
 
     def shape_error(x, shape, weight, bias):
         raise RuntimeError("normalized_shape mismatch")
