@@ -18,9 +18,8 @@ times each (op_times()).
 
 from __future__ import annotations
 
-import statistics
 from datetime import datetime, timezone
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -31,11 +30,14 @@ from hmp.driver.plan import plan
 from hmp.tools import timing
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
-from hmp.tools.record import Boundary, ModuleHooks, Recorder, module_paths
+from hmp.tools.op_costs import NOT_TIMED, TIMED_PAIRS, op_times
+from hmp.tools.progress import StepRuns
+from hmp.tools.record import Boundary, ModuleHooks, Recorder, module_paths, ran_in
 from hmp.tools.report import write as write_html
 from hmp.tools.target import user_name
 
 TINY = 1e-30
+QUIET = StepRuns("", False)  # counts nothing anyone sees: audit_with() called without a counter
 TOP = 10  # module rows table() shows; all are in AuditReport.modules / .module_classes
 
 
@@ -293,7 +295,7 @@ def made_in(fn, args, kwargs, guard, conversion, ref, inside):
     return {path: worst(pairs(ref_outputs, got, path)) for path in inside if path in got}
 
 
-def made_by_class(fn, args, kwargs, guard, conversion, ref, full):
+def made_by_class(fn, args, kwargs, guard, conversion, ref, full, runs=None):
     """made_in() for the modules in which the run ``full`` called an op that
     casts, one run per module class: ``{path: (max_rel, mean_rel, nonfinite)}``."""
     paths = module_paths(guard.modules)
@@ -301,6 +303,7 @@ def made_by_class(fn, args, kwargs, guard, conversion, ref, full):
     by_class = {}
     for path in dict.fromkeys(o.module for o in full.outputs if o.name in casting and o.module is not None):
         by_class.setdefault(type(paths[path]), []).append(path)
+    (runs or QUIET).expect(len(by_class), "audit: each module class's own error")
     made = {}
     for inside in by_class.values():
         made.update(made_in(fn, args, kwargs, guard, conversion, ref, inside))
@@ -313,6 +316,7 @@ def audit(
     state: Iterable[object] = (),
     threshold: float = 0.05,
     loss_threshold: float = 2e-3,
+    progress: Callable[[int, int, str], None] | bool | None = None,
     **kwargs: Any,
 ) -> AuditReport:
     """Compare ``fn(*args, **kwargs)`` in fp32 and under hmp, op by op.
@@ -330,31 +334,44 @@ def audit(
     error, the error their own code makes (made_in()), and the largest own
     error of an op called directly in them; a class is flagged when either
     of the last two exceeds ``threshold``. The configuration in force before
-    is restored.
+    is restored. ``progress``: None shows the runs of ``fn`` as a bar on
+    stderr once the audit takes more than a few seconds (progress.StepRuns);
+    False shows nothing; a callable is called as ``progress(done, total,
+    what)`` after each run.
     """
     guard = StateGuard("hmp.audit", state, args, kwargs, fn)
+    runs = StepRuns("hmp.audit", progress)
+    report = None
     try:
-        return audit_with(guard, fn, args, kwargs, threshold, loss_threshold)
+        report = audit_with(guard, runs.counted(fn), args, kwargs, threshold, loss_threshold, runs)
+        return report
     finally:
         guard.restore()
+        runs.close(None if report is None else f"audited in {runs.done} runs of the step")
 
 
-def audit_with(guard, fn, args, kwargs, threshold, loss_threshold):
-    """audit() from the state ``guard`` holds (tune shares its guard)."""
+def audit_with(guard, fn, args, kwargs, threshold, loss_threshold, runs=None):
+    """audit() from the state ``guard`` holds (tune shares its guard);
+    ``runs`` (progress.StepRuns, counting ``fn``'s calls) is told how many
+    runs each phase makes."""
+    runs = runs or QUIET
     conversion = in_force_or_default()
     lists = conversion.lists
+    runs.expect(2, "audit: a step in fp32 and under the lists")
     ref_final, ref = run_step(
         fn, args, kwargs, guard, conversion, passthrough=True, keep_outputs=True, module_outputs=True
     )
     hmp_final, full = run_step(fn, args, kwargs, guard, conversion, keep_outputs=True, module_outputs=True)
     output_error = compare(ref_final, hmp_final)[0]
     by_op_ref, by_op_hmp = by_op(ref.outputs), by_op(full.outputs)
+    runs.expect(sum(1 for stats in full.stats.values() if stats.casts), "audit: each op cast alone")
     rows = []
     for name, stats in full.stats.items():
         max_rel, mean_rel, nonfinite = worst(pairs(by_op_ref, by_op_hmp, name))
         row = {
             "op": name,
             "list": kind_of(name, lists),
+            "ran_in": ran_in(stats),
             "calls": stats.calls,
             "casts": stats.casts,
             "max_rel": max_rel,
@@ -375,6 +392,7 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold):
             if row["own_max_rel"] > threshold and len(row["own_by_module"]) > 1:
                 # which module's calls introduce it: once more, each call from the fp32 run's
                 # inputs, so the error of the op's earlier calls does not count in later ones
+                runs.expect(1)
                 _, forced = run_step(
                     fn,
                     args,
@@ -399,8 +417,9 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold):
         row["reason"] = "; ".join(reasons)
         row["flagged"] = bool(reasons)
         rows.append(row)
-    made = made_by_class(fn, args, kwargs, guard, conversion, ref, full)
-    times, total = op_times(fn, args, kwargs, guard, conversion)
+    made = made_by_class(fn, args, kwargs, guard, conversion, ref, full, runs)
+    runs.expect(2 * (TIMED_PAIRS + 1), "audit: timing the ops")
+    times, total = op_times(lambda fp32: run_step(fn, args, kwargs, guard, conversion, passthrough=fp32)[1].stats)
     for row in rows:
         row.update(times.get(row["op"], NOT_TIMED))
     paths = module_paths(guard.modules)
@@ -410,47 +429,6 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold):
         cls = user_name(type(paths[path]))
         seen[cls] = max(seen.get(cls, value), value)
     return AuditReport(rows, output_error, threshold, loss_threshold, modules, seen, total)
-
-
-NOT_TIMED = {"fp32_ms": None, "lists_ms": None, "cast_ms": None, "time_ratio": None}
-TIMED_PAIRS = 3  # an fp32 run and a run under the lists, this many times, interleaved
-
-
-def op_times(fn, args, kwargs, guard, conversion, repeats=TIMED_PAIRS):
-    """``({op: {"fp32_ms", "lists_ms", "cast_ms", "time_ratio"}}, total)``:
-    the wall time of each recorded op's calls in a step in fp32 and under
-    ``conversion``'s lists, the latter with the casts hmp makes for them
-    (``cast_ms`` of it): medians of ``repeats`` runs each, interleaved, and
-    the time under the lists relative to fp32 (timing.ratio); ``total``:
-    that ratio for all the ops' time together. Both runs go through the
-    recording wrappers (the fp32 one casting nothing), so the same calls are
-    timed under the names the rows have: a TorchFunctionMode is handed
-    ``Tensor.div`` for ``/`` and cannot tell ``truediv`` from ``div``. None:
-    not run in that step."""
-    runs = {"fp32": [], "lists": []}
-    for _ in range(repeats):
-        runs["fp32"].append(run_step(fn, args, kwargs, guard, conversion, passthrough=True)[1].stats)
-        runs["lists"].append(run_step(fn, args, kwargs, guard, conversion)[1].stats)
-
-    def ms(kind, name, part):
-        got = [part(stats[name]) * 1e3 for stats in runs[kind] if name in stats]
-        return got or None
-
-    out = {}
-    for name in set().union(*runs["fp32"], *runs["lists"]):
-        a = ms("fp32", name, lambda s: s.op_seconds)
-        b = ms("lists", name, lambda s: s.op_seconds + s.cast_seconds)
-        cast = ms("lists", name, lambda s: s.cast_seconds)
-        out[name] = {
-            "fp32_ms": a and statistics.median(a),
-            "lists_ms": b and statistics.median(b),
-            "cast_ms": cast and statistics.median(cast),
-            "time_ratio": timing.ratio(a, b) if a and b and len(a) == len(b) else None,
-        }
-    totals = {
-        kind: [sum(s.op_seconds + s.cast_seconds for s in stats.values()) for stats in runs[kind]] for kind in runs
-    }
-    return out, timing.ratio(totals["fp32"], totals["lists"])
 
 
 def by_op(outputs):

@@ -36,8 +36,15 @@ def _sort_key(value):
     return -value
 
 
-def _list_badge(kind):
-    return (kind or "none", LIST_COLOURS.get(kind, LIST_COLOURS[None]))
+SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+def _list_badge(kind, ran_in=""):
+    """The list an op is in; an op in none that ran in a lower dtype (its inputs came in it, as
+    scaled_dot_product_attention's do from bf16 projections) says so, not only "none"."""
+    lower = [SHORT[d] for d in ran_in.split(",") if d in ("bfloat16", "float16")]
+    word = kind or (f"none, ran {'/'.join(lower)}" if lower else "none")
+    return (word, LIST_COLOURS.get(kind, LIST_COLOURS[None]))
 
 
 def _error_colour(threshold):
@@ -82,7 +89,7 @@ def op_chart(audit, tune=None):
     verdict = _op_verdict(tune)
     columns = [
         TextColumn("op", rows, lambda r: r["op"], cls="label"),
-        BadgeColumn("list", rows, lambda r: _list_badge(r["list"])),
+        BadgeColumn("list", rows, lambda r: _list_badge(r["list"], r.get("ran_in", ""))),
         _error_column("own max rel error (only this op cast)", rows, "own_max_rel", own, threshold, _no_own_error),
         _error_column(
             "error it passes to the loss", rows, "loss_error", loss, loss_threshold, _no_own_error, "loss threshold"
@@ -204,6 +211,8 @@ def trial_chart(tune):
     loss = LogAxis([r["loss_error"] for r in rows], 200, [loss_threshold])
 
     def outcome(r):
+        if r.get("outcome"):  # tune's own words: the bounds, and whether a step measurably gained
+            return (r["outcome"], LOW_TIME if r["accepted"] else OVER)
         if r["accepted"]:
             return ("kept in BF16", LOW_TIME)
         why = []
@@ -228,7 +237,7 @@ def trial_chart(tune):
         TimeColumn("fp32 time in one step", rows, lambda r: r["seconds"] * 1e3, lambda r: None),
         TextColumn("outcome", rows, outcome),
     ]
-    return chart(rows, columns, lambda r: f"{r['op']}: inf/NaN {r['nonfinite']}", "trials")
+    return chart(rows, columns, lambda r: f"{r['op']}: {r.get('why') or outcome(r)[0]}", "trials")
 
 
 def _swatch(shape):

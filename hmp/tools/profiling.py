@@ -1,12 +1,18 @@
-"""hmp.profile: run a function once under the current configuration and
-report, per listed op, what hmp did and what it cost."""
+"""hmp.profile: run a function under the current configuration and report,
+per listed op, what hmp did and what it cost: one warm-up run, then
+``repeats`` recorded runs from the same state; counts (calls, casts, bytes)
+come from the first recorded run, times are each op's median over the runs,
+and the page says the middle half of the runs' totals, the noise those
+medians carry."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import statistics
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -15,8 +21,10 @@ from hmp.driver.conversion import applied, in_force
 from hmp.tools.files import write_all
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
+from hmp.tools.progress import StepRuns
 from hmp.tools.record import Recorder
 from hmp.tools.report import STYLE, boxed, esc, table
+from hmp.tools.timing import collector_paused
 from hmp.version import __version__
 
 COLUMNS = ("op", "calls", "inputs (most common)", "ran in", "op ms", "cast ms", "casts", "MB cast")
@@ -30,10 +38,30 @@ def _top(counter):
 
 
 class ProfileReport:
-    """Per-op statistics of one profiled run."""
+    """Per-op statistics of the profiled runs: ``stats``, op name ->
+    record.OpStats (counts from one run, times the median over the runs);
+    ``totals``, per run, the listed ops' time and the cast time (seconds)."""
 
-    def __init__(self, stats):
-        self.stats = stats  # op name -> record.OpStats
+    def __init__(self, stats, totals=()):
+        self.stats = stats
+        self.totals = list(totals)
+
+    def noise(self):
+        """One line: how many runs the times are medians of, and the middle half of the runs' totals."""
+        runs = len(self.totals)
+        if runs < 2:
+            return f"times from {runs} run after a warm-up: one run cannot say how much of a difference is noise"
+
+        def middle(values):
+            ms = [v * 1e3 for v in values]
+            low, _, high = statistics.quantiles(ms, n=4, method="inclusive")
+            return f"{statistics.median(ms):.3f} ms (middle half {low:.3f} to {high:.3f})"
+
+        return (
+            f"times are medians of {runs} runs after a warm-up; per run, the listed ops took "
+            f"{middle([op for op, _ in self.totals])} and hmp's casts {middle([cast for _, cast in self.totals])}: "
+            "a difference inside those ranges is noise"
+        )
 
     def rows(self):
         rows = []
@@ -65,10 +93,10 @@ class ProfileReport:
         ]
 
     def table(self):
-        """A markdown table sorted by time (op plus casting)."""
+        """A markdown table sorted by time (op plus casting), and the noise line."""
         lines = ["| " + " | ".join(COLUMNS) + " |", "|---|---:|---|---|---:|---:|---:|---:|"]
         lines += ["| " + " | ".join(map(str, cells)) + " |" for cells in self.cells()]
-        return "\n".join(lines)
+        return "\n".join(lines + ["", self.noise()])
 
     def to_html(self, title="hmp profile report"):
         """One self-contained HTML page: a summary line and the table."""
@@ -91,7 +119,7 @@ class ProfileReport:
                     f"<p>{esc(summary)}</p>",
                     '<p class="caption">One row per listed op the function ran, most time first: the dtypes its inputs '
                     "came in and it ran in (most common), its forward calls, the time in the op and in hmp's casts, "
-                    "and how much data was cast. One run, so small differences are noise.</p>",
+                    f"and how much data was cast. {esc(self.noise().capitalize())}.</p>",
                     boxed(table(COLUMNS, self.cells(), numeric=(1, 4, 5, 6, 7))),
                     "</body>",
                     "</html>",
@@ -107,7 +135,8 @@ class ProfileReport:
         write_all([(path, self.to_html())], "hmp.profile")
 
     def to_json(self):
-        return json.dumps({"ops": self.rows()}, indent=2)
+        runs = [{"op_ms": op * 1e3, "cast_ms": cast * 1e3} for op, cast in self.totals]
+        return json.dumps({"ops": self.rows(), "runs": runs, "noise": self.noise()}, indent=2)
 
     def save(self, path):
         Path(path).write_text(self.to_json() + "\n")
@@ -116,22 +145,61 @@ class ProfileReport:
         return self.table()
 
 
-def profile(fn: Step, *args: Any, state: Iterable[object] = (), **kwargs: Any) -> ProfileReport:
-    """Run ``fn(*args, **kwargs)`` once with instrumented wrappers and return
-    a ProfileReport. hmp must be converted; its configuration is restored
+def profile(
+    fn: Step,
+    *args: Any,
+    state: Iterable[object] = (),
+    repeats: int = 5,
+    progress: Callable[[int, int, str], None] | bool | None = None,
+    **kwargs: Any,
+) -> ProfileReport:
+    """Run ``fn(*args, **kwargs)`` once to warm up, then ``repeats`` times
+    with instrumented wrappers, each from the same state, and return a
+    ProfileReport. hmp must be converted; its configuration is restored
     afterwards, with no instrumentation left behind. ``fn`` returns its loss
     (loss.step_loss), as for audit and tune. ``state``: the modules,
     optimizers, schedulers and tensors ``fn`` changes, as for audit: they
-    are put back afterwards (guard.StateGuard), also when ``fn`` raises."""
+    are put back before each run and afterwards (guard.StateGuard), also
+    when ``fn`` raises. ``progress``: as for hmp.audit (a bar on stderr
+    when the runs take more than a few seconds; False: none)."""
     conversion = in_force()
     if conversion is None:
         raise RuntimeError("hmp.profile: call hmp.convert() first; profile reports on the current configuration")
+    if not (isinstance(repeats, int) and repeats >= 1):
+        raise ValueError(f"hmp.profile: repeats must be a positive integer, got {repeats!r}")
     guard = StateGuard("hmp.profile", state, args, kwargs, fn)
-    recorder = Recorder()
+    runs = StepRuns("hmp.profile", progress)
+    counted = runs.counted(fn)
+    runs.expect(repeats + 1, "profile")
+    recorded = []
     try:
-        with guard.running(), applied(conversion, recorder=recorder):
-            value = fn(*args, **kwargs)
-        step_loss(value, "hmp.profile")
+        with guard.running(), applied(conversion):
+            step_loss(counted(*args, **kwargs), "hmp.profile")  # warm-up: first calls fill caches
+        with collector_paused():
+            for _ in range(repeats):
+                recorder = Recorder()
+                with guard.running(), applied(conversion, recorder=recorder):
+                    value = counted(*args, **kwargs)
+                step_loss(value, "hmp.profile")
+                recorded.append(recorder.stats)
     finally:
         guard.restore()
-    return ProfileReport(recorder.stats)
+        runs.close()
+    return ProfileReport(_medians(recorded), [_total(stats) for stats in recorded])
+
+
+def _total(stats):
+    return sum(s.op_seconds for s in stats.values()), sum(s.cast_seconds for s in stats.values())
+
+
+def _medians(recorded):
+    """The first run's OpStats with each op's times the median over all runs (0 in a run without it)."""
+    out = {}
+    for name, first in recorded[0].items():
+        runs = [stats.get(name) for stats in recorded]
+        out[name] = dataclasses.replace(
+            first,
+            op_seconds=statistics.median(s.op_seconds if s else 0.0 for s in runs),
+            cast_seconds=statistics.median(s.cast_seconds if s else 0.0 for s in runs),
+        )
+    return out

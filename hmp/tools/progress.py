@@ -1,7 +1,13 @@
-"""Progress of a long command on stderr: a tqdm bar on a terminal; on a log
-or a pipe (CI, ``2> log``), or without tqdm, a plain line every
-``every_s`` seconds with the count done and the time left, so a run that
-takes minutes never looks hung and a log never fills with bar redraws."""
+"""Progress of long work on stderr: a tqdm bar on a terminal; on a log or a
+pipe (CI, ``2> log``), or without tqdm, a plain line every ``every_s``
+seconds with the count done and the time left, so a run that takes minutes
+never looks hung and a log never fills with bar redraws. Nothing shows
+before ``delay_s``: work that ends sooner says nothing.
+
+The time left is the time so far per unit done times the units left, so it
+tracks the work done; the tools count in runs of the user's step
+(``StepRuns``), units of one size, and add to the total as each phase
+learns how many it needs."""
 
 import sys
 import time
@@ -17,17 +23,34 @@ class Progress:
     ``unit``s, None until known (``set_total``); ``prog``: the command's name
     that starts each plain line."""
 
-    def __init__(self, label, total, prog, unit="step", every_s=10.0):
+    def __init__(self, label, total, prog, unit="step", every_s=10.0, delay_s=0.0):
         self.label, self.total, self.prog, self.unit, self.every_s = label, total, prog, unit, every_s
+        self.delay_s = delay_s
         self.done = 0
         self.bar = None
         if tqdm is not None and sys.stderr.isatty():
             self.bar = tqdm(
-                total=total, desc=label, unit=unit, leave=True, file=sys.stderr, dynamic_ncols=True, mininterval=0.5
+                total=total,
+                desc=label,
+                unit=unit,
+                leave=True,
+                file=sys.stderr,
+                dynamic_ncols=True,
+                mininterval=0.5,
+                delay=delay_s,
             )
         self.start = self.last = time.perf_counter()
-        if self.bar is None and total is not None:
-            self.note(f"{label}: {total} {unit}s")
+        self.said = False  # a plain line was printed (after delay_s)
+        if self.bar is None and not delay_s:
+            self._first()
+
+    def _first(self):
+        self.said = True
+        self.note(
+            f"{self.label}: {self.total} {self.unit}s"
+            if self.total is not None
+            else f"{self.label}: counting {self.unit}s"
+        )
 
     def note(self, message):
         """A line of its own, above the bar when there is one."""
@@ -38,12 +61,12 @@ class Progress:
             print(line, file=sys.stderr, flush=True)
 
     def set_total(self, total):
-        self.total = total
+        if total == self.total:
+            return
+        self.total = total  # a plain line says it with the next count, not a line of its own
         if self.bar is not None:
             self.bar.total = total
             self.bar.refresh()
-        else:
-            self.note(f"{self.label}: {total} {self.unit}s" + (f", {self.done} done" if self.done else ""))
 
     def step(self, postfix="", done=None):
         """One more done (or ``done`` in all); ``postfix``: what it was."""
@@ -53,6 +76,11 @@ class Progress:
             self.bar.update(self.done - before)
             return
         now = time.perf_counter()
+        if not self.said:
+            if now - self.start < self.delay_s:
+                return
+            self._first()
+            self.last = now
         if now - self.last < self.every_s or (self.total is not None and self.done >= self.total):
             return
         self.last = now
@@ -70,5 +98,50 @@ class Progress:
     def close(self, message=None):
         if self.bar is not None:
             self.bar.close()
-        if message is not None:
+        if message is not None and (self.said or self.bar is not None or not self.delay_s):
             self.note(message)
+
+
+class StepRuns:
+    """The runs of the user's step a tool makes, counted for progress:
+    ``counted(fn)`` wraps the step so each call is one done; ``expect(n)``
+    adds ``n`` runs to the total as a phase learns how many it needs;
+    ``phase(what)`` names what the next runs are for. ``report(done, total,
+    what)`` is called after each run (hmp.tune's ``progress`` argument), or
+    with ``report=None`` a Progress bar on stderr shows them (after a few
+    seconds; ``report=False``: nothing)."""
+
+    def __init__(self, tool, report=None, delay_s=3.0):
+        self.done, self.total, self.what = 0, 0, ""
+        self.bar = None
+        if report is None:
+            self.bar = Progress(tool, None, tool, unit="run", delay_s=delay_s)
+            report = self._show
+        self.report = report or (lambda done, total, what: None)
+
+    def _show(self, done, total, what):
+        self.bar.set_total(total)
+        self.bar.step(what, done=done)
+
+    def counted(self, fn):
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.done += 1
+                self.total = max(self.total, self.done)
+                self.report(self.done, self.total, self.what)
+
+        return run
+
+    def expect(self, runs, what=None):
+        self.total += runs
+        if what is not None:
+            self.what = what
+
+    def phase(self, what):
+        self.what = what
+
+    def close(self, message=None):
+        if self.bar is not None:
+            self.bar.close(message)

@@ -66,6 +66,14 @@ class OpStats:
     bytes_cast: int = 0
 
 
+def ran_in(stats):
+    """The floating dtypes an op's most common call ran with (``bfloat16``, ``float32,bfloat16``)."""
+    if not stats.chosen_dtypes:
+        return ""
+    names = stats.chosen_dtypes.most_common(1)[0][0]
+    return ",".join(dict.fromkeys(n for n in names if n in ("float32", "bfloat16", "float16", "float64")))
+
+
 class Output(NamedTuple):
     name: str  # the op's name, or a module's path for a module call
     value: tuple  # snapshot() of what it returned

@@ -6,8 +6,9 @@ The page leads with its verdict (the outcome: within or outside the
 tolerance, faster, slower or no measurable difference), then what to do
 (the files written and the call that loads them), then the evidence. Every
 timing is relative to fp32 (timing.py), from the same measurement wherever
-it shows. Nothing is wider than the page's 1280 px: wide charts and tables
-scroll inside their own box.
+it shows. Nothing is wider than the page's 1280 px and nothing hides behind
+a scroll bar of its own: a chart wider than its box scales down to fit it
+(its viewBox keeps the proportions), a table's cells wrap.
 
 ``render(audit=None, tune=None, title=None)`` returns the page;
 ``write(path, ...)`` writes it atomically.
@@ -46,8 +47,8 @@ def table(headers, rows, numeric=()):
 
 
 def boxed(inner):
-    """``inner`` in a box that scrolls sideways when it is wider than the page."""
-    return f'<div class="scroll">{inner}</div>'
+    """``inner`` in a box as wide as the page at most: a chart in it scales down to fit, a table wraps."""
+    return f'<div class="box">{inner}</div>'
 
 
 def folded(summary, items):
@@ -101,10 +102,7 @@ def speed_sentence(ratio, what):
         return f"Speed: {what} was not timed."
     if ratio.measurable:
         return f"{ratio.direction().capitalize()}: {what} takes {ratio.words()}."
-    return (
-        f"Speed: {timing.UNCLEAR} between {what} and fp32 ({ratio.pairs} interleaved pairs, "
-        f"middle half {ratio.low:.2f}x to {ratio.high:.2f}x)."
-    )
+    return f"Speed: {timing.UNCLEAR} between {what} and fp32 ({ratio.middle_half()}, interleaved)."
 
 
 def _flagged_words(audit):
@@ -157,28 +155,63 @@ def audit_outcome(audit):
     ]
 
 
-def _changes(tune):
-    classes = tune.class_names()
-    parts = [
-        ("moved to FP32", tune.moved_to_fp32),
-        ("module classes to FP32", classes),
-        ("added to BF16", tune.added_to_bf16),
+def change_reasons(tune):
+    """Each change tune made, with why it is there: ``[sentence]``."""
+    flagged = {r["op"]: r["reason"] for r in tune.audit.rows}
+    out = [
+        f"{op} to the FP32 list: flagged by the audit ({flagged.get(op) or 'over the bounds'})"
+        for op in tune.moved_to_fp32
     ]
-    said = [f"{what}: {', '.join(names)}" for what, names in parts if names]
-    if not said:
-        return "No change: the tuned lists are the starting lists, so the lists you have are what this step asks for."
-    return "Changes from the starting lists: " + "; ".join(said) + "."
+    for op, p in tune.proposals.items():
+        if p["accepted"]:
+            out.append(
+                f"{p['class']} to the FP32 list, instead of moving {op}: {op}'s error is confined to it (with it in "
+                f"FP32, {op} cast everywhere else makes error {_num(p['own_max_rel'], 2)} and moves the loss by "
+                f"{_num(p['loss_error'], 2)})"
+            )
+    for p in tune.module_proposals.values():
+        if p["accepted"]:
+            out.append(
+                f"{p['class']} to the FP32 list: its own code makes error {_num(p['made_max_rel'], 2)}, over the "
+                f"threshold {tune.audit.threshold:g}, with the flagged ops moved"
+            )
+    for op in tune.added_to_bf16:
+        why = tune.trials.get(op, {}).get("why") or "kept in bf16"
+        out.append(f"{op} to the BF16 list: {why.removeprefix('kept: ')}")
+    return out
 
 
 def tune_todo(tune):
+    """What to do, agreeing with the verdict: nothing, the changes with their reasons and the call that
+    loads them, or (outside the tolerance) what to change before using them."""
     bf16, fp32 = tune.written or DEFAULT_FILES
     call = f"hmp.convert(bf16_file_path={bf16!r}, fp32_file_path={fp32!r})"
+    reasons = change_reasons(tune)
     if tune.written:
         files = f"Files written: {bf16} (the BF16 list) and {fp32} (the FP32 list); each extends the default list."
     else:
         files = f"Write the files first: result.write({bf16!r}, {fp32!r})."
+    listed = '<ul class="changes">' + "".join(f"<li>{esc(r)}</li>" for r in reasons) + "</ul>"
+    if not tune.within:
+        return [
+            f"<p>{esc('Do not use the tuned lists as they are: training under them ends outside the tolerance.')} "
+            + esc(
+                "Put the model's most sensitive module classes in the FP32 list (the module table below) and run "
+                "tune again, or validate over more steps (--steps)."
+            )
+            + "</p>",
+            *([f"<p>{esc('What the files written hold, for reference:')}</p>", listed] if reasons else []),
+            f"<p>{esc(files)}</p>",
+        ]
+    if not reasons:
+        return [
+            "<p>Nothing to change: the lists you have suit this step. Tune kept no change; the files written hold "
+            "the same lists (<code>include default</code> and nothing else).</p>",
+            *([f"<p>{esc(tune.authored_words().capitalize())}.</p>"] if tune.authored else []),
+        ]
     return [
-        f"<p>{esc(_changes(tune))}</p>",
+        f"<p>{len(reasons)} change{'s' * (len(reasons) != 1)} from the starting lists, each with why it is there:</p>",
+        listed,
         f"<p>{esc(files)} Use them:</p>",
         f'<pre class="call">{esc(call)}</pre>',
     ]
@@ -210,7 +243,7 @@ def verdict_first(audit, tune):
 STYLE = """
 html, body { margin: 0; padding: 0; }
 body { font-family: system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif; color: #222; box-sizing: border-box;
-       max-width: 1280px; padding: 16px 24px; }  /* the widest the page gets; wider content scrolls in its box */
+       max-width: 1280px; padding: 16px 24px; }  /* the widest the page gets; wider charts scale down */
 h1 { font-size: 20px; margin: 0 0 4px; } h2 { font-size: 16px; margin: 24px 0 8px; }
 p, li, dd, td, th, pre, summary { overflow-wrap: anywhere; }
 p.meta { color: #555; margin-top: 0; } p.caption { color: #444; max-width: 70em; }
@@ -219,8 +252,10 @@ section.verdict h2 { margin-top: 8px; }
 section.verdict.ok { border-color: #54a24b; background: #f1f8ef; }
 section.verdict.bad { border-color: #c0392b; background: #fbefed; }
 pre.call { background: #f4f4f4; padding: 8px 12px; white-space: pre-wrap; font-size: 13px; }
-.scroll { overflow-x: auto; max-width: 100%; }
-table { border-collapse: collapse; margin: 8px 0; font-size: 13px; }
+.box { max-width: 100%; overflow-x: auto; }  /* a safety: the test checks nothing in a box overflows it */
+.box > svg { display: block; max-width: 100%; height: auto; }  /* a wide chart scales down to its box */
+table { border-collapse: collapse; margin: 8px 0; font-size: 13px; max-width: 100%; }
+ul.changes li { margin: 2px 0; }
 th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; } td.num { text-align: right; }
 ul.legend { list-style: none; padding: 0; display: flex; flex-wrap: wrap; gap: 6px 18px; font-size: 13px; }
 ul.legend svg { vertical-align: middle; margin-right: 4px; }

@@ -107,9 +107,12 @@ def make_target(fn, spec):
 
 
 def user_name(cls):
-    """``cls`` as its author knows it: ``file.py:Class`` for a class from a
-    FILE.py target, else its import path."""
+    """``cls`` as a list file names it: its import path, which for a class
+    from a FILE.py target is ``file.Class`` (the file is imported under its
+    own name, so that path loads again from the file's folder); only where
+    another module holds the file's name is it ``file.py:Class``, a form no
+    list file takes (pass the class to convert(fp32_modules=[...]) instead)."""
     module = sys.modules.get(cls.__module__)
-    if cls.__module__ in FILE_MODULES and getattr(module, "__file__", None):
+    if cls.__module__.startswith(PREFIX) and cls.__module__ in FILE_MODULES and getattr(module, "__file__", None):
         return f"{os.path.basename(module.__file__)}:{cls.__qualname__}"
     return f"{cls.__module__}.{cls.__qualname__}"

@@ -5,18 +5,28 @@ is faster. Samples come interleaved (an fp32 run, a run under the lists, an
 fp32 run, ...), so the i-th sample of each was taken at about the same
 moment; a ratio per pair cancels load from elsewhere that lasts longer than
 a pair, and the median of the pairs' ratios is the time relative to fp32.
-The spread is the middle half of those ratios; a ratio whose middle half
-covers 1.0, or is wider than NOISE either side, is no measurable difference.
+
+One statement of noise, the same in every tool: the middle half of the
+pairs' ratios (25th to 75th percentile). When it lies wholly on one side of
+1.0 the difference is measured, and said with its size and that range
+(``0.62x fp32's time (middle half of 10 pairs: 0.58x to 0.66x)``); when it
+covers 1.0, or there are fewer than MIN_PAIRS pairs, no difference was
+measured, and that is said with the range too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import math
 import statistics
 from typing import NamedTuple, Sequence
 
-NOISE = 0.25  # a middle half wider than +-25% of the median says nothing about the direction
 MIN_PAIRS = 3  # fewer pairs have no middle half worth the name
-UNCLEAR = "no measurable difference here"
+UNCLEAR = "no measurable difference"
+# a change tune keeps for its speed must beat chance this clearly: the share of pairs faster with it would
+# come up by chance, with no difference at all, less than once in fifty (a one-sided sign test)
+SURE = 0.02
 
 
 class Ratio(NamedTuple):
@@ -27,16 +37,28 @@ class Ratio(NamedTuple):
     low: float
     high: float
     pairs: int
+    below: int = 0  # pairs whose ratio is below 1
+
+    def chance(self):
+        """How likely as many pairs below 1 would be with no difference at all: each pair then below
+        or above 1 as a coin falls (a one-sided sign test; 1.0 with no pair)."""
+        return sum(math.comb(self.pairs, k) for k in range(self.below, self.pairs + 1)) / 2**self.pairs
+
+    @property
+    def surely_faster(self):
+        """Faster, and by more than chance: what tune asks of an op before it keeps it for its speed.
+        With 10 pairs, 9 of them below 1; with 5 or fewer, never (a coin falls 5 times alike 1 in 32)."""
+        return self.faster and self.chance() < SURE
 
     @property
     def spread(self):
-        """Half the middle half's width relative to the median: the ``+-`` shown."""
+        """Half the middle half's width relative to the median."""
         return (self.high - self.low) / 2 / self.median if self.median > 0 else float("inf")
 
     @property
     def measurable(self):
-        """Enough pairs, a middle half that lies wholly on one side of 1.0 and is no wider than NOISE."""
-        return self.pairs >= MIN_PAIRS and (self.high < 1.0 or self.low > 1.0) and self.spread <= NOISE
+        """Enough pairs, and a middle half that lies wholly on one side of 1.0."""
+        return self.pairs >= MIN_PAIRS and (self.high < 1.0 or self.low > 1.0)
 
     @property
     def faster(self):
@@ -46,15 +68,24 @@ class Ratio(NamedTuple):
     def slower(self):
         return self.measurable and self.low > 1.0
 
-    def words(self):
-        """``0.62x fp32's time (+-4%)``, or UNCLEAR."""
+    def middle_half(self):
+        """``middle half of 10 pairs: 0.58x to 0.66x`` (or why there is none)."""
+        if self.pairs < MIN_PAIRS:
+            return f"{self.pairs} pair{'s' * (self.pairs != 1)}, too few to tell"
+        return f"middle half of {self.pairs} pairs: {self.low:.2f}x to {self.high:.2f}x"
+
+    def words(self, of="fp32's time"):
+        """``0.62x fp32's time (middle half of 10 pairs: 0.58x to 0.66x)``, or
+        ``no measurable difference (middle half of 10 pairs: 0.95x to 1.04x)``;
+        ``of``: what the ratio is relative to."""
         if not self.measurable:
-            return UNCLEAR
-        return f"{self.median:.2f}x fp32's time (+-{self.spread:.0%})"
+            return f"{UNCLEAR} ({self.middle_half()})"
+        return f"{self.median:.2f}x {of} ({self.middle_half()})"
 
     def short(self):
-        """The same for a table cell or a chart: ``0.62x +-4%``, or UNCLEAR."""
-        return f"{self.median:.2f}x +-{self.spread:.0%}" if self.measurable else UNCLEAR
+        """The same for a table cell or a chart: ``0.62x (0.58-0.66)``, or ``no measurable difference (0.95-1.04)``."""
+        span = f"{self.low:.2f}-{self.high:.2f}" if self.pairs >= MIN_PAIRS else "too few pairs"
+        return f"{self.median:.2f}x ({span})" if self.measurable else f"{UNCLEAR} ({span})"
 
     def direction(self):
         """``faster``, ``slower`` or UNCLEAR."""
@@ -69,12 +100,26 @@ def ratio(fp32: Sequence[float], other: Sequence[float]) -> Ratio | None:
     if not pairs or any(a <= 0 for a, _ in pairs):
         return None
     ratios = sorted(b / a for a, b in pairs)
+    below = sum(r < 1.0 for r in ratios)
     if len(ratios) == 1:
-        return Ratio(ratios[0], ratios[0], ratios[0], 1)
+        return Ratio(ratios[0], ratios[0], ratios[0], 1, below)
     low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
-    return Ratio(statistics.median(ratios), low, high, len(ratios))
+    return Ratio(statistics.median(ratios), low, high, len(ratios), below)
 
 
 def words(ratio_or_none):
     """Ratio.words(), or UNCLEAR when nothing was timed."""
-    return UNCLEAR if ratio_or_none is None else ratio_or_none.words()
+    return f"{UNCLEAR} (not timed)" if ratio_or_none is None else ratio_or_none.words()
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's garbage collector off for a timed block (as timeit does): a collection would land on
+    whichever call happens to allocate, and make it look slow."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

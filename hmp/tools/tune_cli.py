@@ -57,6 +57,11 @@ def add_parser(subparsers):
         help="write an HTML report: each op's and module's bf16 error and the time it saves, against the thresholds",
     )
     p.add_argument("--json", metavar="PATH", help="write the measurements as JSON")
+    p.add_argument(
+        "--override-fp32",
+        action="store_true",
+        help="also try in bf16 the ops whose input the model computes in float32 on purpose (.float() before them)",
+    )
     p.set_defaults(run=run)
 
 
@@ -73,15 +78,12 @@ def _demo_target(args):
 
 
 def _progress():
+    """A bar counting the runs of the step (its total grows as each phase learns how many it makes)."""
     bar = Progress("tuning", None, PROG, unit="run")
 
     def report(done, total, what):
-        if total is None:
-            bar.note("auditing the starting lists (a few steps)")
-        elif bar.total is None:
-            bar.set_total(total)
-        if done:
-            bar.step(what, done=done)
+        bar.set_total(total)
+        bar.step(what, done=done)
 
     return bar, report
 
@@ -105,13 +107,19 @@ def run(args):
     try:
         with hmp.converted(**inspect_cli.lists(args)):
             result = tuning.tune(
-                step, state=state, steps=args.steps, rounds=args.rounds, tolerance=args.tolerance, progress=report
+                step,
+                state=state,
+                steps=args.steps,
+                rounds=args.rounds,
+                tolerance=args.tolerance,
+                override_fp32=args.override_fp32,
+                progress=report,
             )
     except tuning.StepDoesNotTrain as e:
         where = f"TARGET {args.target!r}" if args.target else "the demo model"
         return fail(PROG, f"{where}: {said(e)}", 1)
     finally:
-        bar.close(None if result is None else f"tuned in {bar.elapsed():.0f} s")
+        bar.close(None if result is None else f"tuned in {bar.elapsed():.0f} s ({result.runs} runs of the step)")
     print(result.table())
     classes = ", ".join(result.class_names())
     if classes:
@@ -142,6 +150,7 @@ def run(args):
                     "same_as": result.same_as,
                     "verdict": result.verdict,
                     "trials": result.trials,
+                    "not_tried_author_fp32": result.authored,
                     "module_proposals": result.proposals,
                     "module_class_proposals": result.module_proposals,
                     "audit": result.audit.rows,

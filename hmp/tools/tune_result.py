@@ -32,6 +32,7 @@ class TuneResult:
         same_as=None,
         tolerance=0.02,
         low=torch.bfloat16,
+        strict=False,
     ):
         self.lists = lists  # {"bf16", "fp32", "promote"} -> sorted names
         self.before = before
@@ -48,9 +49,12 @@ class TuneResult:
         # in FP32
         self.module_proposals = module_proposals or {}
         self.samples = samples or {}  # name -> every step time measured (seconds), for the spread
+        self.authored = []  # ops large enough to try, left out: the model's author computes their input in float32
+        self.runs = None  # how many runs of the step tune made
         self.same_as = same_as or {}  # name -> an earlier configuration with exactly the same lists and modules
         self.tolerance = tolerance
         self.low = low  # the lower dtype: which default list the files written extend
+        self.strict = strict  # strict=True: Habana's rule, whose default BF16 list the files extend
         self.written = None  # (bf16 path, fp32 path) once write() wrote them, for the page's "what to do"
 
     def spread(self, name):
@@ -125,6 +129,12 @@ class TuneResult:
         over = [p for p in self.module_proposals.values() if p["made_max_rel"] > threshold]
         return over, [p["class"] for p in self.module_proposals.values() if p not in over]
 
+    def authored_words(self):
+        return (
+            f"not tried in bf16: {', '.join(self.authored)}, whose input the model's author computes in float32 "
+            "(an .float() or .to(torch.float32) before it in the same module); tune(override_fp32=True) tries them"
+        )
+
     @staticmethod
     def left_as_they_are(names):
         return (
@@ -158,14 +168,16 @@ class TuneResult:
             "",
             "## ops tried in bf16",
             "",
-            "| op | was in | fp32 time ms | own max rel err | error passed to loss | inf/NaN | kept in bf16 |",
+            "| op | was in | fp32 time ms | own max rel err | error passed to loss | inf/NaN | outcome |",
             "|---|---|---:|---:|---:|---:|---|",
         ]
         for op, t in sorted(self.trials.items(), key=lambda kv: -kv[1]["seconds"]):
             lines.append(
                 f"| {op} | {t['was'] or 'no list'} | {t['seconds'] * 1e3:.3f} | {t['own_max_rel']:.3g} | "
-                f"{t['loss_error']:.3g} | {t['nonfinite']} | {'yes' if t['accepted'] else 'no'} |"
+                f"{t['loss_error']:.3g} | {t['nonfinite']} | {t.get('why') or ('kept' if t['accepted'] else 'no')} |"
             )
+        if self.authored:
+            lines += ["", self.authored_words()]
         if self.proposals:
             lines += [
                 "",
@@ -250,5 +262,5 @@ class TuneResult:
             f"# validation final losses: " + ", ".join(f"{k} {v:.5f}" for k, v in self.validation.items()) + "\n"
         )
         targets = [("bf16", bf16_path), ("fp32", fp32_path)] + ([("promote", promote_path)] if promote_path else [])
-        write_all(tuned_files.texts(self.lists, self.modules, targets, summary, self.low), "hmp.tune")
+        write_all(tuned_files.texts(self.lists, self.modules, targets, summary, self.low, self.strict), "hmp.tune")
         self.written = (os.fspath(bf16_path), os.fspath(fp32_path))

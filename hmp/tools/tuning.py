@@ -5,12 +5,20 @@
    for the FP32 list instead (checked by a run with the op cast everywhere
    else), and the op keeps its list; a module class whose own code makes
    too much error, still with the flagged ops moved, is proposed too;
-2. find the ops the step runs that are expensive and not in the BF16 list
-   (unlisted or FP32-listed), try each alone in bf16, and keep those whose
-   own error and the error they pass on to the loss stay under the bounds;
+2. find the ops the step runs that still compute in fp32 and take a share
+   of its op time (op_costs.py: warmed up, medians of repeated runs), except
+   those whose input the model's author computes in float32 on purpose;
+   try each alone in bf16, and keep one only when its own error and the
+   error it passes on to the loss stay under the bounds AND a step with it
+   in bf16 is measurably faster than without (interleaved step times,
+   timing.py: the middle half of the pairs' ratios below 1), so no op is
+   moved on timing noise;
 3. validate: train a few steps from the same state in fp32, with the current
    lists and with the candidate; if the candidate's loss strays from fp32's,
    drop the additions and module proposals; time a step of each.
+
+Every phase counts in runs of the user's step (progress.StepRuns), shown on
+stderr or handed to ``progress``.
 """
 
 from __future__ import annotations
@@ -19,90 +27,18 @@ import statistics
 import time
 from typing import Any, Callable, Iterable
 
-import torch
-from torch.overrides import TorchFunctionMode
-
 from hmp.core.hints import Step
 from hmp.core.lists import KINDS
 from hmp.core.resolve import Resolver
-from hmp.core.switches import casts_enabled
 from hmp.driver.conversion import applied
+from hmp.tools import op_costs, timing
 from hmp.tools.auditing import audit_with, by_op, compare, in_force_or_default, kind_of, made_in, pairs, run_step, worst
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
+from hmp.tools.progress import StepRuns
 from hmp.tools.record import within
 from hmp.tools.target import user_name
 from hmp.tools.tune_result import TuneResult
-
-# calls a step makes that are not math to run in another dtype (indexing only moves values: in the
-# BF16 list it would only round them)
-NOT_CANDIDATES = frozenset(
-    (
-        "backward",
-        "to",
-        "type",
-        "float",
-        "double",
-        "half",
-        "bfloat16",
-        "detach",
-        "clone",
-        "copy_",
-        "item",
-        "tolist",
-        "numpy",
-        "contiguous",
-        "view",
-        "reshape",
-        "size",
-        "dim",
-        "getitem",
-    )
-)
-
-
-def _floating(value):
-    if isinstance(value, torch.Tensor):
-        return value.is_floating_point()
-    return isinstance(value, (list, tuple)) and any(_floating(v) for v in value)
-
-
-def _has_fp32(value):
-    if isinstance(value, torch.Tensor):
-        return value.dtype == torch.float32
-    return isinstance(value, (list, tuple)) and any(_has_fp32(v) for v in value)
-
-
-class _OpTimes(TorchFunctionMode):
-    """Time per top-level torch call that takes float32 tensors and returns
-    floating ones, by op name: under the current lists, the ops that still
-    compute in fp32 (hmp's own wrappers are outermost, so ops they call are
-    not seen)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seconds = {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        start = time.perf_counter()
-        out = func(*args, **kwargs)
-        elapsed = time.perf_counter() - start
-        name = getattr(func, "__name__", "")
-        if not casts_enabled():  # the optimizer step under disable_casts(), not the model
-            return out
-        if name.endswith("_") and not name.endswith("__"):
-            return out
-        if name.startswith("__") and name.endswith("__"):
-            name = name[2:-2]
-            if name[:1] in ("r", "i") and name[1:] in ("add", "sub", "mul", "matmul", "truediv", "pow", "div"):
-                name = name[1:]
-        if name in NOT_CANDIDATES:
-            return out
-        if not (_floating(out) and (_has_fp32(list(args)) or _has_fp32(list(kwargs.values())))):
-            return out
-        self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
-        return out
 
 
 def _as_sets(lists):
@@ -143,15 +79,21 @@ def check_trains(fn, args, kwargs, guard, steps=3):
         )
 
 
-def _interleaved_times(fn, args, kwargs, guard, configs, rounds, tick=lambda what: None):
+ROUND_STEPS = 3  # steps per configuration in a timing round; the first is left out
+
+
+def _interleaved_times(fn, args, kwargs, guard, configs, rounds):
     """Every step time per configuration (the first of each round left out:
     it pays convert's first calls), configurations interleaved so load from
-    elsewhere falls on each alike."""
+    elsewhere falls on each alike, in reversed order every other round (so
+    neither is always the one after the other), with Python's garbage
+    collector paused."""
     samples = {name: [] for name in configs}
-    for i in range(rounds):
-        for name, conversion in configs.items():
-            samples[name] += _train(fn, args, kwargs, guard, 3, conversion)[1][1:]
-        tick(f"timing round {i + 1}/{rounds}")
+    order = list(configs.items())
+    with timing.collector_paused():
+        for i in range(rounds):
+            for name, conversion in order if i % 2 == 0 else order[::-1]:
+                samples[name] += _train(fn, args, kwargs, guard, ROUND_STEPS, conversion)[1][1:]
     return samples
 
 
@@ -172,36 +114,36 @@ def confined_to(report, op, roots):
     return cls if elsewhere else None
 
 
+COST_RUNS = 3  # timed runs of a step whose calls' medians give each op's cost (op_costs.measure)
+
+
 class _Tuner:
     """One tune() run, a method per phase; the state they share is on self."""
 
-    def __init__(self, step_fn, args, kwargs, bounds, progress):
-        self.fn, self.args, self.kwargs, self.progress = step_fn, args, kwargs, progress
+    def __init__(self, step_fn, args, kwargs, bounds, runs, override_fp32=False):
+        self.fn, self.args, self.kwargs, self.runs = step_fn, args, kwargs, runs
         self.threshold, self.loss_threshold, self.tolerance, self.min_share, self.steps, self.rounds = bounds
+        self.override_fp32 = override_fp32
         self.start = in_force_or_default()
         self.start_lists = _as_sets(self.start.lists)
-        self.done, self.total = 0, None
 
     def under(self, lists, fp32_modules=()):
         """The starting conversion with ``lists`` and ``fp32_modules`` added to its FP32 module entries."""
         fp32 = tuple(dict.fromkeys(self.start.modules["fp32"] + tuple(fp32_modules)))
         return self.start._replace(lists=lists, modules={"bf16": self.start.modules["bf16"], "fp32": fp32})
 
-    def tick(self, what):
-        self.done += 1
-        if self.progress is not None:
-            self.progress(self.done, self.total, what)
-
     def run_step(self, conversion, **options):
-        return run_step(self.fn, self.args, self.kwargs, self.guard, conversion, **options)
+        return run_step(self.run, self.args, self.kwargs, self.guard, conversion, **options)
 
     def train(self, conversion, steps=None):
-        return _train(self.fn, self.args, self.kwargs, self.guard, steps or self.steps, conversion)
+        return _train(self.run, self.args, self.kwargs, self.guard, steps or self.steps, conversion)
 
     def __call__(self, state):
         self.guard = StateGuard("hmp.tune", state, self.args, self.kwargs, self.fn)
+        self.run = self.runs.counted(self.fn)  # every run of the step, counted for progress
         try:
-            check_trains(self.fn, self.args, self.kwargs, self.guard)
+            self.runs.expect(3, "checking that the step trains")
+            check_trains(self.run, self.args, self.kwargs, self.guard)
             self.audit()
             self.find_candidates()
             self.trials = {op: self.try_in_bf16(op) for op in self.candidates}
@@ -217,9 +159,9 @@ class _Tuner:
 
     def audit(self):
         """Audit the starting lists; the flagged ops move to FP32 (self.lists)."""
-        if self.progress is not None:
-            self.progress(0, None, "audit")
-        self.report = audit_with(self.guard, self.fn, self.args, self.kwargs, self.threshold, self.loss_threshold)
+        self.report = audit_with(
+            self.guard, self.run, self.args, self.kwargs, self.threshold, self.loss_threshold, self.runs
+        )
         self.lists = _as_sets(self.start_lists)
         for op in self.report.flagged:
             for k in KINDS:
@@ -231,29 +173,38 @@ class _Tuner:
 
     def find_candidates(self):
         """What still computes in fp32 under the lists so far and takes at
-        least ``min_share`` of the step's op time, and the fp32 reference
-        run that records its outputs (and the confined ops') uncast."""
-        times = _OpTimes()
-        with self.guard.running(), applied(self.under(self.lists)), times:
-            self.fn(*self.args, **self.kwargs)
-        total = sum(times.seconds.values()) or 1.0
+        least ``min_share`` of the step's op time (op_costs.measure: warmed
+        up, each call's median over COST_RUNS runs), leaving out the ops
+        whose input the model's author computes in float32 (``authored``;
+        tried too with ``override_fp32``); and the fp32 reference run that
+        records their outputs (and the confined ops') uncast."""
+        conversion = self.under(self.lists)
+
+        def one_step():
+            with self.guard.running(), applied(conversion):
+                self.run(*self.args, **self.kwargs)
+
+        self.runs.expect(1 + COST_RUNS, "measuring what each op costs in fp32")
+        costs = op_costs.measure(one_step, self.guard.modules, runs=COST_RUNS)
         resolver = Resolver()
-        self.seconds = times.seconds
-        self.candidates = [
+        self.seconds = costs.seconds
+        large = [
             op
-            for op, s in times.seconds.items()
-            if s / total >= self.min_share
+            for op in costs.seconds
+            if costs.share(op) >= self.min_share
             and op not in self.lists["bf16"]
             and op not in self.report.flagged
             and resolver.exists(op)
         ]
+        self.authored = [] if self.override_fp32 else sorted(op for op in large if op in costs.authored)
+        self.candidates = [op for op in large if op not in self.authored]
         watch = {"bf16": set(self.candidates) | set(self.confined), "fp32": set(), "promote": set()}
+        self.runs.expect(1, "a reference step in fp32")
         self.ref_final, self.ref = self.run_step(
             self.under(watch), passthrough=True, keep_outputs=True, module_outputs=True
         )
         self.ref_outputs = by_op(self.ref.outputs)
         self.classes = [row for row in self.report.module_classes if row["made_max_rel"] > self.threshold]
-        self.total = self.done + len(self.candidates) + len(self.confined) + len(self.classes) + 3 + self.rounds
 
     def alone(self, op, only, fp32_modules=()):
         """Errors of ``op`` cast alone (its list in ``only``), against the reference."""
@@ -276,28 +227,44 @@ class _Tuner:
         }
 
     def try_in_bf16(self, op):
+        """``op`` alone in bf16: its errors against the reference; within the bounds, a step's time
+        with it in bf16 against without (interleaved); kept only when that step is measurably faster."""
+        self.runs.expect(1, f"trying {op} in bf16")
         trial = {
             "was": kind_of(op, self.lists),
             "seconds": self.seconds[op],
             **self.alone(op, {"bf16": {op}, "fp32": set(), "promote": set()}),
+            "time_ratio": None,
         }
-        self.tick(f"{op} tried in bf16")
+        if trial["accepted"]:
+            trial["time_ratio"] = self.step_ratio_with(op)
+            trial["accepted"] = trial["time_ratio"] is not None and trial["time_ratio"].surely_faster
+        trial["outcome"], trial["why"] = trial_outcome(trial, self.threshold, self.loss_threshold)
         return trial
+
+    def step_ratio_with(self, op):
+        """A step's time with ``op`` added to the BF16 list, relative to the lists so far
+        (timing.Ratio): ``rounds`` rounds, the two interleaved."""
+        lists = {k: v - {op} for k, v in self.lists.items()}
+        lists["bf16"].add(op)
+        configs = {"without": self.under(self.lists), "with": self.under(lists)}
+        self.runs.expect(len(configs) * self.rounds * ROUND_STEPS, f"timing a step with {op} in bf16")
+        samples = _interleaved_times(self.run, self.args, self.kwargs, self.guard, configs, self.rounds)
+        return timing.ratio(samples["without"], samples["with"])
 
     def try_class_instead(self, op, cls):
         """The flagged ``op`` cast where its starting list says, with ``cls`` in FP32."""
         only = {k: ({op} if op in self.start_lists[k] else set()) for k in KINDS}
-        proposal = {"class": user_name(cls), "type": cls, **self.alone(op, only, [cls])}
-        self.tick(f"{op} with {cls.__name__} in FP32")
-        return proposal
+        self.runs.expect(1, f"{op} with {cls.__name__} in FP32")
+        return {"class": user_name(cls), "type": cls, **self.alone(op, only, [cls])}
 
     def try_class(self, row):
         """A module class whose own code makes too much error (audit's "error made in it"), measured again
         with the flagged ops moved: proposed for FP32 when it still makes it."""
         cls = row["type"]
-        self.tick(f"module class {cls.__name__}")
         if cls in self.confined.values() or any(isinstance(r, cls) for r in self.guard.modules):
             return
+        self.runs.expect(2, f"module class {cls.__name__}")
         made = made_in(self.fn, self.args, self.kwargs, self.guard, self.under(self.lists), self.ref, row["paths"])
         made_max_rel = max((m[0] for m in made.values()), default=0.0)
         fp32_final, _ = self.run_step(self.under(self.lists, [cls]))
@@ -338,13 +305,16 @@ class _Tuner:
             "tuned lists": self.under(self.candidate, to_fp32),
         }
         self.validation = {}
+        self.runs.expect(len(self.configs) * self.steps, "validation: training in each configuration")
         for name, conversion in self.configs.items():
             self.validation[name] = self.train(conversion)[0]
-            self.tick(f"validation: {name}")
         if not self.acceptable("tuned lists") and (self.candidate != self.lists or to_fp32):
             everything = [*self.trials.values(), *self.proposals.values(), *self.module_proposals.values()]
             for t in everything:
+                if t["accepted"] and "why" in t:
+                    t["outcome"], t["why"] = "dropped at validation", "dropped: the tuned lists failed validation"
                 t["accepted"] = False
+            self.runs.expect(self.steps, "validation: the lists without tune's additions")
             self.candidate = self.lists
             self.configs["tuned lists"] = self.under(self.candidate)
             self.validation["tuned lists"] = self.train(self.configs["tuned lists"])[0]
@@ -357,9 +327,8 @@ class _Tuner:
 
     def time(self):
         """Step times of every configuration, interleaved; which configurations are the same lists."""
-        self.samples = _interleaved_times(
-            self.fn, self.args, self.kwargs, self.guard, self.configs, self.rounds, self.tick
-        )
+        self.runs.expect(len(self.configs) * self.rounds * ROUND_STEPS, "timing a step of each configuration")
+        self.samples = _interleaved_times(self.run, self.args, self.kwargs, self.guard, self.configs, self.rounds)
         self.timings = {name: statistics.median(s) for name, s in self.samples.items()}
         names = list(self.configs)
         self.same_as = {}
@@ -371,7 +340,7 @@ class _Tuner:
     def result(self):
         final = {k: sorted(v) for k, v in self.candidate.items()}
         final["promote"] = sorted(self.candidate["promote"] - self.candidate["bf16"] - self.candidate["fp32"])
-        return TuneResult(
+        result = TuneResult(
             final,
             {k: sorted(v) for k, v in self.start_lists.items()},
             self.report,
@@ -385,7 +354,11 @@ class _Tuner:
             self.same_as,
             self.tolerance,
             self.start.options.low,
+            self.start.options.strict,
         )
+        result.authored = self.authored  # large ops not tried: the author computes their input in float32
+        result.runs = self.runs.done
+        return result
 
 
 def tune(
@@ -398,7 +371,8 @@ def tune(
     tolerance: float = 0.02,
     min_share: float = 0.02,
     rounds: int = 5,
-    progress: Callable[[int, int | None, str], None] | None = None,
+    override_fp32: bool = False,
+    progress: Callable[[int, int, str], None] | bool | None = None,
     **kwargs: Any,
 ) -> TuneResult:
     """Tune the lists for ``step_fn(*args, **kwargs)``, a training step that
@@ -411,11 +385,18 @@ def tune(
     on an op's own relative error and on the relative loss error it alone
     causes; ``tolerance``: how far the tuned lists' loss after ``steps``
     steps may be from fp32's; ``min_share``: the share of fp32 op time an op
-    must take to be worth trying in bf16; ``rounds``: timing rounds.
-    ``progress``: called as ``progress(done, total, what)`` after each unit
-    of work once the audit is done (each trial, validation run and timing
-    round; ``total`` is known from then on), and as ``progress(0, None,
-    "audit")`` before the audit.
+    must take to be worth trying in bf16; ``rounds``: timing rounds (each
+    trial's and the validation's; more narrow the spread).
+    An op is added to the BF16 list only when, alone in bf16, its errors
+    stay under the bounds and a step with it is measurably faster than
+    without (timing.Ratio.faster, from ``rounds`` interleaved rounds); never
+    an op whose input the model's author computes in float32 (an
+    ``.float()``/``.to(torch.float32)`` or ``dtype=torch.float32`` before it
+    in the same module, op_costs.py) unless ``override_fp32=True``.
+    ``progress``: None shows the runs of the step as a bar on stderr once
+    tune takes more than a few seconds; False shows nothing; a callable is
+    called as ``progress(done, total, what)`` after each run of the step
+    (``total`` grows as each phase learns how many runs it needs).
     A flagged op whose error is confined to the instances of one module
     class (confined_to()) keeps its list, and that class goes to the FP32
     list instead, when the op cast everywhere else stays within the bounds.
@@ -423,7 +404,44 @@ def tune(
     made_max_rel), still with the flagged ops moved, goes to FP32 too.
     """
     bounds = (threshold, loss_threshold, tolerance, min_share, steps, rounds)
-    return _Tuner(step_fn, args, kwargs, bounds, progress)(state)
+    runs = StepRuns("hmp.tune", progress)
+    result = None
+    try:
+        result = _Tuner(step_fn, args, kwargs, bounds, runs, override_fp32)(state)
+        return result
+    finally:
+        runs.close(None if result is None else f"tuned in {runs.done} runs of the step")
+
+
+def trial_outcome(trial, threshold, loss_threshold):
+    """``(short, long)``: why a trial's op was kept in bf16 or not, for a chart's cell and in words."""
+    ratio = trial.get("time_ratio")
+    than = "the time without"
+    if trial["accepted"]:
+        return (
+            f"kept: step {ratio.median:.2f}x",
+            f"kept: within the bounds, and a step with it in bf16 takes {ratio.words(than)}",
+        )
+    why = []
+    if not trial["own_max_rel"] <= threshold:
+        why.append(f"error {trial['own_max_rel']:.2g} > {threshold:g}")
+    if not trial["loss_error"] <= loss_threshold:
+        why.append(f"loss error {trial['loss_error']:.2g} > {loss_threshold:g}")
+    if trial["nonfinite"]:
+        why.append("inf/NaN")
+    if why:
+        return "; ".join(why), "not kept: " + "; ".join(why)
+    if ratio is None:
+        return "casts nothing", "not kept: nothing was cast (torch runs it in its inputs' dtype, as a pointwise op)"
+    if ratio.slower:
+        return f"slower: step {ratio.median:.2f}x", f"not kept: a step with it in bf16 is slower, {ratio.words(than)}"
+    if ratio.faster:  # the middle half below 1, but too few pairs below 1 to rule out chance
+        return (
+            "gain within chance",
+            f"not kept: a step with it in bf16 takes {ratio.words(than)}, but only {ratio.below} of {ratio.pairs} "
+            f"pairs were faster, as often as chance alone gives it (p = {ratio.chance():.2g}); more --rounds narrow it",
+        )
+    return "no measurable gain", f"not kept: no measurable gain; a step with it in bf16: {ratio.words(than)}"
 
 
 def _same(a, b):

@@ -3,6 +3,7 @@ target, its errors, progress on stderr, the verdict, identical lists flagged,
 and the timing spread against an independent computation."""
 
 import json
+import re
 import textwrap
 
 import numpy as np
@@ -71,11 +72,10 @@ def test_tune_runs_the_users_step_and_writes_lists_and_json(project, form, capsy
     # the lists written load again
     with hmp.converted(bf16_file_path=str(project / "tuned_bf16.txt"), fp32_file_path=str(project / "tuned_fp32.txt")):
         assert hmp.effective_lists()["bf16"] == res["lists"]["bf16"]
-    # progress on stderr: the audit, the count of runs once known, and the end
+    # progress on stderr, counted in runs of the step: a line at the start, one every 10 s, and the end
     err = captured.err.splitlines()
-    assert err[0].endswith("auditing the starting lists (a few steps)")
-    assert any(line.startswith("python -m hmp tune: tuning: ") and line.endswith(" runs") for line in err)
-    assert err[-1].startswith("python -m hmp tune: tuned in ")
+    assert err[0] == "python -m hmp tune: tuning: counting runs"
+    assert re.fullmatch(r"python -m hmp tune: tuned in \d+ s \((\d+) runs of the step\)", err[-1])
     # the verdict, against the numbers it names
     gap = (res["validation"]["tuned lists"] - res["validation"]["fp32"]) / abs(res["validation"]["fp32"])
     assert res["verdict"] in captured.out
@@ -203,13 +203,15 @@ def test_pairs_that_straddle_one_are_said_to_be_noise():
         {"fp32": fp32, "tuned lists": [1.1, 0.9, 1.0, 1.2, 0.8, 1.0]},
         {"fp32": 1.0, "starting lists": 1.0, "tuned lists": 1.0},
     )
-    assert "step time: no measurable difference here" in result.verdict and "x fp32's time" not in result.verdict
-    assert result.time_cell("tuned lists") == "no measurable difference here"
+    said = "step time: no measurable difference (middle half of 6 pairs: "  # the range said, covering 1
+    assert said in result.verdict and "x fp32's time" not in result.verdict
+    assert result.time_cell("tuned lists").startswith("no measurable difference (")
     far = _result(
         {"fp32": fp32, "tuned lists": [t * 3 for t in fp32]}, {"fp32": 1.0, "starting lists": 1.0, "tuned lists": 1.0}
     )
-    assert "step time: 3.00x fp32's time (+-0%)" in far.verdict and "no measurable difference" not in far.verdict
-    assert far.time_cell("tuned lists") == "3.00x +-0%" and far.time_cell("fp32") == "1 (reference)"
+    assert "step time: 3.00x fp32's time (middle half of 6 pairs: 3.00x to 3.00x)" in far.verdict
+    assert "no measurable difference" not in far.verdict
+    assert far.time_cell("tuned lists") == "3.00x (3.00-3.00)" and far.time_cell("fp32") == "1 (reference)"
 
 
 def test_the_shipped_example_tunes_from_the_command_line_and_draws_its_report(tmp_path, monkeypatch, capsys):
@@ -223,8 +225,8 @@ def test_the_shipped_example_tunes_from_the_command_line_and_draws_its_report(tm
     assert "moved to FP32: linear" in out and "verdict: " in out
     page = (tmp_path / "tune.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "<svg" in page and ">linear<" in page
-    # the example's class by the user's own file and class name, not the module tune imported it as
-    assert "tune_my_model.py:Recentered" in page and "_hmp_tune_target_" not in page + out
+    # the example's class as a list file names it (the file's own name), not a prefixed module's
+    assert "tune_my_model.Recentered" in page and "_hmp_tune_target_" not in page + out
     assert page.index('id="verdict"') < page.index("hmp.convert(bf16_file_path=") < page.index("<svg")
 
 
@@ -257,14 +259,14 @@ def test_a_class_from_a_file_target_is_written_by_a_path_a_fresh_process_loads(t
     monkeypatch.setattr(sys, "path", list(sys.path))  # load_target puts each file's folder first
     cls = target.load_target(str(tmp_path / "planted_model.py") + ":make")()
     assert tuned_files.importable(cls) == "planted_model.Scale"
-    assert target.user_name(cls) == "planted_model.py:Scale"
+    assert target.user_name(cls) == "planted_model.Scale"  # shown as a list file names it
     fresh = run_python(
         "-c", "from hmp.core.resolve import module_class; print(module_class('planted_model.Scale'))", cwd=tmp_path
     )
     assert fresh.returncode == 0 and "planted_model.Scale" in fresh.stdout, fresh.stderr
     # a file named like a module the process has (the stdlib's json) keeps clear of it
     fn = target.load_target(str(tmp_path / "other" / "json.py") + ":make")
-    assert fn.__module__ == target.PREFIX + "json"
+    assert fn.__module__ == target.PREFIX + "json" and target.user_name(fn()) == "json.py:make.<locals>.Local"
     import json
 
     assert hasattr(json, "dumps")

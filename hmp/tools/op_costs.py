@@ -1,0 +1,260 @@
+"""What ops cost. ``measure``: what each op still computing in float32
+costs in a step, and which ops compute in float32 because the model's
+author asked for it; hmp.tune picks the ops it tries in bf16 from these.
+``op_times``: each listed op's time in fp32 and under the lists, for
+hmp.audit's rows.
+
+Times: every top-level torch call that takes float32 tensors and returns
+floating ones, per op name (hmp's own wrappers run their op with torch
+functions off, so what a listed op calls inside is not seen). A step is
+timed ``runs`` times after a warm-up, with Python's garbage collector
+paused; each call is the median of its times over the runs (a step calls
+the same ops in the same order), so a stall that lands on one run's call
+(a collection, a thread waking, a page fault) does not make that op look
+expensive.
+
+The author's float32: ``x.float()``, ``x.to(torch.float32)`` (also when x
+is float32 already, as in an fp32 run: the author wrote it for the lower
+dtype's sake) and an op given ``dtype=torch.float32`` mark what they return.
+Inside the module (the innermost hooked one) where the mark was made, an op
+that takes a marked tensor computes in float32 on purpose, and its floating
+outputs are marked too: LlamaRMSNorm's ``pow``, ``mean``, ``rsqrt``, ``mul``
+after ``hidden_states.to(torch.float32)``. A conversion to another dtype
+returns an unmarked tensor, and a value leaving the module leaves its
+mark behind (the residual stream that the norm's input came from is not
+the author's float32).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from hmp.core.switches import casts_enabled
+from hmp.core.torch_private import tree_leaves
+from hmp.tools import timing
+from hmp.tools.record import module_paths
+from hmp.tools.timing import collector_paused
+
+# calls a step makes that are not math to run in another dtype (indexing only moves values: in the
+# BF16 list it would only round them)
+NOT_CANDIDATES = frozenset(
+    (
+        "backward",
+        "to",
+        "type",
+        "float",
+        "double",
+        "half",
+        "bfloat16",
+        "detach",
+        "clone",
+        "copy_",
+        "item",
+        "tolist",
+        "numpy",
+        "contiguous",
+        "view",
+        "reshape",
+        "size",
+        "dim",
+        "getitem",
+    )
+)
+# conversions that ask for float32 by name: Tensor.float(), Tensor.to(..., torch.float32), Tensor.type(torch.float32)
+TO_FLOAT32 = frozenset(("float", "to", "type"))
+
+
+def _tensors(value):
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _asks_float32(name, args, kwargs):
+    """The call asks for float32 by name: ``.float()``, ``.to(torch.float32)``, ``dtype=torch.float32``."""
+    if kwargs.get("dtype") is torch.float32:
+        return True
+    if name == "float":
+        return True
+    return name in TO_FLOAT32 and any(a is torch.float32 for a in args[1:])
+
+
+def op_name(func):
+    """The list name of a torch function as a TorchFunctionMode sees it: ``__rmul__`` is ``mul``."""
+    name = getattr(func, "__name__", "")
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name[:1] in ("r", "i") and name[1:] in ("add", "sub", "mul", "matmul", "truediv", "pow", "div"):
+            name = name[1:]
+    return name
+
+
+class OpCosts(TorchFunctionMode):
+    """One run's calls: ``calls``, ``[(op, seconds)]`` in call order, of the
+    ops that compute in float32; ``authored``, the ops that took a tensor the
+    author computes in float32 (see the module's docstring). ``paths``:
+    ``{module path: module}`` whose calls scope the marks."""
+
+    def __init__(self, paths):
+        super().__init__()
+        self.paths, self.calls, self.authored = paths, [], set()
+        self._marks = {}  # id(tensor) -> (weakref, module path)
+        self._tls = threading.local()
+        self._handles = []
+
+    # -- the module a call runs in -------------------------------------------------------------------
+
+    def _stack(self):
+        stack = getattr(self._tls, "stack", None)
+        if stack is None:
+            stack = self._tls.stack = []
+        return stack
+
+    def __enter__(self):
+        for path, module in self.paths.items():
+            self._handles.append(module.register_forward_pre_hook(lambda m, a, p=path: self._stack().append(p)))
+            self._handles.append(module.register_forward_hook(lambda m, a, o, p=path: self._leave(p)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return super().__exit__(*exc)
+
+    def _leave(self, path):
+        stack = self._stack()
+        if path in stack:
+            del stack[len(stack) - 1 - stack[::-1].index(path) :]
+
+    # -- the author's float32 ------------------------------------------------------------------------
+
+    def _marked(self, tensors, module):
+        for t in tensors:
+            mark = self._marks.get(id(t))
+            if mark is not None and mark[0]() is t and mark[1] == module:
+                return True
+        return False
+
+    def _mark(self, tensors, module):
+        for t in tensors:
+            if t.is_floating_point():
+                self._marks[id(t)] = (weakref.ref(t), module)
+
+    # -- every call ----------------------------------------------------------------------------------
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        elapsed = time.perf_counter() - start
+        if not casts_enabled():  # the optimizer step under disable_casts(), not the model
+            return out
+        name = op_name(func)
+        stack = self._stack()
+        module = stack[-1] if stack else None
+        inputs = _tensors((args, kwargs))
+        if _asks_float32(name, args, kwargs):
+            self._mark(_tensors(out), module)
+            if name not in TO_FLOAT32:
+                self.authored.add(name)
+        elif name not in NOT_CANDIDATES and self._marked(inputs, module):
+            self.authored.add(name)
+            self._mark(_tensors(out), module)
+        if name in NOT_CANDIDATES or (name.endswith("_") and not name.endswith("__")):
+            return out
+        if any(t.dtype == torch.float32 for t in inputs) and any(t.is_floating_point() for t in _tensors(out)):
+            self.calls.append((name, elapsed))
+        return out
+
+
+class Costs:
+    """What ``measure()`` found: ``seconds`` (op -> its float32 time in a
+    step, the sum of its calls' medians), ``authored`` (the ops the author
+    computes in float32), ``runs`` (how many timed runs)."""
+
+    def __init__(self, seconds, authored, runs):
+        self.seconds, self.authored, self.runs = seconds, authored, runs
+
+    def share(self, op):
+        total = sum(self.seconds.values())
+        return self.seconds.get(op, 0.0) / total if total else 0.0
+
+
+def measure(run, modules, runs=3):
+    """Costs of the ops ``run()`` calls (one step from the same state each
+    time, under the conversion to measure): one warm-up run, then ``runs``
+    timed ones with the garbage collector paused; a call's time is its
+    median over the runs. ``modules``: the objects whose modules scope the
+    author's float32 (module_paths)."""
+    paths = module_paths(modules)
+    with OpCosts(paths):
+        run()  # warm-up: first calls allocate, fill caches and compile kernels
+    timed = []
+    with collector_paused():
+        for _ in range(runs):
+            costs = OpCosts(paths)
+            with costs:
+                run()
+            timed.append(costs)
+    authored = set().union(*(c.authored for c in timed))
+    seconds = {}
+    orders = [[name for name, _ in c.calls] for c in timed]
+    if all(order == orders[0] for order in orders):
+        for i, name in enumerate(orders[0]):
+            seconds[name] = seconds.get(name, 0.0) + statistics.median(c.calls[i][1] for c in timed)
+    else:  # the runs called different ops (data-dependent control flow): each op's median total
+        for name in set().union(*orders):
+            totals = [sum(s for n, s in c.calls if n == name) for c in timed]
+            seconds[name] = statistics.median(totals)
+    return Costs(seconds, authored, runs)
+
+
+NOT_TIMED = {"fp32_ms": None, "lists_ms": None, "cast_ms": None, "time_ratio": None}
+TIMED_PAIRS = 5  # an fp32 run and a run under the lists, this many times, interleaved, after one of each
+
+
+def op_times(stats_of, repeats=TIMED_PAIRS):
+    """``({op: {"fp32_ms", "lists_ms", "cast_ms", "time_ratio"}}, total)``:
+    the wall time of each recorded op's calls in a step in fp32
+    (``stats_of(True)``: a recorded run casting nothing, its
+    record.OpStats by op) and under the lists (``stats_of(False)``), the
+    latter with the casts hmp makes for them (``cast_ms`` of it): medians
+    of ``repeats`` runs each, interleaved, after a warm-up run of each and
+    with Python's garbage collector paused, and the time under the lists
+    relative to fp32 (timing.ratio); ``total``: that ratio for all the ops'
+    time together. Both runs go through the recording wrappers, so the same
+    calls are timed under the names the rows have: a TorchFunctionMode is
+    handed ``Tensor.div`` for ``/`` and cannot tell ``truediv`` from
+    ``div``. None: not run in that step."""
+    runs = {"fp32": [], "lists": []}
+    stats_of(True)  # warm-up: first calls fill caches
+    stats_of(False)
+    with collector_paused():
+        for _ in range(repeats):
+            runs["fp32"].append(stats_of(True))
+            runs["lists"].append(stats_of(False))
+
+    def ms(kind, name, part):
+        got = [part(stats[name]) * 1e3 for stats in runs[kind] if name in stats]
+        return got or None
+
+    out = {}
+    for name in set().union(*runs["fp32"], *runs["lists"]):
+        a = ms("fp32", name, lambda s: s.op_seconds)
+        b = ms("lists", name, lambda s: s.op_seconds + s.cast_seconds)
+        cast = ms("lists", name, lambda s: s.cast_seconds)
+        out[name] = {
+            "fp32_ms": a and statistics.median(a),
+            "lists_ms": b and statistics.median(b),
+            "cast_ms": cast and statistics.median(cast),
+            "time_ratio": timing.ratio(a, b) if a and b and len(a) == len(b) else None,
+        }
+    totals = {
+        kind: [sum(s.op_seconds + s.cast_seconds for s in stats.values()) for stats in runs[kind]] for kind in runs
+    }
+    return out, timing.ratio(totals["fp32"], totals["lists"])
