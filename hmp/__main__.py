@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "tune": "hmp.tools.tune_cli",
     "audit": "hmp.tools.audit_cli",
     "profile": "hmp.tools.profile_cli",
+    "check": "hmp.tools.check_cli",
 }
 
 
