@@ -20,6 +20,7 @@ import hmp
 from hmp.demo import data as data_mod
 from hmp.demo import report, sizing
 from hmp.demo.training import (
+    BLOCK,
     CAST_STEPS,
     MEMORY_STEPS,
     Config,
@@ -29,7 +30,7 @@ from hmp.demo.training import (
     model_summary,
     peak_rss_growth,
     resolve_device,
-    train,
+    train_interleaved,
 )
 from hmp.tools.arguments import list_file_problem, positive_int, seed
 from hmp.tools.progress import Progress
@@ -108,22 +109,22 @@ def add_parser(subparsers):
 
 
 class _Progress:
-    """One configuration's training, shown by hmp.tools.progress."""
+    """The interleaved training of the configurations ``labels``, shown by hmp.tools.progress."""
 
-    def __init__(self, label, steps, part=None):
-        self.label = label
-        title = f"training {label}" + (f" ({part})" if part else "")
-        self.progress = Progress(title, steps, PROG, every_s=LINE_EVERY_S)
+    def __init__(self, labels, steps):
+        self.labels = labels
+        title = f"training {' and '.join(labels)}" + (f", {BLOCK} steps of each in turn" if len(labels) > 1 else "")
+        self.progress = Progress(title, steps * len(labels), PROG, every_s=LINE_EVERY_S)
 
-    def __call__(self, step, loss):
-        self.progress.step(f"loss {loss:.3f}", done=step + 1)
+    def __call__(self, i, step, loss):
+        self.progress.step(f"{self.labels[i]} loss {loss:.3f}")
 
-    def close(self, result=None):
-        self.progress.close(
-            None
-            if result is None
-            else f"trained {self.label} in {result['wall_s']:.1f} s, val loss {result['val_loss']:.4f}"
-        )
+    def close(self, results=None):
+        if results is None:
+            self.progress.close()
+            return
+        said = ", ".join(f"{label} val loss {r['val_loss']:.4f}" for label, r in zip(self.labels, results))
+        self.progress.close(f"trained in {self.progress.elapsed():.1f} s: {said}")
 
 
 def _note(msg):
@@ -236,25 +237,22 @@ def _sized(cfg, options, facts):
 
 
 def _train_both(cfg, corpus, options, opt_level):
-    """fp32 then hmp from the same seed, each with its progress; train()'s results."""
-    runs = []
-    for i, (label, opts) in enumerate((("fp32", None), (f"hmp {opt_level} (bfloat16)", options))):
-        progress = _Progress(label, cfg.steps, part=f"{i + 1} of 2")
-        result = None
-        try:
-            result = train(cfg, corpus, opts, on_step=progress)
-        finally:
-            progress.close(result)
+    """fp32 and hmp from the same seed, interleaved (training.train_interleaved), with their progress."""
+    labels = ["fp32", f"hmp {opt_level} (bfloat16)"]
+    progress = _Progress(labels, cfg.steps)
+    runs = None
+    try:
+        runs = train_interleaved(cfg, corpus, [None, options], on_step=progress)
+    finally:
+        progress.close(runs)
+    for label, opts, result in zip(labels, (None, options), runs):
         result["configuration"] = label
         result["hmp"] = opts
-        runs.append(result)
     return runs
 
 
 def _measure_memory(cfg, runs):
-    """On a CPU, each configuration's peak RSS growth, in fresh processes (train() measured it elsewhere)."""
-    if cfg.device != "cpu":
-        return
+    """Each configuration's peak memory, in fresh processes (the two trained side by side in this one)."""
     _note(f"measuring memory: {MEMORY_STEPS} steps of each configuration, each in a fresh process")
     for r, (mib, error) in zip(runs, peak_rss_growth(cfg, [r["hmp"] for r in runs])):
         r["peak_memory_mib"], r["peak_memory_error"] = mib, error

@@ -6,7 +6,8 @@ import time
 import torch
 
 import hmp
-from hmp.demo.training import CAST_STEPS, MEMORY_STEPS
+from hmp.demo.training import BLOCK, CAST_STEPS, MEMORY_STEPS
+from hmp.tools import timing
 
 META_FIELDS = (
     "steps",
@@ -25,12 +26,14 @@ RESULT_FIELDS = (
     "configuration",
     "tokens_per_s",
     "time_vs_fp32",
+    "time_ratio",
     "peak_memory_mib",
     "train_loss",
     "val_loss",
     "wall_s",
     "hmp",
     "losses",
+    "step_s",
 )
 
 
@@ -47,8 +50,11 @@ def results(cfg, corpus, runs, casts, facts):
     ``casts`` count_casts()'s triple, ``facts`` what was measured or chosen
     before training (matmul ratio, native bf16, the plan, params, opt level)."""
     base = runs[0]
-    for r in runs:
-        r["time_vs_fp32"] = base["tokens_per_s"] / r["tokens_per_s"]  # below 1 is faster
+    warm = cfg.timing_warmup if cfg.steps > cfg.timing_warmup else 0  # as tokens/s: a short run keeps them all
+    for r in runs:  # the i-th steps of the two, taken at most 2 x BLOCK steps apart, are a pair
+        ratio = timing.ratio(base["step_s"][warm:], r["step_s"][warm:])
+        r["time_ratio"] = ratio._asdict() if ratio is not None else None
+        r["time_vs_fp32"] = ratio.median if ratio is not None else None  # below 1 is faster
     per_op, total, calls = casts
     meta = {
         "device": cfg.device,
@@ -89,6 +95,33 @@ def _casts_line(per_op, top=6):
     return ", ".join(parts) + (f", and {more} more ops" if more > 0 else "") if parts else "none"
 
 
+def _ratio(fields):
+    return None if fields is None else timing.Ratio(**fields)
+
+
+def _time_cell(fields):
+    ratio = _ratio(fields)
+    return "not timed" if ratio is None else f"{ratio.median:.2f}x" if ratio.measurable else "no difference"
+
+
+def time_line(res):
+    """What the time column says and how sure it is: the one statement of noise (timing.py)."""
+    m, r = res["meta"], res["results"][-1]
+    ratio = _ratio(r["time_ratio"])
+    how = (
+        f"time vs fp32: the median of the step pairs' ratios, fp32 and hmp trained interleaved ({BLOCK} steps of each "
+        f"in turn, after {m['timing_warmup']} warm-up steps), so load on this machine falls on both alike; "
+    )
+    if ratio is None:
+        return how + "not timed"
+    said = (
+        f"hmp takes {ratio.words()}: a measured difference"
+        if ratio.measurable
+        else f"{ratio.words()} between hmp and fp32 here (more --steps narrow it)"
+    )
+    return how + said + "; train time: each configuration's steps added up, from the same interleaved run"
+
+
 def _table(res, mem_title):
     head = ("configuration", "tokens/s", "time vs fp32", mem_title, "train loss", "val loss", "train time")
     body = []
@@ -98,7 +131,7 @@ def _table(res, mem_title):
             (
                 r["configuration"],
                 _fmt_int(r["tokens_per_s"]),
-                f"{r['time_vs_fp32']:.2f}x",
+                "1.00x" if r is res["results"][0] else _time_cell(r["time_ratio"]),
                 mem,
                 f"{r['train_loss']:.4f}",
                 f"{r['val_loss']:.4f}",
@@ -134,7 +167,8 @@ def format_report(res):
         f"casts hmp made per training step (forward; {c['total_per_step']:g} casts in {c['op_calls_per_step']:g} "
         f"op calls): {_casts_line(c['per_op'])}",
         f"tokens/s: median step after {m['timing_warmup']} warm-up steps; train loss: mean of the last "
-        f"{m['loss_window']} steps; train time: the whole training loop",
+        f"{m['loss_window']} steps",
+        time_line(res),
     ]
     if m["memory_kind"] == "rss":
         out.append(
@@ -142,5 +176,8 @@ def format_report(res):
             "in a fresh process"
         )
     else:
-        out.append(f"{mem_title}: peak allocated by torch on {m['device']} during training")
+        out.append(
+            f"{mem_title}: peak allocated by torch on {m['device']} in {MEMORY_STEPS} training steps, each "
+            "configuration in a fresh process"
+        )
     return "\n".join(out)

@@ -38,7 +38,7 @@ class Config:
     seed: int = 0
     device: str = "cpu"
     eval_windows: int = 64  # validation: this many fixed windows of seq_len characters
-    timing_warmup: int = 2  # steps left out of the tokens/s figure
+    timing_warmup: int = 5  # steps left out of the tokens/s figure and the time ratio: the first block (BLOCK)
     loss_window: int = 10  # the training loss reported is the mean of this many last steps
     step_delay_s: float = 0.0  # added to every training step: a slower machine, for tests of the sizing
 
@@ -197,6 +197,93 @@ def train(cfg, corpus, hmp_options=None, on_step=None):
     return result
 
 
+# steps of one configuration before the other's, in turn, when the two train interleaved: load on this
+# machine that lasts longer than a few steps falls on both alike, and hmp converts once per block
+BLOCK = 5
+
+
+def _rng_state(device):
+    state = {"cpu": torch.get_rng_state()}
+    if device == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng(state):
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class _Run:
+    """One configuration of an interleaved training: its model, optimizer, batches and random stream."""
+
+    def __init__(self, cfg, corpus, options):
+        self.options = options
+        self.model, self.opt, self.sched = build(cfg)
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
+        self.batches = data_mod.batches(corpus.train, cfg.batch_size, cfg.seq_len, gen)
+        self.rng = _rng_state(cfg.device)  # dropout draws from it: each run's as if it trained alone
+        self.times, self.losses = [], []
+
+    def converted(self):
+        return hmp.converted(**self.options) if self.options is not None else contextlib.nullcontext()
+
+    def block(self, cfg, steps, on_step):
+        _set_rng(self.rng)
+        with self.converted():
+            for _ in range(steps):
+                x, y = next(self.batches)
+                x, y = x.to(cfg.device), y.to(cfg.device)
+                _sync(cfg.device)
+                t0 = time.perf_counter()
+                loss = train_step(self.model, self.opt, self.sched, x, y, cfg).item()  # waits for the step
+                _sync(cfg.device)
+                self.times.append(time.perf_counter() - t0)
+                self.losses.append(loss)
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"training loss became {loss} at step {len(self.losses)}")
+                on_step(loss)
+        self.rng = _rng_state(cfg.device)
+
+
+def train_interleaved(cfg, corpus, configurations, on_step=None):
+    """Train one model per configuration (None: fp32; else keyword
+    arguments for ``hmp.convert()``) from ``cfg.seed``, BLOCK steps of each
+    in turn, each with its own batches and its own random stream, so each
+    trains as it would alone while load from elsewhere falls on all alike.
+    ``on_step(i, step, loss)`` after every step of configuration ``i``.
+
+    Returns train()'s dict per configuration, with ``wall_s`` the sum of its
+    step times and ``step_s`` every step's time; hmp is reverted after each
+    block, also on error. The i-th steps of two configurations were taken at
+    most 2 x BLOCK steps apart: timing.ratio pairs them."""
+    runs = [_Run(cfg, corpus, options) for options in configurations]
+    on_step = on_step or (lambda i, step, loss: None)
+    for first in range(0, cfg.steps, BLOCK):
+        for i, run in enumerate(runs):
+            run.block(
+                cfg, min(BLOCK, cfg.steps - first), lambda loss, i=i, run=run: on_step(i, len(run.losses) - 1, loss)
+            )
+    out = []
+    for run in runs:
+        with run.converted():
+            val_loss = evaluate(run.model, corpus.val, cfg)
+        timed = run.times[cfg.timing_warmup :] or run.times
+        out.append(
+            {
+                "tokens_per_s": cfg.batch_size * cfg.seq_len / statistics.median(timed),
+                "train_loss": statistics.fmean(run.losses[-cfg.loss_window :]),
+                "val_loss": val_loss,
+                "wall_s": sum(run.times),
+                "step_s": run.times,
+                "losses": run.losses,
+                "peak_memory_mib": None,
+            }
+        )
+    return out
+
+
 CAST_STEPS = 2
 
 
@@ -214,7 +301,7 @@ def count_casts(cfg, corpus, hmp_options, steps=CAST_STEPS):
         return loss
 
     with hmp.converted(**hmp_options):
-        report = hmp.profile(steps_fn, state=(model, opt, sched))
+        report = hmp.profile(steps_fn, state=(model, opt, sched), repeats=1, progress=False)  # counts, not times
     rows = report.rows()
     per_op = {r["op"]: {d: n / steps for d, n in r["cast_to"].items()} for r in rows if r["casts"]}
     per_op = dict(sorted(per_op.items(), key=lambda kv: (-sum(kv[1].values()), kv[0])))
@@ -238,14 +325,23 @@ def random_batch(cfg):
 
 
 def _memory_child(spec_json):
-    """Subprocess entry point: a few training steps, then print the peak RSS
-    growth over the RSS just before them, in MiB, as JSON."""
+    """Subprocess entry point: a few training steps, then print, in MiB as
+    JSON, the peak RSS growth over the RSS just before them (a CPU) or the
+    peak torch allocated on the device (an accelerator)."""
     spec = json.loads(spec_json)
     cfg = Config(**spec["config"])
     model, opt, sched = build(cfg)
     x, y = random_batch(cfg)
     if spec["hmp_options"] is not None:
         hmp.convert(**spec["hmp_options"])
+    acc = _accelerator(cfg.device)
+    if acc is not None:
+        acc.reset_peak_memory_stats()
+        for _ in range(MEMORY_STEPS):
+            train_step(model, opt, sched, x, y, cfg)
+        _sync(cfg.device)
+        print(json.dumps({"peak_rss_growth_mib": acc.max_memory_allocated() / 2**20}))
+        return
     base, read_peak, _ = start_peak()
     for _ in range(MEMORY_STEPS):
         train_step(model, opt, sched, x, y, cfg)
@@ -253,50 +349,47 @@ def _memory_child(spec_json):
 
 
 def peak_rss_growth(cfg, configurations, timeout=600):
-    """Peak RSS growth (MiB) of MEMORY_STEPS training steps for each entry of
+    """Peak memory (MiB) of MEMORY_STEPS training steps for each entry of
     ``configurations`` (hmp options, or None for fp32), each in a fresh
-    Python process, so configurations do not share an allocator's history.
-    The processes run side by side: each measures only its own memory.
-    Returns a list of ``(mib or None, error or None)``."""
-    if sys.platform == "win32":
+    Python process, so configurations do not share an allocator's history:
+    RSS growth on a CPU (the processes run side by side: each measures only
+    its own memory), torch's peak allocation on an accelerator (one after
+    the other: they share the device). Returns a list of ``(mib or None,
+    error or None)``."""
+    if cfg.device == "cpu" and sys.platform == "win32":
         return [(None, "not measured on Windows")] * len(configurations)
+    if cfg.device != "cpu":
+        return [_collect(_spawn(cfg, options), timeout) for options in configurations]
+    return [_collect(proc, timeout) for proc in [_spawn(cfg, options) for options in configurations]]
+
+
+def _spawn(cfg, options):
     package_root = str(Path(hmp.__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     code = "import sys; from hmp.demo.training import _memory_child; _memory_child(sys.argv[1])"
-    procs = []
-    for options in configurations:
-        spec = json.dumps({"config": asdict(cfg), "hmp_options": options})
-        try:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", code, spec],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    env=env,
-                )
-            )
-        except OSError as e:
-            procs.append(e)
-    out = []
-    for proc in procs:
-        if isinstance(proc, OSError):
-            out.append((None, str(proc)))
-            continue
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            proc.kill()
-            proc.communicate()
-            out.append((None, str(e)))
-            continue
-        if proc.returncode != 0:
-            tail = stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-            out.append((None, tail[0]))
-        else:
-            out.append((json.loads(stdout.strip().splitlines()[-1])["peak_rss_growth_mib"], None))
-    return out
+    spec = json.dumps({"config": asdict(cfg), "hmp_options": options})
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-c", code, spec], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+    except OSError as e:
+        return e
+
+
+def _collect(proc, timeout):
+    if isinstance(proc, OSError):
+        return None, str(proc)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        proc.kill()
+        proc.communicate()
+        return None, str(e)
+    if proc.returncode != 0:
+        tail = stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        return None, tail[0]
+    return json.loads(stdout.strip().splitlines()[-1])["peak_rss_growth_mib"], None
 
 
 def model_summary(cfg):
