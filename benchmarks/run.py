@@ -364,7 +364,7 @@ def markdown(res):
             "",
             "Output dtype of the model in each configuration (each checked against the dtype its workload states; "
             "off nn.TransformerEncoder's fused path, as under autocast on CUDA, the encoder ends in layer_norm "
-            "of a float32 residual: float32 unless the scheme lowers layer_norm):",
+            "of a float32 residual: float32 unless the scheme lowers layer_norm, as hmp does only under strict=True):",
             "",
         ]
         L += _config_table(workloads, cfgs, itemgetter("out_dtype"), "{}", align="---|")

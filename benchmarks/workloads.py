@@ -152,7 +152,8 @@ class TransformerInfer(Workload):
         """On torch's fused fast path a layer is one kernel that follows
         linear's rule: bf16 under every mixed scheme. Off it, the last op is
         norm2's layer_norm of the residual sum (float32 + bf16 = float32):
-        bf16 only where the scheme lowers layer_norm. autocast never does
+        bf16 only where the scheme lowers layer_norm (hmp: strict=True only,
+        where its list names it). autocast never does
         (CUDA lists it fp32, CPU not at all), and torch leaves the fast path
         when its autocast check sees a region (CUDA's only, on torch 2.x), so
         autocast gives float32 on CUDA and bf16 on CPU."""
@@ -160,7 +161,7 @@ class TransformerInfer(Workload):
             return "float32" if cfg.kind == "fp32" else "bfloat16"
         if _fast_path(cfg, device):
             return "bfloat16"
-        if cfg.is_hmp and "layer_norm" in hmp.effective_lists()["bf16"]:
+        if cfg.is_hmp and hmp.effective_lists(detail=True)["bf16"].get("layer_norm") == "cast":
             return "bfloat16"
         return "float32"
 
