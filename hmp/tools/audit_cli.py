@@ -51,7 +51,7 @@ def _json(report, path):
 
 
 def run(args):
-    def measure(step, state):
-        return audit(step, state=state, threshold=args.threshold, loss_threshold=args.loss_threshold)
+    def measure(step, state, progress):
+        return audit(step, state=state, threshold=args.threshold, loss_threshold=args.loss_threshold, progress=progress)
 
     return inspect_cli.run(args, PROG, measure, lambda report, path: report.save_html(path), _json)

@@ -205,7 +205,11 @@ def trial_chart(tune):
     rows = [dict(t, op=op) for op, t in tune.trials.items()]
     rows.sort(key=lambda r: (_sort_key(r["seconds"]), r["op"]))
     if not rows:
-        return '<p class="empty">No op was tried in bf16: none left in fp32 took a large enough share of the step.</p>'
+        why = "none left in fp32 took a large enough share of the step"
+        if getattr(tune, "authored", None):
+            why = f"those left in fp32 that take a large enough share of the step ({', '.join(tune.authored)}) take "
+            why += "their input in float32 because the model's author asked for it"
+        return f'<p class="empty">No op was tried in bf16: {esc(why)}.</p>'
     threshold, loss_threshold = tune.audit.threshold, tune.audit.loss_threshold
     own = LogAxis([r["own_max_rel"] for r in rows], 220, [threshold])
     loss = LogAxis([r["loss_error"] for r in rows], 200, [loss_threshold])

@@ -5,6 +5,7 @@ all checked before anything runs; each problem is one line and exit 2."""
 import hmp
 from hmp.tools.arguments import add_list_files, fail, list_file_problem, said
 from hmp.tools.files import check_outputs
+from hmp.tools.progress import bar as progress_bar
 from hmp.tools.target import HELP, TargetError, load_target, make_target
 
 
@@ -49,14 +50,19 @@ def prepare(args, prog):
 
 
 def run(args, prog, measure, save_html, to_json):
-    """Measure TARGET (``measure(step, state)`` -> a report) under the
-    lists given, print its table, write ``--report`` and ``--json``; the
-    exit code."""
+    """Measure TARGET (``measure(step, state, progress)`` -> a report) under
+    the lists given, its runs shown on stderr, print its table, write
+    ``--report`` and ``--json``; the exit code."""
     target = prepare(args, prog)
     if isinstance(target, int):
         return target
-    with hmp.converted(**lists(args)):
-        report = measure(*target)
+    shown, progress = progress_bar("measuring", prog)
+    report = None
+    try:
+        with hmp.converted(**lists(args)):
+            report = measure(*target, progress)
+    finally:
+        shown.close(None if report is None else f"measured in {shown.elapsed():.0f} s ({shown.done} runs of the step)")
     print(report.table())
     for path, write in ((args.report, save_html), (args.json, to_json)):
         if path:

@@ -27,7 +27,7 @@ def run(args):
     return inspect_cli.run(
         args,
         PROG,
-        lambda step, state: profile(step, state=state),
+        lambda step, state, progress: profile(step, state=state, progress=progress),
         lambda report, path: report.save_html(path),
         lambda report, path: report.save(path),
     )

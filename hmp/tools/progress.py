@@ -102,6 +102,18 @@ class Progress:
             self.note(message)
 
 
+def bar(label, prog):
+    """``(progress, report)``: a Progress counting runs of the step from the start (a command line's:
+    ``prog`` leads its lines), and the ``report(done, total, what)`` the tools call after each run."""
+    shown = Progress(label, None, prog, unit="run")
+
+    def report(done, total, what):
+        shown.set_total(total)
+        shown.step(what, done=done)
+
+    return shown, report
+
+
 class StepRuns:
     """The runs of the user's step a tool makes, counted for progress:
     ``counted(fn)`` wraps the step so each call is one done; ``expect(n)``
@@ -111,11 +123,11 @@ class StepRuns:
     with ``report=None`` a Progress bar on stderr shows them (after a few
     seconds; ``report=False``: nothing)."""
 
-    def __init__(self, tool, report=None, delay_s=3.0):
+    def __init__(self, tool, report=None, delay_s=3.0, label="measuring"):
         self.done, self.total, self.what = 0, 0, ""
         self.bar = None
         if report is None:
-            self.bar = Progress(tool, None, tool, unit="run", delay_s=delay_s)
+            self.bar = Progress(label, None, tool, unit="run", delay_s=delay_s)
             report = self._show
         self.report = report or (lambda done, total, what: None)
 

@@ -19,7 +19,7 @@ from hmp.demo.training import Config, build, train_step
 from hmp.tools import inspect_cli, tuning
 from hmp.tools.arguments import add_list_files, fail, fraction, positive_int, said, seed
 from hmp.tools.files import check_outputs
-from hmp.tools.progress import Progress
+from hmp.tools.progress import bar as progress_bar
 from hmp.tools.target import TargetError, add_command, load_target, make_target
 
 PROG = "python -m hmp tune"
@@ -77,17 +77,6 @@ def _demo_target(args):
     return step, (model, opt, sched)
 
 
-def _progress():
-    """A bar counting the runs of the step (its total grows as each phase learns how many it makes)."""
-    bar = Progress("tuning", None, PROG, unit="run")
-
-    def report(done, total, what):
-        bar.set_total(total)
-        bar.step(what, done=done)
-
-    return bar, report
-
-
 def run(args):
     outputs = [args.bf16_out, args.fp32_out] + [p for p in (args.report, args.json) if p]
     try:  # before tuning, which takes minutes
@@ -102,7 +91,7 @@ def run(args):
         step, state = make_target(load_target(args.target), args.target) if args.target else _demo_target(args)
     except TargetError as e:
         return fail(PROG, str(e))
-    bar, report = _progress()
+    bar, report = progress_bar("tuning", PROG)
     result = None
     try:
         with hmp.converted(**inspect_cli.lists(args)):

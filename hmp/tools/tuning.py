@@ -404,7 +404,7 @@ def tune(
     made_max_rel), still with the flagged ops moved, goes to FP32 too.
     """
     bounds = (threshold, loss_threshold, tolerance, min_share, steps, rounds)
-    runs = StepRuns("hmp.tune", progress)
+    runs = StepRuns("hmp.tune", progress, label="tuning")
     result = None
     try:
         result = _Tuner(step_fn, args, kwargs, bounds, runs, override_fp32)(state)
