@@ -23,14 +23,17 @@ BUILT_HERE = ("build", "dist", "*.so", "*.egg-info", ".venv", ".git", "__pycache
 
 
 def _tree_files():
-    """What the wheel must hold, from the source tree: every module and data file of hmp/ and every
-    list file of op_lists/ (shipped as hmp/op_lists/), as paths inside the wheel."""
-    out = set()
-    for folder, inside in (("hmp", "hmp"), ("op_lists", "hmp/op_lists")):
+    """What the wheel and the sdist must hold, from the source tree: ``{path in the wheel: path in the
+    tree}`` for every file of hmp/ and of each folder pyproject.toml's package-dir maps to a package
+    (op_lists/ as hmp/op_lists/)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11's")
+    mapped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"].get("package-dir", {})
+    out = {}
+    for inside, folder in [("hmp", "hmp"), *((package.replace(".", "/"), f) for package, f in mapped.items())]:
         for path in (ROOT / folder).rglob("*"):
             rel = path.relative_to(ROOT / folder)
             if path.is_file() and "__pycache__" not in rel.parts and path.suffix != ".pyc":
-                out.add(f"{inside}/{rel.as_posix()}")
+                out[f"{inside}/{rel.as_posix()}"] = f"{folder}/{rel.as_posix()}"
     return out
 
 
@@ -56,20 +59,20 @@ def test_the_wheel_and_the_sdist_hold_every_module_and_list_file(tmp_path):
     sdist = _build(source, tmp_path / "dist", "sdist")
     assert wheel.name.startswith("torch_hmp-") and wheel.name.endswith("-py3-none-any.whl"), wheel.name
     expected = _tree_files()
-    assert "hmp/driver/conversion.py" in expected and "hmp/op_lists/bf16.txt" in expected  # the walk finds them
+    assert expected["hmp/op_lists/bf16.txt"] == "op_lists/bf16.txt" and "hmp/driver/conversion.py" in expected
     with zipfile.ZipFile(wheel) as z:
         in_wheel = {n for n in z.namelist() if not n.split("/")[0].endswith(".dist-info")}
         metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
         entry_points = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/entry_points.txt"))).decode()
-    assert not expected - in_wheel, f"missing from the wheel: {sorted(expected - in_wheel)}"
-    assert not in_wheel - expected, f"in the wheel but not in the tree: {sorted(in_wheel - expected)}"
+    assert not set(expected) - in_wheel, f"missing from the wheel: {sorted(set(expected) - in_wheel)}"
+    assert not in_wheel - set(expected), f"in the wheel but not in the tree: {sorted(in_wheel - set(expected))}"
     assert "Requires-Dist: torch>=" in metadata and "hmp = hmp.__main__:main" in entry_points
     with tarfile.open(sdist) as tar:
         top = tar.getnames()[0].split("/")[0]
         in_sdist = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
         safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python 3.12's default, earlier too
         tar.extractall(tmp_path / "unpacked", **safe)
-    sources = {p.replace("hmp/op_lists/", "op_lists/", 1) for p in expected}
+    sources = set(expected.values())
     assert not sources - in_sdist, f"missing from the sdist: {sorted(sources - in_sdist)}"
     assert {"pyproject.toml", "setup.cfg", "README.md"} <= in_sdist
     again = _build(tmp_path / "unpacked" / top, tmp_path / "from-sdist", "wheel")
