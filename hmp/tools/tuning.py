@@ -237,20 +237,22 @@ class _Tuner:
             "time_ratio": None,
         }
         if trial["accepted"]:
-            trial["time_ratio"] = self.step_ratio_with(op)
-            trial["accepted"] = trial["time_ratio"] is not None and trial["time_ratio"].surely_faster
+            ratio, step_s = self.step_ratio_with(op)
+            # what the op can save at most: its whole fp32 time, as a share of a step
+            trial["time_ratio"], trial["ceiling"] = ratio, self.seconds[op] / step_s if step_s else 0.0
+            trial["accepted"] = ratio is not None and ratio.surely_faster and 1 - ratio.high <= trial["ceiling"]
         trial["outcome"], trial["why"] = trial_outcome(trial, self.threshold, self.loss_threshold)
         return trial
 
     def step_ratio_with(self, op):
         """A step's time with ``op`` added to the BF16 list, relative to the lists so far
-        (timing.Ratio): ``rounds`` rounds, the two interleaved."""
+        (timing.Ratio): ``rounds`` rounds, the two interleaved; and the median step without it."""
         lists = {k: v - {op} for k, v in self.lists.items()}
         lists["bf16"].add(op)
         configs = {"without": self.under(self.lists), "with": self.under(lists)}
         self.runs.expect(len(configs) * self.rounds * ROUND_STEPS, f"timing a step with {op} in bf16")
         samples = _interleaved_times(self.run, self.args, self.kwargs, self.guard, configs, self.rounds)
-        return timing.ratio(samples["without"], samples["with"])
+        return timing.ratio(samples["without"], samples["with"]), statistics.median(samples["without"])
 
     def try_class_instead(self, op, cls):
         """The flagged ``op`` cast where its starting list says, with ``cls`` in FP32."""
@@ -265,7 +267,7 @@ class _Tuner:
         if cls in self.confined.values() or any(isinstance(r, cls) for r in self.guard.modules):
             return
         self.runs.expect(2, f"module class {cls.__name__}")
-        made = made_in(self.fn, self.args, self.kwargs, self.guard, self.under(self.lists), self.ref, row["paths"])
+        made = made_in(self.run, self.args, self.kwargs, self.guard, self.under(self.lists), self.ref, row["paths"])
         made_max_rel = max((m[0] for m in made.values()), default=0.0)
         fp32_final, _ = self.run_step(self.under(self.lists, [cls]))
         loss_error, _, nonfinite = compare(self.ref_final, fp32_final)
@@ -435,6 +437,13 @@ def trial_outcome(trial, threshold, loss_threshold):
         return "casts nothing", "not kept: nothing was cast (torch runs it in its inputs' dtype, as a pointwise op)"
     if ratio.slower:
         return f"slower: step {ratio.median:.2f}x", f"not kept: a step with it in bf16 is slower, {ratio.words(than)}"
+    if ratio.surely_faster:  # faster beyond chance, by more than the op's whole time: not the op's doing
+        return (
+            "gain is noise",
+            f"not kept: a step with it in bf16 measured {ratio.words(than)}, a gain of at least {1 - ratio.high:.1%} "
+            f"of a step, more than the op's whole fp32 time ({trial['ceiling']:.2%} of a step) could give: the "
+            "difference is this machine's timing, not the op",
+        )
     if ratio.faster:  # the middle half below 1, but too few pairs below 1 to rule out chance
         return (
             "gain within chance",
