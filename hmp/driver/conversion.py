@@ -431,15 +431,16 @@ def effective_lists(detail: bool = False) -> dict:
     }
     if not detail:
         return {k: sorted(v) + named[k] for k, v in conversion.lists.items()}
-    strict, one_dtype = conversion.options.strict, lists.one_dtype_names()
     rule = {"bf16": "the whole forward in the lower dtype", "fp32": "the whole forward in float32"}
-    return {
-        k: {
-            **{n: pays.decision(k, n, strict, one_dtype)[1] for n in sorted(v)},
-            **{m: f"module entry: {rule.get(k, '')}" for m in named[k]},
-        }
-        for k, v in conversion.lists.items()
-    }
+    decided = decisions(conversion)
+    return {k: {**decided[k], **{m: f"module entry: {rule.get(k, '')}" for m in named[k]}} for k in decided}
+
+
+def decisions(conversion):
+    """``{kind: {op name: "cast" or why not}}`` for a Conversion's op entries,
+    sorted: what each line of its lists does (hmp/core/pays.py)."""
+    strict, one_dtype = conversion.options.strict, lists.one_dtype_names()
+    return {k: {n: pays.decision(k, n, strict, one_dtype)[1] for n in sorted(v)} for k, v in conversion.lists.items()}
 
 
 def register(owner, name, kind):

@@ -25,7 +25,8 @@ import torch
 
 from hmp.core.hints import Step
 from hmp.core.lists import KINDS
-from hmp.driver.conversion import applied, in_force
+from hmp.core.pays import CAST
+from hmp.driver.conversion import applied, decisions, in_force
 from hmp.driver.plan import plan
 from hmp.tools import timing
 from hmp.tools.guard import StateGuard
@@ -66,7 +67,9 @@ def compare(ref, got):
 
 
 class AuditReport:
-    def __init__(self, rows, output_error, threshold, loss_threshold, modules=(), seen=None, time_ratio=None):
+    def __init__(
+        self, rows, output_error, threshold, loss_threshold, modules=(), seen=None, time_ratio=None, uncast=None
+    ):
         self.rows = rows  # one dict per op that ran
         self.output_error = output_error  # relative error of fn's output under full hmp
         self.threshold, self.loss_threshold = threshold, loss_threshold
@@ -77,6 +80,8 @@ class AuditReport:
         self.seen = dict(seen or {})
         # the listed ops' time under the lists relative to fp32 (timing.Ratio), None when not timed
         self.time_ratio = time_ratio
+        # why hmp does not cast them -> the entries of the audited lists ("kind name"; conversion.decisions)
+        self.uncast = dict(uncast or {})
         self.created = datetime.now(timezone.utc)  # when measured, for the HTML report's title
 
     def save_html(self, path, title=None):
@@ -121,6 +126,9 @@ class AuditReport:
                     "|" + "|".join(align for _, align, _ in columns) + "|",
                 ]
                 lines += ["| " + " | ".join(cell(r) for _, _, cell in columns) + " |" for r in _by_error(rows)[:TOP]]
+        if self.uncast:
+            lines += ["", "List entries hmp does not cast, and why:", ""]
+            lines += [f"- {', '.join(entries)}: {why}" for why, entries in self.uncast.items()]
         if self.seen:
             lines += [
                 "",
@@ -428,7 +436,12 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold, runs=None):
     for path, value in full.seen.items():
         cls = user_name(type(paths[path]))
         seen[cls] = max(seen.get(cls, value), value)
-    return AuditReport(rows, output_error, threshold, loss_threshold, modules, seen, total)
+    uncast = {}
+    for kind, entries in decisions(conversion).items():
+        for name, why in entries.items():
+            if why != CAST:
+                uncast.setdefault(why, []).append(f"{kind} {name}")
+    return AuditReport(rows, output_error, threshold, loss_threshold, modules, seen, total, uncast)
 
 
 def by_op(outputs):

@@ -333,6 +333,20 @@ def class_section(audit):
     return out
 
 
+def uncast_section(audit):
+    """The entries of the audited lists hmp does not cast, each with why: what a line of a list does."""
+    if not audit.uncast:
+        return []
+    n = sum(len(entries) for entries in audit.uncast.values())
+    return [
+        "<h2>List entries not cast</h2>",
+        folded(
+            f"{n} entr{'y' if n == 1 else 'ies'} of the lists hmp does not cast, and why",
+            [f"{', '.join(entries)}: {why}" for why, entries in audit.uncast.items()],
+        ),
+    ]
+
+
 def unseen_section(audit):
     if not audit.seen:
         return []
@@ -447,6 +461,7 @@ def render(audit=None, tune=None, title=None):
         *op_section(audit, tune),
         *module_section(audit, tune),
         *class_section(audit),
+        *uncast_section(audit),
         *unseen_section(audit),
         *(tune_sections(tune) if tune is not None else ()),
         "</body>",
