@@ -426,7 +426,7 @@ FLOORS = (
     ("hmp.diagnostics",),
     ("hmp.rules",),
     ("hmp.driver",),
-    ("hmp.tools", "hmp.integrations", "hmp.demo", "hmp.__main__", "hmp"),
+    ("hmp.tools", "hmp.integrations", "hmp.demo", "hmp.testing", "hmp.__main__", "hmp"),
 )
 
 

@@ -1,0 +1,221 @@
+"""Which list entry a callable is bound by, read from the names torch gives it.
+
+The binding rule, as docs/lists.md states it: a list name ``X`` binds
+``torch.X``, ``torch.nn.functional.X``, ``torch.Tensor.X``, the operators
+``__X__``/``__rX__``/``__iX__``, the in-place forms ``X_``,
+``torchvision.ops.X`` and the builtins generated from ``aten::X``; the fused
+kernels of resolve.FUSED follow the list of the op they contain; an op in no
+list that has no kernel for the lower dtype, or needs one dtype, gets the
+FP32 or promote rule where a call needs it (lists.fallback_names). Here that
+rule runs backwards, from a callable to the names that bind it, so the
+testing kit's oracle does not ask hmp's resolver which site a call reaches.
+"""
+
+import functools
+import inspect
+import operator
+import sys
+import types
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from hmp.core import aten, lists, pays, resolve
+from hmp.core.resolve import FUSED, unwrap
+
+_HOMES = (("torch", torch), ("torch.nn.functional", F))
+_SKIP = (type, types.ModuleType, staticmethod, classmethod, property)
+
+
+class Call(NamedTuple):
+    """A callable and its arguments, as the binding rule sees them."""
+
+    fn: object  # what runs: torch's own function (a bound method's function, self first in ``args``)
+    args: tuple
+    names: frozenset  # every list name that binds it
+    inplace: bool  # it writes its first argument (``X_``, ``__iX__``, or by its schema)
+    written: tuple  # ((position, name), ...) of the other arguments its schema says it writes
+    inplace_param: Optional[int]  # position of an ``inplace=`` parameter
+
+
+class Binding(NamedTuple):
+    kind: str  # "bf16", "fp32" or "promote"
+    name: str  # the list name whose rule applies
+    fallback: bool  # an op in no list, under its rule only where a call needs it
+    whole_call: bool = False  # a decorated function (@hmp.bf16_function): its list's rule for every call
+
+
+def _callable(value):
+    return callable(value) and not isinstance(value, _SKIP)
+
+
+@functools.lru_cache(maxsize=None)
+def _table():
+    """``{id(torch's own object): {attribute names}}`` over the places a list
+    name binds; an hmp wrapper found there counts as what it wraps."""
+    found = {}
+
+    def add(value, attr):
+        if _callable(value):
+            found.setdefault(id(unwrap(value)), set()).add(attr)
+
+    for _, module in _HOMES:
+        for attr, value in list(vars(module).items()):
+            add(value, attr)
+    for klass in torch.Tensor.__mro__:
+        for attr, value in list(vars(klass).items()):
+            add(value, attr)
+    for places in resolve.aten_entry_points().values():
+        for _, module, attr in places:
+            add(getattr(module, attr, None), attr)
+    return found
+
+
+def _torchvision_attrs(fn):
+    ops = sys.modules.get("torchvision.ops")
+    if ops is None:
+        return set()
+    return {a for a, v in list(vars(ops).items()) if _callable(v) and unwrap(v) is fn}
+
+
+def _names(attr):
+    """``(names, inplace)`` of one attribute name: the list names that bind
+    it, and whether it is an in-place form."""
+    if attr.startswith("__") and attr.endswith("__"):
+        x = attr[2:-2]
+        names = {x} if not x.startswith("_") else set()
+        inplace = False
+        if x[:1] in ("r", "i") and hasattr(torch.Tensor, f"__{x[1:]}__"):  # __radd__, __iadd__
+            names.add(x[1:])
+            inplace = x[0] == "i"
+        return names, inplace
+    if attr.endswith("_"):
+        return {attr, attr[:-1]}, True
+    return {attr}, False
+
+
+def _function_of(op, args):
+    """``(torch's own function, its arguments)``: a bound method's function
+    with its tensor first, an ``operator`` function as the Tensor operator
+    it dispatches to (``operator.truediv(2, x)`` is ``x.__rtruediv__(2)``)."""
+    owner = getattr(op, "__self__", None)
+    if isinstance(owner, torch.Tensor):
+        fn = getattr(op, "__func__", None)  # a bound Python function (an hmp wrapper on torch.Tensor)
+        if fn is None:
+            fn = inspect.getattr_static(type(owner), op.__name__, None)
+        return unwrap(fn if fn is not None else op), (owner, *args)
+    if getattr(op, "__module__", None) in ("operator", "_operator") and args:
+        name = op.__name__
+        if not isinstance(args[0], torch.Tensor) and len(args) == 2 and isinstance(args[1], torch.Tensor):
+            reflected = inspect.getattr_static(torch.Tensor, f"__r{name}__", None)
+            if reflected is not None:
+                return unwrap(reflected), (args[1], args[0])
+        dunder = inspect.getattr_static(torch.Tensor, f"__{name}__", None)
+        if dunder is not None:
+            return unwrap(dunder), tuple(args)
+    return unwrap(op), tuple(args)
+
+
+def _inplace_param(fn):
+    if not isinstance(fn, types.FunctionType):
+        return None
+    positional = [
+        p.name
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return positional.index("inplace") if "inplace" in positional else None
+
+
+def call_of(op, args):
+    """The Call of ``op(*args, ...)``."""
+    fn, args = _function_of(op, args)
+    own = getattr(fn, "__name__", None)
+    attrs = set(_table().get(id(fn), ())) | _torchvision_attrs(fn)
+    if attrs and isinstance(own, str) and aten.aten_op(own.rstrip("_")) is not None:
+        attrs.add(own)  # a builtin generated from an aten operator carries that operator's name
+    names, inplace = set(), False
+    for attr in attrs:
+        n, i = _names(attr)
+        names |= n
+        inplace = inplace or i
+    written = ()
+    if isinstance(own, str):
+        written = resolve.writes(fn, own)  # torch's schemas: Tensor(a!)
+        inplace = inplace or any(i == 0 for i, _ in written)
+        written = tuple(w for w in written if w[0])
+    return Call(fn, args, frozenset(names), inplace, written, None if inplace else _inplace_param(fn))
+
+
+def bound_names(conversion):
+    """``{kind: sorted names}`` of the entries a conversion binds: those that
+    gain from their list's rule (pays.decision), in the kinds' order."""
+    strict, one = conversion.options.strict, lists.one_dtype_names()
+    return {k: sorted(n for n in v if pays.decision(k, n, strict, one)[0]) for k, v in conversion.lists.items()}
+
+
+def binding(conversion, op, call, runtime):
+    """The Binding of ``call`` (of ``op``) under ``conversion`` (``runtime``:
+    hmp's state, for registrations and decorated functions), or None: left
+    to torch."""
+    decorated = runtime.decorated.get(op) if isinstance(op, types.FunctionType) else None
+    if decorated is not None:
+        return Binding(decorated, op.__qualname__, False, whole_call=True)
+    for owner, attr, kind in runtime.registered:
+        if unwrap(getattr(owner, attr, None)) is call.fn:
+            return Binding(kind, attr, False)
+    bound = bound_names(conversion)
+    for kind, names in bound.items():  # listed names first, each kind's names in order
+        for name in names:
+            if name in call.names:
+                return Binding(kind, name, False)
+    for kind, names in bound.items():  # then the fused kernels of listed ops
+        for name in names:
+            for fused in FUSED.get(name, ()):
+                if fused in call.names:
+                    return Binding(kind, fused, False)
+    listed = set().union(*bound.values())
+    for kind, names in lists.fallback_names(conversion.options.low):
+        for name in names:
+            if name not in listed and name in call.names:
+                return Binding(kind, name, True)
+    return None
+
+
+def why_left(conversion, call):
+    """Why a call no rule binds is torch's: its list's reason, or "in no list"."""
+    strict, one = conversion.options.strict, lists.one_dtype_names()
+    for kind, names in conversion.lists.items():
+        for name in sorted(call.names & names):
+            casts, why = pays.decision(kind, name, strict, one)
+            if not casts:
+                return f"{lists.list_title(kind, conversion.options.low)} list entry {name}: {why}"
+    return "in no list"
+
+
+def list_name(fn):
+    """The list name a function torch saw is known by: ``matmul`` for
+    ``__matmul__``, ``add`` for ``add_``; its own name where none applies."""
+    own = getattr(fn, "__name__", "") or ""
+    names, _ = _names(own)
+    base = own[2:-2] if own.startswith("__") and own.endswith("__") else own
+    for candidate in sorted(names, key=len):
+        if candidate != base or len(names) == 1:
+            return candidate
+    return base
+
+
+def public_function(name):
+    """The public callable a user calls for list name ``name`` (its current
+    attribute: hmp's wrapper while converted), or None: ``torch.nn.functional``
+    first, then ``torch``, ``operator``, and for an aten name such as
+    ``linalg_multi_dot`` or ``fft_rfft`` the submodule function."""
+    for module in (F, torch, operator):
+        value = getattr(module, name, None)
+        if _callable(value):
+            return value
+    prefix, _, rest = name.partition("_")
+    sub = getattr(torch, prefix, None) if rest else None
+    value = getattr(sub, rest, None) if isinstance(sub, types.ModuleType) else None
+    return value if _callable(value) else None
