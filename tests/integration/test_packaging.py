@@ -67,6 +67,7 @@ def test_the_wheel_and_the_sdist_hold_every_module_and_list_file(tmp_path):
     assert not set(expected) - in_wheel, f"missing from the wheel: {sorted(set(expected) - in_wheel)}"
     assert not in_wheel - set(expected), f"in the wheel but not in the tree: {sorted(in_wheel - set(expected))}"
     assert "Requires-Dist: torch>=" in metadata and "hmp = hmp.__main__:main" in entry_points
+    assert "[pytest11]\nhmp = _hmp_pytest" in entry_points
     with tarfile.open(sdist) as tar:
         top = tar.getnames()[0].split("/")[0]
         in_sdist = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
