@@ -1,11 +1,13 @@
-"""Property-based tests of the O1 cast rules against an oracle written here,
-from the rules as documented, not from hmp's code.
+"""Property-based tests of the cast rules on drawn list assignments, call forms, dtypes and
+disable_casts() nesting, against hmp.testing's oracle (``expected_call``: the rules as documented,
+computed without hmp's wrapper), the one the kit gives users.
 
-What the op really received is observed with a TorchFunctionMode, which sees
+What the op really received is recorded by hmp.testing.record_ops, a TorchFunctionMode that sees
 the call hmp's wrapper makes to the original op, after any casts.
 """
 
 import contextlib
+import operator
 import tempfile
 from pathlib import Path
 
@@ -13,76 +15,13 @@ import torch
 from helpers import DEVICES
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
-from torch.overrides import TorchFunctionMode
 
 import hmp
+from hmp.testing import expected_call, record_ops
 
 FP16, BF16, FP32, FP64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 FLOATING = [FP16, BF16, FP32, FP64]
 ALL_DTYPES = FLOATING + [torch.int32, torch.int64, torch.bool, torch.complex64]
-
-# -- the oracle ---------------------------------------------------------------
-
-_WIDTH = {FP16: 1, BF16: 1, FP32: 2, FP64: 3}
-
-
-def oracle_widest(dtypes):
-    floats = [d for d in dtypes if d in _WIDTH]
-    if not floats:
-        return None
-    top = max(_WIDTH[d] for d in floats)
-    widest = {d for d in floats if _WIDTH[d] == top}
-    if len(widest) == 1:
-        return widest.pop()
-    return FP32  # bf16 with fp16: neither holds the other; fp32 holds both
-
-
-def oracle(category, form, dtypes, low, disabled, target=None):
-    """The dtypes the op must receive, per the documented rules."""
-    if disabled or category is None:
-        return list(dtypes)
-    if form in ("inplace", "out"):
-        return [target if d in _WIDTH else d for d in dtypes]
-    if category == "bf16":
-        return [low if d == FP32 else d for d in dtypes]
-    if category == "fp32":
-        return [FP32 if d in (BF16, FP16) else d for d in dtypes]
-    if category == "promote":
-        w = oracle_widest(dtypes)
-        return [w if d in _WIDTH else d for d in dtypes]
-    raise AssertionError(category)
-
-
-# -- observation ---------------------------------------------------------------
-
-
-class Record(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        seen = []
-
-        def visit(v):
-            if isinstance(v, torch.Tensor):
-                seen.append(v.dtype)
-            elif isinstance(v, (list, tuple)):
-                for x in v:
-                    visit(x)
-
-        visit(args)
-        visit({k: v for k, v in kwargs.items() if k != "out"}.get("input", None))
-        visit([v for k, v in kwargs.items() if k not in ("out", "input")])
-        self.calls.append((getattr(func, "__name__", ""), seen))
-        return func(*args, **kwargs)
-
-
-def received(record, names):
-    matching = [dtypes for fname, dtypes in record.calls if fname in names]
-    assert matching, f"{names} never reached torch: {[c[0] for c in record.calls]}"
-    return matching[-1]
 
 
 # -- list files for a drawn category assignment ------------------------------------
@@ -118,37 +57,30 @@ def make(dtype, device, shape=(3,)):
 
 
 def call(op, form, tensors, out=None):
-    """Run ``op`` in ``form``; returns (result, names torch may report for it)."""
+    """``(function, args, kwargs)`` of ``op`` in ``form``."""
     a, b = tensors[0], tensors[1]
     if op == "cat":
-        if form == "function":
-            return torch.cat(list(tensors)), ("cat",)
-        if form == "keyword":
-            return torch.cat(tensors=list(tensors)), ("cat",)
-        if form == "tuple":
-            return torch.cat(tuple(tensors)), ("cat",)
-        if form == "out":
-            return torch.cat(list(tensors), out=out), ("cat",)
-    fn = getattr(torch, op)
-    if form == "function":
-        return fn(a, b), (op,)
-    if form == "keyword":
-        return fn(input=a, other=b), (op,)
-    if form == "method":
-        return getattr(a, op)(b), (op,)
-    if form == "operator":
-        return (a + b if op == "add" else a * b), (f"__{op}__", op)
-    if form == "inplace":
-        return getattr(a, op + "_")(b), (op + "_",)
-    if form == "ioperator":
-        if op == "add":
-            a += b
-        else:
-            a *= b
-        return a, (f"__i{op}__", op + "_")
-    if form == "out":
-        return fn(a, b, out=out), (op,)
-    raise AssertionError(form)
+        return {
+            "function": (torch.cat, (list(tensors),), {}),
+            "keyword": (torch.cat, (), {"tensors": list(tensors)}),
+            "tuple": (torch.cat, (tuple(tensors),), {}),
+            "out": (torch.cat, (list(tensors),), {"out": out}),
+        }[form]
+    return {
+        "function": (getattr(torch, op), (a, b), {}),
+        "keyword": (getattr(torch, op), (), {"input": a, "other": b}),
+        "method": (getattr(a, op), (b,), {}),
+        "operator": (getattr(operator, op), (a, b), {}),
+        "inplace": (getattr(a, op + "_"), (b,), {}),
+        "ioperator": (getattr(operator, "i" + op), (a, b), {}),
+        "out": (getattr(torch, op), (a, b), {"out": out}),
+    }[form]
+
+
+def _cast_as(tensors, dtypes):
+    """``tensors`` with the floating ones, in order, in ``dtypes``."""
+    it = iter(dtypes)
+    return [t.to(next(it)) if t.dtype in FLOATING else t.clone() for t in tensors]
 
 
 FORMS = {
@@ -212,38 +144,38 @@ def test_rules_match_oracle(assign, op, data, low, device, steps):
         stack.callback(lambda: [m.__exit__(None, None, None) for m in reversed(managers)])
         disabled = bool(managers)
         assert hmp.casts_enabled() is (not disabled)
-        record = Record()
+        fn, args, kwargs = call(op, form, tensors, out)
         try:
-            with record:
-                result, torch_name = call(op, form, tensors, out)
+            expected = expected_call(fn, *args, **kwargs)
+        except RuntimeError as e:
+            expected = e
+        try:
+            with record_ops() as ran:
+                result = fn(*args, **kwargs)
         except RuntimeError:
-            # torch itself rejects some mixes (e.g. an in-place int result);
-            # then the same call without hmp must fail too
-            expected_fail = True
-        else:
-            expected_fail = False
-    event("torch rejected the mix" if expected_fail else f"checked {op}/{form}")
-    if expected_fail:
-        return
-
-    category = assign[op]
-    want = oracle(category, kind if kind != "call" else "call", dtypes, low, disabled, target)
-    got = received(record, torch_name)
-    assert got[: len(want)] == want, f"{op}/{form} in {category}: sent {dtypes}, op got {got}, want {want}"
+            # torch itself rejects some mixes (an in-place int result); the oracle, which runs
+            # torch's op on the inputs the rules give, says so too
+            assert isinstance(expected, RuntimeError), f"{op}/{form}: raised, the oracle says {expected}"
+            event("torch rejected the mix")
+            return
+    event(f"checked {op}/{form}")
+    assert not isinstance(expected, Exception), f"{op}/{form} ran, the oracle says it raises: {expected}"
+    sent = tuple(t.dtype for t in tensors if t.dtype in FLOATING) + ((target,) if out is not None else ())
+    want = sent if expected.left_to_torch else expected.received
+    assert ran[0].inputs == want, f"{op}/{form} in {assign[op]}: sent {sent}, op got {ran[0].inputs}, want {want}"
 
     # the result is what torch gives for the oracle's inputs, computed without hmp
+    cast = _cast_as(originals, want)
+    out_copy = None if out is None else torch.empty(0, device=device, dtype=out.dtype)
     with hmp.disable_casts():
-        if kind == "inplace":
-            expect = originals[0].clone()
-            getattr(expect, op + "_")(originals[1].to(want[1]))
-        else:
-            cast = [o.to(w) for o, w in zip(originals, want)]
-            expect = torch.cat(cast) if op == "cat" else getattr(torch, op)(*cast)
+        plain_fn, plain_args, plain_kwargs = call(op, form, cast, out_copy)
+        expect = plain_fn(*plain_args, **plain_kwargs)
+    if not expected.left_to_torch:  # the dtype of the floating result (a complex one is none)
+        assert expected.dtype == (result.dtype if result.dtype in FLOATING else None)
     if kind == "inplace":
         assert result is tensors[0] and result.dtype == dtypes[0]
     if kind == "out":
         assert result is out and out.dtype == target
-        expect = expect.to(target)
     assert result.dtype == expect.dtype
     assert torch.equal(result, expect)
     # inputs are never mutated by a cast
