@@ -364,7 +364,8 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold, runs=None):
     runs each phase makes."""
     runs = runs or QUIET
     conversion = in_force_or_default()
-    lists = conversion.lists
+    decided = decisions(conversion)  # an entry that does not cast binds nothing: in no list's rule
+    lists = {k: {n for n, why in entries.items() if why == CAST} for k, entries in decided.items()}
     runs.expect(2, "audit: a step in fp32 and under the lists")
     ref_final, ref = run_step(
         fn, args, kwargs, guard, conversion, passthrough=True, keep_outputs=True, module_outputs=True
@@ -437,7 +438,7 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold, runs=None):
         cls = user_name(type(paths[path]))
         seen[cls] = max(seen.get(cls, value), value)
     uncast = {}
-    for kind, entries in decisions(conversion).items():
+    for kind, entries in decided.items():
         for name, why in entries.items():
             if why != CAST:
                 uncast.setdefault(why, []).append(f"{kind} {name}")

@@ -51,10 +51,11 @@ def boxed(inner):
     return f'<div class="box">{inner}</div>'
 
 
-def folded(summary, items):
-    """One line that opens onto ``items``."""
+def folded(summary, items, kind="names"):
+    """One line that opens onto ``items``: short names in columns (``names``),
+    or sentences one per line (``lines``)."""
     listed = "".join(f"<li>{esc(item)}</li>" for item in items)
-    return f'<details class="folded"><summary>{esc(summary)}</summary><ul class="names">{listed}</ul></details>'
+    return f'<details class="folded"><summary>{esc(summary)}</summary><ul class="{kind}">{listed}</ul></details>'
 
 
 def _nothing_cast_in(count, what):
@@ -260,6 +261,7 @@ th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; } td.num { 
 ul.legend { list-style: none; padding: 0; display: flex; flex-wrap: wrap; gap: 6px 18px; font-size: 13px; }
 ul.legend svg { vertical-align: middle; margin-right: 4px; }
 ul.names { columns: 18em; font-size: 13px; }
+ul.lines { font-size: 13px; }
 svg text.note { paint-order: stroke; stroke: #ffffff; stroke-width: 3px; }
 dl.summary { display: grid; grid-template-columns: max-content minmax(0, 1fr); gap: 2px 12px; font-size: 14px; }
 dl.summary dt { color: #555; } dl.summary dd { margin: 0; }
@@ -343,6 +345,7 @@ def uncast_section(audit):
         folded(
             f"{n} entr{'y' if n == 1 else 'ies'} of the lists hmp does not cast, and why",
             [f"{', '.join(entries)}: {why}" for why, entries in audit.uncast.items()],
+            kind="lines",
         ),
     ]
 
