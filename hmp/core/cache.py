@@ -12,9 +12,14 @@ Correct by construction: no copy outlives the reason it was made.
   used several times in one forward (tied embeddings, an RNN cell, every
   micro-batch of one accumulated step) is cast once; the next step casts
   again.
-- No grad: copies are not kept across calls, except inside
-  ``hmp.frozen_weights()``, where the caller states the weights do not
-  change; there they persist (per thread) until the outermost block exits.
+- No grad: copies are kept for a region, per thread: the outermost of
+  torch's own no-grad regions (``torch.no_grad()``, ``torch.inference_mode()``,
+  ``torch.set_grad_enabled(False)`` as a block, entered with grad on:
+  ``model.generate()``, an evaluation loop; hmp/rules/no_grad_regions.py
+  tells ``open_region``/``close_region``), or ``hmp.frozen_weights()``,
+  where the caller states the weights do not change. Dropped when that
+  region exits; a region's also when a backward pass starts. Outside both
+  (grad turned off by a call, not a block) copies are not kept.
 - Every optimizer step (torch's global step post hook, see hmp/rules/steps.py)
   and ``clear_cache()`` drop every copy.
 
@@ -32,7 +37,8 @@ shows at all is a write through another tensor on the same memory (the
 ``p.data`` alias, storage-level copies, collectives such as
 ``dist.broadcast``, which declare no write): invisible only while a graph
 that saved the old copy is still alive (a forward's output kept across the
-write, ``retain_graph=True``) or inside ``frozen_weights()``. The cache steps aside for inference tensors (no
+write, ``retain_graph=True``), or inside a no-grad region or
+``frozen_weights()``. The cache steps aside for inference tensors (no
 version counter), under functorch transforms (their tensors have no
 storage), while ``torch.jit.trace`` runs (a cached copy would be recorded
 as a constant) and while torch.compile traces (fake tensors).
@@ -47,7 +53,7 @@ from typing import Iterator
 import torch
 
 from hmp.core import torch_private
-from hmp.core.cast_copies import CASTS
+from hmp.core.cast_copies import CASTS, eager_of, shielded
 from hmp.core.state import copies, tls
 
 _grad_enabled = torch.is_grad_enabled
@@ -60,12 +66,27 @@ _Fake = torch_private.FakeTensor
 
 
 class _Frozen:
-    """One thread's frozen_weights() stores, registered so clear() reaches them."""
+    """One thread's no-grad stores for a frozen_weights() block, registered so
+    clear_cache() and refilled() reach them; the thread's ``tls.kept`` refers
+    to them weakly, so they go with what owns them (the block)."""
 
     __slots__ = ("stores", "__weakref__")
 
     def __init__(self):
         self.stores = {d: {} for d in copies.dtypes}
+
+    def clear(self):
+        for store in self.stores.values():
+            store.clear()
+
+
+class _Region(_Frozen):
+    """A no-grad region's stores, owned by torch's context manager object
+    (hmp/rules/no_grad_regions.py): a region whose exit hmp does not see
+    (revert() inside it) lets them go with that object. Also emptied when a
+    backward pass starts."""
+
+    __slots__ = ()
 
 
 class _Entry:
@@ -108,8 +129,14 @@ def _keep(store, t, copy, old, weak):
 def size():
     """Usable entries: live grad-mode copies and this thread's frozen ones."""
     n = sum(1 for s in copies.live.values() for e in list(s.values()) if e.copy() is not None)
-    frozen = tls.frozen
-    return n + (sum(len(s) for s in frozen.stores.values()) if frozen is not None else 0)
+    kept = _kept()
+    return n + (sum(len(s) for s in kept.stores.values()) if kept is not None else 0)
+
+
+def _kept():
+    """The calling thread's no-grad stores in use, or None."""
+    ref = tls.kept
+    return ref() if ref is not None else None
 
 
 def _dead():
@@ -117,14 +144,19 @@ def _dead():
 
 
 def release() -> None:
-    """What graphs hold for reuse (wrap.hold) is let go: a backward pass
-    starts (hmp/rules/regions.py). A copy autograd saves lives on as long
-    as its graph does."""
+    """What graphs hold for reuse (wrap.hold) is let go, and what no-grad
+    regions keep: a backward pass starts (hmp/rules/regions.py), so weights
+    written after it through ``p.data`` (a hand-written update) are cast
+    again in an enclosing region. A copy autograd saves lives on as long as
+    its graph does."""
     with copies.held_lock:
         held = list(copies.held)
         copies.held.clear()
     for h in held:
         h.copies = None
+    for kept in list(copies.frozen):
+        if type(kept) is _Region:
+            kept.clear()
 
 
 def clear_cache() -> None:
@@ -135,9 +167,8 @@ def clear_cache() -> None:
     for store in copies.live.values():
         for e in list(store.values()):
             e.copy, e.storage = _dead, None
-    for frozen in list(copies.frozen):
-        for store in frozen.stores.values():
-            store.clear()
+    for kept in list(copies.frozen):
+        kept.clear()
 
 
 def refilled() -> None:
@@ -156,15 +187,17 @@ def refilled() -> None:
 def caster(dtype):
     """A one-argument cast to ``dtype`` that goes through the cache for
     parameters and other leaf tensors that require grad. A hit is one
-    dictionary lookup and a check of the entry's named fields."""
+    dictionary lookup and a check of the entry's named fields.
+    ``cast.eager``: the same cast for a wrapper's call in eager code, which
+    has turned casts off and asked once whether anything traces or compiles
+    (hmp/core/wrap.py), so it asks nothing per tensor."""
     plain = CASTS[dtype]
+    lowered = eager_of(plain)
     live = copies.live[dtype]
 
-    def cast(t):
+    def eager(t):
         if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
-            return plain(t)
-        if _is_compiling() or _tracing_state() is not None:
-            return plain(t)  # compile: fake tensors; jit.trace: a cached copy would become a constant
+            return lowered(t)
         if _grad_enabled():
             e = live.get(id(t))
             if e is not None:
@@ -176,21 +209,31 @@ def caster(dtype):
                     and e.grad is t.requires_grad
                 ):
                     return copy
-            copy = plain(t)
+            copy = lowered(t)
             if _keep(live, t, copy, e, True):
                 tls.fresh.append(copy)  # the wrapper hands it to its output's graph (wrap.hold)
             return copy
-        frozen = tls.frozen
-        if frozen is None:
-            return plain(t)
-        store = frozen.stores[dtype]
+        ref = tls.kept  # a no-grad region's or frozen_weights()'s stores
+        kept = ref() if ref is not None else None
+        if kept is None:
+            return lowered(t)
+        store = kept.stores[dtype]
         e = store.get(id(t))
         if e is not None and e.version == _version(t) and e.ptr == t.data_ptr():
             return e.copy
-        copy = plain(t)
+        copy = lowered(t)
         _keep(store, t, copy, e, False)
         return copy
 
+    def cast(t):
+        if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
+            return plain(t)
+        if _is_compiling() or _tracing_state() is not None:
+            return plain(t)  # compile: fake tensors; jit.trace: a cached copy would become a constant
+        return through(t)
+
+    through = shielded(eager)  # a BF16 module's mode (modules.LowerMode) must not see the cast's own ops
+    cast.eager = eager
     return cast
 
 
@@ -209,18 +252,47 @@ def frozen_weights() -> Iterator[None]:
     refills that put the version counter back (FSDP2's all-gathers) inside
     the block; what it cannot see is a write through another tensor on the
     weight's memory (the ``p.data`` alias, ``dist.broadcast`` into a
-    parameter), which is what you promise not to do here. Outside the
-    block no-grad casts are never reused, so the default is always exact."""
+    parameter), which is what you promise not to do here. Without it,
+    no-grad casts are kept for the outermost ``torch.no_grad()`` /
+    ``torch.inference_mode()`` block, under the same checks, and dropped
+    when it exits or a backward pass starts; the block keeps them across
+    such regions (a loop that enters ``torch.no_grad()`` per batch)."""
     st = tls
     if st.frozen_depth == 0:
-        st.frozen = _Frozen()
-        copies.frozen.add(st.frozen)
+        kept = _Frozen()  # owned here: tls.kept refers to it weakly
+        copies.frozen.add(kept)
+        found, ref = st.kept, weakref.ref(kept)
+        st.kept = ref
     st.frozen_depth += 1
     try:
         yield
     finally:
         st.frozen_depth -= 1
         if st.frozen_depth == 0:
-            for store in st.frozen.stores.values():
-                store.clear()
-            st.frozen = None
+            kept.clear()
+            if st.kept is ref:
+                st.kept = found
+
+
+def open_region():
+    """A no-grad region starts in this thread with grad on before it (the
+    outermost: hmp/rules/no_grad_regions.py): its stores, for
+    ``close_region``, which the caller keeps; None inside frozen_weights(),
+    whose stores serve."""
+    st = tls
+    if st.frozen_depth:
+        return None
+    kept = _Region()
+    copies.frozen.add(kept)
+    found, ref = st.kept, weakref.ref(kept)
+    st.kept = ref
+    return kept, ref, found
+
+
+def close_region(region):
+    """The region ``open_region`` returned ``region`` for exits: its copies go."""
+    kept, ref, found = region
+    kept.clear()
+    st = tls
+    if st.kept is ref:
+        st.kept = found

@@ -29,20 +29,10 @@ _TB = torch_private.TensorBase
 PLAIN_CASTS = {FP16: _TB.half, BF16: _TB.bfloat16, FP32: _TB.float, FP64: _TB.double}
 
 _isinf, _clamp, _where, _nan_to_num_ = torch.isinf, torch.clamp, torch.where, _TB.nan_to_num_
-_aminmax, _bump, _numel, _item = torch.aminmax, torch.autograd.graph.increment_version, _TB.numel, _TB.item
-_set_grad, _grad_on, _tracing = torch_private.set_grad_enabled, torch.is_grad_enabled, torch_private.tracing_state
+_aminmax, _item = torch.aminmax, _TB.item
+_set_grad, _tracing = torch_private.set_grad_enabled, torch_private.tracing_state
 _compiling = torch_private.compiling
 _NAN = float("nan")
-
-
-def _within(t, top):
-    """True when every value of ``t`` (on the CPU, where reading a bound costs
-    no device sync) lies within ``[-top, top]``: one reduction, against the three
-    passes saturation takes. NaN and infinities are not within."""
-    if not _numel(t):
-        return True
-    lo, hi = _aminmax(t)
-    return -top <= _item(lo) and _item(hi) <= top  # C methods: never a name hmp may patch (no recursion)
 
 
 def _finite(dtype):
@@ -51,9 +41,32 @@ def _finite(dtype):
     dtype's range (inf after rounding) becomes its largest finite value, as
     saturating conversions do; an infinity stays infinite and NaN stays NaN,
     as in plain torch. Written into the copy outside autograd (the copy's
-    gradient is the plain cast's), so the copy is the only tensor kept. It
-    bumps the copy's version once (``written`` relies on that)."""
+    gradient is the plain cast's), so the copy is the only tensor kept.
+
+    On the CPU, where reading a bound costs no device sync, one reduction
+    (``aminmax``) says whether anything lies beyond the range, against the
+    three passes saturation takes. ``cast_finite.eager`` is the cast for a
+    wrapper's call, which has turned casts off and checked once that nothing
+    traces or compiles (hmp/core/wrap.py): no per-cast state to read."""
     cast, top = PLAIN_CASTS[dtype], torch.finfo(dtype).max
+
+    def eager(t):
+        y = cast(t)
+        grad = y.requires_grad  # grad mode on and t requires grad: the checks run outside autograd
+        if grad:
+            _set_grad(False)
+        try:
+            if t.is_cpu:
+                lo, hi = _aminmax(t)  # C methods: never a name hmp may patch (no recursion)
+                if -top <= _item(lo) and _item(hi) <= top:  # NaN and infinities are not within
+                    return y
+            _where(_isinf(t), y, _clamp(y, -top, top), out=y)  # outside autograd: out= is fine
+        except (RuntimeError, NotImplementedError):  # empty (no bound to read); a layout without these ops
+            pass  # (nested): torch's rounding
+        finally:
+            if grad:
+                _set_grad(True)
+        return y
 
     def cast_finite(t):
         # casts off while hmp casts: a BF16 module's mode (modules.LowerMode) must not lower the
@@ -63,16 +76,16 @@ def _finite(dtype):
         if shield:
             st.off = OFF
         try:
+            if _tracing() is None and not _compiling():
+                return eager(t)
             y = cast(t)
-            grad = _grad_on() and y.requires_grad
+            grad = y.requires_grad
             if grad:
                 _set_grad(False)
             try:
                 if _tracing() is not None:  # jit.trace: an op on the source would keep it alive; infinities saturate
                     _nan_to_num_(y, _NAN, top, -top)
-                elif t.is_cpu and not _compiling() and _within(t, top):
-                    _bump(y)  # nothing to saturate; the copy's version moves once either way
-                else:  # outside autograd: out= is fine
+                else:  # compiled: no bound read on the host
                     _where(_isinf(t), y, _clamp(y, -top, top), out=y)
             except (RuntimeError, NotImplementedError):  # a layout without these ops (nested): torch's rounding
                 pass
@@ -85,7 +98,31 @@ def _finite(dtype):
                 st.off = 0
 
     cast_finite.__name__ = cast_finite.__qualname__ = f"to_{dtype_name(dtype)}_finite"
+    eager.__name__ = eager.__qualname__ = f"to_{dtype_name(dtype)}_finite_eager"
+    cast_finite.eager = eager
     return cast_finite
+
+
+def shielded(cast):
+    """``cast`` with casts off while it runs, where they are on (its own ops are not hmp's to cast)."""
+
+    def run(t):
+        st = tls
+        if st.off:
+            return cast(t)
+        st.off = OFF
+        try:
+            return cast(t)
+        finally:
+            st.off = 0
+
+    return run
+
+
+def eager_of(cast):
+    """The form of ``cast`` for a wrapper's call in eager code, casts off (``cast.eager``; a
+    cast without one, such as the plain cast up, is its own)."""
+    return getattr(cast, "eager", cast)
 
 
 # The casts hmp makes: to a lower dtype, finite values stay finite.
@@ -138,7 +175,8 @@ def write_back(cast_args, args, cast_kwargs, kwargs):
     written argument is the caller's tensor: docs/never-changes.md). This
     catches writes no schema declares (``F.embedding``'s ``max_norm``
     renormalises the weight it is given). A copy was written when its
-    version counter moved past the cast's own (``_finite`` bumps it once)."""
+    version counter moved (a fresh copy's is 0; one that saturated, 1: compared element by element,
+    nothing differs)."""
     if cast_args is not args:
         _back_seq(cast_args, args)
     if cast_kwargs is not kwargs:
@@ -148,16 +186,13 @@ def write_back(cast_args, args, cast_kwargs, kwargs):
                 _back_seq((copy,), (original,))
 
 
-_CAST_VERSION = {BF16: 1, FP16: 1, FP32: 0, FP64: 0}  # a fresh copy's version: _finite bumps it once
-
-
 def _back_seq(copies, originals):
     for c, o in zip(copies, originals):
         if c is o:
             continue
         if isinstance(c, Tensor):
             try:
-                written = _version(c) > _CAST_VERSION.get(c.dtype, 0)
+                written = _version(c) > 0
             except RuntimeError:  # an inference tensor keeps no version counter
                 continue
             if written and isinstance(o, Tensor):

@@ -38,22 +38,22 @@ def cast_seq(seq, src, cast, refuse=None):
     then runs as it would without hmp. ``refuse``: a check of the numbers
     in ``seq`` (Python, numpy or any other real number, at any depth); when
     it says True, the result is None (the BF16 rule's overflow check: see
-    ``lower``).
+    ``lower``). Every listed call's arguments pass here (the wrapper's lean
+    path): the types a call mostly holds are tested first, by identity.
     """
     out = None
     for i, a in enumerate(seq):
-        if isinstance(a, Tensor):
+        t = type(a)
+        if t is Tensor or t is _Parameter:
             if a.dtype in src:
-                try:
-                    c = cast(a)
-                except Exception:
-                    if type(a) is Tensor or type(a) is _Parameter:
-                        raise
-                    continue  # a subclass that refuses the cast stays uncast
+                c = cast(a)  # a plain tensor's cast raising is an error to see
                 if out is None:
                     out = list(seq)
                 out[i] = c
-        elif type(a) is list or type(a) is tuple:
+        elif t is int or t is float:
+            if refuse is not None and refuse(a):
+                return None
+        elif t is list or t is tuple:
             b = cast_seq(a, src, cast, refuse)
             if b is None:
                 return None
@@ -61,13 +61,17 @@ def cast_seq(seq, src, cast, refuse=None):
                 if out is None:
                     out = list(seq)
                 out[i] = b
-        elif refuse is not None:
-            if type(a) is not float and type(a) is not int:
-                if not is_number(type(a)):
-                    continue
-                a = float(a)  # numpy's: by their exact value
-            if refuse(a):
-                return None
+        elif isinstance(a, Tensor):
+            if a.dtype in src:
+                try:
+                    c = cast(a)
+                except Exception:
+                    continue  # a subclass that refuses the cast stays uncast
+                if out is None:
+                    out = list(seq)
+                out[i] = c
+        elif refuse is not None and is_number(t) and refuse(float(a)):  # numpy's: by their exact value
+            return None
     if out is None:
         return seq
     return out if type(seq) is list else tuple(out)

@@ -49,7 +49,7 @@ class ThreadState(threading.local):
         self.autocast_regions = []  # [(id(autocast region), what enter() returned)] entered under hmp (regions.py)
         self.steps = []  # per step in progress: (what enter() returned, the frame calling its hooks) (steps.py)
         self.frozen_depth = 0  # frozen_weights() nesting (cache.py)
-        self.frozen = None  # that block's stores, {dtype: {id(tensor): entry}}
+        self.kept = None  # weak reference to the no-grad stores in use: a frozen_weights() block's or a region's
         self.fresh = []  # grad-mode copies the call in progress made, for its output's graph to hold (cache.py)
 
 
@@ -151,7 +151,7 @@ class Copies:
     def __init__(self):
         dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
         self.live = {d: {} for d in dtypes}  # grad mode: dtype -> {id(tensor): entry}
-        self.frozen = weakref.WeakSet()  # every thread's frozen_weights() stores
+        self.frozen = weakref.WeakSet()  # every thread's no-grad stores: frozen_weights() blocks, no-grad regions
         self.held = weakref.WeakSet()  # what graphs hold (wrap.hold), until the next backward pass
         self.held_lock = threading.Lock()  # one thread's backward releases what another's forward adds
         self.dtypes = dtypes

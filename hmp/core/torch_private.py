@@ -92,6 +92,23 @@ def lowering():
     )
 
 
+# What a wrapper call runs under, asked once per call (the casts then ask nothing):
+# EAGER, the weight-cast cache and the CPU range check apply; JIT_TRACE (torch.jit.trace
+# records the ops: a cached copy would become a constant); COMPILING (export, AOT
+# tracing: fake tensors); DYNAMO (dynamo traces: folded, nothing else read or guarded
+# on); LOWERING (see lowering()).
+EAGER, JIT_TRACE, COMPILING, DYNAMO, LOWERING = range(5)
+
+
+def call_state():
+    if _dynamo_compiling():  # first, as in lowering()
+        return DYNAMO
+    if _compiler._is_compiling_flag:
+        exporting = getattr(_compiler, "_is_exporting_flag", False)
+        return LOWERING if KNOWS_COMPILE_SESSION and not exporting else COMPILING
+    return EAGER if tracing_state() is None else JIT_TRACE
+
+
 def import_dynamo():
     """Import torch.compile's tracer (its package is private; no public call
     imports it without other effects). Imported while hmp's wrappers stand

@@ -4,11 +4,15 @@ paused, resumed, taken over, retired by revert(), compiled by TorchScript
 as its original. What a site's wrapper does is decided in
 hmp/core/sites.py; Habana's ``op_wrap`` helpers are in hmp/core/op_wrap.py.
 
-Per call the body reads the thread's ``off``; when it is 0 it casts the
-arguments by the site's rule (chosen at convert time), turns casts off for
-the op's duration (the outermost op decides: hmp/core/state.py's
-``enter``/``leave``, inlined, since the body only gets there when ``off``
-is 0) and on an exception hands over to hmp/core/rescue.py.
+Per call the body reads the thread's ``off``; when it is 0 it asks once
+whether anything compiles or traces (``torch_private.call_state``), turns
+casts off for the casts and the op (the outermost op decides:
+hmp/core/state.py's ``enter``/``leave``, inlined, since the body only gets
+there when ``off`` is 0), casts the arguments by the site's rule (chosen at
+convert time) and on an exception from the op hands over to
+hmp/core/rescue.py. In eager code the lean path casts through the casters'
+``eager`` form, which asks no per-tensor question the call already
+answered (cast_copies.py, cache.py).
 
 A listed site's wrapper is lean: a call without keyword arguments (the
 common case) goes straight to the rule's casts (``policy.cast_seq``, or the
@@ -77,10 +81,10 @@ def make(
 
 PROMOTE = object()  # make(src=PROMOTE): the promote rule's common case
 _cast_seq, _one_dtype, _write_back = policy.cast_seq, policy.one_dtype, cast_copies.write_back
+_eager_of = cast_copies.eager_of
 _graph_off = graph_off
-_is_compiling = torch.compiler.is_compiling
-_dynamo_tracing = torch.compiler.is_dynamo_compiling
-_lowering = torch_private.lowering
+_call_state = torch_private.call_state
+_COMPILING, _DYNAMO, _LOWERING = torch_private.COMPILING, torch_private.DYNAMO, torch_private.LOWERING
 
 
 def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
@@ -89,37 +93,47 @@ def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
     # Python's operator, never as this wrapper, so the graph reaches it only while lowering.
     name = getattr(op, "__name__", "")
     lowers = not (name.startswith("__") and name.endswith("__"))
+    eager = _eager_of(cast)  # the lean path's cast in eager code: it asks nothing per tensor
+    inplace = inplace_at != NEVER  # the op has an ``inplace`` parameter
 
     def wrapper(*args, **kwargs):
         st = tls
         # read once: another thread's revert() may retire this wrapper (its prepare set to None)
         # while a call is inside it; the call then finishes under the configuration it started in
         rule = prepare
-        if st.off or rule is None or lowers and _lowering() or needs is not None and not needs(args, kwargs):
+        if st.off or rule is None:
             return op(*args, **kwargs)
-        if src is None or kwargs or len(args) > inplace_at and args[inplace_at]:
-            a, k = rule(args, kwargs)
-        elif src is PROMOTE:
-            a, k = (args, kwargs) if _one_dtype(args, None) is not False else rule(args, kwargs)
-        else:
-            a, k = _cast_seq(args, src, cast, refuse), kwargs
-            if a is None:  # a number the lower dtype cannot hold: prepare runs the FP32 rule
-                a, k = rule(args, kwargs)
+        state = _call_state()  # once per call: compiled, traced or eager (torch_private.call_state)
+        if state == _LOWERING and lowers or needs is not None and not needs(args, kwargs):
+            return op(*args, **kwargs)
+        # casts off from here: for the casts' own ops (a BF16 module's mode must not see them) and for
+        # the ops this one calls (the outermost op decides: state.enter/leave, inlined)
         st.off = OFF
-        # a Python function's body may hold operators, decided when the captured graph is lowered
-        graph = hidden and _dynamo_tracing()
-        if graph:
-            _graph_off(OFF)
+        a = graph = None
         try:
+            if src is None or kwargs or inplace and len(args) > inplace_at and args[inplace_at]:
+                a, k = rule(args, kwargs)
+            elif src is PROMOTE:
+                a, k = (args, kwargs) if _one_dtype(args, None) is not False else rule(args, kwargs)
+            else:
+                a, k = _cast_seq(args, src, cast if state else eager, refuse), kwargs
+                if a is None:  # a number the lower dtype cannot hold: prepare runs the FP32 rule
+                    a, k = rule(args, kwargs)
+            # a Python function's body may hold operators, decided when the captured graph is lowered
+            graph = hidden and state == _DYNAMO
+            if graph:
+                _graph_off(OFF)
             result = op(*a, **k)
-            if st.fresh:
+            if st.fresh:  # also copies the op made in one dtype (sites.one_dtype_on_reject)
                 hold(result, st.fresh)
             # a write into a copy reaches the caller's tensor (traced code: functionalized)
-            if hidden and not _is_compiling() and (a is not args or k is not kwargs):
+            if hidden and state < _COMPILING and (a is not args or k is not kwargs):
                 _write_back(a, args, k, kwargs)
             return result
-        except Exception as e:  # costs nothing unless the op raises
+        except Exception as e:  # costs nothing unless something raises
             st.fresh.clear()
+            if a is None:  # a cast raised: as without hmp's rescue
+                raise
             result = rescue.rescue(e, op, wrapped, args, kwargs, a, k)
             if result is rescue.RAISE:
                 raise

@@ -13,6 +13,7 @@ from hmp.rules import (
     buffers,
     checkpoint,
     functions,
+    no_grad_regions,
     pickling,
     refills,
     region_factories,
@@ -31,6 +32,7 @@ RULES = (
     regions,  # autocast regions, backward, GradScaler, DataLoader workers: left alone
     steps,  # optimizer steps run uncast and drop the weight-cast cache
     refills,  # a write that keeps the version counter drops the weight-cast cache
+    no_grad_regions,  # a no-grad region keeps its weight casts until it ends
     weight_writes,  # lower-precision values loaded into float32 weights: said once
     uncast_calls,  # building, averaging, merging, sampling: what the program keeps, uncast
     region_factories,  # an author's autocast region however a library builds it

@@ -1,0 +1,94 @@
+"""A no-grad region keeps its weight casts until it ends, as torch.autocast's
+region keeps its own: the outermost block of torch's ``torch.no_grad()``,
+``torch.inference_mode()`` or ``torch.set_grad_enabled(False)`` entered with
+grad on (``model.generate()``, an evaluation loop, ``@torch.no_grad()``
+functions) opens the weight-cast cache's no-grad stores in its thread, and
+its exit drops them (hmp/core/cache.py: ``open_region``/``close_region``;
+every hit is still checked against the weight's version counter and data
+pointer, and an optimizer step, a backward pass, a refill, revert() and
+clear_cache() drop them sooner). Without this, every no-grad call cast
+every weight again.
+
+torch offers no hook where a grad mode block starts or ends, so the three
+classes' ``__enter__``/``__exit__`` are replaced: torch's own run first or
+last, unchanged, and the region is kept on the block's object, so a block
+whose exit hmp does not see (revert() inside it) lets its copies go with the
+object. Grad turned off by a call (``torch.set_grad_enabled(False)`` not
+used as a block, ``torch._C._set_grad_enabled``) opens nothing: no-grad
+calls there cast every time, as before. torch.compile never runs these
+methods for a block it traces (dynamo models the grad mode itself), and the
+cache steps aside while it compiles.
+"""
+
+import torch
+from torch.autograd import grad_mode
+
+from hmp.core import cache, torch_private
+from hmp.core.resolve import stand_in, unwrap
+from hmp.rules.interface import Changes
+
+_grad_on = torch.is_grad_enabled
+_compiling = torch_private.compiling
+_KEY = "_hmp_region"  # the region a block opened, on the block's object
+
+
+def _opens_no_grad(block):
+    return _grad_on()
+
+
+def _opens_inference_mode(block):
+    return getattr(block, "mode", True) and _grad_on()
+
+
+def _opens_set_grad_enabled(block):  # grad already set by its __init__: what it found is ``prev``
+    return getattr(block, "prev", False) and not getattr(block, "mode", True)
+
+
+def _entering(original, opens):
+    def __enter__(self):
+        region = cache.open_region() if not _compiling() and opens(self) else None
+        try:
+            result = original(self)
+        except BaseException:
+            if region is not None:
+                cache.close_region(region)
+            raise
+        if region is not None:
+            try:
+                self.__dict__[_KEY] = region
+            except AttributeError:  # an object without a __dict__ (a subclass with slots): no region
+                cache.close_region(region)
+        return result
+
+    return stand_in(__enter__, original)
+
+
+def _exiting(original):
+    def __exit__(self, *exc):
+        try:
+            return original(self, *exc)
+        finally:
+            found = getattr(self, "__dict__", None)
+            region = found.pop(_KEY, None) if found else None
+            if region is not None:
+                cache.close_region(region)
+
+    return stand_in(__exit__, original)
+
+
+_BLOCKS = (
+    (grad_mode.no_grad, _opens_no_grad),
+    (grad_mode.inference_mode, _opens_inference_mode),
+    (grad_mode.set_grad_enabled, _opens_set_grad_enabled),
+)
+
+
+def changes(ctx):
+    """The rule's changes (hmp/rules/interface.py): each block's ``__enter__`` and ``__exit__``."""
+    if not ctx.casting:  # profile/audit's pass-through run casts nothing: nothing to keep
+        return Changes()
+    patches = []
+    for cls, opens in _BLOCKS:
+        patches.append((cls, "__enter__", _entering(unwrap(cls.__dict__["__enter__"]), opens)))
+        patches.append((cls, "__exit__", _exiting(unwrap(cls.__dict__["__exit__"]))))
+    return Changes(tuple(patches))

@@ -1,0 +1,421 @@
+"""A no-grad region keeps hmp's weight casts until it ends (hmp/rules/no_grad_regions.py), and never
+serves a copy the weights no longer match: every run computes exactly what the same run computes with
+``convert(cache=False)`` (the oracle), whatever writes the weights inside a region or between regions,
+except a write through another tensor on the weight's memory (``p.data``) inside a region, which no
+counter shows (docs/performance.md says so, and a test here pins it). Casts are counted (a
+TorchDispatchMode count of ``aten._to_copy``), never timed."""
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hmp
+from hmp.core import cache
+
+BF16 = torch.bfloat16
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+_CONVERSIONS = (torch.ops.aten._to_copy, torch.ops.aten.to)  # inference mode dispatches ``to`` itself
+
+
+class Casts(TorchDispatchMode):
+    """Counts the dtype conversions dispatched (``aten._to_copy``) while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in _CONVERSIONS:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def casts(fn, *args):
+    with Casts() as counted:
+        fn(*args)
+    return counted.n
+
+
+class Tied(torch.nn.Module):
+    """A weight used twice per forward (tied embedding and head) plus a plain layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Parameter(torch.randn(6, 8) * 0.5)
+        self.mid = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(F.linear(x, self.emb.t()))
+        return F.linear(self.mid(h), self.emb)
+
+
+# -- what a region keeps, counted -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "region",
+    [
+        torch.no_grad,
+        torch.inference_mode,
+        lambda: torch.set_grad_enabled(False),
+        lambda: torch.autograd.grad_mode.no_grad(),
+    ],
+    ids=["no_grad", "inference_mode", "set_grad_enabled", "grad_mode.no_grad"],
+)
+def test_a_region_casts_each_weight_once_and_drops_the_copies_at_its_exit(region):
+    hmp.convert()
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    with region():
+        assert casts(lin, x) == 3  # input, weight, bias
+        assert [casts(lin, x) for _ in range(3)] == [1, 1, 1]  # the input alone
+        assert cache.size() == 2
+        copy = weakref.ref(cache.caster(BF16)(lin.weight))
+    assert cache.size() == 0
+    gc.collect()
+    assert copy() is None  # freed at the exit, not kept for the next region
+    with region():
+        assert casts(lin, x) == 3  # a new region casts again
+
+
+def test_the_outermost_region_decides_and_nested_blocks_share_it():
+    hmp.convert()
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+
+    @torch.no_grad()
+    def generate(steps):  # model.generate(): a decorated function, called inside another region
+        return [casts(lin, x) for _ in range(steps)]
+
+    assert generate(3) == [3, 1, 1]  # one region per call of the decorated function
+    assert generate(2) == [3, 1]
+    with torch.no_grad():
+        assert casts(lin, x) == 3
+        assert generate(2) == [1, 1]  # inside the outer region: its copies serve
+        with torch.inference_mode():
+            assert casts(lin, x) == 1
+        with torch.enable_grad():  # grad mode inside: the graph's copies, as always
+            assert casts(lin, x) == 3
+            with torch.no_grad():  # a region of its own, dropped at its exit
+                assert [casts(lin, x) for _ in range(2)] == [3, 1]
+        assert casts(lin, x) == 1  # the outer region's copies again
+    assert cache.size() == 0
+
+
+def test_grad_turned_off_by_a_call_keeps_nothing():
+    """Not a block: nothing says where it ends, so no-grad calls cast each time, as before."""
+    hmp.convert()
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    torch.set_grad_enabled(False)
+    try:
+        assert [casts(lin, x) for _ in range(3)] == [3, 3, 3]
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def test_frozen_weights_keeps_its_copies_across_regions():
+    hmp.convert()
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    with hmp.frozen_weights():
+        for expected in (3, 1, 1):
+            with torch.no_grad():  # one region per batch: the block's copies serve every one
+                assert casts(lin, x) == expected
+        assert cache.size() == 2
+    assert cache.size() == 0
+    with torch.no_grad(), hmp.frozen_weights():  # the block inside a region: its own, then the region's
+        assert casts(lin, x) == 3
+    with torch.no_grad():
+        assert casts(lin, x) == 3
+
+
+def test_memory_is_one_copy_per_weight_and_goes_with_the_weight():
+    hmp.convert()
+    layers = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for _ in range(5):
+            layers(x)
+        assert cache.size() == 8  # four weights, four biases: however many calls
+        layers[0] = torch.nn.Linear(8, 8)  # the old layer's weights die: their copies with them
+        gc.collect()
+        assert cache.size() == 6
+        layers(x)
+        assert cache.size() == 8
+
+
+def test_each_thread_has_its_own_region():
+    hmp.convert()
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    seen = {}
+
+    def other():
+        torch.set_grad_enabled(False)  # no region in this thread
+        seen["outside"] = [casts(lin, x) for _ in range(2)]
+        torch.set_grad_enabled(True)
+        with torch.no_grad():
+            seen["inside"] = [casts(lin, x) for _ in range(2)]
+
+    with torch.no_grad():
+        assert casts(lin, x) == 3
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert casts(lin, x) == 1
+    assert seen == {"outside": [3, 3], "inside": [3, 1]}
+
+
+def test_a_region_whose_exit_hmp_does_not_see_keeps_nothing():
+    """revert() inside a region: torch's own exit closes the block; the copies go with it, and
+    a later conversion keeps nothing for no-grad calls outside a region."""
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    hmp.convert()
+    with torch.no_grad():
+        lin(x)
+        copy = weakref.ref(cache.caster(BF16)(lin.weight))
+        hmp.revert()
+    gc.collect()
+    assert copy() is None
+    hmp.convert()
+    torch.set_grad_enabled(False)
+    try:
+        assert [casts(lin, x) for _ in range(2)] == [3, 3]
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def test_grad_mode_blocks_are_torchs_own_after_revert():
+    from torch.autograd import grad_mode
+
+    blocks = (grad_mode.no_grad, grad_mode.inference_mode, grad_mode.set_grad_enabled)
+    before = [(cls.__dict__["__enter__"], cls.__dict__["__exit__"]) for cls in blocks]
+    hmp.convert()
+    assert all(cls.__dict__["__enter__"] is not enter for cls, (enter, _) in zip(blocks, before))
+    hmp.revert()
+    assert [(cls.__dict__["__enter__"], cls.__dict__["__exit__"]) for cls in blocks] == before
+
+
+def test_a_region_block_still_does_what_torchs_does():
+    hmp.convert()
+    x = torch.randn(3, requires_grad=True)
+    with torch.no_grad():
+        assert not torch.is_grad_enabled() and not (x * 2).requires_grad
+    assert torch.is_grad_enabled()
+    with torch.inference_mode():
+        assert torch.is_inference_mode_enabled() and (x * 2).is_inference()
+    with torch.set_grad_enabled(False):
+        assert not torch.is_grad_enabled()
+    assert torch.is_grad_enabled()
+    with pytest.raises(ValueError), torch.no_grad():
+        raise ValueError("the block's exit runs on an exception")
+    assert torch.is_grad_enabled() and cache.size() == 0
+
+
+# -- never a stale copy: against cache=False -------------------------------------------------------
+
+
+def _seen_write(kind, model, opts, x):
+    """A write hmp sees inside a no-grad region (also: inside inference_mode, the first four)."""
+    p = model.emb
+    if kind == "mul_":
+        p.mul_(0.9)
+    elif kind == "copy_":
+        p.copy_(torch.randn_like(p))
+    elif kind == "refill":  # FSDP2's copy-out: a write, and the version counter put back
+        with torch.autograd._unsafe_preserve_version_counter(p):
+            p.copy_(torch.randn_like(p))
+    elif kind == "load_state_dict":
+        model.load_state_dict({k: v + 0.01 for k, v in model.state_dict().items()})
+    elif kind == "load_state_dict_assign":  # new parameter objects
+        model.load_state_dict({k: v.clone() - 0.01 for k, v in model.state_dict().items()}, assign=True)
+        for o in opts.values():  # the optimizers follow the new parameters
+            o.param_groups[0]["params"] = list(model.parameters())
+    elif kind == "data_assign":
+        p.data = torch.randn_like(p)
+    elif kind == "refill_freed":  # FSDP2's reshard and unshard
+        storage = p.untyped_storage()
+        size, new = storage.nbytes(), torch.randn_like(p)
+        storage.resize_(0)
+        storage.resize_(size)
+        with torch.autograd._unsafe_preserve_version_counter(p):
+            p.copy_(new)
+    elif kind.startswith("step_"):  # an optimizer step inside the region
+        for q in model.parameters():
+            q.grad = torch.full_like(q, 0.5)
+        opts[kind[5:]].step()
+    elif kind == "backward_then_data":  # a hand-written update after a backward, through the alias
+        with torch.enable_grad():
+            model(x).float().pow(2).sum().backward()
+        for q in model.parameters():
+            q.data -= 0.1 * q.grad
+            q.grad = None
+    else:
+        raise AssertionError(kind)
+
+
+INFERENCE_SAFE = ["mul_", "copy_", "refill", "load_state_dict"]
+SEEN = INFERENCE_SAFE + [
+    "load_state_dict_assign",
+    "data_assign",
+    "refill_freed",
+    "step_fused",
+    "step_foreach",
+    "step_single",
+    "backward_then_data",
+]
+# writes no counter shows: seen between regions, not inside one (inside frozen_weights() neither)
+ALIAS = ["data_inplace", "data_copy"]
+REGIONS = ["no_grad", "inference_mode", "set_grad_enabled", "decorated", "nested", "frozen_per_region"]
+
+
+def _alias_write(kind, model):
+    if kind == "data_inplace":
+        model.emb.data.mul_(-1)
+    else:
+        model.mid.weight.data.copy_(torch.randn_like(model.mid.weight))
+
+
+def _region(kind, body):
+    if kind == "no_grad":
+        with torch.no_grad():
+            return body()
+    if kind == "inference_mode":
+        with torch.inference_mode():
+            return [t.clone() for t in body()]
+    if kind == "set_grad_enabled":
+        with torch.set_grad_enabled(False):
+            return body()
+    if kind == "decorated":
+        return torch.no_grad()(body)()
+    if kind == "nested":  # generate() inside an evaluation loop's region
+        with torch.no_grad():
+            return torch.no_grad()(body)()
+    if kind == "frozen_per_region":  # frozen_weights() around one region: its stores serve
+        with hmp.frozen_weights(), torch.no_grad():
+            return body()
+    raise AssertionError(kind)
+
+
+def _run(program, use_cache):
+    torch.manual_seed(0)
+    model = Tied()
+    opts = {
+        "fused": torch.optim.AdamW(model.parameters(), lr=0.05, fused=True),
+        "foreach": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True),
+        "single": torch.optim.Adam(model.parameters(), lr=0.05, foreach=False),
+    }
+    x = torch.randn(4, 6)
+    outs = []
+    hmp.convert(cache=use_cache)
+    try:
+        for between, kind, writes in program:
+            if between is not None:
+                _alias_write(between, model)
+            steps = ["call"]
+            for write in writes:  # every write between two calls of the region
+                steps += [write, "call"]
+
+            def body(steps=steps, kind=kind):
+                got = []
+                for step in steps:
+                    if step == "call":
+                        got.append(model(x))
+                    elif kind == "frozen_per_region" and step not in INFERENCE_SAFE:
+                        continue  # frozen_weights() is the promise that nothing else writes
+                    else:
+                        _seen_write(step, model, opts, x)
+                return got
+
+            if kind == "inference_mode":
+                steps = [s for s in steps if s == "call" or s in INFERENCE_SAFE]
+            outs.extend(_region(kind, lambda steps=steps, body=body: body(steps)))
+    finally:
+        hmp.revert()
+    return outs
+
+
+# regions, each: a write before it (or none), its kind, the writes between its calls
+_WRITES = st.lists(st.sampled_from(SEEN), max_size=3)
+_REGION = st.tuples(st.none() | st.sampled_from(ALIAS), st.sampled_from(REGIONS), _WRITES)
+_PROGRAM = st.lists(
+    _REGION,
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(deadline=None, max_examples=60)
+@given(program=_PROGRAM)
+def test_a_region_computes_exactly_what_cache_off_computes(program):
+    with_cache, without = _run(program, True), _run(program, False)
+    assert len(with_cache) == len(without)
+    for a, b in zip(with_cache, without):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("write", SEEN)
+def test_every_seen_write_between_two_calls_of_one_region(write):
+    """Each write once, deterministically, between two calls inside one region (the hypothesis
+    test above mixes them)."""
+    program = [(None, "no_grad", [write])]
+    with_cache, without = _run(program, True), _run(program, False)
+    assert all(torch.equal(a, b) for a, b in zip(with_cache, without))
+    assert not torch.equal(with_cache[0], with_cache[1])  # the write changed what the model computes
+
+
+@pytest.mark.parametrize("write", ["mul_", "copy_"])
+def test_an_alias_write_is_seen_between_regions_and_not_inside_one(write):
+    """What docs/performance.md says: a write through ``p.data`` inside a region is not seen until
+    the region ends (as inside frozen_weights()); between regions it is."""
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(8, 8), torch.randn(2, 8)
+    hmp.convert()
+    with torch.no_grad():
+        before = lin(x)
+        alias = lin.weight.data  # another tensor on the weight's memory, with a counter of its own
+        alias.mul_(-1) if write == "mul_" else alias.copy_(torch.randn_like(alias))
+        inside = lin(x)
+    with torch.no_grad():
+        after = lin(x)
+    with hmp.converted(cache=False), torch.no_grad():
+        fresh = lin(x)
+    assert torch.equal(inside, before)  # the region's copy: the write is not seen inside it
+    assert torch.equal(after, fresh) and not torch.equal(after, before)
+
+
+# -- torch.compile and the region ------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_code_with_a_region_inside_compiles_once_and_equals_eager():
+    import torch._dynamo.testing
+
+    hmp.convert()
+    lin = torch.nn.Linear(8, 8)
+    xs = [torch.randn(2, 8) for _ in range(3)]
+
+    def f(x):
+        with torch.no_grad():
+            return lin(x) * 2
+
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(f, backend=counter)
+    outs = [compiled(x) for x in xs]
+    assert counter.frame_count == 1
+    with torch.no_grad():  # a region around compiled calls: the cache steps aside while compiled code runs
+        outs += [compiled(x) for x in xs]
+    eager = [f(x) for x in xs] * 2
+    assert all(a.dtype == BF16 and torch.equal(a, b) for a, b in zip(outs, eager))
