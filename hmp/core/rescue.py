@@ -1,14 +1,20 @@
 """What a wrapper does when its op raises: no new errors.
 
-When torch reports that the op has no kernel for the dtype hmp cast to
-(``"addmm_..." not implemented for 'BFloat16'``, e.g. sparse matmul on
-CPU), the op is run again with its arguments as given, as if it were in no
-list, or, when that fails too and the call writes none of its arguments,
-with its lower-precision arguments in float32 (an earlier listed op may have
-made them bf16); hmp warns once per op. Only when the op itself raised that
-error (a C function, so nothing ran before the kernel was chosen) and hmp
-had cast something. Any other error is raised as it was, with the note
-hmp/diagnostics/errors.py adds to a dtype mismatch.
+When a listed op of torch's raises after hmp cast its arguments (no kernel
+for the dtype hmp chose: ``"addmm_..." not implemented for 'BFloat16'``,
+``Low precision dtypes not supported``, ``Unsupported dtype``; or an
+algorithm the lower dtype breaks), the call is run again with its arguments
+as given, as if the op were in no list, or, when that fails too and the call
+writes none of its arguments, with its lower-precision arguments in float32
+(an earlier listed op may have made them bf16); hmp warns once per op. The
+principle, not a list of messages: the error came from hmp's cast exactly
+when the call as given runs. A torch op runs nothing of the caller's before
+it raises, so running it again is safe; a function of the user's
+(``@hmp.*_function``, ``op_wrap``) may have, so it is run again only when
+its error came straight out of a C function it called (the innermost
+frame is hmp's wrapper) and says there is no kernel for the dtype. Any
+other error is raised as it was, with the note hmp/diagnostics/errors.py
+adds to a dtype mismatch.
 
 Everything here runs only on the error path, from the wrapper's ``except``
 clause (free in Python 3.11 when nothing is raised).
@@ -46,7 +52,7 @@ class Wrapped(NamedTuple):
     kind: Optional[str] = None  # "bf16", "fp32" or "promote" (None for op_wrap)
     inplace: bool = False  # X_ / __iX__: the first argument is written
     inplace_param: Optional[int] = None  # position of an inplace= parameter
-    written: tuple = ()  # positions of other arguments the op's schema marks written
+    written: tuple = ()  # (position, name) of other arguments the op's schema marks written (resolve.writes)
 
     @classmethod
     def of(cls, binding):
@@ -58,8 +64,9 @@ class Wrapped(NamedTuple):
         """True when this call writes one of its arguments."""
         if self.inplace or (kwargs and (kwargs.get("out") is not None or kwargs.get("inplace"))):
             return True
-        if any(i < len(args) and args[i] is not None for i in self.written):
-            return True
+        for i, name in self.written:
+            if (args[i] if i < len(args) else kwargs.get(name) if kwargs else None) is not None:
+                return True
         i = self.inplace_param
         return i is not None and len(args) > i and bool(args[i])
 
@@ -74,20 +81,14 @@ def rescue(exc, op, wrapped, args, kwargs, cast_args, cast_kwargs):
     changed it; casting is still off in this thread."""
     try:
         cast_something = cast_args is not args or cast_kwargs is not kwargs
-        if (
-            cast_something
-            and isinstance(exc, (NotImplementedError, RuntimeError))
-            and exc.args
-            and _NO_KERNEL.search(str(exc.args[0]))
-            and culprit.raised_by_the_op(exc)
-        ):
+        if cast_something and isinstance(exc, (NotImplementedError, RuntimeError)) and _may_run_again(exc, wrapped):
             result, how = _without_the_cast(op, wrapped, args, kwargs)
             if how is not None:
                 label = wrapped.label if wrapped else getattr(op, "__name__", repr(op))
                 if state.first_time(("no kernel", label)):
-                    first = str(exc.args[0]).splitlines()[0]
+                    first = str(exc.args[0]).splitlines()[0] if exc.args else type(exc).__name__
                     warnings.warn(
-                        f"hmp: {label} has no kernel for the dtype hmp cast its inputs to ({first}); "
+                        f"hmp: {label} fails on the dtype hmp cast its inputs to ({first}); "
                         f"it ran {how}. Call it inside hmp.disable_casts() or change its list to "
                         f"silence this.",
                         RuntimeWarning,
@@ -99,6 +100,15 @@ def rescue(exc, op, wrapped, args, kwargs, cast_args, cast_kwargs):
     for annotate in _annotators:
         annotate(exc, wrapped)
     return RAISE
+
+
+def _may_run_again(exc, wrapped):
+    """True when the call may simply be run again: torch's own op (a list
+    entry's site), or a user's function whose error came straight out of the
+    C function it called and names a missing kernel."""
+    if wrapped is not None and wrapped.name is not None:
+        return True
+    return bool(exc.args) and bool(_NO_KERNEL.search(str(exc.args[0]))) and culprit.raised_by_the_op(exc)
 
 
 def _without_the_cast(op, wrapped, args, kwargs):

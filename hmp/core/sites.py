@@ -17,11 +17,6 @@ from hmp.core.wrap import NEVER, PROMOTE, finish, make, op_of
 log = logging.getLogger("hmp")
 
 
-def _mentions_dtype(error):
-    text = str(error).lower()
-    return "dtype" in text or "scalar type" in text
-
-
 def one_dtype_on_reject(op, to_one):
     """``op`` run with the arguments it is given; where the device's kernel
     rejects their mix of dtypes, run again with ``to_one``'s (every floating
@@ -48,16 +43,20 @@ def _one_dtype_on_reject(op, to_one):
         try:
             return op(*args, **kwargs)
         except RuntimeError as e:
-            if not _mentions_dtype(e):
-                raise
             one_args, one_kwargs = to_one(args, kwargs)
             if one_args is args and one_kwargs is kwargs:
                 raise  # nothing to put in one dtype: not a mixed-dtype problem
+            rejected_error = e
+        # the kernel rejected the mix exactly when the call in one dtype runs (however torch words it:
+        # "expected scalar type", "BFloat16 did not match Float"); else the error is the call's own
+        try:
             result = op(*one_args, **one_kwargs)
-            rejected.add(mix)
-            name = getattr(op, "__name__", op)
-            log.info("hmp: %s rejects mixed dtypes on %s; putting them in one dtype", name, mix[0])
-            return result
+        except Exception:
+            raise rejected_error from None
+        rejected.add(mix)
+        name = getattr(op, "__name__", op)
+        log.info("hmp: %s rejects mixed dtypes on %s; putting them in one dtype", name, mix[0])
+        return result
 
     return call
 

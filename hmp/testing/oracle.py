@@ -13,8 +13,9 @@ torch's type promotion ranks them); a call that writes a tensor (``X_``,
 written) runs in that tensor's dtype; an op in no list with no kernel for
 the lower dtype gets the FP32 rule when given a lower-precision tensor, and
 one that needs one dtype runs as given and is promoted only where its
-kernel rejects the mix; an op with no kernel for the dtype its rule chose
-runs with its inputs as given (then in float32).
+kernel rejects the mix (the call in one dtype runs); a listed op of torch's
+that fails on the dtype its rule chose runs with its inputs as given (then
+in float32, where it writes nothing).
 
 The rules decide what the op receives; torch's own op, run on those inputs
 with hmp's casts off, says what it returns.
@@ -51,8 +52,8 @@ class Expected(NamedTuple):
     ``received``: the floating dtypes of the tensors the op receives, in
     argument order (positional, then keyword); None when left to torch
     (it receives them as given). ``rule``: which rule decided, in words.
-    ``rescued``: set when the op has no kernel for the dtype its rule chose,
-    so hmp runs it as given (or in float32): what torch said."""
+    ``rescued``: set when the op fails on the dtype its rule chose (no
+    kernel), so hmp runs it as given (or in float32): what torch said."""
 
     dtype: Optional[torch.dtype]
     rule: str
@@ -155,11 +156,6 @@ def _widest(args, kwargs):
     for d in ranked:
         widest = d if widest is None else torch.promote_types(widest, d)
     return widest
-
-
-def _mentions_dtype(error):
-    text = str(error).lower()
-    return "dtype" in text or "scalar type" in text
 
 
 class _Rules:
@@ -294,12 +290,18 @@ class _Rules:
         except (RuntimeError, NotImplementedError) as e:
             error = e
         retry = self.retry()
-        if retry is not None and _mentions_dtype(error):
-            a, k = retry(a, k)
-            return _run(fn, a, k), a, k, None
+        if retry is not None and isinstance(error, RuntimeError):  # the kernel rejected the mix iff one dtype runs
+            one = retry(a, k)
+            if any(x is not y for x, y in zip(_tensors(*one), _tensors(a, k))):
+                try:
+                    return _run(fn, *one), *one, None
+                except Exception:
+                    raise error from None
         cast = any(x is not y for x, y in zip(_tensors(a, k), _tensors(*given)))
-        # no kernel for the dtype the rule chose (raised by the op itself, a builtin): as given, else in float32
-        if not (cast and _NO_KERNEL.search(str(error)) and isinstance(fn, BUILTINS)):
+        # fails on the dtype the rule chose: torch's own op runs again as given, else in float32; a
+        # decorated function only where its C op itself says it has no kernel
+        rerun = not self.bound.whole_call or (_NO_KERNEL.search(str(error)) and isinstance(fn, BUILTINS))
+        if not (cast and rerun):
             raise error
         try:
             return _run(fn, *given), *given, f"{error}".splitlines()[0]
@@ -309,7 +311,10 @@ class _Rules:
             ):
                 raise error from None
         a, k = self.up(*given)
-        return _run(fn, a, k), a, k, f"{error}".splitlines()[0]
+        try:
+            return _run(fn, a, k), a, k, f"{error}".splitlines()[0]
+        except Exception:
+            raise error from None
 
 
 def _copy(t):

@@ -119,7 +119,7 @@ def test_mismatch_in_a_wrapped_norm_names_it_and_a_list():
     x = torch.randn(4, 8)
     mean, var = torch.zeros(8).bfloat16(), torch.ones(8)  # a half-converted BatchNorm
     w, b = torch.ones(8), torch.zeros(8)
-    expected = plain_error(lambda: F.batch_norm(x.bfloat16(), mean, var, w, b, training=True))
+    expected = plain_error(lambda: F.batch_norm(x, mean, var, w, b, training=True))  # the call as given
     with pytest.raises(RuntimeError) as info:
         F.batch_norm(x, mean, var, w, b, training=True)
     e = info.value
@@ -174,10 +174,32 @@ def test_mismatch_in_an_op_called_inside_a_wrapped_python_op():
     assert "baddbmm" in note and "inner" in note
 
 
+def test_a_listed_python_op_that_fails_on_its_casts_runs_as_given(monkeypatch):
+    """A listed op implemented in Python (the site label is what convert() gives
+    the wrapper) whose inner call mixes the dtypes hmp cast to: the call runs
+    again as given (no op fails because of a cast hmp made), with one warning."""
+    from hmp.core import cast_copies, policy, rescue, state, wrap
+
+    monkeypatch.setattr(state, "warned", set())
+    hmp.convert()
+
+    def attention(q, k):
+        scale = torch.ones(q.shape[0], q.shape[0])  # made inside: fp32
+        return torch.baddbmm(scale[None], q[None], k[None].transpose(1, 2))
+
+    about = rescue.Wrapped("torch.nn.functional.attention", "attention", "bf16")
+    wrapped = wrap.make(attention, policy.lower(BF16, dict(cast_copies.PLAIN_CASTS)), about)
+    q, k = torch.randn(3, 2), torch.randn(3, 2)
+    with pytest.warns(RuntimeWarning, match="attention fails on the dtype hmp cast its inputs to.*as given"):
+        out = wrapped(q, k)
+    with hmp.disable_casts():
+        assert torch.equal(out, attention(q, k))
+
+
 @needs_notes
 def test_mismatch_inside_a_listed_python_op_says_to_list_what_it_calls():
-    """A listed op implemented in Python (the site label is what convert()
-    gives the wrapper) whose inner call mixes dtypes."""
+    """The same op where running it again cannot help: given a bf16 q it mixes
+    dtypes as given too, and it writes q, so it never runs on float32 copies."""
     from hmp.core import cast_copies, policy, rescue, wrap
 
     hmp.convert()
@@ -186,11 +208,10 @@ def test_mismatch_inside_a_listed_python_op_says_to_list_what_it_calls():
         scale = torch.ones(q.shape[0], q.shape[0])  # made inside: fp32
         return torch.baddbmm(scale[None], q[None], k[None].transpose(1, 2))
 
-    casts = dict(cast_copies.PLAIN_CASTS)
-    about = rescue.Wrapped("torch.nn.functional.attention", "attention", "bf16")
-    wrapped = wrap.make(attention, policy.lower(BF16, casts), about)
+    about = rescue.Wrapped("torch.nn.functional.attention", "attention", "bf16", inplace=True)
+    wrapped = wrap.make(attention, policy.lower(BF16, dict(cast_copies.PLAIN_CASTS)), about)
     with pytest.raises(RuntimeError) as info:
-        wrapped(torch.randn(3, 2), torch.randn(3, 2))
+        wrapped(torch.randn(3, 2).bfloat16(), torch.randn(3, 2))
     (note,) = notes(info.value)
     assert note.startswith("hmp: baddbmm got") and "inside torch.nn.functional.attention (BF16 list)" in note
     assert "take 'attention' out of the lists" in note and "'baddbmm' probably belongs in the BF16 list" in note

@@ -8,6 +8,7 @@ call returns the very tensor it wrote, dtype unchanged); where plain torch
 raises, hmp raises the same exception type.
 """
 
+import contextlib
 import warnings
 
 import pytest
@@ -266,10 +267,57 @@ def test_op_without_a_kernel_for_the_cast_dtype_runs_uncast_and_warns_once(fresh
     ours = [w for w in record if "hmp:" in str(w.message)]
     assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning)
     message = str(ours[0].message)
-    assert "torch.mm has no kernel" in message and "BFloat16" in message and "as given" in message
+    assert "torch.mm fails on the dtype hmp cast" in message and "BFloat16" in message and "as given" in message
     assert ours[0].filename == __file__  # points at the user's call
     assert out.dtype == FP32 and torch.equal(out, expected) and torch.equal(again, out)
     assert hmp.casts_enabled()
+
+
+LISTED_WITHOUT_BF16 = {  # ops a user may list in BF16 that fail in bf16 on the CPU, each torch's way of saying so
+    "cdist": lambda a, m: torch.cdist(a, a),  # a Python function: "cdist" not implemented for 'BFloat16'
+    "linalg_inv": lambda a, m: torch.linalg.inv(m),  # Low precision dtypes not supported
+    "logdet": lambda a, m: torch.logdet(m),
+    "fft_rfft": lambda a, m: torch.fft.rfft(a),  # Unsupported dtype BFloat16
+    "pdist": lambda a, m: torch.pdist(a),
+}
+
+
+@pytest.mark.parametrize("mode", [False, True], ids=["plain", "inside a TorchFunctionMode"])
+@pytest.mark.parametrize("name", sorted(LISTED_WITHOUT_BF16))
+def test_a_listed_op_that_fails_on_its_cast_runs_as_given(fresh_no_kernel_warnings, tmp_path, name, mode):
+    """No op fails because of a cast hmp made (docs/never-changes.md), however torch words the failure:
+    oracle, plain torch's result; also with a TorchFunctionMode active (torch.device's), whose frame is
+    then the innermost of the traceback."""
+    call = LISTED_WITHOUT_BF16[name]
+    torch.manual_seed(0)
+    a, m = torch.randn(4, 3), torch.randn(3, 3)
+    m = m @ m.t() + torch.eye(3)
+    expected = call(a, m)
+    path = tmp_path / "bf16.txt"
+    path.write_text(f"include default\n{name}\n")
+    hmp.convert(bf16_file_path=path)
+    with warnings.catch_warnings(record=True) as record, torch.device("cpu") if mode else contextlib.nullcontext():
+        warnings.simplefilter("always")
+        out = call(a, m)
+    assert out.dtype == expected.dtype and torch.equal(out, expected)
+    assert [w for w in record if "fails on the dtype hmp cast" in str(w.message)]
+    assert hmp.casts_enabled()
+
+
+def test_a_users_function_is_run_again_only_where_a_kernel_is_missing(fresh_no_kernel_warnings):
+    """A function of the user's may have done something before it raised: it runs again only when
+    its error came straight out of a C op and names a missing kernel, never for any other error."""
+    calls = []
+
+    @hmp.bf16_function
+    def scaled(x):
+        calls.append(1)
+        raise RuntimeError("some other failure")
+
+    hmp.convert()
+    with pytest.raises(RuntimeError, match="some other failure"):
+        scaled(torch.randn(2))
+    assert calls == [1]
 
 
 def test_no_kernel_falls_back_to_fp32_when_an_input_was_already_lowered(fresh_no_kernel_warnings):
@@ -293,6 +341,9 @@ def test_the_fp32_fallback_never_replaces_a_written_tensor():
     relu = Wrapped("torch.nn.functional.relu", "relu", "bf16", inplace_param=1)
     assert relu.writes((1, True), {}) and relu.writes((1,), {"inplace": True}) and not relu.writes((1,), {})
     assert not Wrapped("torch.mm", "mm", "bf16").writes((1, 2), {})
+    bn = Wrapped("torch.nn.functional.batch_norm", "batch_norm", "bf16", written=((1, "running_mean"),))
+    assert bn.writes((1, 2), {}) and bn.writes((1,), {"running_mean": 2})  # as resolve.writes gives them
+    assert not bn.writes((1, None), {}) and not bn.writes((1,), {"weight": 3})
 
 
 def test_no_kernel_fallback_does_not_hide_errors_torch_also_raises():
