@@ -437,12 +437,17 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold, runs=None):
     for path, value in full.seen.items():
         cls = user_name(type(paths[path]))
         seen[cls] = max(seen.get(cls, value), value)
+    return AuditReport(rows, output_error, threshold, loss_threshold, modules, seen, total, _uncast(decided))
+
+
+def _uncast(decided):
+    """Why -> the entries (``"kind name"``) hmp does not cast, from conversion.decisions."""
     uncast = {}
     for kind, entries in decided.items():
         for name, why in entries.items():
             if why != CAST:
                 uncast.setdefault(why, []).append(f"{kind} {name}")
-    return AuditReport(rows, output_error, threshold, loss_threshold, modules, seen, total, uncast)
+    return uncast
 
 
 def by_op(outputs):
