@@ -29,7 +29,7 @@ _TB = torch_private.TensorBase
 PLAIN_CASTS = {FP16: _TB.half, BF16: _TB.bfloat16, FP32: _TB.float, FP64: _TB.double}
 
 _isinf, _clamp, _where, _nan_to_num_ = torch.isinf, torch.clamp, torch.where, _TB.nan_to_num_
-_aminmax, _item = torch.aminmax, _TB.item
+_aminmax, _item, _copy_ = torch.aminmax, _TB.item, _TB.copy_
 _set_grad, _tracing = torch_private.set_grad_enabled, torch_private.tracing_state
 _compiling = torch_private.compiling
 _NAN = float("nan")
@@ -85,8 +85,8 @@ def _finite(dtype):
             try:
                 if _tracing() is not None:  # jit.trace: an op on the source would keep it alive; infinities saturate
                     _nan_to_num_(y, _NAN, top, -top)
-                else:  # compiled: no bound read on the host
-                    _where(_isinf(t), y, _clamp(y, -top, top), out=y)
+                else:  # compiled: no bound read on the host; copy_, as dynamo takes no out= it cannot prove contiguous
+                    _copy_(y, _where(_isinf(t), y, _clamp(y, -top, top)))
             except (RuntimeError, NotImplementedError):  # a layout without these ops (nested): torch's rounding
                 pass
             finally:

@@ -29,17 +29,22 @@ _promote_types = torch.promote_types  # captured: listing promote_types cannot r
 AFFINE_ONLY_NORMS = frozenset(("layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm"))
 
 
-def cast_seq(seq, src, cast, refuse=None):
-    """``seq`` with every tensor whose dtype is in ``src`` passed through ``cast``.
+SAME = object()  # cast_each: nothing was cast
 
-    Looks into list/tuple items, at any depth (``torch.cat([a, b])``).
-    Returns ``seq`` itself when nothing was cast. A tensor subclass whose
-    cast raises (``MaskedTensor`` refuses bfloat16) is left as it is: the op
-    then runs as it would without hmp. ``refuse``: a check of the numbers
-    in ``seq`` (Python, numpy or any other real number, at any depth); when
-    it says True, the result is None (the BF16 rule's overflow check: see
-    ``lower``). Every listed call's arguments pass here (the wrapper's lean
-    path): the types a call mostly holds are tested first, by identity.
+
+def cast_each(seq, src, cast, refuse=None):
+    """``seq`` with every tensor whose dtype is in ``src`` passed through ``cast``, or
+    ``SAME`` when nothing was cast (a sentinel, not ``seq``: torch.compile's dynamo
+    cannot ask whether two tuples are one object, and breaks its graph there).
+
+    Looks into list/tuple items, at any depth (``torch.cat([a, b])``). A
+    tensor subclass whose cast raises (``MaskedTensor`` refuses bfloat16) is
+    left as it is: the op then runs as it would without hmp. ``refuse``: a
+    check of the numbers in ``seq`` (Python, numpy or any other real number,
+    at any depth); when it says True, the result is None (the BF16 rule's
+    overflow check: see ``lower``). Every listed call's arguments pass here
+    (the wrapper's lean path): the types a call mostly holds are tested
+    first, by identity.
     """
     out = None
     for i, a in enumerate(seq):
@@ -54,10 +59,10 @@ def cast_seq(seq, src, cast, refuse=None):
             if refuse is not None and refuse(a):
                 return None
         elif t is list or t is tuple:
-            b = cast_seq(a, src, cast, refuse)
+            b = cast_each(a, src, cast, refuse)
             if b is None:
                 return None
-            if b is not a:
+            if b is not SAME:
                 if out is None:
                     out = list(seq)
                 out[i] = b
@@ -73,8 +78,14 @@ def cast_seq(seq, src, cast, refuse=None):
         elif refuse is not None and is_number(t) and refuse(float(a)):  # numpy's: by their exact value
             return None
     if out is None:
-        return seq
+        return SAME
     return out if type(seq) is list else tuple(out)
+
+
+def cast_seq(seq, src, cast, refuse=None):
+    """``cast_each``, giving ``seq`` itself when nothing was cast."""
+    cast_values = cast_each(seq, src, cast, refuse)
+    return seq if cast_values is SAME else cast_values
 
 
 _Parameter = torch.nn.Parameter
@@ -82,9 +93,8 @@ _Parameter = torch.nn.Parameter
 
 def cast_kwargs(kwargs, src, cast):
     """``cast_seq`` for keyword arguments: ``kwargs`` itself when nothing was cast."""
-    values = tuple(kwargs.values())
-    cast_values = cast_seq(values, src, cast)
-    return kwargs if cast_values is values else dict(zip(kwargs, cast_values))
+    cast_values = cast_each(tuple(kwargs.values()), src, cast)
+    return kwargs if cast_values is SAME else dict(zip(kwargs, cast_values))
 
 
 def cast_nothing(args, kwargs):
@@ -122,10 +132,10 @@ def lower(low, casters, out=None):
         if out is not None and kwargs.get("out") is not None:
             return out(args, kwargs)
         both = tuple(args) + tuple(kwargs.values())  # one scan: a factor and its tensor may sit on either side
-        cast_both = cast_seq(both, FP32_ONLY, cast, refuse)
+        cast_both = cast_each(both, FP32_ONLY, cast, refuse)
         if cast_both is None:
             return up(args, kwargs)
-        if cast_both is both:
+        if cast_both is SAME:
             return args, kwargs
         n = len(args)
         return tuple(cast_both[:n]), dict(zip(kwargs, cast_both[n:]))
@@ -258,8 +268,10 @@ def _into(target, args, kwargs, casters, keep=()):
     dst = target.dtype
     src, cast = OTHER_FLOATS[dst], casters[dst]
     # target already has dtype dst, so it is never in src and never copied
-    cast_args = cast_seq(args, src, cast)
-    if keep and cast_args is not args:
+    cast_args = cast_each(args, src, cast)
+    if cast_args is SAME:
+        cast_args = args
+    elif keep:
         cast_args = list(cast_args)
         for i in keep:
             if i < len(args):
@@ -329,9 +341,7 @@ def written_into(written, main, casters):
 
     def prepare(args, kwargs):
         a, k = main(args, kwargs)
-        if a is args and k is kwargs:
-            return a, k
-        for i, name in written:
+        for i, name in written:  # (no `a is args` shortcut: dynamo cannot compare two tuples' identity)
             if i < len(args):
                 target, copy = args[i], a[i]
             elif name in kwargs:

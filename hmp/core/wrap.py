@@ -15,7 +15,7 @@ hmp/core/rescue.py. In eager code the lean path casts through the casters'
 answered (cast_copies.py, cache.py).
 
 A listed site's wrapper is lean: a call without keyword arguments (the
-common case) goes straight to the rule's casts (``policy.cast_seq``, or the
+common case) goes straight to the rule's casts (``policy.cast_each``, or the
 promote rule's one-dtype check), one function call less than through the
 site's ``prepare``, which takes every other call. A call with nothing to
 cast leaves after one dtype check per tensor argument. ``prepare`` is None
@@ -71,7 +71,7 @@ def make(
 
     ``src`` makes it lean for calls without keywords (and without a true
     ``inplace`` at position ``inplace_at``): tensors whose dtype is in
-    ``src`` go through ``cast`` directly (policy.cast_seq, a number
+    ``src`` go through ``cast`` directly (policy.cast_each, a number
     ``refuse`` rejects sends the call to ``prepare``), or, with
     ``src=PROMOTE``, a call whose floating tensors share one dtype runs as
     given. ``prepare`` applies the same rule to every other call."""
@@ -80,7 +80,7 @@ def make(
 
 
 PROMOTE = object()  # make(src=PROMOTE): the promote rule's common case
-_cast_seq, _one_dtype, _write_back = policy.cast_seq, policy.one_dtype, cast_copies.write_back
+_cast_each, _SAME, _one_dtype, _write_back = policy.cast_each, policy.SAME, policy.one_dtype, cast_copies.write_back
 _eager_of = cast_copies.eager_of
 _graph_off = graph_off
 _call_state = torch_private.call_state
@@ -116,8 +116,10 @@ def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
             elif src is PROMOTE:
                 a, k = (args, kwargs) if _one_dtype(args, None) is not False else rule(args, kwargs)
             else:
-                a, k = _cast_seq(args, src, cast if state else eager, refuse), kwargs
-                if a is None:  # a number the lower dtype cannot hold: prepare runs the FP32 rule
+                a, k = _cast_each(args, src, cast if state else eager, refuse), kwargs
+                if a is _SAME:
+                    a = args
+                elif a is None:  # a number the lower dtype cannot hold: prepare runs the FP32 rule
                     a, k = rule(args, kwargs)
             # a Python function's body may hold operators, decided when the captured graph is lowered
             graph = hidden and state == _DYNAMO

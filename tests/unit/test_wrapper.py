@@ -91,3 +91,22 @@ def test_a_wrapper_keeps_no_reference_to_what_a_call_was_given():
         grown = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
         assert grown < 64 * 1024, f"{grown} bytes more after 2000 calls"
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_listed_calls_with_keywords_and_strided_inputs_compile_in_one_graph():
+    """What decoding a transformers Llama calls (the decode benchmark broke its graph at every layer
+    here): scaled_dot_product_attention with keyword arguments on transposed (non-contiguous) float32
+    inputs, a linear with keywords, a list argument; fullgraph=True fails at any graph break."""
+    hmp.convert()
+    q, k, v = (torch.randn(1, 4, 2, 8).transpose(1, 2) for _ in range(3))  # (batch, heads, tokens, dim)
+    w = torch.nn.Parameter(torch.randn(16, 8))
+
+    def f(q, k, v):
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        b = F.linear(input=a.transpose(1, 2).reshape(1, 4, 16), weight=w.t(), bias=None)
+        return torch.cat([b.float().flatten(), F.linear(q.transpose(2, 3).reshape(4, 16), w.t()).float().flatten()])
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")  # every cast: the traced saturating form
+    got, want = compiled(q, k, v), f(q, k, v)
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
