@@ -9,6 +9,7 @@ and what wraps the optimizer step (hmp.disable_casts). Activation
 import contextlib
 from dataclasses import dataclass, field
 
+import floor
 import torch
 from autocast_lists import list_paths
 
@@ -19,7 +20,7 @@ import hmp
 class Config:
     name: str
     label: str
-    kind: str  # "fp32" | "autocast" | "hmp" | "bf16"
+    kind: str  # "fp32" | "autocast" | "hmp" | "bf16" | "floor" (benchmarks/floor.py: the bound for a Python wrapper)
     hmp_args: dict = field(default_factory=dict)
     frozen: bool = False  # the whole run inside hmp.frozen_weights() (weights unchanged: inference)
 
@@ -33,7 +34,11 @@ class Config:
 
     @contextlib.contextmanager
     def active(self):
-        """hmp converted for the block (a no-op for the other kinds)."""
+        """hmp converted for the block (the floor's wrappers installed; a no-op for the other kinds)."""
+        if self.kind == "floor":
+            with floor.installed(**self.hmp_args):
+                yield
+            return
         if not self.is_hmp:
             yield
             return
@@ -66,6 +71,7 @@ def all_configs(device):
         Config("hmp-O1-ac", "hmp O1 (autocast's lists)", "hmp", dict(opt_level="O1", **autocast_list_args(device))),
         Config("hmp-O2", "hmp O2", "hmp", {"opt_level": "O2"}),
         Config("hmp-O1-frozen", "hmp O1 inside hmp.frozen_weights()", "hmp", {"opt_level": "O1"}, frozen=True),
+        Config("floor", "the floor: the smallest Python wrapper with hmp O1's casts", "floor", {"opt_level": "O1"}),
         Config("bf16", "pure bf16 (model.bfloat16())", "bf16"),
     ]
 

@@ -1,7 +1,9 @@
-"""Batch-1 greedy decode with a KV cache: fp32, autocast, hmp O1 (plain and
-inside ``hmp.frozen_weights()``) and a pure-bf16 model (issue 40, item 3).
+"""Batch-1 greedy decode with a KV cache: fp32, autocast, the floor, hmp O1 (plain
+and inside ``hmp.frozen_weights()``) and a pure-bf16 model (issues 40, 48); and
+the same compiled with torch.compile.
 
     python benchmarks/decode.py [--tokens 64] [--rounds 15] [--json out.json]
+    python benchmarks/decode.py --compiled     # also: compiled fp32, autocast, hmp O1 and bf16, interleaved
     python benchmarks/decode.py --quick        # a few tokens: checks the script, measures nothing
     python benchmarks/decode.py --profile hmp-O1-frozen   # where a token's time goes, by function
 
@@ -10,8 +12,21 @@ init, nothing downloaded) on one thread, where a token's time is almost all
 per-call overhead, as batch-1 decode on a GPU is launch- and host-bound.
 Configurations interleave round by round (the order rotated each round);
 hmp is converted for its own samples only and reverted before the next
-configuration, outside the timed region. A sample is the prefill plus the
-decode steps, divided by the tokens generated. Medians over rounds.
+configuration, outside the timed region; each sample is one ``torch.no_grad()``
+block entered after the conversion, as ``model.generate()`` is one. A sample
+is the prefill plus the decode steps, divided by the tokens generated.
+Medians over rounds.
+
+The floor (benchmarks/floor.py) is the smallest Python wrapper with hmp's casts
+at hmp's sites: its ratio to autocast bounds what any per-call Python wrapper
+can reach on this workload.
+
+Compiled (``--compiled``): ``torch.compile`` of each configuration's model
+(``mode="reduce-overhead"`` on CUDA; on a CPU, where it has no CUDA graphs to
+use, the default mode), hmp converted for the whole phase and the other
+configurations inside ``hmp.disable_casts()``, so no conversion changes what a
+compiled graph's guards read; warmed up until nothing compiles, and every
+graph compiled while timed counted.
 
 It also counts the calls that enter hmp's wrapper per token (every
 configuration: fp32, autocast and bf16 must count none) and divides hmp's
@@ -41,17 +56,20 @@ for p in (str(HERE), str(HERE.parent)):  # the sibling modules, and this checkou
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import floor  # noqa: E402
 import wrapped_calls  # noqa: E402
 
 import hmp  # noqa: E402
 
-CONFIGS = ("fp32", "autocast", "hmp-O1", "hmp-O1-frozen", "bf16")
-# (numerator, denominator, at most): the issue's decode targets
+CONFIGS = ("fp32", "autocast", "floor", "hmp-O1", "hmp-O1-frozen", "bf16")
+COMPILED = ("fp32", "autocast", "hmp-O1", "bf16")
+# (numerator, denominator, at most): the issues' decode targets
 TARGETS = (
     ("hmp-O1", "autocast", 1.25),
     ("hmp-O1-frozen", "autocast", 1.15),
     ("hmp-O1-frozen", "hmp-O1", 1.00),  # frozen_weights() never slower than without it
 )
+COMPILED_TARGETS = (("hmp-O1", "autocast", 1.05),)
 # model sizes: the CPU proxy, and TinyLlama's shape (1.1B parameters) for a GPU
 SIZES = {
     "proxy": dict(wrapped_calls.TINY_LLAMA, max_position_embeddings=512),
@@ -95,13 +113,15 @@ def active(name, device):
     if hmp.is_converted():
         raise RuntimeError(f"{name}: hmp converted on entry (a block before did not revert)")
     with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.no_grad())
-        if name == "autocast":
-            stack.enter_context(torch.autocast(torch.device(device).type, dtype=torch.bfloat16))
-        elif name.startswith("hmp"):
+        if name.startswith("hmp"):  # converted first: the no-grad block is then one hmp sees
             stack.enter_context(hmp.converted(opt_level="O1"))
             if name.endswith("frozen"):
                 stack.enter_context(hmp.frozen_weights())
+        elif name == "floor":
+            stack.enter_context(floor.installed(opt_level="O1"))
+        stack.enter_context(torch.no_grad())
+        if name == "autocast":
+            stack.enter_context(torch.autocast(torch.device(device).type, dtype=torch.bfloat16))
         if hmp.is_converted() != name.startswith("hmp"):
             raise RuntimeError(f"{name}: hmp converted={hmp.is_converted()} inside its block")
         yield
@@ -205,7 +225,9 @@ def summarize(times, info, new):
     for h in ("hmp-O1", "hmp-O1-frozen"):
         calls = info.get(h, {}).get("wrapped_per_token")
         if calls:
-            per_call[h] = {ref: (med[h] - med[ref]) * 1e3 / calls for ref in ("autocast", "bf16") if ref in med}
+            per_call[h] = {
+                ref: (med[h] - med[ref]) * 1e3 / calls for ref in ("autocast", "floor", "bf16") if ref in med
+            }
     res["per_wrapped_call"] = per_call
     res["targets"] = [
         {"ratio": f"{a} / {b}", "limit": lim, "value": med[a] / med[b], "pass": med[a] / med[b] <= lim}
@@ -213,6 +235,103 @@ def summarize(times, info, new):
         if a in med and b in med
     ]
     return res
+
+
+def compile_mode(device):
+    """``mode="reduce-overhead"`` (CUDA graphs) on CUDA; the default on a CPU, which has none."""
+    return "reduce-overhead" if torch.device(device).type == "cuda" else None
+
+
+@contextlib.contextmanager
+def compiled_active(name, device):
+    """A compiled configuration's block, inside the phase's one conversion: casts off but for hmp's."""
+    with contextlib.ExitStack() as stack:
+        if not name.startswith("hmp"):
+            stack.enter_context(hmp.disable_casts())
+        stack.enter_context(torch.no_grad())
+        if name == "autocast":
+            stack.enter_context(torch.autocast(torch.device(device).type, dtype=torch.bfloat16))
+        yield
+
+
+def _graphs():
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def measure_compiled(models, vocab, device, new, rounds, names=COMPILED, progress=None):
+    """Each configuration's model compiled (``compile_mode``), warmed up until a decode compiles
+    nothing, then ``rounds`` interleaved samples each; graphs compiled while timed are counted."""
+    import torch._dynamo
+
+    for key in ("cache_size_limit", "recompile_limit"):  # four configurations share the model's code
+        if hasattr(torch._dynamo.config, key):
+            setattr(torch._dynamo.config, key, 64)
+    prompt = torch.randint(0, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(2)).to(device)
+    mode = compile_mode(device)
+    info, times, recompiles = {}, {n: [] for n in names}, dict.fromkeys(names, 0)
+    with hmp.converted(opt_level="O1"):
+        compiled = {n: torch.compile(model_for(models, n), mode=mode) for n in names}
+
+        def sample(name):
+            gc.collect()
+            with compiled_active(name, device):
+                sync(device)
+                t0 = time.perf_counter()
+                generate(compiled[name], prompt, new)
+                sync(device)
+                return (time.perf_counter() - t0) / new * 1e3
+
+        for name in names:
+            for _ in range(4):  # the prefill, the first decode step, then dynamic shapes
+                before = _graphs()
+                sample(name)
+                if _graphs() == before:
+                    break
+            with compiled_active(name, device):
+                tokens, dtype = generate(compiled[name], prompt, new)
+            info[name] = {"tokens": tokens, "logits_dtype": str(dtype).replace("torch.", "")}
+        for r in range(rounds):
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
+                before = _graphs()
+                times[name].append(sample(name))
+                recompiles[name] += _graphs() - before
+            if progress:
+                progress(f"compiled round {r + 1}/{rounds}: " + "  ".join(f"{n} {t[-1]:.3f}" for n, t in times.items()))
+    med = {n: statistics.median(t) for n, t in times.items()}
+    return {
+        "mode": mode or "default",
+        "rounds": rounds,
+        "ms_per_token": med,
+        "samples_ms": times,
+        "iqr_rel": {n: _iqr_rel(t) for n, t in times.items()},
+        "vs_autocast": {n: med[n] / med["autocast"] for n in med} if "autocast" in med else {},
+        "graphs_compiled_while_timed": recompiles,
+        "configs": info,
+        "targets": [
+            {"ratio": f"{a} / {b}", "limit": lim, "value": med[a] / med[b], "pass": med[a] / med[b] <= lim}
+            for a, b, lim in COMPILED_TARGETS
+            if a in med and b in med
+        ],
+    }
+
+
+def report_compiled(res):
+    lines = [
+        f"compiled (torch.compile, mode {res['mode']}):",
+        "| configuration | ms/token | vs autocast | IQR/median | graphs compiled while timed | logits |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for n, ms in res["ms_per_token"].items():
+        lines.append(
+            f"| {n} | {ms:.3f} | {res['vs_autocast'].get(n, float('nan')):.3f} | {res['iqr_rel'][n]:.2f} | "
+            f"{res['graphs_compiled_while_timed'][n]} | {res['configs'][n]['logits_dtype']} |"
+        )
+    for t in res["targets"]:
+        lines.append(f"- target {t['ratio']} <= {t['limit']:.2f}: {t['value']:.3f} {'PASS' if t['pass'] else 'FAIL'}")
+    return "\n".join(lines)
 
 
 def _iqr_rel(s):
@@ -257,6 +376,9 @@ def report(res):
             f"{i['wrapped_per_token']:.0f} | {i['logits_dtype']} | {same:.2f} |"
         )
     lines.append("")
+    if "floor" in res["vs_autocast"]:
+        bound = res["vs_autocast"]["floor"]
+        lines.append(f"- the floor's own ratio to autocast (the bound for a Python wrapper): {bound:.3f}")
     for h, d in res["per_wrapped_call"].items():
         lines.append(f"- {h}: " + ", ".join(f"{v:+.2f} us per wrapped call over {ref}" for ref, v in d.items()))
     hmp_ops = res["configs"].get("hmp-O1", {}).get("wrapped_by_op_per_token", {})
@@ -275,6 +397,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="4 tokens, 2 rounds: checks the script, measures nothing")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--profile", metavar="CONFIG", action="append", help="cProfile CONFIG's decode instead")
+    ap.add_argument("--compiled", action="store_true", help="also compiled fp32, autocast, hmp O1, bf16")
+    ap.add_argument("--only-compiled", action="store_true", help="the compiled phase alone")
     args = ap.parse_args(argv)
     new, rounds = (4, 2) if args.quick else (args.tokens, args.rounds)
     torch.set_num_threads(1)
@@ -290,8 +414,15 @@ def main(argv=None):
         f"median of {rounds} interleaved rounds",
         flush=True,
     )
-    res = measure(models, cfg.vocab_size, args.device, new, rounds, progress=lambda m: print(m, file=sys.stderr))
-    print(report(res))
+    res = {}
+    if not args.only_compiled:
+        res = measure(models, cfg.vocab_size, args.device, new, rounds, progress=lambda m: print(m, file=sys.stderr))
+        print(report(res), flush=True)
+    if args.compiled or args.only_compiled:
+        res["compiled"] = measure_compiled(
+            models, cfg.vocab_size, args.device, new, rounds, progress=lambda m: print(m, file=sys.stderr)
+        )
+        print(report_compiled(res["compiled"]))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
 

@@ -51,13 +51,15 @@ def test_percall_compares_the_schemes_on_what_each_returns(tmp_path):
     )
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
-    # the timed calls are the ones the table names: bare torch is fp32, every scheme casts where it should
-    modes = {"bare", "autocast", "hmp"}
-    for case in ("linear (training)", "linear (inference)", "mm", "Tensor.mm (a.mm(b))"):
+    # the timed calls are the ones the table names: bare torch is fp32, every scheme (the floor too) casts where
+    # it should
+    modes = {"bare", "autocast", "floor", "hmp"}
+    for case in ("linear (training)", "linear (frozen_weights)", "linear (no_grad)", "mm", "Tensor.mm (a.mm(b))"):
         assert res[case]["dtype"] == {m: "float32" if m == "bare" else "bfloat16" for m in modes}, case
     for case in ("softmax (fp32, no cast)", "cat (one dtype, no cast)"):
         assert res[case]["dtype"] == dict.fromkeys(modes, "float32"), case
-    assert "| mm |" in p.stdout
+    assert all(set(r["added_us"]) == modes - {"bare"} and "hmp_over_floor_us" in r for r in res.values())
+    assert "| mm |" in p.stdout and "hmp - floor" in p.stdout
 
 
 def test_percall_prints_one_progress_line_not_one_per_rep(tmp_path):
@@ -114,15 +116,15 @@ def test_decode_quick_converts_hmp_only_for_its_own_configurations(tmp_path):
     p = run_python(str(BENCHMARKS / "decode.py"), "--quick", "--json", str(out), cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
-    names = ["fp32", "autocast", "hmp-O1", "hmp-O1-frozen", "bf16"]
+    names = ["fp32", "autocast", "floor", "hmp-O1", "hmp-O1-frozen", "bf16"]
     assert list(res["ms_per_token"]) == names
     cfgs = res["configs"]
-    # hmp reverted outside its own samples: the other configurations enter no wrapper
-    for name in ("fp32", "autocast", "bf16"):
+    # hmp reverted outside its own samples: the other configurations (the floor's wrappers too) enter no wrapper
+    for name in ("fp32", "autocast", "floor", "bf16"):
         assert cfgs[name]["wrapped_per_token"] == 0, name
     for name in ("hmp-O1", "hmp-O1-frozen"):
         assert cfgs[name]["wrapped_by_op_per_token"]["linear"] >= 1, cfgs[name]
-        assert set(res["per_wrapped_call"][name]) == {"autocast", "bf16"}
+        assert set(res["per_wrapped_call"][name]) == {"autocast", "floor", "bf16"}
     assert {n: c["logits_dtype"] for n, c in cfgs.items()} == {
         n: "float32" if n == "fp32" else "bfloat16" for n in names
     }
@@ -175,6 +177,6 @@ def test_gpu_dry_run_reports_every_configuration_with_a_ratio(tmp_path):
         assert float(rows[name][2]) > 0, rows[name]
     assert rows["hmp-O1"][4] != "0" and rows["autocast"][4] == "0"  # wrapped calls per token
     rows = tables[sections["Per call"]]
-    for case in ("linear (training)", "linear (inference)", "mm", "Tensor.mm (a.mm(b))"):
-        assert case in rows and len(rows[case]) == 6
+    for case in ("linear (training)", "linear (frozen_weights)", "linear (no_grad)", "mm", "Tensor.mm (a.mm(b))"):
+        assert case in rows and len(rows[case]) == 8  # bare, autocast, floor, hmp, hmp - floor, target, met
     assert "DRY RUN" in out.read_text()
