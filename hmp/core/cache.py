@@ -149,14 +149,16 @@ def release() -> None:
     written after it through ``p.data`` (a hand-written update) are cast
     again in an enclosing region. A copy autograd saves lives on as long as
     its graph does."""
-    with copies.held_lock:
-        held = list(copies.held)
-        copies.held.clear()
-    for h in held:
-        h.copies = None
-    for kept in list(copies.frozen):
-        if type(kept) is _Region:
-            kept.clear()
+    if copies.held:  # (empty after the backward pass's own release, at the step's)
+        with copies.held_lock:
+            held = list(copies.held)
+            copies.held.clear()
+        for h in held:
+            h.copies = None
+    if copies.frozen:  # (an empty set: no list made at every backward)
+        for kept in list(copies.frozen):
+            if type(kept) is _Region:
+                kept.clear()
 
 
 def clear_cache() -> None:
