@@ -55,6 +55,8 @@ def cast_each(seq, src, cast, refuse=None):
                 if out is None:
                     out = list(seq)
                 out[i] = c
+        elif a is None or t is bool or t is str:  # an absent bias, a flag: nothing to cast or check
+            continue
         elif t is int or t is float:
             if refuse is not None and refuse(a):
                 return None
