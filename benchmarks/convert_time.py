@@ -28,7 +28,7 @@ def once():
 def twice():
     start = time.perf_counter()
     with conversion.runtime.lock:
-        wanted = plan(resolver=Resolver())
+        wanted = plan({}, Resolver())
         conversion.apply(wanted, Resolver())
     took = time.perf_counter() - start
     hmp.revert()

@@ -59,6 +59,6 @@ def warn_inside_autocast():
             f"fp32. Leaving the autocast region does not revert hmp. Use one of the two for a region of code. "
             f"(hmp warns about this once per process.)",
             UserWarning,
-            stacklevel=3,
+            stacklevel=state.user_stacklevel(),
         )
         state.warned.add("convert inside autocast")

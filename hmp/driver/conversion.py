@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -27,7 +27,7 @@ from hmp.core.patch import MISSING, PatchLog
 from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label, unwrap
 from hmp.core.state import close_block, first_time, runtime, user_stacklevel
 from hmp.diagnostics import errors, interop  # noqa: F401 (errors registers its note on the wrappers' errors)
-from hmp.driver.plan import Conversion, plan
+from hmp.driver.plan import Conversion, options_of, plan
 from hmp.rules import pickling, regions, steps
 
 log = logging.getLogger("hmp")
@@ -37,6 +37,7 @@ patch_log = logging.getLogger("hmp.patches")
 patch_log.setLevel(logging.INFO)
 
 
+@options_of
 def convert(
     opt_level: str = "O1",
     bf16_file_path: ListPath = "",
@@ -75,24 +76,16 @@ def convert(
     convolutions, RNNs) cast, and every other op follows torch's type
     promotion (hmp/core/pays.py; ``effective_lists(detail=True)`` says per entry).
     """
+    options = dict(locals())  # convert's own arguments, by name: their one spelling is the signature above
     with runtime.lock:
         resolver = Resolver()  # one for checking the lists and binding them: names resolve once
-        wanted = plan(
-            opt_level,
-            bf16_file_path,
-            fp32_file_path,
-            isVerbose,
-            low_precision_type,
-            promote_file_path=promote_file_path,
-            cache=cache,
-            fp16_file_path=fp16_file_path,
-            fp32_modules=fp32_modules,
-            bf16_modules=bf16_modules,
-            model=model,
-            uncast_file_path=uncast_file_path,
-            strict=strict,
-            resolver=resolver,
-        )
+        install(plan(options, resolver), resolver)
+
+
+def install(wanted, resolver=None):
+    """What convert() does with a checked plan (and the Lightning plugin with its own): say once
+    what the program should know (inside autocast, a newer torch, strict's risks), then apply it."""
+    with runtime.lock:
         interop.warn_inside_autocast()  # before patching: a warnings filter set to "error" patches nothing
         tested.warn_if_newer()
         if wanted.options.strict:
@@ -156,63 +149,85 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
     and ``passthrough``."""
     wrap.ready_for_compile()  # outside the lock: an import that may run a watched module's callback
     with runtime.lock:
-        effective, options, by_module, uncast = conversion
-        casters = cache.casters() if options.cache else dict(CASTS)
-        watch = imports.Watch()  # entries whose module the program imports later
-        wrappers = sites.Wrappers(options.low, casters, options.verbose, recorder, passthrough, options.strict)
-        # an op returning a view of its input is never wrapped (see aten.returns_view); ops in no list
-        # that have no kernel for the lower dtype or need one dtype run as they would without hmp's casts
-        fallback = lists.fallback_names(options.low)
-        held = _held()
-        # entries that gain nothing from their list's rule are not bound: torch runs them (hmp/core/pays.py)
-        one_dtype = lists.one_dtype_names()
-        bound = {k: {n for n in v if pays.decision(k, n, options.strict, one_dtype)[0]} for k, v in effective.items()}
-        op_sites = [
-            (b.site.namespace, b.site.attr, wrappers.site(b, _original(b.site, held)))
-            for b in (resolver or Resolver()).bind(bound, fallback)
-            if not returns_view(b.name)
-        ]
-        op_sites += [_registration(wrappers, *entry) for entry in runtime.registered]
-        patches, forwards = [], None
-        if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
-            no_kernel = dict(fallback).get("fp32", ())
-            fp32_names = set(effective["fp32"]).union(n for n in no_kernel if not _listed(n, effective))
-            forwards = modules.Forwards(options.low, casters, fp32_names)
-            patches += modules.patches(by_module, forwards)
-            modules.watch(by_module, watch, forwards, _later)
-        ctx = rules.Context(effective, uncast, watch, not passthrough, bool(by_module["bf16"]), _later, _again)
-        changes = [rule.changes(ctx) for rule in rules.RULES]
-        _say_lacks(changes)
-        for change in changes:
-            patches += change.patches
-        user = {w: wrappers.user_prepare(kind, w.__qualname__) for w, kind in list(runtime.decorated.items())}
+        _install_built(conversion, _build(conversion, resolver or Resolver(), recorder, passthrough))
 
+
+class _Built(NamedTuple):
+    """Everything a conversion changes, made without changing anything (``_build``)."""
+
+    op_sites: list  # (namespace, attr, wrapper)
+    patches: list  # (namespace, attr, value): module entries' and the rules'
+    changes: list  # each rule's Changes (their hooks are registered once the patches are in)
+    forwards: object  # modules.Forwards, or None under passthrough
+    watch: object  # imports.Watch: entries whose module the program imports later
+    wrappers: object  # sites.Wrappers
+    user: dict  # @hmp.*_function wrapper -> its prepare under this conversion
+
+
+def _build(conversion, resolver, recorder, passthrough):
+    effective, options, by_module, uncast = conversion
+    casters = cache.casters() if options.cache else dict(CASTS)
+    watch = imports.Watch()
+    wrappers = sites.Wrappers(options.low, casters, options.verbose, recorder, passthrough, options.strict)
+    # an op returning a view of its input is never wrapped (see aten.returns_view); ops in no list
+    # that have no kernel for the lower dtype or need one dtype run as they would without hmp's casts
+    fallback = lists.fallback_names(options.low)
+    held = _held()
+    # entries that gain nothing from their list's rule are not bound: torch runs them (hmp/core/pays.py)
+    one_dtype = lists.one_dtype_names()
+    bound = {k: {n for n in v if pays.decision(k, n, options.strict, one_dtype)[0]} for k, v in effective.items()}
+    op_sites = [
+        (b.site.namespace, b.site.attr, wrappers.site(b, _original(b.site, held)))
+        for b in resolver.bind(bound, fallback)
+        if not returns_view(b.name)
+    ]
+    op_sites += [_registration(wrappers, *entry) for entry in runtime.registered]
+    patches, forwards = [], None
+    if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
+        no_kernel = dict(fallback).get("fp32", ())
+        fp32_names = set(effective["fp32"]).union(n for n in no_kernel if not _listed(n, effective))
+        forwards = modules.Forwards(options.low, casters, fp32_names)
+        patches += modules.patches(by_module, forwards)
+        modules.watch(by_module, watch, forwards, _later)
+    ctx = rules.Context(effective, uncast, watch, not passthrough, bool(by_module["bf16"]), _later, _again)
+    changes = [rule.changes(ctx) for rule in rules.RULES]
+    _say_lacks(changes)
+    for change in changes:
+        patches += change.patches
+    user = {w: wrappers.user_prepare(kind, w.__qualname__) for w, kind in list(runtime.decorated.items())}
+    return _Built(op_sites, patches, changes, forwards, watch, wrappers, user)
+
+
+def _install_built(conversion, built):
+    """Put ``built`` in place of the conversion in force, through the undo log;
+    on any failure, nothing of it stays."""
+    _revert_locked()
+    log_ = runtime.patches = runtime.patches or PatchLog()
+    try:
+        for namespace, attr, value in built.op_sites:
+            _install(log_, namespace, attr, value)
+        for namespace, attr, value in built.patches:
+            # an instance entry's forward: another library may wrap it while converted (accelerate's
+            # hooks); revert() then leaves theirs, and the entry it holds runs the original
+            log_.setattr(namespace, attr, value, if_unchanged=isinstance(namespace, torch.nn.Module))
+        runtime.forwards = built.forwards
+        runtime.pickle_names = pickling.names(log_.entries())
+        runtime.hooks = []  # filled one by one: revert() removes those registered before a failure
+        for change in built.changes:
+            for register_hook in change.hooks:
+                runtime.hooks.append(register_hook())
+        if built.watch.patterns:
+            runtime.hooks.append(built.watch.hook())
+    except BaseException:
         _revert_locked()
-        log_ = runtime.patches = runtime.patches or PatchLog()
-        try:
-            for namespace, attr, value in op_sites:
-                _install(log_, namespace, attr, value)
-            for namespace, attr, value in patches:
-                # an instance entry's forward: another library may wrap it while converted (accelerate's
-                # hooks); revert() then leaves theirs, and the entry it holds runs the original
-                log_.setattr(namespace, attr, value, if_unchanged=isinstance(namespace, torch.nn.Module))
-            runtime.forwards = forwards
-            runtime.pickle_names = pickling.names(log_.entries())
-            runtime.hooks = []  # filled one by one: revert() removes those registered before a failure
-            for change in changes:
-                for register_hook in change.hooks:
-                    runtime.hooks.append(register_hook())
-            if watch.patterns:
-                runtime.hooks.append(watch.hook())
-        except BaseException:
-            _revert_locked()
-            raise
-        for w, prepare in user.items():
-            wrap.resume(w, prepare)
-        runtime.conversion = Conversion({k: frozenset(v) for k, v in effective.items()}, options, by_module, uncast)
-        runtime.wrappers = wrappers
-        if options.verbose:
-            _log_conversion(log_)
+        raise
+    for w, prepare in built.user.items():
+        wrap.resume(w, prepare)
+    effective, options, by_module, uncast = conversion
+    runtime.conversion = Conversion({k: frozenset(v) for k, v in effective.items()}, options, by_module, uncast)
+    runtime.wrappers = built.wrappers
+    if options.verbose:
+        _log_conversion(log_)
 
 
 def _later(namespace, attr, value):

@@ -2,6 +2,7 @@
 options and the Conversion (lists, module entries, uncast calls) that
 hmp/driver/conversion.py installs."""
 
+import inspect
 import os
 from typing import NamedTuple
 
@@ -79,35 +80,41 @@ def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bflo
     return Options(opt_level, low_precision_type, isVerbose, cache, _strict(strict))
 
 
-def plan(
-    opt_level="O1",
-    bf16_file_path="",
-    fp32_file_path="",
-    isVerbose=False,
-    low_precision_type=torch.bfloat16,
-    *,
-    promote_file_path="",
-    cache=True,
-    fp16_file_path="",
-    fp32_modules=None,
-    bf16_modules=None,
-    model=None,
-    uncast_file_path="",
-    strict=None,
-    resolver=None,
-):
-    """The Conversion convert() would install, checked; changes nothing."""
-    options = check_options(opt_level, isVerbose, low_precision_type, cache, strict)
+def plan(options, resolver=None):
+    """The Conversion convert() would install, checked; changes nothing.
+    ``options``: convert()'s arguments by name (``requested`` binds a call;
+    convert's signature is their one spelling); one left out takes its default."""
+    given = {name: options.get(name, p.default) for name, p in PARAMETERS.items()}
+    low = given["low_precision_type"]
+    checked = check_options(given["opt_level"], given["isVerbose"], low, given["cache"], given["strict"])
     effective, classes = lists.effective(
         resolver or Resolver(),
-        opt_level,
-        bf16_file_path,
-        fp32_file_path,
-        promote_file_path,
-        fp16=fp16_file_path,
-        low=low_precision_type,
-        strict=options.strict,
+        given["opt_level"],
+        given["bf16_file_path"],
+        given["fp32_file_path"],
+        given["promote_file_path"],
+        fp16=given["fp16_file_path"],
+        low=low,
+        strict=checked.strict,
     )
-    fp32 = modules.targets(fp32_modules, model, "fp32_modules")
-    bf16 = modules.targets(bf16_modules, model, "bf16_modules")
-    return Conversion(effective, options, modules.merge(classes, fp32, bf16), uncast_calls.load(uncast_file_path))
+    fp32 = modules.targets(given["fp32_modules"], given["model"], "fp32_modules")
+    bf16 = modules.targets(given["bf16_modules"], given["model"], "bf16_modules")
+    uncast = uncast_calls.load(given["uncast_file_path"])
+    return Conversion(effective, checked, modules.merge(classes, fp32, bf16), uncast)
+
+
+PARAMETERS = {}  # convert()'s parameters by name (inspect.Parameter), read from its signature (options_of)
+
+
+def options_of(convert):
+    """Take ``convert``'s parameters as the options a conversion has, once:
+    plan() and every integration read them here, so an option added to
+    convert() reaches them all."""
+    PARAMETERS.update(inspect.signature(convert).parameters)
+    return convert
+
+
+def requested(*args, **kwargs):
+    """convert()'s options, by name, for a call ``convert(*args, **kwargs)``; a
+    TypeError, as convert's own, for an argument it does not take."""
+    return dict(inspect.Signature(list(PARAMETERS.values())).bind(*args, **kwargs).arguments)

@@ -42,7 +42,7 @@ except ImportError:  # a torch built without torch.distributed: FSDP cannot run 
 import hmp
 from hmp.core.resolve import Resolver
 from hmp.driver import conversion
-from hmp.driver.plan import plan
+from hmp.driver.plan import PARAMETERS, plan, requested
 
 log = logging.getLogger("hmp")
 
@@ -61,75 +61,37 @@ class HMPPrecision(Precision):
     starts.
     """
 
-    def __init__(
-        self,
-        opt_level="O1",
-        bf16_file_path=None,
-        fp32_file_path=None,
-        verbose=False,
-        *,
-        low_precision_type=torch.bfloat16,
-        promote_file_path=None,
-        cache=True,
-        fp32_modules=None,
-        bf16_modules=None,
-    ):
+    def __init__(self, *args, **options):
         super().__init__()
-        self._setup(
-            opt_level,
-            bf16_file_path,
-            fp32_file_path,
-            verbose,
-            low_precision_type,
-            promote_file_path,
-            cache,
-            fp32_modules,
-            bf16_modules,
-        )
+        self._setup(*args, **options)
 
-    def _setup(
-        self,
-        opt_level,
-        bf16_file_path,
-        fp32_file_path,
-        verbose,
-        low_precision_type,
-        promote_file_path,
-        cache,
-        fp32_modules,
-        bf16_modules,
-    ):
+    def _setup(self, *args, verbose=None, **options):
+        """Take convert()'s options (all of them, as convert() spells them; ``verbose`` stays the
+        plugin's earlier name for ``isVerbose``), checked now: a bad file fails here, not in ``fit``."""
+        if verbose is not None:
+            options["isVerbose"] = verbose
+        self.options = requested(*args, **options)
+        if "model" in self.options:
+            raise TypeError("hmp: the plugin matches fp32_modules/bf16_modules against the LightningModule itself")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # convert() warns about O2 and files when the run starts
-            plan(
-                opt_level,
-                bf16_file_path,
-                fp32_file_path,
-                verbose,
-                low_precision_type,
-                promote_file_path=promote_file_path,
-                cache=cache,
-            )
-        self.fp32_modules, self.bf16_modules = fp32_modules, bf16_modules
-        self.opt_level = opt_level
-        self.bf16_file_path = bf16_file_path
-        self.fp32_file_path = fp32_file_path
-        self.verbose = verbose
-        self.low_precision_type = low_precision_type
-        self.promote_file_path = promote_file_path
-        self.cache = cache
-        self.precision = "bf16-mixed" if low_precision_type is torch.bfloat16 else "16-mixed"
+            plan({**self.options, "fp32_modules": None, "bf16_modules": None})  # names need the model
+        low = self.options.get("low_precision_type", torch.bfloat16)
+        self.precision = "bf16-mixed" if low is torch.bfloat16 else "16-mixed"
         self._active = False
         self._previous = None
         self._run_off = None  # the disable_casts() block a run's own code runs in
         self._steps_cast = False  # whether steps cast: casts were on where the run started
 
+    def __getattr__(self, name):
+        options = self.__dict__.get("options")
+        if options is not None and name in PARAMETERS:  # plugin.opt_level, plugin.fp32_modules, ...
+            return options.get(name, PARAMETERS[name].default)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def __repr__(self):
-        return (
-            f"{type(self).__name__}(opt_level={self.opt_level!r}, bf16_file_path={self.bf16_file_path!r}, "
-            f"fp32_file_path={self.fp32_file_path!r}, verbose={self.verbose!r}, "
-            f"low_precision_type={self.low_precision_type})"
-        )
+        given = ", ".join(f"{name}={value!r}" for name, value in self.options.items())
+        return f"{type(self).__name__}({given})"
 
     # -- start and end of a run -------------------------------------------------
 
@@ -137,22 +99,10 @@ class HMPPrecision(Precision):
         """Convert hmp with this plugin's settings (the Trainer calls it with
         the model, which module names are matched against)."""
         resolver = Resolver()  # one for checking the lists and binding them: names resolve once
-        wanted = plan(
-            self.opt_level,
-            self.bf16_file_path,
-            self.fp32_file_path,
-            self.verbose,
-            self.low_precision_type,
-            promote_file_path=self.promote_file_path,
-            cache=self.cache,
-            fp32_modules=self.fp32_modules,
-            bf16_modules=self.bf16_modules,
-            model=model,
-            resolver=resolver,
-        )
+        wanted = plan({**self.options, "model": model}, resolver)
         if not self._active:
             self._previous = conversion.in_force()  # None when hmp is not converted
-        conversion.apply(wanted, resolver)
+        conversion.install(wanted, resolver)
         self._active = True
 
     def revert(self):
@@ -229,33 +179,10 @@ class HMPFSDPPrecision(HMPPrecision, FSDPPrecision):
     scaler scales the loss, as its own ``FSDPPrecision("16-mixed")`` does.
     """
 
-    def __init__(
-        self,
-        opt_level="O1",
-        bf16_file_path=None,
-        fp32_file_path=None,
-        verbose=False,
-        *,
-        low_precision_type=torch.bfloat16,
-        promote_file_path=None,
-        cache=True,
-        fp32_modules=None,
-        bf16_modules=None,
-        param_dtype=None,
-        reduce_dtype=torch.float32,
-    ):
-        FSDPPrecision.__init__(self, "bf16-mixed" if low_precision_type is torch.bfloat16 else "16-mixed")
-        self._setup(
-            opt_level,
-            bf16_file_path,
-            fp32_file_path,
-            verbose,
-            low_precision_type,
-            promote_file_path,
-            cache,
-            fp32_modules,
-            bf16_modules,
-        )
+    def __init__(self, *args, param_dtype=None, reduce_dtype=torch.float32, **options):
+        self._setup(*args, **options)
+        low_precision_type = self.options.get("low_precision_type", torch.bfloat16)
+        FSDPPrecision.__init__(self, self.precision)
         self.param_dtype = low_precision_type if param_dtype is None else param_dtype
         self.reduce_dtype = reduce_dtype
 

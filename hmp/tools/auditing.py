@@ -253,7 +253,7 @@ def _class_rows(module_rows, threshold):
 
 def in_force_or_default():
     """The Conversion in force, or the one a plain ``hmp.convert()`` makes."""
-    return in_force() or plan()
+    return in_force() or plan({})
 
 
 def kind_of(name, lists):

@@ -275,6 +275,23 @@ def test_bad_list_fails_when_the_plugin_is_made(tmp_path):
     assert HMPPrecision(low_precision_type=torch.float16).precision == "16-mixed"
 
 
+def test_the_plugin_takes_every_option_convert_takes(tmp_path):
+    """convert()'s options are spelled once, in its signature: the plugin takes each (strict,
+    uncast_file_path, fp16_file_path, ... as well as the ones it always had), refuses what convert()
+    refuses, and converts with them when the run starts."""
+    plugin = HMPPrecision("O1", None, None, False, strict=True, uncast_file_path="", fp16_file_path="")
+    assert plugin.opt_level == "O1" and plugin.strict is True and plugin.isVerbose is False
+    assert "strict=True" in repr(plugin)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'optlevel'"):
+        HMPPrecision(optlevel="O1")
+    with pytest.raises(TypeError, match="matches fp32_modules/bf16_modules against the LightningModule"):
+        HMPPrecision(model=MLP())
+    model = MLP()
+    with pytest.warns(UserWarning, match="strict=True"):
+        trainer(plugin, max_epochs=1).fit(model, loader())
+    assert model.seen[0][0] == torch.bfloat16 and not hmp.is_converted()
+
+
 def test_fp16_and_o2():
     model = MLP()
     trainer(HMPPrecision(opt_level="O2", low_precision_type=torch.float16), max_epochs=1).fit(model, loader())
