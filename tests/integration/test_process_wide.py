@@ -10,8 +10,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # every module of the package but those whose subcommand or framework loads
-# what hmp itself must not (the demo and tune: tqdm; the Lightning plugin: lightning)
+# what hmp itself must not (the demo and tune: tqdm; the Lightning plugin:
+# lightning; the testing kit's strategies, check and pytest hooks: hypothesis
+# and pytest, which a test run has loaded already)
 NOT_PROBED = {
+    "hmp.testing.checking",
+    "hmp.testing.strategies",
+    "hmp.testing.pytest_hooks",
     "hmp.demo",
     "hmp.demo.data",
     "hmp.demo.model",
