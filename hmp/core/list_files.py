@@ -5,6 +5,8 @@ lines mean, and how the lists combine, is lists.py's."""
 import os
 from pathlib import Path
 
+from hmp.core.module_entries import is_pattern
+
 
 def list_dir():
     """The folder holding the shipped list files.
@@ -121,17 +123,6 @@ def is_name(text):
     ``pow.Tensor_Scalar``, as Habana's autocast lists write them) or a
     module class's import path (``torch.nn.LSTM``): dotted identifiers."""
     return all(p.isascii() and p.isidentifier() for p in text.split("."))
-
-
-def is_pattern(text):
-    """A module class's import path with ``fnmatch`` wildcards in its parts
-    (``transformers.models.*.modeling_*.*RotaryEmbedding``)."""
-    parts = text.split(".")
-    return (
-        len(parts) > 1
-        and any(c in text for c in "*?")
-        and all(p.isascii() and p.replace("*", "x").replace("?", "x").isidentifier() for p in parts)
-    )
 
 
 SANE = 80  # longer than any op name torch has

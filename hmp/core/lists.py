@@ -13,18 +13,16 @@ write data are skipped with a warning (refusals.py). Reading a file's lines
 and finding the shipped files is list_files.py's.
 """
 
-import fnmatch
 import functools
 import logging
 import os
-import sys
 import warnings
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from hmp.core import imports, pays, refusals, state
+from hmp.core import pays, refusals, state
 from hmp.core.list_files import (
     INCLUDE,
     SANE,
@@ -32,15 +30,15 @@ from hmp.core.list_files import (
     check_path,
     default_path,
     error_text,
-    is_pattern,
     list_dir,
     list_path,
     read_lines,
     read_names,
     short,
 )
+from hmp.core.module_entries import entry_key, from_line, is_module_path, is_pattern
 from hmp.core.refusals import refusal
-from hmp.core.resolve import BOUND, NO_PYTHON, UNKNOWN, is_module_path, module_class
+from hmp.core.resolve import BOUND, NO_PYTHON, UNKNOWN
 
 # uncast_calls reads the line reader through lists (its old names)
 _read_lines, _check_path, _error_text = read_lines, check_path, error_text
@@ -192,7 +190,7 @@ class _Reading:
         try:
             if not modules:
                 raise ValueError(f"{name!r}: module entries go in the BF16 or FP32 list")
-            entry = _module_entry(name, self.path)
+            entry = from_line(name, _shipped(self.path))
             if remove:  # as written (how an included pattern is known) and as the class it names
                 self.removed[name] = self.removed[entry_key(entry)] = number
             else:
@@ -254,22 +252,9 @@ class _Reading:
         return Entries(ops, list(dict.fromkeys(found)), frozenset(explicit))
 
 
-def _module_entry(name, path):
-    """The class a module line names, imported; or a Pattern, resolved when
-    the program imports its module: a line with wildcards, and a shipped
-    list's class path in a package the program has not imported (a shipped
-    list never imports a library)."""
-    if is_pattern(name):
-        return Pattern(name)
-    shipped = Path(os.fspath(path)).resolve().parent == list_dir().resolve()
-    if shipped and name.split(".")[0] not in sys.modules:
-        return Pattern(name)
-    return module_class(name)
-
-
-def entry_key(entry):
-    """The text a module entry is known by: its class's path, or the pattern."""
-    return entry.path if isinstance(entry, Pattern) else class_path(entry)
+def _shipped(path):
+    """True for a file among the shipped lists."""
+    return Path(os.fspath(path)).resolve().parent == list_dir().resolve()
 
 
 def how_to_add(name, kind, low=None):
@@ -278,35 +263,6 @@ def how_to_add(name, kind, low=None):
         f"put '{name}' in a file whose first line is 'include default' and pass it as {PARAMS[kind]}, so the "
         f"default {list_title(kind, low)} list stays in force"
     )
-
-
-class Pattern(NamedTuple):
-    """A module entry resolved when the program imports its module: a class
-    path whose parts may hold ``fnmatch`` wildcards
-    (``transformers.models.*.modeling_*.*RotaryEmbedding``), or a plain
-    class path in a package not imported yet. hmp imports nothing for it."""
-
-    path: str
-
-    @property
-    def module(self):
-        return self.path.rpartition(".")[0]
-
-    def classes(self, module=None):
-        """The ``nn.Module`` subclasses it names in ``module``, or in every
-        imported module it matches."""
-        name = self.path.rpartition(".")[2]
-        found = []
-        for m in [module] if module is not None else imports.imported(self.module):
-            for value in list(vars(m).values()):
-                if (
-                    isinstance(value, type)
-                    and issubclass(value, torch.nn.Module)
-                    and value.__module__ == m.__name__
-                    and fnmatch.fnmatchcase(value.__name__, name)
-                ):
-                    found.append(value)
-        return found
 
 
 def warn_unreachable(where):
@@ -483,8 +439,3 @@ def _warn_dropped(ops, loaded, from_user, printable, titles, mode, resolver):
                 UserWarning,
                 stacklevel=state.user_stacklevel(),
             )
-
-
-def class_path(cls):
-    """The import path a list file names ``cls`` by."""
-    return f"{cls.__module__}.{cls.__qualname__}"

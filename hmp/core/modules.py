@@ -28,18 +28,17 @@ modules without a policy get no rule (their constructors run uncast:
 hmp/rules/uncast_calls.py).
 """
 
-import difflib
-import fnmatch
 import inspect
 import types
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hmp.core import cast_copies, dtypes, lists, policy, refusals
+from hmp.core import cast_copies, dtypes, policy, refusals
 from hmp.core.aten import returns_view
+from hmp.core.module_entries import Pattern, resolved
 from hmp.core.pays import NORMALIZATIONS
-from hmp.core.resolve import is_module_path, mark, module_class, unwrap, writes
+from hmp.core.resolve import mark, unwrap, writes
 from hmp.core.state import MODULE, OFF, enter, leave, tls
 from hmp.core.torch_private import tree_map_only
 
@@ -208,22 +207,13 @@ class Forwards:
         return fn
 
 
-def resolved(modules):
-    """``modules`` (kind -> targets) with each Pattern replaced by the classes
-    it names now."""
-    return {
-        kind: tuple(dict.fromkeys(c for t in targets for c in (t.classes() if isinstance(t, lists.Pattern) else [t])))
-        for kind, targets in modules.items()
-    }
-
-
 def watch(modules, watch, forwards, later):
     """Have ``watch`` (imports.Watch) give the classes of a Pattern in a
     module imported later their entry (a class that already has one keeps it)."""
     taken = {c for targets in resolved(modules).values() for c in targets if isinstance(c, type)}
     for kind, targets in modules.items():
         for target in targets:
-            if isinstance(target, lists.Pattern):
+            if isinstance(target, Pattern):
                 watch.add(target.module, _late(target, kind, forwards, taken, later))
 
 
@@ -330,88 +320,3 @@ def _instance_forward(module):
     if isinstance(own, types.MethodType) and own.__self__ is module:
         return unwrap(own.__func__)
     return lambda self, *args, **kwargs: own(*args, **kwargs)  # someone's own per-instance forward
-
-
-# -- what convert() was given ------------------------------------------------------------------
-
-
-def targets(given, model, what):
-    """The classes and instances named by ``given`` (an iterable of classes,
-    module instances, or strings: name patterns matched against
-    ``model.named_modules()``, else a class's import path). ``what``
-    names the argument in errors. Raises before anything changes."""
-    if given is None:
-        return []
-    if isinstance(given, (str, type, Module)):
-        given = [given]
-    out = []
-    names = dict(model.named_modules()) if isinstance(model, Module) else None
-    for i, item in enumerate(given):
-        where = f"hmp: {what}[{i}]"
-        if isinstance(item, type):
-            if not issubclass(item, Module):
-                raise TypeError(f"{where}: {item.__qualname__} is not a torch.nn.Module subclass")
-            out.append(item)
-        elif isinstance(item, Module):
-            out.append(item)
-        elif isinstance(item, str):
-            out += _by_name(item, names, where)
-        else:
-            raise TypeError(
-                f"{where}: expected a module class, a module or a name, got {type(item).__name__}: {item!r}"
-            )
-    return list(dict.fromkeys(out))
-
-
-def _by_name(pattern, names, where):
-    if names is not None:
-        found = [m for name, m in names.items() if name and fnmatch.fnmatchcase(name, pattern)]
-        if found:
-            return found
-    if is_module_path(pattern):
-        try:
-            return [module_class(pattern)]
-        except ValueError as e:
-            if names is None:
-                raise ValueError(f"{where}: {e}{_did_you_mean(pattern, names)}") from None
-    if names is None:
-        raise ValueError(
-            f"{where}: {pattern!r} is a module name pattern, and convert() got no model= to match "
-            f"it against (or give the class, an instance or a class's import path){_did_you_mean(pattern, names)}"
-        )
-    close = fnmatch.filter(names, f"*{pattern.strip('*')}*")[:3] or [n for n in names if n][:3]
-    raise ValueError(
-        f"{where}: {pattern!r} matches no module of the model (its names look like "
-        f"{', '.join(close)}) and is no module class's import path{_did_you_mean(pattern, names)}"
-    )
-
-
-def _did_you_mean(pattern, names):
-    """A mistyped entry's close matches: the model's module names, and the import paths of the
-    module classes (the model's and torch.nn's) whose class name is close to its last part."""
-    classes = {}
-    for cls in [type(m) for m in (names or {}).values()] + list(vars(torch.nn).values()):
-        if isinstance(cls, type) and issubclass(cls, Module) and cls.__name__ not in classes:
-            short = f"torch.nn.{cls.__name__}"
-            classes[cls.__name__] = short if getattr(torch.nn, cls.__name__, None) is cls else lists.class_path(cls)
-    found = difflib.get_close_matches(pattern, [n for n in names or () if n], n=3, cutoff=0.8)
-    found += [classes[c] for c in difflib.get_close_matches(pattern.rsplit(".", 1)[-1], list(classes), 3, 0.8)]
-    return f"; did you mean {' or '.join(repr(f) for f in found)}?" if found else ""
-
-
-def merge(from_files, fp32, bf16):
-    """kind -> tuple of targets: the list files' classes, then those given;
-    one target in both kinds is an error."""
-    merged = {"bf16": list(from_files.get("bf16", ())) + bf16, "fp32": list(from_files.get("fp32", ())) + fp32}
-    both = [t for t in merged["bf16"] if any(t is u for u in merged["fp32"])]
-    if both:
-        raise ValueError(f"hmp: modules under both the BF16 and the FP32 rule: {', '.join(label(t) for t in both)}")
-    return {k: tuple(dict.fromkeys(v)) for k, v in merged.items()}
-
-
-def label(target):
-    if isinstance(target, type):
-        return lists.class_path(target)
-    if isinstance(target, lists.Pattern):
-        return target.path
-    return f"{type(target).__qualname__} instance at {id(target):#x}"

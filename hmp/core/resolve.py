@@ -395,44 +395,6 @@ class Resolver:
         return suggest(name, self._universe)
 
 
-def is_module_path(name):
-    """A dotted name that is not an aten operator and its overload: a
-    module class's import path (``torch.nn.LSTM``)."""
-    base, dot, rest = name.partition(".")
-    return bool(dot) and ("." in rest or aten_op(base) is None)
-
-
-def module_class(path):
-    """The ``torch.nn.Module`` subclass the dotted import path names
-    (``transformers.models.llama.modeling_llama.LlamaRMSNorm``), imported.
-    Raises ValueError saying what was found instead."""
-    parts = path.split(".")
-    for i in range(len(parts), 0, -1):
-        name = ".".join(parts[:i])
-        try:
-            obj = importlib.import_module(name)
-            break
-        except ModuleNotFoundError as e:
-            if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
-                raise ValueError(f"importing {name!r} failed: {type(e).__name__}: {e}") from None
-        except Exception as e:  # the module itself raised while importing
-            raise ValueError(f"importing {name!r} failed: {type(e).__name__}: {e}") from None
-    else:
-        raise ValueError(f"{path!r} is no op and no importable path: no module named {parts[0]!r}")
-    for j in range(i, len(parts)):
-        try:
-            obj = getattr(obj, parts[j])
-        except AttributeError:
-            raise ValueError(f"{path!r}: {'.'.join(parts[:j])!r} has no attribute {parts[j]!r}") from None
-    if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
-        return obj
-    if isinstance(obj, type):
-        raise ValueError(f"{path!r} is a class but not a torch.nn.Module subclass")
-    if callable(obj):
-        raise ValueError(f"{path!r} is a function, not a torch.nn.Module subclass")
-    raise ValueError(f"{path!r} is a {type(obj).__name__}, not a torch.nn.Module subclass")
-
-
 def suggest(name, universe, n=3):
     """Close matches of ``name`` in ``universe``, for error messages."""
     return difflib.get_close_matches(name, universe, n=n, cutoff=0.6)

@@ -18,11 +18,12 @@ from typing import Any, Iterator, NamedTuple
 import torch
 
 from hmp import rules, tested
-from hmp.core import cache, dtypes, imports, lists, modules, pays, sites, wrap
+from hmp.core import cache, dtypes, imports, lists, module_entries, modules, pays, sites, wrap
 from hmp.core.aten import returns_view
 from hmp.core.cache import clear_cache
 from hmp.core.cast_copies import CASTS
 from hmp.core.hints import ListPath, ModuleTargets
+from hmp.core.module_entries import Pattern
 from hmp.core.patch import MISSING, PatchLog
 from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label, unwrap
 from hmp.core.state import close_block, first_time, runtime, user_stacklevel
@@ -328,7 +329,7 @@ def _log_conversion(patches):
             log.info("hmp: %s list, %s: %s", kind, why, ", ".join(names))
     for kind, targets in runtime.conversion.modules.items():
         if targets:
-            log.info("hmp: %s modules: %s", kind, ", ".join(modules.label(t) for t in targets))
+            log.info("hmp: %s modules: %s", kind, ", ".join(module_entries.shown(t) for t in targets))
     labels = patches.labels()
     log.info(
         "hmp: patched %d entry points (each one: logging.getLogger('hmp.patches').setLevel(logging.DEBUG))",
@@ -441,7 +442,7 @@ def effective_lists(detail: bool = False) -> dict:
     if conversion is None:
         return {k: {} if detail else [] for k in lists.KINDS}
     named = {
-        k: sorted(lists.entry_key(t) for t in conversion.modules.get(k, ()) if isinstance(t, (type, lists.Pattern)))
+        k: sorted(module_entries.entry_key(t) for t in conversion.modules.get(k, ()) if isinstance(t, (type, Pattern)))
         for k in lists.KINDS
     }
     if not detail:

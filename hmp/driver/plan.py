@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from hmp.core import lists, modules
+from hmp.core import lists, module_entries
 from hmp.core.dtypes import LOW
 from hmp.core.resolve import Resolver
 from hmp.rules import uncast_calls
@@ -97,10 +97,10 @@ def plan(options, resolver=None):
         low=low,
         strict=checked.strict,
     )
-    fp32 = modules.targets(given["fp32_modules"], given["model"], "fp32_modules")
-    bf16 = modules.targets(given["bf16_modules"], given["model"], "bf16_modules")
+    fp32 = module_entries.targets(given["fp32_modules"], given["model"], "fp32_modules")
+    bf16 = module_entries.targets(given["bf16_modules"], given["model"], "bf16_modules")
     uncast = uncast_calls.load(given["uncast_file_path"])
-    return Conversion(effective, checked, modules.merge(classes, fp32, bf16), uncast)
+    return Conversion(effective, checked, module_entries.merge(classes, fp32, bf16), uncast)
 
 
 PARAMETERS = {}  # convert()'s parameters by name (inspect.Parameter), read from its signature (options_of)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hmp.core import list_files, lists, modules
+from hmp.core import list_files, lists, module_entries
 from hmp.core.lists import OPT_LEVELS, Names
 from hmp.core.resolve import NO_PYTHON, UNKNOWN, Resolver
 from hmp.driver.conversion import convert, revert
@@ -115,7 +115,7 @@ def _check_modules(config, model, errors):
     out = {}
     for kind, field in MODULE_FIELDS.items():
         try:
-            out[kind] = modules.targets(config.get(field), model, field)
+            out[kind] = module_entries.targets(config.get(field), model, field)
         except (ValueError, TypeError) as e:
             errors.append(str(e).removeprefix("hmp: "))
     return out
@@ -150,7 +150,7 @@ def _check_names(config, fields, resolver, errors):
     return out, unreachable
 
 
-def plan(path_or_mapping, model=None):
+def plan_from_config(path_or_mapping, model=None):
     """Validate a gaudi config and return what it asks for, changing nothing.
 
     Returns None when it asks for no mixed precision, else a dict with
@@ -248,7 +248,7 @@ def convert_from_config(
     reverted and False is returned. A wrong type, an unknown op or both
     modes at once raise ValueError naming the field, before anything changes.
     """
-    wanted = plan(path_or_mapping, model)
+    wanted = plan_from_config(path_or_mapping, model)
     if wanted is None:
         revert()
         return False

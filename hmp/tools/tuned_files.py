@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from hmp.core.lists import Pattern, class_path, default_file, default_path, entry_key, list_title, load
-from hmp.core.modules import label
-from hmp.core.resolve import Resolver, module_class
+from hmp.core.lists import default_file, default_path, list_title, load
+from hmp.core.module_entries import Pattern, class_path, entry_key, module_class, shown
+from hmp.core.resolve import Resolver
 
 TOOL = "hmp.tune"
 HEADER = (
@@ -66,7 +66,7 @@ def changes(kind, ops, modules=(), low=torch.bfloat16, strict=False):
 
 def instances(modules):
     """The module instances among the entries: a list file cannot name them."""
-    return [label(t) for targets in modules.values() for t in targets if not isinstance(t, (type, Pattern))]
+    return [shown(t) for targets in modules.values() for t in targets if not isinstance(t, (type, Pattern))]
 
 
 def texts(lists, modules, targets, summary, low=torch.bfloat16, strict=False):

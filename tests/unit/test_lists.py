@@ -9,7 +9,8 @@ import torch
 from helpers import assert_same, snapshot, write
 
 import hmp
-from hmp.core.lists import effective, entry_key
+from hmp.core.lists import effective
+from hmp.core.module_entries import entry_key
 from hmp.core.resolve import Resolver
 
 DEFAULT_BF16 = sorted(
@@ -66,7 +67,9 @@ def test_every_default_entry_casts_and_strict_adds_habanas():
     hmp.convert(bf16_file_path=hmp.list_path("bf16_strict"))
     detail = hmp.effective_lists(detail=True)["bf16"]
     left = {n for n, why in detail.items() if why != "cast"}
-    assert left == set(DEFAULT_BF16_STRICT) - set(DEFAULT_BF16)
+    # torch 2.4's tags omit pointwise on leaky_relu (docs/never-changes.md): there it casts
+    untagged = set() if torch.Tag.pointwise in torch.ops.aten.leaky_relu.default.tags else {"leaky_relu"}
+    assert left == set(DEFAULT_BF16_STRICT) - set(DEFAULT_BF16) - untagged
     assert all("not cast outside strict mode" in detail[n] for n in left)
 
 

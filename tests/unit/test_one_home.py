@@ -1,10 +1,71 @@
-"""Every concept in the file named after it (issue 50): one spelling of
-convert()'s options, read by plan() and every integration."""
+"""Every concept in the file named after it (issue 50): each has one home,
+where its names are defined, and no other module defines them again."""
 
+import ast
 import inspect
+from pathlib import Path
 
 import hmp
 from hmp.driver import plan
+
+PACKAGE = Path(hmp.__file__).parent
+
+# concept's home (a module path under hmp/) -> the names only it defines
+HOMES = {
+    "core/module_entries.py": {
+        "is_module_path",
+        "module_class",
+        "is_pattern",
+        "Pattern",
+        "entry_key",
+        "class_path",
+        "from_line",
+        "targets",
+        "merge",
+        "shown",
+        "resolved",
+    },
+    "core/pays.py": {"why_not", "decision", "is_pointwise", "is_random", "NORMALIZATIONS"},
+    "driver/plan.py": {"plan", "requested", "options_of", "PARAMETERS"},
+}
+
+
+def defined(path):
+    """Every name ``path`` defines: functions and classes at any depth, and module-level assignments."""
+    tree = ast.parse(path.read_text())
+    names = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def second_homes(root):
+    """``[(module, name, its home)]`` for every name of HOMES defined outside its home under ``root``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        module = path.relative_to(root).as_posix()
+        names = defined(path)
+        for home, owned in HOMES.items():
+            if module != home:
+                found += [(module, name, home) for name in sorted(names & owned)]
+    return found
+
+
+def test_each_concepts_names_are_defined_in_its_home_only():
+    for home, owned in HOMES.items():
+        assert owned <= defined(PACKAGE / home), home
+    assert second_homes(PACKAGE) == []
+
+
+def test_a_planted_second_home_is_caught(tmp_path):
+    (tmp_path / "core").mkdir()
+    planted = "class Pattern:\n    pass\n\n\ndef outer():\n    def class_path(c):\n        pass\n"
+    (tmp_path / "core" / "lists.py").write_text(planted)
+    assert second_homes(tmp_path) == [
+        ("core/lists.py", "Pattern", "core/module_entries.py"),
+        ("core/lists.py", "class_path", "core/module_entries.py"),
+    ]
 
 
 def test_convert_options_are_spelled_once_in_its_signature():
