@@ -70,7 +70,8 @@ from autocast_lists import wrap_comment  # noqa: E402
 
 from hmp.core import lists as hmp_lists  # noqa: E402
 from hmp.core.aten import returns_view  # noqa: E402
-from hmp.core.resolve import BOUND, Resolver, unwrap  # noqa: E402
+from hmp.core.identity import unwrap  # noqa: E402
+from hmp.core.resolve import BOUND, Resolver  # noqa: E402
 
 LIST_DIR = ROOT / "op_lists"
 LOWER = {"bf16": torch.bfloat16, "fp16": torch.float16}

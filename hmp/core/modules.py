@@ -36,9 +36,10 @@ from torch.overrides import TorchFunctionMode
 
 from hmp.core import cast_copies, dtypes, policy, refusals
 from hmp.core.aten import returns_view
+from hmp.core.identity import mark, unwrap
 from hmp.core.module_entries import Pattern, resolved
 from hmp.core.pays import NORMALIZATIONS
-from hmp.core.resolve import mark, unwrap, writes
+from hmp.core.resolve import writes
 from hmp.core.state import MODULE, OFF, enter, leave, tls
 from hmp.core.torch_private import tree_map_only
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from hmp.core import state, torch_private
 from hmp.core.aten import aten_names, aten_op, schema_writes
+from hmp.core.identity import unwrap
 
 log = logging.getLogger("hmp")
 
@@ -51,37 +52,6 @@ FUSED = {
 RNN_KERNELS = frozenset(
     ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
 )
-
-ORIGINAL = "__hmp_original__"  # set on every hmp wrapper, points at what it wraps
-_MARKED = "__hmp_marked__"  # the id of the object ORIGINAL was set on
-
-
-def mark(wrapper, original):
-    """Mark ``wrapper`` as hmp's, standing in for ``original``. Returns ``wrapper``."""
-    setattr(wrapper, ORIGINAL, original)
-    setattr(wrapper, _MARKED, id(wrapper))
-    return wrapper
-
-
-def unwrap(obj):
-    """What an hmp wrapper stands in for; anything else is itself. Another
-    library's wrapper made with ``functools.wraps(hmp_wrapper)`` copies the
-    marks, but not the id they name: it is not hmp's, and its layer is kept."""
-    if getattr(obj, _MARKED, None) != id(obj):
-        return obj
-    return getattr(obj, ORIGINAL, obj)
-
-
-def stand_in(wrapper, original):
-    """Make ``wrapper`` stand in for ``original``: its name, docstring and
-    ``__wrapped__``, and ``ORIGINAL`` pointing at torch's own (what revert
-    and a later convert unwrap to; through a stand-in of a stand-in too).
-    Returns ``wrapper``."""
-    try:
-        functools.update_wrapper(wrapper, original)
-    except (AttributeError, TypeError):  # a builtin without some of the names
-        wrapper.__wrapped__ = original
-    return mark(wrapper, unwrap(original))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import types
 import warnings
 
 from hmp.core import torch_private
-from hmp.core.resolve import stand_in
+from hmp.core.identity import stand_in
 from hmp.core.state import OFF, enter, leave, tls
 
 

@@ -39,7 +39,7 @@ import weakref
 import torch
 
 from hmp.core import cast_copies, culprit, policy, rescue, torch_private
-from hmp.core.resolve import ORIGINAL, mark, unwrap
+from hmp.core.identity import ORIGINAL, mark, unwrap
 from hmp.core.state import OFF, copies, graph_off, tls
 
 log = logging.getLogger("hmp")

@@ -23,9 +23,10 @@ from hmp.core.aten import returns_view
 from hmp.core.cache import clear_cache
 from hmp.core.cast_copies import CASTS
 from hmp.core.hints import ListPath, ModuleTargets
+from hmp.core.identity import unwrap
 from hmp.core.module_entries import Pattern
 from hmp.core.patch import MISSING, PatchLog
-from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label, unwrap
+from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label
 from hmp.core.state import close_block, first_time, runtime, user_stacklevel
 from hmp.diagnostics import errors, interop  # noqa: F401 (errors registers its note on the wrappers' errors)
 from hmp.driver.plan import Conversion, options_of, plan

@@ -27,7 +27,7 @@ the rerun alone (``ctx.again``).
 """
 
 from hmp.core import state, torch_private
-from hmp.core.resolve import stand_in, unwrap
+from hmp.core.identity import stand_in, unwrap
 from hmp.core.switches import run_as
 from hmp.rules.interface import Changes
 

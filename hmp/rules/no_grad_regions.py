@@ -24,7 +24,7 @@ import torch
 from torch.autograd import grad_mode
 
 from hmp.core import cache, torch_private
-from hmp.core.resolve import stand_in, unwrap
+from hmp.core.identity import stand_in, unwrap
 from hmp.rules.interface import Changes
 
 _grad_on = torch.is_grad_enabled

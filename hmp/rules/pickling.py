@@ -53,7 +53,7 @@ from multiprocessing import reduction
 import torch
 
 from hmp.core import torch_private
-from hmp.core.resolve import stand_in, unwrap
+from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import runtime
 from hmp.rules.interface import Changes
 

@@ -16,7 +16,7 @@ traces the function itself (the cache steps aside while compiling).
 """
 
 from hmp.core import cache, torch_private
-from hmp.core.resolve import stand_in, unwrap
+from hmp.core.identity import stand_in, unwrap
 from hmp.rules.interface import Changes
 
 _compiling = torch_private.compiling

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from hmp.core import lists
-from hmp.core.resolve import stand_in, unwrap
+from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import runtime, tls
 from hmp.core.wrap import script_as
 from hmp.rules.interface import Changes

@@ -13,7 +13,7 @@ import torch
 
 from hmp.core import torch_private
 from hmp.core.dtypes import FLOATS
-from hmp.core.resolve import stand_in, unwrap
+from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import tls
 from hmp.rules.interface import Changes
 

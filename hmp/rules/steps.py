@@ -34,7 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from hmp.core import dtypes, torch_private
 from hmp.core.cache import clear_cache
-from hmp.core.resolve import stand_in, unwrap
+from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import OFF, current, enter, first_time, leave, tls, user_stacklevel
 from hmp.core.switches import run_as
 from hmp.rules.interface import Changes

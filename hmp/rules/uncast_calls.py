@@ -39,7 +39,8 @@ from typing import NamedTuple
 import torch
 
 from hmp.core import list_files, lists
-from hmp.core.resolve import stand_in, subclasses, unwrap
+from hmp.core.identity import stand_in, unwrap
+from hmp.core.resolve import subclasses
 from hmp.core.state import OFF, enter, first_time, leave, tls, user_stacklevel
 from hmp.core.switches import uncast
 from hmp.rules.interface import Changes

@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from hmp.core import dtypes
-from hmp.core.resolve import stand_in, unwrap
+from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import OFF, first_time, runtime, tls, user_stacklevel
 from hmp.rules.interface import Changes
 

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from hmp.core import aten, lists, pays, resolve
-from hmp.core.resolve import FUSED, unwrap
+from hmp.core.identity import unwrap
+from hmp.core.resolve import FUSED
 
 _HOMES = (("torch", torch), ("torch.nn.functional", F))
 _SKIP = (type, types.ModuleType, staticmethod, classmethod, property)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from hmp.core import state
-from hmp.core.resolve import unwrap
+from hmp.core.identity import unwrap
 from hmp.core.switches import casts_enabled
 from hmp.driver.conversion import converted, effective_lists, in_force, restore
 

@@ -18,7 +18,7 @@ import inspect
 import torch
 from hypothesis import strategies as st
 
-from hmp.core.resolve import unwrap
+from hmp.core.identity import unwrap
 from hmp.core.switches import disable_casts
 from hmp.driver.conversion import effective_lists
 from hmp.testing import entries

@@ -9,7 +9,8 @@ import torch
 from helpers import run_python
 
 import hmp
-from hmp.core.resolve import ORIGINAL, Resolver
+from hmp.core.identity import ORIGINAL
+from hmp.core.resolve import Resolver
 
 ROOT = Path(__file__).resolve().parents[2]
 TV_OPS = ("nms", "batched_nms", "roi_align")

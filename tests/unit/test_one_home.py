@@ -25,6 +25,7 @@ HOMES = {
         "shown",
         "resolved",
     },
+    "core/identity.py": {"mark", "unwrap", "stand_in", "ORIGINAL"},
     "core/pays.py": {"why_not", "decision", "is_pointwise", "is_random", "NORMALIZATIONS"},
     "driver/plan.py": {"plan", "requested", "options_of", "PARAMETERS"},
 }

@@ -353,7 +353,7 @@ def test_a_worker_finds_its_entry_point_by_name_and_it_reaches_torchs_loop():
 
     from torch.utils.data._utils import worker
 
-    from hmp.core.resolve import unwrap
+    from hmp.core.identity import unwrap
     from hmp.rules import regions
 
     loop = worker._worker_loop

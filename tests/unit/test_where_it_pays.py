@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 import hmp
 from hmp.core import lists
 from hmp.core.cast_copies import CASTS
-from hmp.core.resolve import ORIGINAL, Resolver
+from hmp.core.identity import ORIGINAL
+from hmp.core.resolve import Resolver
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

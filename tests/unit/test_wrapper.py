@@ -17,7 +17,7 @@ from helpers import needs_torch
 
 import hmp
 from hmp.core import wrap
-from hmp.core.resolve import unwrap
+from hmp.core.identity import unwrap
 
 
 def test_a_wrapper_is_a_function_that_reads_as_its_original():
