@@ -158,7 +158,10 @@ def cases(device="cpu"):
     """case -> (namespace, attribute, the call, made through the site)."""
     torch.manual_seed(0)
     x, a, b = (torch.randn(SIZE, SIZE, device=device) for _ in range(3))
-    h = torch.randn(SIZE, SIZE, device=device, requires_grad=True)  # an activation inside a training forward
+    # an activation inside a training forward: an op's output, not a leaf (hmp's cache keeps a leaf that
+    # requires grad as a weight, which an activation never is)
+    with torch.enable_grad():
+        h = torch.randn(SIZE, SIZE, device=device, requires_grad=True) * 1.0
     w = nn.Parameter(torch.randn(SIZE, SIZE, device=device))
     bias = nn.Parameter(torch.randn(SIZE, device=device))
     return {
