@@ -57,7 +57,7 @@ from hmp.core.cast_copies import CASTS, eager_of, shielded
 from hmp.core.state import copies, tls
 
 _grad_enabled = torch.is_grad_enabled
-_is_compiling = torch_private.compiling
+_compiling = torch_private.compiling  # dynamo traces or the compile session runs (not torch.compiler.is_compiling)
 _tracing_state = torch_private.tracing_state
 _transforms_active = torch_private.functorch_transforms_active
 _version = torch_private.version_of
@@ -230,7 +230,7 @@ def caster(dtype):
     def cast(t):
         if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
             return plain(t)
-        if _is_compiling() or _tracing_state() is not None:
+        if _compiling() or _tracing_state() is not None:
             return plain(t)  # compile: fake tensors; jit.trace: a cached copy would become a constant
         return through(t)
 

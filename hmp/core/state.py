@@ -12,6 +12,23 @@ but torch_private (a leaf too).
   it, under ``runtime.lock``.
 - ``copies``: the weight-cast cache's stores (hmp/core/cache.py writes them).
 - ``warned``: keys of the warn-once messages already given.
+
+Kept elsewhere, on purpose (tests/unit/test_one_home.py finds every
+module-level store and memo and checks it is named here):
+
+- memos of what torch or a shipped file says, the same for every call and
+  never written by one: ``aten.returns_view``, ``aten.schema_writes``,
+  ``lists.fallback_names``, ``lists.one_dtype_names``, ``pays.is_random``,
+  ``pays.is_pointwise``, ``resolve.aten_entry_points``,
+  ``region_factories.load``, ``errors._shipped``, ``entries._table``
+  (lru_caches), ``cast_copies._NUMBER_TYPES`` (a type's answer), and
+  ``functions._plans`` (an autograd Function class's cast plan, weak);
+- registrations made at import, by the floor above a core module that
+  must not import it: ``rescue._annotators``, ``culprit._wrappers``;
+- ``steps._checked``: the optimizers already looked at (weak: it goes
+  with them); ``plan.PARAMETERS``: convert()'s signature, read once;
+- ``target.FILE_MODULES``: a tool run's imported target files (the
+  command-line process only).
 """
 
 import os

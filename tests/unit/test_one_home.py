@@ -82,3 +82,48 @@ def test_convert_options_are_spelled_once_in_its_signature():
         return
     for plugin in (HMPPrecision, HMPFSDPPrecision):
         assert not options & set(inspect.signature(plugin.__init__).parameters), plugin
+
+
+def module_stores(root):
+    """``{"module.name"}`` for every module-level mutable store (a dict, list or set literal, a
+    weak container) and every lru_cache'd function under ``root``, outside core/state.py."""
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).as_posix() == "core/state.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                v = node.value
+                container = isinstance(v, (ast.Dict, ast.List, ast.Set)) or (
+                    isinstance(v, ast.Call)
+                    and ast.unparse(v.func).split(".")[-1] in ("set", "dict", "list", "WeakKeyDictionary", "WeakSet")
+                )
+                empty = container and not any(getattr(v, f, None) for f in ("keys", "elts", "args", "keywords"))
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    # a table written at import is a constant (UPPER_CASE, not empty); an empty one is filled later
+                    if isinstance(t, ast.Name) and container and t.id != "__all__" and (empty or not t.id.isupper()):
+                        found.add(f"{path.stem}.{t.id}")
+            elif isinstance(node, ast.FunctionDef) and any("lru_cache" in ast.unparse(d) for d in node.decorator_list):
+                found.add(f"{path.stem}.{node.name}")
+    return found
+
+
+def test_what_hmp_keeps_outside_state_is_named_in_states_docstring():
+    """core/state.py holds what hmp keeps between calls; each store or memo kept elsewhere is
+    named in its docstring with why. A table written at import (an UPPER_CASE name holding a
+    non-empty literal) is a constant, not a store."""
+    import hmp.core.state as state
+
+    doc = state.__doc__
+    missing = sorted(name for name in module_stores(PACKAGE) if f"``{name}``" not in doc)
+    assert missing == [], f"kept outside core/state.py and not named in its docstring: {missing}"
+
+
+def test_a_planted_store_outside_state_is_caught(tmp_path):
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "cache.py").write_text(
+        "import functools\nseen = {}\nTABLE = {1: 2}\nLATER = []\n\n@functools.lru_cache\ndef f(x):\n    return x\n"
+    )
+    assert module_stores(tmp_path) == {"cache.seen", "cache.LATER", "cache.f"}
