@@ -2,7 +2,8 @@
 
 Everything here runs before anything is patched, so a bad file raises with
 torch untouched. Which file each list comes from, first match wins: the
-argument, the environment (ENV_LISTS), the shipped default (``default_file``).
+argument, the environment, the shipped default: each kind's record says
+(hmp/core/kinds.py).
 
 Besides op names and module paths, a line may be ``include default`` (the
 default list of the file's kind), ``include <name>`` (a shipped list,
@@ -22,7 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-from hmp.core import pays, refusals, state
+from hmp.core import kinds, pays, refusals, state
+from hmp.core.kinds import FP32, LOWER
 from hmp.core.list_files import (
     INCLUDE,
     SANE,
@@ -45,39 +47,7 @@ _read_lines, _check_path, _error_text = read_lines, check_path, error_text
 
 log = logging.getLogger("hmp")
 
-KINDS = ("bf16", "fp32", "promote")
-FILE_TITLE = {"bf16": "BF16 list file", "fp32": "FP32 list file", "promote": "promote list file"}
-FP16_FILE_TITLE = "FP16 list file"
-LIST_TITLE = {"bf16": "lower-precision", "fp32": "FP32", "promote": "promote"}  # the list itself, in messages
-_LOWER_TITLE = {torch.bfloat16: "BF16", torch.float16: "FP16"}
-
-
-def list_title(kind, low=None):
-    """A list's name in messages: the lower list ("bf16" in files and
-    parameters, for Habana's names) by the dtype it runs in, where known."""
-    return _LOWER_TITLE.get(low, LIST_TITLE[kind]) if kind == "bf16" else LIST_TITLE[kind]
-
-
-PARAMS = {"bf16": "bf16_file_path", "fp32": "fp32_file_path", "promote": "promote_file_path"}
-DEFAULT_FILES = {
-    "O1": {"bf16": "bf16.txt", "fp32": "fp32.txt", "promote": "promote.txt"},
-    "O2": {"bf16": "o2_bf16.txt", "fp32": "o2_fp32.txt", "promote": "promote.txt"},
-}
-OPT_LEVELS = tuple(DEFAULT_FILES)
-# strict=True under O1: Habana's BF16 list, which also names the entries that cast only in strict
-# mode (pointwise ops, normalisations, dropout: hmp/core/pays.py)
-STRICT_LOWER_FILE = "bf16_strict.txt"
-# float16 overflows above 65504: its O1 lower list is the GEMM/convolution
-# family, as torch.autocast's and apex O1's float16 lists (the seed's BF16
-# list stays available: ``include bf16``). O2's lower list already is.
-FP16_LOWER_FILE = "fp16.txt"
-# Environment variables naming list files when convert() gets no path, in
-# order of precedence: the names Lightning's HPU docs use, then the names
-# Habana's autocast reads.
-ENV_LISTS = {
-    "bf16": ("LOWER_LIST", "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST"),
-    "fp32": ("FP32_LIST", "PT_HPU_AUTOCAST_FP32_OPS_LIST"),
-}
+FP16_FILE_TITLE = "FP16 list file"  # the lower list's file under float16 (fp16_file_path, Habana's name)
 
 
 class Names(NamedTuple):
@@ -97,13 +67,13 @@ ONE_DTYPE_FILE = "one_dtype.txt"
 
 @functools.lru_cache(maxsize=None)
 def fallback_names(low):
-    """``(("fp32", names), ("promote", names))``: the ops that get the FP32
-    rule (no kernel for ``low``) and the promote rule (they need one dtype)
-    when they are in no list. Shipped and checked by the test suite, so
-    read without checking each name again."""
+    """``((FP32's name, names), (PROMOTE's name, names))``: the ops that get
+    the FP32 rule (no kernel for ``low``) and the promote rule (they need one
+    dtype) when they are in no list. Shipped and checked by the test suite,
+    so read without checking each name again."""
     return (
-        ("fp32", tuple(n for _, n in read_names(default_path(NO_KERNEL_FILES[low])))),
-        ("promote", tuple(sorted(one_dtype_names()))),
+        (FP32.name, tuple(n for _, n in read_names(default_path(NO_KERNEL_FILES[low])))),
+        (kinds.PROMOTE.name, tuple(sorted(one_dtype_names()))),
     )
 
 
@@ -112,16 +82,6 @@ def one_dtype_names():
     """The ops that need all their floating inputs in one dtype (op_lists/one_dtype.txt):
     the only ones whose promotion torch does not do itself."""
     return frozenset(n for _, n in read_names(default_path(ONE_DTYPE_FILE)))
-
-
-def default_file(opt_level, kind, low=torch.bfloat16, strict=False):
-    """The shipped file of ``kind``'s default list."""
-    if kind == "bf16" and opt_level == "O1":
-        if low == torch.float16:
-            return FP16_LOWER_FILE
-        if strict:
-            return STRICT_LOWER_FILE
-    return DEFAULT_FILES[opt_level][kind]
 
 
 class Entries(NamedTuple):
@@ -259,9 +219,10 @@ def _shipped(path):
 
 def how_to_add(name, kind, low=None):
     """Advice that keeps the default list: how to put ``name`` in ``kind``'s list."""
+    k = kinds.kind(kind)
     return (
-        f"put '{name}' in a file whose first line is 'include default' and pass it as {PARAMS[kind]}, so the "
-        f"default {list_title(kind, low)} list stays in force"
+        f"put '{name}' in a file whose first line is 'include default' and pass it as {k.parameter}, so the "
+        f"default {k.title_in(low)} list stays in force"
     )
 
 
@@ -275,34 +236,37 @@ def warn_unreachable(where):
     )
 
 
-def combine(bf16, fp32, promote, sources):
-    """Apply the precedence rules to three Entries and return ``{"bf16",
-    "fp32", "promote"}`` sets.
+def combine(loaded, sources):
+    """Apply the precedence rules to each kind's Entries (``loaded``: kind
+    name -> Entries) and return kind name -> set of op names.
 
     An op a file names itself wins over the same op included in the other
     list (a user BF16 file naming softmax takes it out of the default FP32
-    list); named in both, or included in both, it is an error. The BF16 and
-    FP32 lists win over the promote list.
+    list); named in both, or included in both, it is an error. The lower
+    and FP32 lists win over every other list (the promote list).
     """
-    low, high = set(bf16.ops), set(fp32.ops)
+    lower, fp32 = loaded[LOWER.name], loaded[FP32.name]
+    low, high = set(lower.ops), set(fp32.ops)
     both = low & high
-    clash = sorted(op for op in both if (op in bf16.explicit) == (op in fp32.explicit))
+    clash = sorted(op for op in both if (op in lower.explicit) == (op in fp32.explicit))
     if clash:
         raise ValueError(
-            f"hmp: ops in both the BF16 list {sources['bf16']!r} and the FP32 list "
-            f"{sources['fp32']!r}: {', '.join(clash)}"
+            f"hmp: ops in both the BF16 list {sources[LOWER.name]!r} and the FP32 list "
+            f"{sources[FP32.name]!r}: {', '.join(clash)}"
         )
-    moved = {
-        "bf16": sorted(op for op in both if op in bf16.explicit),
-        "fp32": sorted(op for op in both if op in fp32.explicit),
-    }
-    if moved["bf16"]:
-        log.info("hmp: BF16 list %s takes %s out of the FP32 list", sources["bf16"], ", ".join(moved["bf16"]))
-    if moved["fp32"]:
-        log.info("hmp: FP32 list %s takes %s out of the BF16 list", sources["fp32"], ", ".join(moved["fp32"]))
-    high -= set(moved["bf16"])
-    low -= set(moved["fp32"])
-    return {"bf16": low, "fp32": high, "promote": set(promote.ops) - low - high}
+    to_lower = sorted(op for op in both if op in lower.explicit)
+    to_fp32 = sorted(op for op in both if op in fp32.explicit)
+    if to_lower:
+        log.info("hmp: BF16 list %s takes %s out of the FP32 list", sources[LOWER.name], ", ".join(to_lower))
+    if to_fp32:
+        log.info("hmp: FP32 list %s takes %s out of the BF16 list", sources[FP32.name], ", ".join(to_fp32))
+    high -= set(to_lower)
+    low -= set(to_fp32)
+    out = {LOWER.name: low, FP32.name: high}
+    for k in kinds.KINDS:
+        if k.name not in out:
+            out[k.name] = set(loaded[k.name].ops) - low - high
+    return {k.name: out[k.name] for k in kinds.KINDS}
 
 
 def given(path):
@@ -311,30 +275,30 @@ def given(path):
 
 
 def _env_path(kind, environ):
-    for var in ENV_LISTS.get(kind, ()):
+    for var in kind.environ:
         value = environ.get(var, "")
         if value:
             return value, var
     return "", None
 
 
-def _low_list(bf16, fp16, low):
+def _low_list(lower, fp16, low):
     """``(source, title)`` of the lower-precision list, as Habana's HMP chose
     it: ``fp16_file_path`` is that list when the lower dtype is float16 and
     is ignored (with a warning) under bfloat16. hmp also lets
     bf16_file_path name it under float16 when no fp16_file_path is given."""
     if not given(fp16):
-        return bf16, FILE_TITLE["bf16"]
+        return lower, LOWER.file_title
     if low != torch.float16:
         warnings.warn(
             f"hmp: fp16_file_path {fp16!r} is ignored: it names the list for "
             f"low_precision_type=torch.float16, and the lower dtype is {low}",
             stacklevel=state.user_stacklevel(),
         )
-        return bf16, FILE_TITLE["bf16"]
-    if given(bf16):
+        return lower, LOWER.file_title
+    if given(lower):
         warnings.warn(
-            f"hmp: bf16_file_path {bf16!r} is ignored: with low_precision_type=torch.float16 "
+            f"hmp: {LOWER.parameter} {lower!r} is ignored: with low_precision_type=torch.float16 "
             f"the lower-precision list is fp16_file_path {fp16!r}",
             stacklevel=state.user_stacklevel(),
         )
@@ -346,65 +310,57 @@ def _load_one(source, resolver, title, kind, default):
     if isinstance(source, Names):
         return Entries(list(source.names), [], frozenset(source.names)), source.source
     printable = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source
-    return load(source, resolver, title, modules=kind != "promote", default=default), printable
+    return load(source, resolver, title, modules=kind.takes_modules, default=default), printable
 
 
-def effective(
-    resolver, opt_level="O1", bf16="", fp32="", promote="", *, fp16="", low=torch.bfloat16, strict=False, environ=None
-):
-    """Read, validate and combine the lists: ``({"bf16", "fp32", "promote"}
-    -> set of op names, {"bf16", "fp32"} -> module classes)``. Each of
-    ``bf16``/``fp32``/``promote`` is a path, a Names, or ``""``/None for the
-    environment's list, else the shipped default. ``fp16`` is the
-    lower-precision list under ``low=torch.float16``; ``strict``: Habana's
-    literal rule (its default BF16 list). Raises before anything changes."""
+def effective(resolver, opt_level="O1", sources=None, *, fp16="", low=torch.bfloat16, strict=False, environ=None):
+    """Read, validate and combine the lists: ``(kind name -> set of op names,
+    kind name -> module classes, for the kinds that take them)``.
+    ``sources``: kind name (kinds.KINDS) -> a path, a Names, or ``""``/None
+    (or left out) for the environment's list, else the shipped default.
+    ``fp16`` is the lower-precision list under ``low=torch.float16``;
+    ``strict``: Habana's literal rule (its default BF16 list). Raises before
+    anything changes."""
     environ = os.environ if environ is None else environ
-    titles = dict(FILE_TITLE)
-    bf16, titles["bf16"] = _low_list(bf16, fp16, low)
-    sources = {"bf16": bf16, "fp32": fp32, "promote": promote}
-    for kind in ("bf16", "fp32"):
-        if not given(sources[kind]):
-            sources[kind], var = _env_path(kind, environ)
+    sources = {k.name: (sources or {}).get(k.name, "") for k in kinds.KINDS}
+    titles = {k.name: k.file_title for k in kinds.KINDS}
+    sources[LOWER.name], titles[LOWER.name] = _low_list(sources[LOWER.name], fp16, low)
+    for k in kinds.KINDS:
+        if k.environ and not given(sources[k.name]):
+            sources[k.name], var = _env_path(k, environ)
             if var:
-                titles[kind] = f"{FILE_TITLE[kind]} (from ${var})"
-                log.info("hmp: %s list from $%s: %s", kind, var, sources[kind])
-    if opt_level == "O2":
-        ignored = [
-            f"{titles[k]} {str(getattr(s, 'source', s))!r}" for k, s in sources.items() if k != "promote" and given(s)
-        ]
-        if ignored:
-            warnings.warn(
-                f"hmp: opt_level O2 uses its own lists; ignoring the given {' and '.join(ignored)}",
-                stacklevel=state.user_stacklevel(),
-            )
-        sources["bf16"] = sources["fp32"] = ""
+                titles[k.name] = f"{k.file_title} (from ${var})"
+                log.info("hmp: %s list from $%s: %s", k.name, var, sources[k.name])
+    own = [k.name for k in kinds.KINDS if opt_level in k.own_under]
+    ignored = [f"{titles[n]} {str(getattr(sources[n], 'source', sources[n]))!r}" for n in own if given(sources[n])]
+    if ignored:
+        warnings.warn(
+            f"hmp: opt_level {opt_level} uses its own lists; ignoring the given {' and '.join(ignored)}",
+            stacklevel=state.user_stacklevel(),
+        )
+    for n in own:
+        sources[n] = ""
     from_user = {k: given(v) for k, v in sources.items()}
     loaded, printable = {}, {}
-    for kind in KINDS:
-        default = default_path(default_file(opt_level, kind, low, strict))
-        source = sources[kind] if from_user[kind] else default
-        loaded[kind], printable[kind] = _load_one(source, resolver, titles[kind], kind, default)
-        if not from_user[kind]:  # a default list names nothing on the user's behalf
-            loaded[kind] = loaded[kind]._replace(explicit=frozenset())
-    ops = combine(*(loaded[k] for k in KINDS), printable)
-    files = {k: from_user[k] and not isinstance(sources[k], Names) for k in KINDS}
+    for k in kinds.KINDS:
+        default = default_path(k.default_file(opt_level, low, strict))
+        source = sources[k.name] if from_user[k.name] else default
+        loaded[k.name], printable[k.name] = _load_one(source, resolver, titles[k.name], k, default)
+        if not from_user[k.name]:  # a default list names nothing on the user's behalf
+            loaded[k.name] = loaded[k.name]._replace(explicit=frozenset())
+    ops = combine(loaded, printable)
+    files = {k: from_user[k] and not isinstance(sources[k], Names) for k in sources}
     _warn_dropped(ops, loaded, files, printable, titles, (opt_level, low, strict), resolver)
-    if from_user["bf16"] and not strict:
-        pays.warn_left_to_torch(ops["bf16"], f"{titles['bf16']} {printable['bf16']!r}")
-    classes = {k: loaded[k].modules for k in ("bf16", "fp32")}
-    both = [c for c in classes["bf16"] if c in classes["fp32"]]
+    if from_user[LOWER.name] and not strict:
+        pays.warn_left_to_torch(ops[LOWER.name], f"{titles[LOWER.name]} {printable[LOWER.name]!r}")
+    classes = {k.name: loaded[k.name].modules for k in kinds.KINDS if k.takes_modules}
+    both = [c for c in classes[LOWER.name] if c in classes[FP32.name]]
     if both:
         raise ValueError(
-            f"hmp: module classes in both the BF16 list {printable['bf16']!r} and the FP32 list "
-            f"{printable['fp32']!r}: {', '.join(entry_key(c) for c in both)}"
+            f"hmp: module classes in both the BF16 list {printable[LOWER.name]!r} and the FP32 list "
+            f"{printable[FP32.name]!r}: {', '.join(entry_key(c) for c in both)}"
         )
     return ops, classes
-
-
-# user files that leave out default ops get a warning: the FP32 list keeps
-# losses and softmax out of the lower dtype, the promote list gives mixed
-# inputs one dtype; a BF16 file that leaves some out only runs them in fp32
-_GUARDED = ("fp32", "promote")
 
 
 def _warn_dropped(ops, loaded, from_user, printable, titles, mode, resolver):
@@ -412,28 +368,29 @@ def _warn_dropped(ops, loaded, from_user, printable, titles, mode, resolver):
     a default FP32 or promote list and leaves out ops it holds. ``mode``:
     ``(opt_level, low, strict)``, which pick the defaults."""
     opt_level, low, strict = mode
-    for kind in KINDS:
+    for k in kinds.KINDS:
+        kind = k.name
         if not from_user[kind]:  # a default, or a gaudi config's complete list
             continue
         entries = loaded[kind]
         if not entries.ops and not entries.modules:
             if state.first_time(("empty list", kind, printable[kind])):
                 warnings.warn(
-                    f"hmp: {titles[kind]} {printable[kind]!r} is empty, so the {list_title(kind, low)} list "
+                    f"hmp: {titles[kind]} {printable[kind]!r} is empty, so the {k.title_in(low)} list "
                     f"is empty. To extend the default list instead, start the file with "
                     f"'include default' (docs/lists.md).",
                     UserWarning,
                     stacklevel=state.user_stacklevel(),
                 )
             continue
-        if kind not in _GUARDED:
+        if not k.guards_defaults:
             continue
-        default = load(default_path(default_file(opt_level, kind, low, strict)), resolver, "default list").ops
-        elsewhere = set().union(*(ops[k] for k in KINDS if k != kind))
+        default = load(default_path(k.default_file(opt_level, low, strict)), resolver, "default list").ops
+        elsewhere = set().union(*(ops[n] for n in ops if n != kind))
         dropped = sorted(set(default) - ops[kind] - elsewhere)
         if dropped and state.first_time(("dropped defaults", kind, printable[kind], tuple(dropped))):
             warnings.warn(
-                f"hmp: {titles[kind]} {printable[kind]!r} replaces the default {list_title(kind, low)} list and "
+                f"hmp: {titles[kind]} {printable[kind]!r} replaces the default {k.title_in(low)} list and "
                 f"leaves out {', '.join(dropped)}: they now run in their inputs' dtypes. Start the file "
                 f"with 'include default' to extend the default list instead (docs/lists.md).",
                 UserWarning,

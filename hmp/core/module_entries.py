@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from hmp.core import imports
+from hmp.core import imports, kinds
 from hmp.core.aten import aten_op
 
 Module = torch.nn.Module
@@ -195,14 +195,25 @@ def _did_you_mean(pattern, names):
     return f"; did you mean {' or '.join(repr(f) for f in found)}?" if found else ""
 
 
-def merge(from_files, fp32, bf16):
-    """kind -> tuple of targets: the list files' classes, then those given;
-    one target in both kinds is an error."""
-    merged = {"bf16": list(from_files.get("bf16", ())) + bf16, "fp32": list(from_files.get("fp32", ())) + fp32}
-    both = [t for t in merged["bf16"] if any(t is u for u in merged["fp32"])]
-    if both:
-        raise ValueError(f"hmp: modules under both the BF16 and the FP32 rule: {', '.join(shown(t) for t in both)}")
+def merge(from_files, given):
+    """kind name -> tuple of targets: the list files' classes (``from_files``),
+    then those given to convert() (``given``), for each kind that takes module
+    entries; one target under two kinds' rules is an error."""
+    merged = {k: list(from_files.get(k, ())) + list(given.get(k, ())) for k in dict.fromkeys((*from_files, *given))}
+    named = list(merged)
+    for i, a in enumerate(named):
+        for b in named[i + 1 :]:
+            both = [t for t in merged[a] if any(t is u for u in merged[b])]
+            if both:
+                raise ValueError(
+                    f"hmp: modules under both the {_title(a)} and the {_title(b)} rule: "
+                    f"{', '.join(shown(t) for t in both)}"
+                )
     return {k: tuple(dict.fromkeys(v)) for k, v in merged.items()}
+
+
+def _title(kind):
+    return kinds.kind(kind).title_in(torch.bfloat16)  # Habana's name for the lower list's rule
 
 
 def shown(target):

@@ -34,7 +34,7 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hmp.core import cast_copies, dtypes, policy, refusals
+from hmp.core import cast_copies, dtypes, kinds, policy, refusals
 from hmp.core.aten import returns_view
 from hmp.core.identity import mark, unwrap
 from hmp.core.module_entries import Pattern, resolved
@@ -196,16 +196,25 @@ class Forwards:
 
     def forward(self, kind, original, name="forward"):
         """``name(self, ...)`` (a module's ``forward``, or a class's
-        ``__call__``) running ``original`` under ``kind``'s rule."""
-        if kind == "fp32":
-            fn = _fp32_forward(original, self._fp32_in, self._fp32_out, self)
-        else:
-            fn = _lower_forward(original, self._lower_in, self._mode, self)
+        ``__call__``) running ``original`` under ``kind``'s module rule (its
+        record's ``module_rule``); a ValueError for a kind that has none."""
+        rule = kinds.kind(kind).module_rule
+        if rule is None:
+            raise ValueError(f"hmp: the {kind} list takes no module entries")
+        fn = getattr(self, rule)(original)
         fn.__name__ = name  # a bound copy pickles as getattr(module, "forward")
         fn.__qualname__ = getattr(original, "__qualname__", name)
         fn.__doc__ = getattr(original, "__doc__", None)
         mark(fn, original)
         return fn
+
+    def in_float32(self, original):
+        """The FP32 module rule: ``original`` computes in float32, its outputs float32 too."""
+        return _fp32_forward(original, self._fp32_in, self._fp32_out, self)
+
+    def in_lower(self, original):
+        """The lower list's module rule: every op of ``original`` in the lower dtype."""
+        return _lower_forward(original, self._lower_in, self._mode, self)
 
 
 def watch(modules, watch, forwards, later):

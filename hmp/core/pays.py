@@ -136,21 +136,27 @@ CAST = "cast"
 
 
 def decision(kind, name, strict, one_dtype):
-    """What list ``kind``'s entry ``name`` does: ``(casts, why)``. ``casts``:
-    it gets a wrapper that applies its list's rule; ``why``: one line for
-    effective_lists(detail=True) and the verbose log. ``one_dtype``: the ops
-    whose kernels need one dtype (lists.one_dtype_names)."""
+    """What list ``kind``'s (a kinds.Kind) entry ``name`` does: ``(casts,
+    why)``. ``casts``: it gets a wrapper that applies its list's rule;
+    ``why``: one line for effective_lists(detail=True) and the verbose log.
+    ``one_dtype``: the ops whose kernels need one dtype (lists.one_dtype_names)."""
     if returns_view(name):
         return False, "never cast: it returns a view of its input, and a cast copy would not be one"
     if strict:
         return True, CAST
-    if kind == "bf16":
-        why = why_not(name)
-        if why is not None:
-            return False, f"not cast outside strict mode: {WHY[why]}"
-    elif kind == "promote" and name not in one_dtype:
-        return False, "not wrapped: torch's type promotion already gives its inputs one dtype"
-    return True, CAST
+    why = kind.unbound(name, one_dtype) if kind.unbound is not None else None
+    return (True, CAST) if why is None else (False, why)
+
+
+def unless_it_pays(name, one_dtype):
+    """Why a lower-list entry is not bound outside strict mode, or None: it gains nothing from the lower dtype."""
+    why = why_not(name)
+    return None if why is None else f"not cast outside strict mode: {WHY[why]}"
+
+
+def unless_one_dtype(name, one_dtype):
+    """Why a promote-list entry is not bound, or None: torch's type promotion already serves it."""
+    return None if name in one_dtype else "not wrapped: torch's type promotion already gives its inputs one dtype"
 
 
 def warn_left_to_torch(names, where):

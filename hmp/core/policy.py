@@ -365,23 +365,22 @@ def _into_written(target, args, kwargs, casters, written, positions):
     return a, (dict(k, **kept) if kept else k)
 
 
-def needs(kind):
-    """``needs(args, kwargs)`` for an op in no list that gets ``kind``'s
-    rule only where it must (lists.fallback_names): under the FP32 rule, a
-    call given a lower-precision tensor; under the promote rule, a call
-    given floating tensors of two dtypes. Any other call runs as if hmp had
-    not wrapped the op."""
-    if kind == "fp32":
-        return lambda args, kwargs: bool(_floating_dtypes((args, tuple(kwargs.values())), set()) & HALVES)
-    return lambda args, kwargs: widest(args, kwargs) is not None
+def given_lower(args, kwargs):
+    """True for a call given a lower-precision tensor: where an op in no
+    list with no kernel for the lower dtype steps in (the FP32 rule,
+    lists.fallback_names). Any other call runs as if hmp had not wrapped it."""
+    return bool(_floating_dtypes((args, tuple(kwargs.values())), set()) & HALVES)
 
 
-FACTORIES = {"bf16": lower, "fp32": fp32, "promote": promote}  # list kind -> policy factory
+def given_mixed(args, kwargs):
+    """True for a call given floating tensors of two dtypes: where an op in
+    no list that needs one dtype steps in (the promote rule)."""
+    return widest(args, kwargs) is not None
 
 
 def for_kind(kind, low, casters):
-    """The rule of list ``kind`` for a whole call (user functions, registered ops)."""
-    return FACTORIES[kind](low, casters, inplace_out(casters))
+    """The rule of list ``kind`` (a kinds.Kind) for a whole call (user functions, registered ops)."""
+    return kind.policy(low, casters, inplace_out(casters))
 
 
 def as_given(low, casters, out=None):
@@ -399,19 +398,19 @@ def as_given(low, casters, out=None):
 
 def for_site(kind, name, site, low, casters, strict=False, fallback=False):
     """The one prepare for calls of ``site`` (a resolve.Site) bound by list
-    entry ``name`` of list ``kind``; ``strict``: Habana's literal rule (a
-    normalisation is bound only then, and only its input is cast);
-    ``fallback``: an op in no list (lists.fallback_names), whose promote rule
-    waits for its kernel to reject a mix."""
+    entry ``name`` of list ``kind`` (a kinds.Kind); ``strict``: Habana's
+    literal rule (a normalisation is bound only then, and only its input is
+    cast); ``fallback``: an op in no list (lists.fallback_names), which gets
+    the kind's fallback rule."""
     if site.inplace:
         return inplace_self(casters)
     out = inplace_out(casters)
-    if kind == "bf16":
-        main = lower_input_only(low, casters, out) if name in NORMALIZATIONS else lower(low, casters, out)
-    elif kind == "promote" and fallback:
-        main = as_given(low, casters, out)
-    else:
-        main = FACTORIES[kind](low, casters, out)
+    factory = kind.policy
+    if kind.norms is not None and name in NORMALIZATIONS:
+        factory = kind.norms
+    elif fallback:
+        factory = fallback_of(kind).policy or factory
+    main = factory(low, casters, out)
     if site.written:
         main = written_into(site.written, main, casters)
     if site.inplace_param is None:
@@ -419,16 +418,25 @@ def for_site(kind, name, site, low, casters, strict=False, fallback=False):
     return _checking_inplace(main, inplace_input(casters), site.inplace_param)
 
 
+def fallback_of(kind):
+    """``kind``'s rule for an op in no list (kinds.Fallback); a ValueError for a kind that has none."""
+    if kind.fallback is None:
+        raise ValueError(f"hmp: the {kind.name} list gives no rule to an op in no list")
+    return kind.fallback
+
+
 def one_dtype_rule(kind, name, site, low, casters, fallback):
     """The rule that puts every floating argument of a call in one dtype
     where the site's kernel rejects the mix it was given, or None: a strict
-    BF16 norm without running statistics (its input cast alone: weight and
-    bias go down too) and an op in no list that needs one dtype (all to the
-    widest, as torch's type promotion gives; a call that writes a tensor runs
-    in that tensor's dtype instead). See sites.one_dtype_on_reject."""
-    if kind == "bf16" and name in AFFINE_ONLY_NORMS:
-        return lower(low, casters)
-    if kind == "promote" and fallback and not site.inplace:
-        to_one = promote(low, casters)
+    lower-list norm without running statistics (its input cast alone: weight
+    and bias go down too, by the kind's own rule) and an op in no list whose
+    kind retries (the promote rule: all to the widest, as torch's type
+    promotion gives; a call that writes a tensor runs in that tensor's dtype
+    instead). See sites.one_dtype_on_reject."""
+    if kind.norms is not None and name in AFFINE_ONLY_NORMS:
+        return kind.policy(low, casters)
+    retry = fallback_of(kind).retry if fallback else None
+    if retry is not None and not site.inplace:
+        to_one = retry(low, casters)
         return written_into(site.written, to_one, casters) if site.written else to_one
     return None

@@ -8,11 +8,11 @@ import logging
 
 import torch
 
-from hmp.core import cast_copies, culprit, dtypes, policy
+from hmp.core import culprit, dtypes, kinds, policy
 from hmp.core.pays import NORMALIZATIONS
 from hmp.core.rescue import Wrapped
 from hmp.core.resolve import BUILTINS
-from hmp.core.wrap import NEVER, PROMOTE, finish, make, op_of
+from hmp.core.wrap import NEVER, finish, make, op_of
 
 log = logging.getLogger("hmp")
 
@@ -125,7 +125,8 @@ class Wrappers:
 
     def site(self, binding, original):
         """The wrapper of ``original`` for a resolve.Binding."""
-        site, kind, name, fallback = binding
+        site, name, fallback = binding.site, binding.name, binding.fallback
+        kind = kinds.kind(binding.kind)  # an unknown kind raises here, before anything is built
         prepare = policy.for_site(kind, name, site, self.low, self.casters, self.strict, fallback)
         op = original
         to_one = policy.one_dtype_rule(kind, name, site, self.low, self.casters, fallback)
@@ -135,34 +136,29 @@ class Wrappers:
         hidden = not isinstance(original, BUILTINS)
         op = self._op(op)
         # an op in no list steps in only for a call that needs it: otherwise the ops it calls cast as usual
-        needs = policy.needs(kind) if fallback else None
-        if not self._lean(binding):
+        needs = policy.fallback_of(kind).needs if fallback else None
+        if not self._lean(site, kind, name, fallback):
             return make(op, self._prepare(prepare, site.label, name), wrapped, original, hidden=hidden, needs=needs)
         # lean for calls without keywords: the rule's casts without the prepare call
         at = NEVER if site.inplace_param is None else site.inplace_param
-        if kind == "bf16":
-            src, cast, refuse = dtypes.FP32_ONLY, self.casters[self.low], cast_copies.numbers_check(self.low)
-        elif kind == "fp32":
-            src, cast, refuse = dtypes.HALVES, self.casters[dtypes.FP32], None
-        else:
-            src, cast, refuse = PROMOTE, None, None
+        src, cast, refuse = kind.lean(self.low, self.casters)
         return make(op, prepare, wrapped, original, src, cast, refuse, at, hidden)
 
-    def _lean(self, binding):
+    def _lean(self, site, kind, name, fallback):
         """True when a call without keywords may skip ``prepare`` and apply the
         list's rule to every argument directly: not a call that is logged or
         recorded, writes a tensor (the in-place rule), is a strict norm (its
         input alone is cast) or an op in no list (it steps in only where needed)."""
-        site, kind, name, fallback = binding
         if self.passthrough or self.verbose or self.recorder is not None:
             return False
         if site.inplace or site.written or fallback:
             return False
-        return not (kind == "bf16" and name in NORMALIZATIONS)
+        return not (kind.norms is not None and name in NORMALIZATIONS)
 
     def user_prepare(self, kind, label):
         """The prepare of a user function (``@hmp.*_function``) of list ``kind``."""
-        return self._prepare(policy.for_kind(kind, self.low, self.casters), label, f"user_{kind}_function")
+        rule = policy.for_kind(kinds.kind(kind), self.low, self.casters)
+        return self._prepare(rule, label, f"user_{kind}_function")
 
 
 def user_function(fn, kind):

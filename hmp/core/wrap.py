@@ -67,7 +67,7 @@ def make(
     after a call that cast something, writes into the copies are carried
     back to the caller's tensors (cast_copies.write_back). ``needs(args,
     kwargs)``: False for a call the wrapper leaves entirely alone, casts
-    staying on for the ops it calls (an op in no list, see policy.needs).
+    staying on for the ops it calls (an op in no list, see kinds.Fallback).
 
     ``src`` makes it lean for calls without keywords (and without a true
     ``inplace`` at position ``inplace_at``): tensors whose dtype is in

@@ -178,11 +178,11 @@ def _setup(args):
     return device, options, corpus
 
 
-KINDS = {"cpu": "CPU", "cuda": "CUDA GPU", "hpu": "Gaudi HPU"}
+DEVICE_NAMES = {"cpu": "CPU", "cuda": "CUDA GPU", "hpu": "Gaudi HPU"}
 
 
 def _model_line(cfg, params, batch_chosen):
-    kind = KINDS.get(cfg.device, cfg.device)
+    kind = DEVICE_NAMES.get(cfg.device, cfg.device)
     why = "" if cfg.device == "cpu" else f", larger than the CPU's: a small model is launch-bound on a {kind}"
     return (
         f"model: a character-level transformer LM, {report.describe_model(dict(vars(cfg), params=params))}; "

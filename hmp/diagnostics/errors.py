@@ -20,7 +20,8 @@ a plain ``python script.py``; the script can pass the exception to
 import functools
 import re
 
-from hmp.core import culprit, lists, rescue, state, torch_private
+from hmp.core import culprit, kinds, lists, rescue, state, torch_private
+from hmp.core.kinds import FP32, LOWER, PROMOTE
 from hmp.core.pays import NORMALIZATIONS
 
 _LOW = re.compile(r"BFloat16|bfloat16|\bHalf\b|\bhalf\b|float16")
@@ -40,8 +41,14 @@ def _low():
     return conversion.options.low if conversion is not None else None
 
 
+def _record(kind):
+    """The record of list kind ``kind``, or None (a note never raises)."""
+    return next((k for k in kinds.KINDS if k.name == kind), None)
+
+
 def _title(kind):
-    return lists.list_title(kind, _low()) if kind in lists.LIST_TITLE else kind
+    record = _record(kind)
+    return record.title_in(_low()) if record is not None else kind
 
 
 def is_mismatch(exc):
@@ -61,8 +68,8 @@ def _note_of(exc):
 def _shipped():
     """Op names of the shipped O1 lists by kind, with O2's lower list in BF16
     (O2's FP32 list holds ops that O1 runs in bf16)."""
-    files = {kind: [name] for kind, name in lists.DEFAULT_FILES["O1"].items()}
-    files["bf16"].append(lists.DEFAULT_FILES["O2"]["bf16"])
+    files = {k.name: [k.defaults["O1"]] for k in kinds.KINDS}
+    files[LOWER.name].append(LOWER.defaults["O2"])
     out = {}
     for kind, names in files.items():
         out[kind] = set()
@@ -77,19 +84,19 @@ def _shipped():
 def probable_list(name):
     """The list an op probably belongs in: the shipped lists first, then its name."""
     shipped = _shipped()
-    for kind in lists.KINDS:
+    for kind in kinds.names():
         if name in shipped[kind]:
             return kind
     if _BF16_LIKE.search(name):
-        return "bf16"
+        return LOWER.name
     if _FP32_LIKE.search(name):
-        return "fp32"
-    return "promote"
+        return FP32.name
+    return PROMOTE.name
 
 
 def _kind_of(name):
     conversion = state.runtime.conversion
-    for kind in lists.KINDS:
+    for kind in kinds.names():
         if conversion is not None and name in conversion.lists[kind]:
             return kind
     return None
@@ -115,9 +122,9 @@ def _explain_python_check(frame):
     if listed is None:
         return (
             f"hmp: {name} checks in Python that its input and weights share a dtype ({where}); its kernel "
-            f"'{kernel}' is in no hmp list. List '{kernel}' in the {_title('bf16')} or FP32 list and hmp runs "
+            f"'{kernel}' is in no hmp list. List '{kernel}' in the {_title(LOWER.name)} or FP32 list and hmp runs "
             f"the whole "
-            f"{name} in that dtype, input, hidden state and weights ({lists.how_to_add(kernel, 'fp32', _low())})."
+            f"{name} in that dtype, input, hidden state and weights ({lists.how_to_add(kernel, FP32.name, _low())})."
         )
     return (
         f"hmp: {name} checks in Python that its input and weights share a dtype ({where}); '{kernel}' is in "
@@ -180,12 +187,13 @@ def _explain(exc, wrapped, in_backward=False):
                 f"(`from torch import {callee}`)."
             )
     if label is not None and name is not None:
-        if kind == "bf16" and name in NORMALIZATIONS:
+        record = _record(kind)
+        if record is not None and record.norms is not None and name in NORMALIZATIONS:
             return (
-                f"hmp: {label} ({_title('bf16')} list) got lower-precision and float32 tensors: hmp casts only "
+                f"hmp: {label} ({_title(kind)} list) got lower-precision and float32 tensors: hmp casts only "
                 f"the input "
                 f"of normalization ops, so its weight, bias and statistics keep their dtypes; give them one "
-                f"dtype, or move '{name}' to the FP32 list ({lists.how_to_add(name, 'fp32', _low())})."
+                f"dtype, or move '{name}' to the FP32 list ({lists.how_to_add(name, FP32.name, _low())})."
             )
         return (
             f"hmp: {label} ({_title(kind)} list) got lower-precision and float32 tensors "

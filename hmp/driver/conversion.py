@@ -18,12 +18,13 @@ from typing import Any, Iterator, NamedTuple
 import torch
 
 from hmp import rules, tested
-from hmp.core import cache, dtypes, imports, lists, module_entries, modules, pays, sites, wrap
+from hmp.core import cache, dtypes, imports, kinds, lists, module_entries, modules, pays, sites, wrap
 from hmp.core.aten import returns_view
 from hmp.core.cache import clear_cache
 from hmp.core.cast_copies import CASTS
 from hmp.core.hints import ListPath, ModuleTargets
 from hmp.core.identity import unwrap
+from hmp.core.kinds import FP32, LOWER
 from hmp.core.module_entries import Pattern
 from hmp.core.patch import MISSING, PatchLog
 from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label
@@ -177,7 +178,9 @@ def _build(conversion, resolver, recorder, passthrough):
     held = _held()
     # entries that gain nothing from their list's rule are not bound: torch runs them (hmp/core/pays.py)
     one_dtype = lists.one_dtype_names()
-    bound = {k: {n for n in v if pays.decision(k, n, options.strict, one_dtype)[0]} for k, v in effective.items()}
+    bound = {
+        k: {n for n in v if pays.decision(kinds.kind(k), n, options.strict, one_dtype)[0]} for k, v in effective.items()
+    }
     op_sites = [
         (b.site.namespace, b.site.attr, wrappers.site(b, _original(b.site, held)))
         for b in resolver.bind(bound, fallback)
@@ -186,12 +189,12 @@ def _build(conversion, resolver, recorder, passthrough):
     op_sites += [_registration(wrappers, *entry) for entry in runtime.registered]
     patches, forwards = [], None
     if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
-        no_kernel = dict(fallback).get("fp32", ())
-        fp32_names = set(effective["fp32"]).union(n for n in no_kernel if not _listed(n, effective))
+        no_kernel = dict(fallback).get(FP32.name, ())
+        fp32_names = set(effective[FP32.name]).union(n for n in no_kernel if not _listed(n, effective))
         forwards = modules.Forwards(options.low, casters, fp32_names)
         patches += modules.patches(by_module, forwards)
         modules.watch(by_module, watch, forwards, _later)
-    ctx = rules.Context(effective, uncast, watch, not passthrough, bool(by_module["bf16"]), _later, _again)
+    ctx = rules.Context(effective, uncast, watch, not passthrough, bool(by_module.get(LOWER.name)), _later, _again)
     changes = [rule.changes(ctx) for rule in rules.RULES]
     _say_lacks(changes)
     for change in changes:
@@ -431,7 +434,8 @@ def applied(conversion, recorder=None, passthrough=False):
 
 
 def effective_lists(detail: bool = False) -> dict:
-    """``{"bf16", "fp32", "promote"}`` to the sorted op names of each list
+    """Each list kind's public name (``"bf16"``, ``"fp32"``, ``"promote"``:
+    hmp/core/kinds.py) to the sorted op names of its list
     and, after them, its module entries as a list file names them (a
     class's import path, or a pattern); empty when not converted.
 
@@ -441,23 +445,25 @@ def effective_lists(detail: bool = False) -> dict:
     module entry to ``"module entry: ..."`` (hmp/core/pays.py)."""
     conversion = runtime.conversion
     if conversion is None:
-        return {k: {} if detail else [] for k in lists.KINDS}
+        return {k: {} if detail else [] for k in kinds.names()}
     named = {
         k: sorted(module_entries.entry_key(t) for t in conversion.modules.get(k, ()) if isinstance(t, (type, Pattern)))
-        for k in lists.KINDS
+        for k in kinds.names()
     }
     if not detail:
         return {k: sorted(v) + named[k] for k, v in conversion.lists.items()}
-    rule = {"bf16": "the whole forward in the lower dtype", "fp32": "the whole forward in float32"}
     decided = decisions(conversion)
-    return {k: {**decided[k], **{m: f"module entry: {rule.get(k, '')}" for m in named[k]}} for k in decided}
+    return {k: {**decided[k], **{m: f"module entry: {kinds.kind(k).module_says}" for m in named[k]}} for k in decided}
 
 
 def decisions(conversion):
     """``{kind: {op name: "cast" or why not}}`` for a Conversion's op entries,
     sorted: what each line of its lists does (hmp/core/pays.py)."""
     strict, one_dtype = conversion.options.strict, lists.one_dtype_names()
-    return {k: {n: pays.decision(k, n, strict, one_dtype)[1] for n in sorted(v)} for k, v in conversion.lists.items()}
+    return {
+        k: {n: pays.decision(kinds.kind(k), n, strict, one_dtype)[1] for n in sorted(v)}
+        for k, v in conversion.lists.items()
+    }
 
 
 def register(owner, name, kind):

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from hmp.core import lists, module_entries
+from hmp.core import kinds, lists, module_entries
 from hmp.core.dtypes import LOW
 from hmp.core.resolve import Resolver
 from hmp.rules import uncast_calls
@@ -22,15 +22,12 @@ class Options(NamedTuple):
     strict: bool = False  # Habana's literal rule: every listed op casts, pointwise ones too
 
 
-NO_MODULES = {"bf16": (), "fp32": ()}
-
-
 class Conversion(NamedTuple):
     """What one convert() installed; ``apply()`` installs it again."""
 
-    lists: dict  # "bf16", "fp32", "promote" -> set of op names
+    lists: dict  # list kind's name (hmp/core/kinds.py) -> set of op names
     options: Options
-    modules: dict = NO_MODULES  # "bf16", "fp32" -> module classes and instances (hmp/core/modules.py)
+    modules: dict  # kind name -> module classes and instances (hmp/core/modules.py), for kinds that take them
     uncast: tuple = ()  # uncast_calls.Entry: code that runs with casts off (building, averaging, merging)
 
 
@@ -62,8 +59,8 @@ def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bflo
             f"the lists once it is called; call hmp.convert() and run {type(opt_level).__name__} as it is "
             f"(model= is only for naming modules in fp32_modules/bf16_modules)"
         )
-    if opt_level not in lists.OPT_LEVELS:
-        raise ValueError(f"hmp: opt_level must be one of {', '.join(lists.OPT_LEVELS)}, got {opt_level!r}")
+    if opt_level not in kinds.OPT_LEVELS:
+        raise ValueError(f"hmp: opt_level must be one of {', '.join(kinds.OPT_LEVELS)}, got {opt_level!r}")
     if low_precision_type not in LOW:
         raise ValueError(f"hmp: low_precision_type must be torch.bfloat16 or torch.float16, got {low_precision_type!r}")
     if isinstance(isVerbose, (str, bytes)) and not _looks_like_path(isVerbose):
@@ -90,17 +87,18 @@ def plan(options, resolver=None):
     effective, classes = lists.effective(
         resolver or Resolver(),
         given["opt_level"],
-        given["bf16_file_path"],
-        given["fp32_file_path"],
-        given["promote_file_path"],
+        {k.name: given[k.parameter] for k in kinds.KINDS},
         fp16=given["fp16_file_path"],
         low=low,
         strict=checked.strict,
     )
-    fp32 = module_entries.targets(given["fp32_modules"], given["model"], "fp32_modules")
-    bf16 = module_entries.targets(given["bf16_modules"], given["model"], "bf16_modules")
+    targets = {
+        k.name: module_entries.targets(given[k.modules_parameter], given["model"], k.modules_parameter)
+        for k in kinds.KINDS
+        if k.takes_modules
+    }
     uncast = uncast_calls.load(given["uncast_file_path"])
-    return Conversion(effective, checked, module_entries.merge(classes, fp32, bf16), uncast)
+    return Conversion(effective, checked, module_entries.merge(classes, targets), uncast)
 
 
 PARAMETERS = {}  # convert()'s parameters by name (inspect.Parameter), read from its signature (options_of)

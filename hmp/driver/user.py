@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from hmp.core import lists, sites
+from hmp.core import kinds, sites
 from hmp.driver import conversion
 
 F = TypeVar("F", bound=Callable)
 
 
 def _check_kind(kind):
-    if kind not in lists.KINDS:
-        raise ValueError(f"hmp: kind must be one of {', '.join(lists.KINDS)}, got {kind!r}")
+    if kind not in kinds.names():
+        raise ValueError(f"hmp: kind must be one of {', '.join(kinds.names())}, got {kind!r}")
 
 
 def _decorator(kind):
@@ -33,14 +33,15 @@ def _decorator(kind):
 
     decorate.__name__ = decorate.__qualname__ = f"{kind}_function"
     decorate.__doc__ = (
-        f"Run the decorated function under the {lists.list_title(kind)} list's rule while hmp is converted."
+        f"Run the decorated function under the {kinds.kind(kind).title} list's rule while hmp is converted."
     )
     return decorate
 
 
-bf16_function = _decorator("bf16")
-fp32_function = _decorator("fp32")
-promote_function = _decorator("promote")
+# one per kind, by its public name; a static name each, so that type checkers and IDEs see them
+bf16_function = _decorator(kinds.LOWER.name)
+fp32_function = _decorator(kinds.FP32.name)
+promote_function = _decorator(kinds.PROMOTE.name)
 
 
 def register(owner: object, name: str, kind: str) -> None:

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from hmp.core import list_files, lists, module_entries
-from hmp.core.lists import OPT_LEVELS, Names
+from hmp.core import kinds, list_files, lists, module_entries
+from hmp.core.kinds import FP32, LOWER, OPT_LEVELS
+from hmp.core.lists import Names
 from hmp.core.resolve import NO_PYTHON, UNKNOWN, Resolver
 from hmp.driver.conversion import convert, revert
 
@@ -41,7 +42,7 @@ BOOL_FIELDS = ("use_habana_mixed_precision", "use_torch_autocast", "hmp_is_verbo
 LIST_FIELDS = ("hmp_bf16_ops", "hmp_fp32_ops", "autocast_bf16_ops", "autocast_fp32_ops")
 STR_FIELDS = ("hmp_opt_level",)
 # hmp's own: module classes (import paths) or module name patterns, in either mode
-MODULE_FIELDS = {"bf16": "hmp_bf16_modules", "fp32": "hmp_fp32_modules"}
+MODULE_FIELDS = {k.name: f"hmp_{k.modules_parameter}" for k in kinds.KINDS if k.takes_modules}
 FIELDS = BOOL_FIELDS + LIST_FIELDS + STR_FIELDS + tuple(MODULE_FIELDS.values())
 
 # which list fields each mode reads: (bf16 field, fp32 field)
@@ -214,8 +215,8 @@ def plan_from_config(path_or_mapping, model=None):
         lists.warn_unreachable(f"gaudi config {source}: {', '.join(unreachable)}")
     return {
         "opt_level": opt_level,
-        "bf16": bf16,
-        "fp32": fp32,
+        LOWER.name: bf16,
+        FP32.name: fp32,
         "verbose": bool(config.get("hmp_is_verbose") or False),
         "modules": by_module,
         "source": source,
@@ -254,16 +255,15 @@ def convert_from_config(
         return False
     given = [
         Names(names, f"{field} of gaudi config {wanted['source']}") if names is not None else ""
-        for names, field in zip((wanted["bf16"], wanted["fp32"]), wanted["fields"])
+        for names, field in zip((wanted[LOWER.name], wanted[FP32.name]), wanted["fields"])
     ]
+    modules = {k.modules_parameter: wanted["modules"][k.name] for k in kinds.KINDS if k.takes_modules}
     convert(
         wanted["opt_level"],
-        given[0],
-        given[1],
-        wanted["verbose"],
-        low_precision_type,
+        isVerbose=wanted["verbose"],
+        low_precision_type=low_precision_type,
         cache=cache,
-        fp32_modules=wanted["modules"]["fp32"],
-        bf16_modules=wanted["modules"]["bf16"],
+        **{LOWER.parameter: given[0], FP32.parameter: given[1]},
+        **modules,
     )
     return True

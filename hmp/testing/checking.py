@@ -17,7 +17,7 @@ from typing import List, NamedTuple
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
-from hmp.core import dtypes, lists
+from hmp.core import dtypes, kinds
 from hmp.driver.conversion import converted, effective_lists, in_force
 from hmp.testing.follows import Rejected, follow
 from hmp.testing.strategies import builder, calls, op_for
@@ -99,7 +99,7 @@ def check_lists(
                     continue
                 verdicts.append(_check_entry(kind, name, why, low, examples, device))
         options = in_force().options
-    title = lists.list_title("bf16", low)
+    title = kinds.LOWER.title_in(low)
     header = (
         f"hmp check: torch {torch.__version__} on {device}, opt_level {options.opt_level}, lower dtype "
         f"{dtypes.name(low)}{', strict' if options.strict else ''}; {title} list {bf16_file_path or 'default'}, "

@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from hmp.core import aten, lists, pays, resolve
+from hmp.core import aten, kinds, lists, pays, resolve
 from hmp.core.identity import unwrap
 from hmp.core.resolve import FUSED
 
@@ -153,7 +153,9 @@ def bound_names(conversion):
     """``{kind: sorted names}`` of the entries a conversion binds: those that
     gain from their list's rule (pays.decision), in the kinds' order."""
     strict, one = conversion.options.strict, lists.one_dtype_names()
-    return {k: sorted(n for n in v if pays.decision(k, n, strict, one)[0]) for k, v in conversion.lists.items()}
+    return {
+        k: sorted(n for n in v if pays.decision(kinds.kind(k), n, strict, one)[0]) for k, v in conversion.lists.items()
+    }
 
 
 def binding(conversion, op, call, runtime):
@@ -189,9 +191,9 @@ def why_left(conversion, call):
     strict, one = conversion.options.strict, lists.one_dtype_names()
     for kind, names in conversion.lists.items():
         for name in sorted(call.names & names):
-            casts, why = pays.decision(kind, name, strict, one)
+            casts, why = pays.decision(kinds.kind(kind), name, strict, one)
             if not casts:
-                return f"{lists.list_title(kind, conversion.options.low)} list entry {name}: {why}"
+                return f"{kinds.kind(kind).title_in(conversion.options.low)} list entry {name}: {why}"
     return "in no list"
 
 

@@ -225,16 +225,17 @@ def calls(op, *, dtypes=(FP32, BF16), mixed=True, edges=False, device="cpu", bui
     return draw_call()
 
 
-def listed_calls(kinds=("bf16", "fp32", "promote"), **options):
+def listed_calls(kinds=None, **options):
     """``(op, args, kwargs)`` for an entry drawn from the lists in force when
     the example is drawn (convert first: the ``hmp`` marker or the
-    ``hmp_converted`` fixture), among ``kinds``; entries without sample
+    ``hmp_converted`` fixture), among ``kinds`` (list names such as
+    ``"bf16"``; None: every list); entries without sample
     calls and module entries are left out. ``options`` go to ``calls``."""
 
     @st.composite
     def draw_listed(draw):
         in_force = effective_lists()
-        names = sorted({n for k in kinds for n in in_force.get(k, ()) if builder(n) is not None})
+        names = sorted({n for k in kinds or in_force for n in in_force.get(k, ()) if builder(n) is not None})
         if not names:
             raise ValueError("hmp.testing.strategies.listed_calls: no listed op with sample calls (is hmp converted?)")
         name = draw(st.sampled_from(names))

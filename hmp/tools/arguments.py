@@ -8,6 +8,10 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
+from hmp.core.kinds import FP32, LOWER
+
 # flag -> the attribute argparse stores it under
 LIST_FLAGS = {"--bf16-file": "bf16_file", "--fp32-file": "fp32_file"}
 # what hmp's own messages start with; after "PROG: error: " they say nothing more
@@ -44,8 +48,11 @@ def fraction(text):
 
 def add_list_files(p, what="to run under"):
     """--bf16-file and --fp32-file on parser ``p``."""
-    for flag, kind, example in (("--bf16-file", "BF16", "tuned_bf16.txt"), ("--fp32-file", "FP32", "tuned_fp32.txt")):
-        env = "LOWER_LIST" if kind == "BF16" else "FP32_LIST"
+    for flag, record, example in (
+        ("--bf16-file", LOWER, "tuned_bf16.txt"),
+        ("--fp32-file", FP32, "tuned_fp32.txt"),
+    ):
+        kind, env = record.title_in(torch.bfloat16), record.environ[0]
         p.add_argument(
             flag,
             default="",

@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from hmp.core import kinds
 from hmp.core.hints import Step
-from hmp.core.lists import KINDS
 from hmp.core.pays import CAST
 from hmp.driver.conversion import applied, decisions, in_force
 from hmp.driver.plan import plan
@@ -257,7 +257,7 @@ def in_force_or_default():
 
 
 def kind_of(name, lists):
-    return next((k for k in KINDS if name in lists[k]), None)
+    return next((k for k in kinds.names() if name in lists[k]), None)
 
 
 def run_step(
@@ -391,7 +391,7 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold, runs=None):
             "own_by_module": {},
         }
         if stats.casts:
-            only = {k: ({name} if name in lists[k] else set()) for k in KINDS}
+            only = {k: ({name} if name in lists[k] else set()) for k in kinds.names()}
             own_final, own = run_step(
                 fn, args, kwargs, guard, conversion._replace(lists=only), keep_outputs=True, restore_dtype=True
             )

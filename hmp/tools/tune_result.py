@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 
 import torch
 
+from hmp.core import kinds
 from hmp.tools import timing, tuned_files
 from hmp.tools.files import write_all
 from hmp.tools.report import write as write_html
@@ -40,7 +41,8 @@ class TuneResult:
         self.trials = trials  # op -> {"seconds", "own_max_rel", "loss_error", "nonfinite", "accepted"}
         self.validation = validation  # name -> final loss after the validation steps
         self.timings = timings  # name -> median step seconds
-        self.modules = modules or {"bf16": (), "fp32": ()}  # module entries: classes and instances
+        # module entries: classes and instances
+        self.modules = modules or {k.name: () for k in kinds.KINDS if k.takes_modules}
         # op -> {"class", "type", "own_max_rel", "loss_error", "nonfinite", "accepted"}: the module
         # class its error is confined to, and the op's errors with that class in FP32
         self.proposals = proposals or {}

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from hmp.core.lists import default_file, default_path, list_title, load
+from hmp.core import kinds
+from hmp.core.lists import default_path, load
 from hmp.core.module_entries import Pattern, class_path, entry_key, module_class, shown
 from hmp.core.resolve import Resolver
 
@@ -40,8 +41,9 @@ def importable(cls):
 def default_entries(kind, low=torch.bfloat16, strict=False):
     """What ``include default`` reads in a ``kind`` file given to
     ``hmp.convert()`` (opt_level O1, the lower dtype ``low``, ``strict``)."""
-    path = default_path(default_file("O1", kind, low, strict))
-    return load(path, Resolver(), "default list", modules=kind != "promote")
+    record = kinds.kind(kind)
+    path = default_path(record.default_file("O1", low, strict))
+    return load(path, Resolver(), "default list", modules=record.takes_modules)
 
 
 def written(entry):
@@ -79,5 +81,5 @@ def texts(lists, modules, targets, summary, low=torch.bfloat16, strict=False):
     out = []
     for kind, path in targets:
         lines = ["include default", *changes(kind, lists[kind], modules.get(kind, ()), low, strict)]
-        out.append((path, summary + HEADER.format(kind=list_title(kind, low)) + "\n".join(lines) + "\n"))
+        out.append((path, summary + HEADER.format(kind=kinds.kind(kind).title_in(low)) + "\n".join(lines) + "\n"))
     return out

@@ -27,8 +27,9 @@ import statistics
 import time
 from typing import Any, Callable, Iterable
 
+from hmp.core import kinds
 from hmp.core.hints import Step
-from hmp.core.lists import KINDS
+from hmp.core.kinds import FP32, LOWER
 from hmp.core.resolve import Resolver
 from hmp.driver.conversion import applied
 from hmp.tools import op_costs, timing
@@ -39,6 +40,11 @@ from hmp.tools.progress import StepRuns
 from hmp.tools.record import within
 from hmp.tools.target import user_name
 from hmp.tools.tune_result import TuneResult
+
+
+def _empty_lists():
+    """Every list kind's name to an empty set: a conversion's lists before its ops are put in."""
+    return {k: set() for k in kinds.names()}
 
 
 def _as_sets(lists):
@@ -129,8 +135,8 @@ class _Tuner:
 
     def under(self, lists, fp32_modules=()):
         """The starting conversion with ``lists`` and ``fp32_modules`` added to its FP32 module entries."""
-        fp32 = tuple(dict.fromkeys(self.start.modules["fp32"] + tuple(fp32_modules)))
-        return self.start._replace(lists=lists, modules={"bf16": self.start.modules["bf16"], "fp32": fp32})
+        fp32 = tuple(dict.fromkeys(self.start.modules[FP32.name] + tuple(fp32_modules)))
+        return self.start._replace(lists=lists, modules={**self.start.modules, FP32.name: fp32})
 
     def run_step(self, conversion, **options):
         return run_step(self.run, self.args, self.kwargs, self.guard, conversion, **options)
@@ -164,7 +170,7 @@ class _Tuner:
         )
         self.lists = _as_sets(self.start_lists)
         for op in self.report.flagged:
-            for k in KINDS:
+            for k in kinds.names():
                 self.lists[k].discard(op)
             self.lists["fp32"].add(op)
         self.confined = {
@@ -198,7 +204,7 @@ class _Tuner:
         ]
         self.authored = [] if self.override_fp32 else sorted(op for op in large if op in costs.authored)
         self.candidates = [op for op in large if op not in self.authored]
-        watch = {"bf16": set(self.candidates) | set(self.confined), "fp32": set(), "promote": set()}
+        watch = {**_empty_lists(), LOWER.name: set(self.candidates) | set(self.confined)}
         self.runs.expect(1, "a reference step in fp32")
         self.ref_final, self.ref = self.run_step(
             self.under(watch), passthrough=True, keep_outputs=True, module_outputs=True
@@ -233,7 +239,7 @@ class _Tuner:
         trial = {
             "was": kind_of(op, self.lists),
             "seconds": self.seconds[op],
-            **self.alone(op, {"bf16": {op}, "fp32": set(), "promote": set()}),
+            **self.alone(op, {**_empty_lists(), LOWER.name: {op}}),
             "time_ratio": None,
         }
         if trial["accepted"]:
@@ -256,7 +262,7 @@ class _Tuner:
 
     def try_class_instead(self, op, cls):
         """The flagged ``op`` cast where its starting list says, with ``cls`` in FP32."""
-        only = {k: ({op} if op in self.start_lists[k] else set()) for k in KINDS}
+        only = {k: ({op} if op in self.start_lists[k] else set()) for k in kinds.names()}
         self.runs.expect(1, f"{op} with {cls.__name__} in FP32")
         return {"class": user_name(cls), "type": cls, **self.alone(op, only, [cls])}
 
@@ -285,12 +291,12 @@ class _Tuner:
         candidate = _as_sets(self.lists)
         for op, t in self.trials.items():
             if t["accepted"]:
-                for k in KINDS:
+                for k in kinds.names():
                     candidate[k].discard(op)
                 candidate["bf16"].add(op)
         for op, p in self.proposals.items():
             if p["accepted"]:  # the op keeps its starting list; its class goes to FP32
-                for k in KINDS:
+                for k in kinds.names():
                     candidate[k].discard(op)
                     if op in self.start_lists[k]:
                         candidate[k].add(op)

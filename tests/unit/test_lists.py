@@ -204,7 +204,7 @@ def test_a_minus_pattern_line_takes_out_exactly_that_module_entry(tmp_path, gone
     shipped = _module_entries(hmp.list_path("fp32"))
     assert len(shipped) >= 4  # the shipped rotary and timestep patterns
     fp32 = write(tmp_path, "fp32.txt", f"include default\n-{gone}\n")
-    _, classes = effective(Resolver(), fp32=fp32, environ={})
+    _, classes = effective(Resolver(), sources={"fp32": fp32}, environ={})
     assert [entry_key(m) for m in classes["fp32"]] == [m for m in shipped if m != gone]
     _, classes = effective(Resolver(), environ={})
     assert [entry_key(m) for m in classes["fp32"]] == shipped

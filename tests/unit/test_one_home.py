@@ -6,6 +6,7 @@ import inspect
 from pathlib import Path
 
 import hmp
+from hmp.core import kinds
 from hmp.driver import plan
 
 PACKAGE = Path(hmp.__file__).parent
@@ -26,6 +27,7 @@ HOMES = {
         "resolved",
     },
     "core/identity.py": {"mark", "unwrap", "stand_in", "ORIGINAL"},
+    "core/kinds.py": {"Kind", "KINDS", "kind", "Fallback", "OPT_LEVELS"},
     "core/pays.py": {"why_not", "decision", "is_pointwise", "is_random", "NORMALIZATIONS"},
     "driver/plan.py": {"plan", "requested", "options_of", "PARAMETERS"},
 }
@@ -67,6 +69,47 @@ def test_a_planted_second_home_is_caught(tmp_path):
         ("core/lists.py", "Pattern", "core/module_entries.py"),
         ("core/lists.py", "class_path", "core/module_entries.py"),
     ]
+
+
+KIND_NAMES = {"bf16", "fp32", "promote"}  # the public names of the list kinds (hmp/core/kinds.py)
+
+
+def kind_tables(root):
+    """``[(module, line)]`` for every dict keyed by, or tuple, list or set
+    holding, two or more list kinds' names under ``root``, outside
+    core/kinds.py: a second table of kinds, which a new kind would miss."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        module = path.relative_to(root).as_posix()
+        if module == "core/kinds.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Dict):
+                items = node.keys
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                items = node.elts
+            else:
+                continue
+            named = {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+            if len(named & KIND_NAMES) >= 2:
+                found.append((module, node.lineno))
+    return found
+
+
+def test_the_list_kinds_have_one_table():
+    assert set(kinds.names()) == KIND_NAMES
+    assert kind_tables(PACKAGE) == []
+
+
+def test_a_planted_second_table_of_kinds_is_caught(tmp_path):
+    (tmp_path / "tools").mkdir()
+    planted = (
+        'COLOURS = {"bf16": "#1b9e77", "fp32": "#7570b3"}\n\n\ndef f(kind):\n    return kind in ("promote", "bf16")\n'
+    )
+    (tmp_path / "tools" / "svg.py").write_text(planted)
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "kinds.py").write_text('NAMES = ("bf16", "fp32", "promote")\n')
+    assert kind_tables(tmp_path) == [("tools/svg.py", 1), ("tools/svg.py", 5)]
 
 
 def test_convert_options_are_spelled_once_in_its_signature():
