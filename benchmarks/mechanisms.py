@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hmp  # noqa: E402
 from hmp import wrap  # noqa: E402
 from hmp.core import cast_copies, dtypes, policy
-from hmp.diagnostics.errors import Wrapped  # noqa: E402
+from hmp.core.rescue import About  # noqa: E402
 
 
 def pairs(a, b, n_pairs, calls):
@@ -65,8 +65,8 @@ def cases():
     prepare = policy.lower(torch.bfloat16, casters, policy.inplace_out(casters), "relu")
     refuse = cast_copies.numbers_check(torch.bfloat16, "relu")
     kw = dict(src=dtypes.FP32_ONLY, cast=casters[torch.bfloat16], refuse=refuse)
-    with_check = wrap.make(relu, prepare, Wrapped("relu"), hidden=True, **kw)
-    without = wrap.make(relu, prepare, Wrapped("relu"), hidden=False, **kw)
+    with_check = wrap.make(relu, prepare, About("relu"), hidden=True, **kw)
+    without = wrap.make(relu, prepare, About("relu"), hidden=False, **kw)
     x = torch.randn(8, 8)
     out["write-back check, F.relu casting 8x8"] = (lambda: with_check(x), lambda: without(x))
     return out

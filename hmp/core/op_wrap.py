@@ -6,7 +6,7 @@ from typing import Any, Callable
 import torch
 
 from hmp.core import cast_copies
-from hmp.core.rescue import Wrapped
+from hmp.core.rescue import About
 from hmp.core.wrap import make
 
 _to_bf16 = cast_copies.CASTS[torch.bfloat16]
@@ -29,7 +29,7 @@ def op_wrap(op: Callable, cast_fn: Callable[[torch.Tensor], torch.Tensor]) -> Ca
     def prepare(args, kwargs):
         return tuple(cast_value(a) for a in args), {k: cast_value(v) for k, v in kwargs.items()}
 
-    return make(op, prepare, Wrapped(getattr(op, "__qualname__", None) or repr(op)))
+    return make(op, prepare, About(getattr(op, "__qualname__", None) or repr(op)))
 
 
 def to_bf16(t: Any) -> Any:

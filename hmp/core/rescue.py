@@ -37,13 +37,13 @@ _annotators = []
 
 
 def on_error(annotate):
-    """Have ``annotate(exc, wrapped)`` called on every error a wrapper re-raises."""
+    """Have ``annotate(exc, about)`` called on every error a wrapper re-raises."""
     if annotate not in _annotators:
         _annotators.append(annotate)
     return annotate
 
 
-class Wrapped(NamedTuple):
+class About(NamedTuple):
     """What the error path knows of the callable a wrapper wraps: a listed
     site (``of(binding)``), a user function or an ``op_wrap``."""
 
@@ -56,7 +56,7 @@ class Wrapped(NamedTuple):
 
     @classmethod
     def of(cls, binding):
-        """The Wrapped of a resolve.Binding (a site a list name binds)."""
+        """The About of a resolve.Binding (a site a list name binds)."""
         site, kind, name = binding[:3]
         return cls(site.label, name, kind, site.inplace, site.inplace_param, site.written)
 
@@ -75,16 +75,16 @@ _NO_KERNEL = re.compile(torch_private.NO_KERNEL_MESSAGE)
 _to_fp32 = fp32(None, PLAIN_CASTS)
 
 
-def rescue(exc, op, wrapped, args, kwargs, cast_args, cast_kwargs):
+def rescue(exc, op, about, args, kwargs, cast_args, cast_kwargs):
     """A result for a call whose op raised ``exc``, or RAISE (after noting
     ``exc``). ``args``/``kwargs`` are the call as given, ``cast_*`` as hmp
     changed it; casting is still off in this thread."""
     try:
         cast_something = cast_args is not args or cast_kwargs is not kwargs
-        if cast_something and isinstance(exc, (NotImplementedError, RuntimeError)) and _may_run_again(exc, wrapped):
-            result, how = _without_the_cast(op, wrapped, args, kwargs)
+        if cast_something and isinstance(exc, (NotImplementedError, RuntimeError)) and _may_run_again(exc, about):
+            result, how = _without_the_cast(op, about, args, kwargs)
             if how is not None:
-                label = wrapped.label if wrapped else getattr(op, "__name__", repr(op))
+                label = about.label if about else getattr(op, "__name__", repr(op))
                 if state.first_time(("no kernel", label)):
                     first = str(exc.args[0]).splitlines()[0] if exc.args else type(exc).__name__
                     warnings.warn(
@@ -98,20 +98,20 @@ def rescue(exc, op, wrapped, args, kwargs, cast_args, cast_kwargs):
     except Exception:
         pass
     for annotate in _annotators:
-        annotate(exc, wrapped)
+        annotate(exc, about)
     return RAISE
 
 
-def _may_run_again(exc, wrapped):
+def _may_run_again(exc, about):
     """True when the call may simply be run again: torch's own op (a list
     entry's site), or a user's function whose error came straight out of the
     C function it called and names a missing kernel."""
-    if wrapped is not None and wrapped.name is not None:
+    if about is not None and about.name is not None:
         return True
     return bool(exc.args) and bool(_NO_KERNEL.search(str(exc.args[0]))) and culprit.raised_by_the_op(exc)
 
 
-def _without_the_cast(op, wrapped, args, kwargs):
+def _without_the_cast(op, about, args, kwargs):
     """Run the op with its arguments as given, or else (when it writes none
     of them) with its lower-precision arguments in float32. Returns
     ``(result, how)``; ``how`` is None when both fail."""
@@ -119,7 +119,7 @@ def _without_the_cast(op, wrapped, args, kwargs):
         return op(*args, **kwargs), "with its inputs as given"
     except Exception:
         pass
-    if wrapped is None or wrapped.writes(args, kwargs):
+    if about is None or about.writes(args, kwargs):
         return None, None  # a written tensor is never replaced by a copy
     up_args, up_kwargs = _to_fp32(args, kwargs)
     if up_args is args and up_kwargs is kwargs:

@@ -10,9 +10,9 @@ import torch
 
 from hmp.core import culprit, dtypes, kinds, policy
 from hmp.core.pays import NORMALIZATIONS
-from hmp.core.rescue import Wrapped
+from hmp.core.rescue import About
 from hmp.core.resolve import BUILTINS
-from hmp.core.wrap import NEVER, finish, make, op_of
+from hmp.core.wrap import NEVER, PAUSED, finish, make, op_of
 
 log = logging.getLogger("hmp")
 
@@ -132,17 +132,17 @@ class Wrappers:
         to_one = policy.one_dtype_rule(kind, name, site, self.low, self.casters, fallback)
         if to_one is not None and not self.passthrough:
             op = one_dtype_on_reject(op, to_one)
-        wrapped = Wrapped.of(binding)
+        about = About.of(binding)
         hidden = not isinstance(original, BUILTINS)
         op = self._op(op)
         # an op in no list steps in only for a call that needs it: otherwise the ops it calls cast as usual
         needs = policy.fallback_of(kind).needs if fallback else None
         if not self._lean(site, kind, name, fallback):
-            return make(op, self._prepare(prepare, site.label, name), wrapped, original, hidden=hidden, needs=needs)
+            return make(op, self._prepare(prepare, site.label, name), about, original, hidden=hidden, needs=needs)
         # lean for calls without keywords: the rule's casts without the prepare call
         at = NEVER if site.inplace_param is None else site.inplace_param
         src, cast, refuse = kind.lean(self.low, self.casters)
-        return make(op, prepare, wrapped, original, src, cast, refuse, at, hidden)
+        return make(op, prepare, about, original, src, cast, refuse, at, hidden)
 
     def _lean(self, site, kind, name, fallback):
         """True when a call without keywords may skip ``prepare`` and apply the
@@ -165,4 +165,4 @@ def user_function(fn, kind):
     """The wrapper ``@hmp.{kind}_function`` returns; paused until convert()
     resumes it with that conversion's prepare."""
     label = getattr(fn, "__qualname__", None) or repr(fn)
-    return make(fn, None, Wrapped(label, None, kind))  # paused: prepare None
+    return make(fn, PAUSED, About(label, None, kind))

@@ -18,8 +18,8 @@ A listed site's wrapper is lean: a call without keyword arguments (the
 common case) goes straight to the rule's casts (``policy.cast_each``, or the
 promote rule's one-dtype check), one function call less than through the
 site's ``prepare``, which takes every other call. A call with nothing to
-cast leaves after one dtype check per tensor argument. ``prepare`` is None
-in a paused or retired wrapper: a plain call of ``op``.
+cast leaves after one dtype check per tensor argument. ``prepare`` is PAUSED
+(None) in a paused or retired wrapper: a plain call of ``op``.
 
 Every wrapper, whatever it wraps, is this module's Python closure
 (``_body``): a function that ``inspect`` sees as one, torch.compile traces
@@ -50,7 +50,7 @@ NEVER = 1 << 62  # inplace_at of a site without an ``inplace`` parameter
 def make(
     op,
     prepare,
-    wrapped,
+    about,
     original=None,
     src=None,
     cast=None,
@@ -59,8 +59,8 @@ def make(
     hidden=True,
     needs=None,
 ):
-    """The wrapper of ``op``: casts through ``prepare``; ``wrapped`` (an
-    rescue.Wrapped) describes it for the error path. ``original``: what
+    """The wrapper of ``op``: casts through ``prepare``; ``about`` (an
+    rescue.About) describes it for the error path. ``original``: what
     ``op`` adapts, when it is an adapter (wrapper attributes come from it).
     ``hidden``: ``op`` may write an argument without declaring it (a Python
     function; a builtin's writes are in its schema, see resolve.writes), so
@@ -76,10 +76,11 @@ def make(
     ``src=PROMOTE``, a call whose floating tensors share one dtype runs as
     given. ``prepare`` applies the same rule to every other call."""
     original = op if original is None else original
-    return finish(_body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs), original)
+    return finish(_body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs), original)
 
 
 PROMOTE = object()  # make(src=PROMOTE): the promote rule's common case
+PAUSED = None  # a wrapper's prepare while paused or retired: the call is a plain call of its op
 _cast_each, _SAME, _one_dtype, _write_back = policy.cast_each, policy.SAME, policy.one_dtype, cast_copies.write_back
 _eager_of = cast_copies.eager_of
 _graph_off = graph_off
@@ -87,7 +88,7 @@ _call_state = torch_private.call_state
 _COMPILING, _DYNAMO, _LOWERING = torch_private.COMPILING, torch_private.DYNAMO, torch_private.LOWERING
 
 
-def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
+def _body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs):
     # While torch.compile lowers a captured graph, torch's own code calls this op by name: it runs
     # as torch's (torch_private.lowering). Not an operator (``a @ b``): dynamo records those as
     # Python's operator, never as this wrapper, so the graph reaches it only while lowering.
@@ -98,13 +99,13 @@ def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
 
     def wrapper(*args, **kwargs):
         st = tls
-        # read once: another thread's revert() may retire this wrapper (its prepare set to None)
+        # read once: another thread's revert() may retire this wrapper (its prepare set to PAUSED)
         # while a call is inside it; the call then finishes under the configuration it started in
         rule = prepare
-        if st.off or rule is None:
+        if st.off or rule is PAUSED:
             return op(*args, **kwargs)
-        state = _call_state()  # once per call: compiled, traced or eager (torch_private.call_state)
-        if state == _LOWERING and lowers or needs is not None and not needs(args, kwargs):
+        running = _call_state()  # once per call: compiled, traced or eager (torch_private.call_state)
+        if running == _LOWERING and lowers or needs is not None and not needs(args, kwargs):
             return op(*args, **kwargs)
         # casts off from here: for the casts' own ops (a BF16 module's mode must not see them) and for
         # the ops this one calls (the outermost op decides: state.enter/leave, inlined)
@@ -116,27 +117,27 @@ def _body(op, prepare, wrapped, src, cast, refuse, inplace_at, hidden, needs):
             elif src is PROMOTE:
                 a, k = (args, kwargs) if _one_dtype(args, None) is not False else rule(args, kwargs)
             else:
-                a, k = _cast_each(args, src, cast if state else eager, refuse), kwargs
+                a, k = _cast_each(args, src, cast if running else eager, refuse), kwargs
                 if a is _SAME:
                     a = args
                 elif a is None:  # a number the lower dtype cannot hold: prepare runs the FP32 rule
                     a, k = rule(args, kwargs)
             # a Python function's body may hold operators, decided when the captured graph is lowered
-            graph = hidden and state == _DYNAMO
+            graph = hidden and running == _DYNAMO
             if graph:
                 _graph_off(OFF)
             result = op(*a, **k)
             if st.fresh:  # also copies the op made in one dtype (sites.one_dtype_on_reject)
                 hold(result, st.fresh)
             # a write into a copy reaches the caller's tensor (traced code: functionalized)
-            if hidden and state < _COMPILING and (a is not args or k is not kwargs):
+            if hidden and running < _COMPILING and (a is not args or k is not kwargs):
                 _write_back(a, args, k, kwargs)
             return result
         except Exception as e:  # costs nothing unless something raises
             st.fresh.clear()
             if a is None:  # a cast raised: as without hmp's rescue
                 raise
-            result = rescue.rescue(e, op, wrapped, args, kwargs, a, k)
+            result = rescue.rescue(e, op, about, args, kwargs, a, k)
             if result is rescue.RAISE:
                 raise
             return result
@@ -192,7 +193,7 @@ _BODY = _body(None, None, None, None, None, None, None, None, None).__code__
 culprit.register_wrapper(_BODY, op_of)
 
 
-_FIELDS = ("op", "prepare", "wrapped", "src", "cast", "refuse", "inplace_at", "hidden", "needs")
+_FIELDS = ("op", "prepare", "about", "src", "cast", "refuse", "inplace_at", "hidden", "needs")
 
 
 def fields(wrapper):
@@ -277,8 +278,8 @@ def is_wrapper(obj):
 
 
 def pause(wrapper):
-    """Make a wrapper a plain call of what it wraps (its ``prepare`` None)."""
-    _set(wrapper, "prepare", None)
+    """Make a wrapper a plain call of what it wraps (its ``prepare`` PAUSED)."""
+    _set(wrapper, "prepare", PAUSED)
 
 
 def resume(wrapper, prepare):

@@ -146,8 +146,8 @@ def _explain_hook(match):
     )
 
 
-def _explain(exc, wrapped, in_backward=False):
-    """One line for a dtype mismatch. ``wrapped`` is the Wrapped of the hmp
+def _explain(exc, about, in_backward=False):
+    """One line for a dtype mismatch. ``about`` is the About of the hmp
     wrapper the exception passed through, or None; ``in_backward``: raised
     in a backward pass."""
     hook = _HOOK.search(str(exc.args[0])) if exc.args else None
@@ -156,7 +156,7 @@ def _explain(exc, wrapped, in_backward=False):
     if in_backward:
         return _explain_backward(exc)
     callee = culprit.callee(exc)
-    label, name, kind = wrapped[:3] if wrapped is not None else (None, None, None)
+    label, name, kind = about[:3] if about is not None else (None, None, None)
     if callee is not None and label is not None and callee != name:
         if name:
             where = f"{label} ({_title(kind)} list)"
@@ -230,13 +230,13 @@ def _explain_backward(exc):
     )
 
 
-def annotate(exc, wrapped=None, in_backward=False):
-    """Add the mismatch note to ``exc`` (once); ``wrapped`` describes the hmp
+def annotate(exc, about=None, in_backward=False):
+    """Add the mismatch note to ``exc`` (once); ``about`` describes the hmp
     wrapper it passed through, if any; ``in_backward``: it was raised in a
     backward pass. Never raises."""
     try:
         if hasattr(exc, "add_note") and _note_of(exc) is None and is_mismatch(exc):
-            exc.add_note(_explain(exc, wrapped, in_backward))
+            exc.add_note(_explain(exc, about, in_backward))
     except Exception:  # a note must never replace the user's error
         pass
 

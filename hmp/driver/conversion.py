@@ -175,14 +175,14 @@ def _build(conversion, resolver, recorder, passthrough):
     # an op returning a view of its input is never wrapped (see aten.returns_view); ops in no list
     # that have no kernel for the lower dtype or need one dtype run as they would without hmp's casts
     fallback = lists.fallback_names(options.low)
-    held = _held()
+    placed = _placed()
     # entries that gain nothing from their list's rule are not bound: torch runs them (hmp/core/pays.py)
     one_dtype = lists.one_dtype_names()
     bound = {
         k: {n for n in v if pays.decision(kinds.kind(k), n, options.strict, one_dtype)[0]} for k, v in effective.items()
     }
     op_sites = [
-        (b.site.namespace, b.site.attr, wrappers.site(b, _original(b.site, held)))
+        (b.site.namespace, b.site.attr, wrappers.site(b, _original(b.site, placed)))
         for b in resolver.bind(bound, fallback)
         if not returns_view(b.name)
     ]
@@ -268,17 +268,17 @@ def _say_lacks(changes):
                 warnings.warn(f"{line} (hmp warns about this once per process.)", RuntimeWarning, stacklevel=4)
 
 
-def _held():
+def _placed():
     """``(id(namespace), attr) -> wrapper`` hmp put at an op site, which another
     library may hold now: the current conversion's, and those displaced earlier."""
     entries = runtime.patches.entries() if runtime.patches is not None else []
-    held = {(id(e.namespace), e.attr): e.value for e in entries if wrap.is_wrapper(e.value)}
-    held.update((key, e.value) for key, e in runtime.displaced.items())
-    return held
+    placed = {(id(e.namespace), e.attr): e.value for e in entries if wrap.is_wrapper(e.value)}
+    placed.update((key, e.value) for key, e in runtime.displaced.items())
+    return placed
 
 
-def _original(site, held):
-    wrapper = held.get((id(site.namespace), site.attr))
+def _original(site, placed):
+    wrapper = placed.get((id(site.namespace), site.attr))
     return unwrap(wrapper) if wrapper is not None else site.original()
 
 
@@ -286,10 +286,10 @@ def _install(log_, namespace, attr, value):
     """Put an op's wrapper at its site; where another library replaced hmp's
     wrapper there (wrapped it, or saved it to put back later), the site stays
     theirs and the wrapper they hold does what ``value`` would."""
-    held = runtime.displaced.get((id(namespace), attr))
-    if held is not None and namespace.__dict__.get(attr, MISSING) not in (held.value, held.previous):
-        wrap.take_over(held.value, value)
-        runtime.adopted.append(held)
+    displaced = runtime.displaced.get((id(namespace), attr))
+    if displaced is not None and namespace.__dict__.get(attr, MISSING) not in (displaced.value, displaced.previous):
+        wrap.take_over(displaced.value, value)
+        runtime.adopted.append(displaced)
         return
     log_.setattr(namespace, attr, value, if_unchanged=True)
 

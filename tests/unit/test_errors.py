@@ -187,7 +187,7 @@ def test_a_listed_python_op_that_fails_on_its_casts_runs_as_given(monkeypatch):
         scale = torch.ones(q.shape[0], q.shape[0])  # made inside: fp32
         return torch.baddbmm(scale[None], q[None], k[None].transpose(1, 2))
 
-    about = rescue.Wrapped("torch.nn.functional.attention", "attention", "bf16")
+    about = rescue.About("torch.nn.functional.attention", "attention", "bf16")
     wrapped = wrap.make(attention, policy.lower(BF16, dict(cast_copies.PLAIN_CASTS)), about)
     q, k = torch.randn(3, 2), torch.randn(3, 2)
     with pytest.warns(RuntimeWarning, match="attention fails on the dtype hmp cast its inputs to.*as given"):
@@ -208,7 +208,7 @@ def test_mismatch_inside_a_listed_python_op_says_to_list_what_it_calls():
         scale = torch.ones(q.shape[0], q.shape[0])  # made inside: fp32
         return torch.baddbmm(scale[None], q[None], k[None].transpose(1, 2))
 
-    about = rescue.Wrapped("torch.nn.functional.attention", "attention", "bf16", inplace=True)
+    about = rescue.About("torch.nn.functional.attention", "attention", "bf16", inplace=True)
     wrapped = wrap.make(attention, policy.lower(BF16, dict(cast_copies.PLAIN_CASTS)), about)
     with pytest.raises(RuntimeError) as info:
         wrapped(torch.randn(3, 2).bfloat16(), torch.randn(3, 2))

@@ -30,6 +30,9 @@ HOMES = {
     "core/kinds.py": {"Kind", "KINDS", "kind", "Fallback", "OPT_LEVELS"},
     "core/pays.py": {"why_not", "decision", "is_pointwise", "is_random", "NORMALIZATIONS"},
     "driver/plan.py": {"plan", "requested", "options_of", "PARAMETERS"},
+    # what a wrapper wraps, for the error path (was Wrapped, beside sites.Wrappers); the paused wrapper
+    "core/rescue.py": {"About"},
+    "core/wrap.py": {"PAUSED"},
 }
 
 

@@ -334,14 +334,14 @@ def test_no_kernel_falls_back_to_fp32_when_an_input_was_already_lowered(fresh_no
 
 
 def test_the_fp32_fallback_never_replaces_a_written_tensor():
-    from hmp.core.rescue import Wrapped
+    from hmp.core.rescue import About
 
-    assert Wrapped("torch.Tensor.mul_", "mul", "bf16", inplace=True).writes((1, 2), {})
-    assert Wrapped("torch.mm", "mm", "bf16").writes((1, 2), {"out": 3})
-    relu = Wrapped("torch.nn.functional.relu", "relu", "bf16", inplace_param=1)
+    assert About("torch.Tensor.mul_", "mul", "bf16", inplace=True).writes((1, 2), {})
+    assert About("torch.mm", "mm", "bf16").writes((1, 2), {"out": 3})
+    relu = About("torch.nn.functional.relu", "relu", "bf16", inplace_param=1)
     assert relu.writes((1, True), {}) and relu.writes((1,), {"inplace": True}) and not relu.writes((1,), {})
-    assert not Wrapped("torch.mm", "mm", "bf16").writes((1, 2), {})
-    bn = Wrapped("torch.nn.functional.batch_norm", "batch_norm", "bf16", written=((1, "running_mean"),))
+    assert not About("torch.mm", "mm", "bf16").writes((1, 2), {})
+    bn = About("torch.nn.functional.batch_norm", "batch_norm", "bf16", written=((1, "running_mean"),))
     assert bn.writes((1, 2), {}) and bn.writes((1,), {"running_mean": 2})  # as resolve.writes gives them
     assert not bn.writes((1, None), {}) and not bn.writes((1,), {"weight": 3})
 
