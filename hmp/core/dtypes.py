@@ -15,3 +15,15 @@ HALVES = frozenset(LOW)
 def name(dtype):
     """``torch.bfloat16`` -> ``"bfloat16"``: a dtype as messages and reports write it."""
     return str(dtype).replace("torch.", "")
+
+
+def first_floating(result):
+    """The dtype of the first floating tensor in ``result`` (a tensor, or lists and tuples of them), or None."""
+    if isinstance(result, torch.Tensor):
+        return result.dtype if result.dtype in FLOATS else None
+    if isinstance(result, (list, tuple)):
+        for r in result:
+            d = first_floating(r)
+            if d is not None:
+                return d
+    return None

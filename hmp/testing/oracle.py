@@ -30,7 +30,7 @@ import torch
 
 from hmp.core import torch_private
 from hmp.core.dtypes import FLOATS as FLOATING
-from hmp.core.dtypes import FP32
+from hmp.core.dtypes import FP32, first_floating
 from hmp.core.dtypes import LOW as LOWER
 from hmp.core.pays import NORMALIZATIONS
 from hmp.core.policy import AFFINE_ONLY_NORMS
@@ -134,17 +134,6 @@ def _cast(t, dtype):
         if type(t) in (torch.Tensor, torch.nn.Parameter):
             raise
         return t
-
-
-def _first_floating(result):
-    if isinstance(result, torch.Tensor):
-        return result.dtype if result.dtype in FLOATING else None
-    if isinstance(result, (list, tuple)):
-        for r in result:
-            d = _first_floating(r)
-            if d is not None:
-                return d
-    return None
 
 
 def _widest(args, kwargs):
@@ -279,7 +268,7 @@ class _Rules:
         a, k, words = self.rule()
         result, a, k, rescued = self.run(a, k)
         received = tuple(t.dtype for t in _floating(a, k))
-        return Expected(_first_floating(result), words, received, rescued)
+        return Expected(first_floating(result), words, received, rescued)
 
     def run(self, a, k):
         """torch's op on copies of ``(a, k)``, with hmp's casts off and the

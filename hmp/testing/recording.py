@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from hmp.core import cache, cast_copies, dtypes, policy
 from hmp.core.dtypes import FLOATS as _FLOATING
+from hmp.core.dtypes import first_floating
 from hmp.testing import entries
 
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
@@ -53,17 +54,6 @@ def _flat(values):
             yield v
 
 
-def _first_floating(result):
-    if isinstance(result, torch.Tensor):
-        return result.dtype if result.dtype in _FLOATING else None
-    if isinstance(result, (list, tuple)):
-        for r in result:
-            d = _first_floating(r)
-            if d is not None:
-                return d
-    return None
-
-
 def _made_by_a_cast():
     """True when the first frame outside torch and this package is one of
     hmp's casting modules."""
@@ -97,7 +87,7 @@ class record_ops(TorchFunctionMode):
             return result
         received = tuple(t for t in _flat((*args, *kwargs.values())) if isinstance(t, torch.Tensor))
         inputs = tuple(t.dtype for t in received if t.dtype in _FLOATING)
-        self.ran.append(Ran(entries.list_name(func), name, inputs, _first_floating(result), received))
+        self.ran.append(Ran(entries.list_name(func), name, inputs, first_floating(result), received))
         return result
 
 

@@ -76,6 +76,19 @@ class LinearNormLinear(torch.nn.Module):
         self.fc2 = torch.nn.Linear(16, 4)
 
 
+class Tied(torch.nn.Module):
+    """A weight used twice per forward (tied embedding and head) plus a plain layer: the weight cache's model."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Parameter(torch.randn(6, 8) * 0.5)
+        self.mid = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(F.linear(x, self.emb.t()))  # 6 -> 8 through the tied weight
+        return F.linear(self.mid(h), self.emb)  # 8 -> 6 through it again
+
+
 def clone_with_backward(backward):
     """An autograd Function whose forward clones its input and whose backward
     calls ``backward(grad)`` (which may raise) and passes the gradient on."""

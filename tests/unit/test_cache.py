@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import Tied
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,20 +20,6 @@ from hmp.core.state import copies
 BF16 = torch.bfloat16
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
-
-
-class Tied(torch.nn.Module):
-    """A weight used twice per forward (tied embedding and head) plus a plain layer."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Parameter(torch.randn(6, 8) * 0.5)
-        self.mid = torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = torch.tanh(F.linear(x, self.emb.t()))  # 6 -> 8 through the tied weight
-        h = self.mid(h)
-        return F.linear(h, self.emb)  # 8 -> 6 through it again
 
 
 def _update(kind, model, opts, x):

@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import Tied
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,19 +44,6 @@ def casts(fn, *args):
     with Casts() as counted:
         fn(*args)
     return counted.n
-
-
-class Tied(torch.nn.Module):
-    """A weight used twice per forward (tied embedding and head) plus a plain layer."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Parameter(torch.randn(6, 8) * 0.5)
-        self.mid = torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = torch.tanh(F.linear(x, self.emb.t()))
-        return F.linear(self.mid(h), self.emb)
 
 
 # -- what a region keeps, counted -------------------------------------------------------------------
