@@ -294,7 +294,7 @@ def cmd_lines(args):
             st=state.tls,
             cast=caster,
             plain=torch.Tensor.bfloat16,
-            live=state.copies.live[bf],
+            live=state.weight_cache.live[bf],
             cache=cache,
             Tensor=torch.Tensor,
             FP32=torch.float32,

@@ -54,7 +54,7 @@ import torch
 
 from hmp.core import torch_private
 from hmp.core.cast_copies import CASTS, eager_of, shielded
-from hmp.core.state import copies, tls
+from hmp.core.state import tls, weight_cache
 
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch_private.compiling  # dynamo traces or the compile session runs (not torch.compiler.is_compiling)
@@ -73,7 +73,7 @@ class _Frozen:
     __slots__ = ("stores", "__weakref__")
 
     def __init__(self):
-        self.stores = {d: {} for d in copies.dtypes}
+        self.stores = {d: {} for d in weight_cache.dtypes}
 
     def clear(self):
         for store in self.stores.values():
@@ -128,7 +128,7 @@ def _keep(store, t, copy, old, weak):
 
 def size():
     """Usable entries: live grad-mode copies and this thread's frozen ones."""
-    n = sum(1 for s in copies.live.values() for e in list(s.values()) if e.copy() is not None)
+    n = sum(1 for s in weight_cache.live.values() for e in list(s.values()) if e.copy() is not None)
     kept = _kept()
     return n + (sum(len(s) for s in kept.stores.values()) if kept is not None else 0)
 
@@ -149,14 +149,14 @@ def release() -> None:
     written after it through ``p.data`` (a hand-written update) are cast
     again in an enclosing region. A copy autograd saves lives on as long as
     its graph does."""
-    if copies.held:  # (empty after the backward pass's own release, at the step's)
-        with copies.held_lock:
-            held = list(copies.held)
-            copies.held.clear()
+    if weight_cache.held:  # (empty after the backward pass's own release, at the step's)
+        with weight_cache.held_lock:
+            held = list(weight_cache.held)
+            weight_cache.held.clear()
         for h in held:
             h.copies = None
-    if copies.frozen:  # (an empty set: no list made at every backward)
-        for kept in list(copies.frozen):
+    if weight_cache.frozen:  # (an empty set: no list made at every backward)
+        for kept in list(weight_cache.frozen):
             if type(kept) is _Region:
                 kept.clear()
 
@@ -166,10 +166,10 @@ def clear_cache() -> None:
     empty one, so the weight's next cast (each training step) reuses its
     weak reference to the weight instead of making another."""
     release()
-    for store in copies.live.values():
+    for store in weight_cache.live.values():
         for e in list(store.values()):
             e.copy, e.storage = _dead, None
-    for kept in list(copies.frozen):
+    for kept in list(weight_cache.frozen):
         kept.clear()
 
 
@@ -179,9 +179,9 @@ def refilled() -> None:
     at each refill (FSDP2 refills every module's parameters at every forward);
     each store is emptied at C speed, and what went is cast again at its next
     use, so the work is at most one drop per cast."""
-    for store in copies.live.values():
+    for store in weight_cache.live.values():
         store.clear()
-    for frozen in list(copies.frozen):
+    for frozen in list(weight_cache.frozen):
         for store in frozen.stores.values():
             store.clear()
 
@@ -195,7 +195,7 @@ def caster(dtype):
     (hmp/core/wrap.py), so it asks nothing per tensor."""
     plain = CASTS[dtype]
     lowered = eager_of(plain)
-    live = copies.live[dtype]
+    live = weight_cache.live[dtype]
 
     def eager(t):
         if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
@@ -262,7 +262,7 @@ def frozen_weights() -> Iterator[None]:
     st = tls
     if st.frozen_depth == 0:
         kept = _Frozen()  # owned here: tls.kept refers to it weakly
-        copies.frozen.add(kept)
+        weight_cache.frozen.add(kept)
         found, ref = st.kept, weakref.ref(kept)
         st.kept = ref
     st.frozen_depth += 1
@@ -285,7 +285,7 @@ def open_region():
     if st.frozen_depth:
         return None
     kept = _Region()
-    copies.frozen.add(kept)
+    weight_cache.frozen.add(kept)
     found, ref = st.kept, weakref.ref(kept)
     st.kept = ref
     return kept, ref, found

@@ -10,7 +10,7 @@ but torch_private (a leaf too).
   with what enter returned where it ends, on every exit path.
 - ``runtime``: the process-wide conversion. Only hmp/driver/conversion.py writes
   it, under ``runtime.lock``.
-- ``copies``: the weight-cast cache's stores (hmp/core/cache.py writes them).
+- ``weight_cache``: the weight-cast cache's stores (hmp/core/cache.py writes them).
 - ``warned``: keys of the warn-once messages already given.
 
 Kept elsewhere, on purpose (tests/unit/test_one_home.py finds every
@@ -162,7 +162,7 @@ class Runtime:
 runtime = Runtime()
 
 
-class Copies:
+class WeightCache:
     """Lower-precision copies of weights (hmp/core/cache.py)."""
 
     def __init__(self):
@@ -174,7 +174,7 @@ class Copies:
         self.dtypes = dtypes
 
 
-copies = Copies()
+weight_cache = WeightCache()
 
 warned = set()
 

@@ -40,7 +40,7 @@ import torch
 
 from hmp.core import cast_copies, culprit, policy, rescue, torch_private
 from hmp.core.identity import ORIGINAL, mark, unwrap
-from hmp.core.state import OFF, copies, graph_off, tls
+from hmp.core.state import OFF, graph_off, tls, weight_cache
 
 log = logging.getLogger("hmp")
 
@@ -179,8 +179,8 @@ def hold(result, fresh):
         if kept is None:
             held = meta[_METADATA_KEY] = _Held()
             kept = held.copies = []
-            with copies.held_lock:
-                copies.held.add(held)
+            with weight_cache.held_lock:
+                weight_cache.held.add(held)
         kept.extend(fresh)
     fresh.clear()
 

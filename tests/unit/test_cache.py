@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import hmp
 from hmp.core import cache
-from hmp.core.state import copies
+from hmp.core.state import weight_cache
 
 BF16 = torch.bfloat16
 
@@ -391,7 +391,7 @@ def test_entries_die_with_their_tensor_and_copies_do_not_share():
     assert not torch.equal(ya, yb)
     del ya, yb, a, b, x
     gc.collect()
-    assert cache.size() == 0 and all(len(s) == 0 for s in copies.live.values())
+    assert cache.size() == 0 and all(len(s) == 0 for s in weight_cache.live.values())
 
 
 def test_a_bias_copy_lives_as_long_as_the_graph_that_used_it():
@@ -401,7 +401,7 @@ def test_a_bias_copy_lives_as_long_as_the_graph_that_used_it():
     hmp.convert()
     lin = torch.nn.Linear(8, 8)
     x = torch.randn(2, 8)
-    live = copies.live[BF16]
+    live = weight_cache.live[BF16]
 
     def bias_copy():
         entry = live.get(id(lin.bias))
