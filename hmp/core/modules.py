@@ -194,7 +194,7 @@ class Forwards:
         self._lower_in = policy.lower_tensors(low, casters)
         self._mode = LowerMode(low, casters, fp32_names)
 
-    def forward(self, kind, original, name="forward"):
+    def replacing(self, kind, original, name="forward"):
         """``name(self, ...)`` (a module's ``forward``, or a class's
         ``__call__``) running ``original`` under ``kind``'s module rule (its
         record's ``module_rule``); a ValueError for a kind that has none."""
@@ -253,9 +253,9 @@ def patches(modules, forwards):
                     if cls not in seen:
                         seen.add(cls)
                         original = unwrap(inspect.getattr_static(cls, CALL))
-                        out.append((cls, CALL, forwards.forward(kind, original, CALL)))
+                        out.append((cls, CALL, forwards.replacing(kind, original, CALL)))
             else:
-                fn = forwards.forward(kind, _instance_forward(target))
+                fn = forwards.replacing(kind, _instance_forward(target))
                 setattr(fn, _OWN, _instance_own(target, "forward"))
                 out.append((target, "forward", types.MethodType(fn, target)))
                 out.append(

@@ -82,7 +82,7 @@ def test_an_unknown_kind_raises_where_a_kind_is_looked_up(unknown):
         wrappers.user_prepare(unknown, "f")
     forwards = modules.Forwards(BF16, CASTS, set())
     with pytest.raises(ValueError, match="unknown list kind"):  # the module rule: no fall-through to BF16's
-        forwards.forward(unknown, torch.nn.Linear.forward)
+        forwards.replacing(unknown, torch.nn.Linear.forward)
     with pytest.raises(ValueError, match="kind must be one of"):
         hmp.register(torch, "mm", unknown)
 
@@ -90,7 +90,7 @@ def test_an_unknown_kind_raises_where_a_kind_is_looked_up(unknown):
 def test_a_kind_without_a_rule_says_so():
     forwards = modules.Forwards(BF16, CASTS, set())
     with pytest.raises(ValueError, match="takes no module entries"):
-        forwards.forward("promote", torch.nn.Linear.forward)
+        forwards.replacing("promote", torch.nn.Linear.forward)
     with pytest.raises(ValueError, match="no rule to an op in no list"):
         policy.fallback_of(kinds.LOWER)
 
@@ -145,7 +145,7 @@ def test_a_kind_added_to_the_registry_is_picked_up(fp64_kind):
     # the module rule
     forwards = modules.Forwards(BF16, CASTS, set())
     original = torch.nn.Linear.forward
-    assert forwards.forward("fp64", original).__code__ is forwards.in_float32(original).__code__
+    assert forwards.replacing("fp64", original).__code__ is forwards.in_float32(original).__code__
     # which entries bind, and the lists
     assert pays.decision(fp64_kind, "logaddexp", False, frozenset()) == (True, pays.CAST)
     with warnings.catch_warnings():
