@@ -150,13 +150,10 @@ def release() -> None:
     again in an enclosing region. A copy autograd saves lives on as long as
     its graph does."""
     if weight_cache.held:  # (empty after the backward pass's own release, at the step's)
-        with weight_cache.held_lock:
-            held = list(weight_cache.held)
-            weight_cache.held.clear()
-        for h in held:
+        for h in weight_cache.held.take():
             h.copies = None
     if weight_cache.frozen:  # (an empty set: no list made at every backward)
-        for kept in list(weight_cache.frozen):
+        for kept in weight_cache.frozen.live():
             if type(kept) is _Region:
                 kept.clear()
 
@@ -169,7 +166,7 @@ def clear_cache() -> None:
     for store in weight_cache.live.values():
         for e in list(store.values()):
             e.copy, e.storage = _dead, None
-    for kept in list(weight_cache.frozen):
+    for kept in weight_cache.frozen.live():
         kept.clear()
 
 
@@ -181,7 +178,7 @@ def refilled() -> None:
     use, so the work is at most one drop per cast."""
     for store in weight_cache.live.values():
         store.clear()
-    for frozen in list(weight_cache.frozen):
+    for frozen in weight_cache.frozen.live():
         for store in frozen.stores.values():
             store.clear()
 

@@ -162,15 +162,55 @@ class Runtime:
 runtime = Runtime()
 
 
+class SharedWeakSet:
+    """A set of objects, held weakly, that every thread adds to while any
+    thread reads or empties it. Each step is one dict operation, atomic
+    under the GIL (and per object in free-threaded builds), so no lock is
+    taken: a ``weakref.WeakSet`` iterates in Python, and another thread's
+    add raises "Set changed size during iteration" in the reader. Each
+    object is added once (no de-duplication: every caller adds a new one)."""
+
+    __slots__ = ("_refs", "_gone")
+
+    def __init__(self):
+        refs = self._refs = {}  # id(weak reference) -> weak reference
+        self._gone = lambda ref, pop=refs.pop: pop(id(ref), None)
+
+    def add(self, obj):
+        ref = weakref.ref(obj, self._gone)
+        self._refs[id(ref)] = ref
+
+    def __bool__(self):
+        return bool(self._refs)
+
+    def __len__(self):
+        return len(self._refs)
+
+    def live(self):
+        """What is alive now, in a list this thread owns."""
+        return [obj for obj in (ref() for ref in list(self._refs.values())) if obj is not None]
+
+    def take(self):
+        """Empty the set and return what was alive in it; an add racing with
+        this lands either in what is returned or in the set, never lost."""
+        out, pop = [], self._refs.popitem
+        while True:
+            try:
+                obj = pop()[1]()
+            except KeyError:
+                return out
+            if obj is not None:
+                out.append(obj)
+
+
 class WeightCache:
     """Lower-precision copies of weights (hmp/core/cache.py)."""
 
     def __init__(self):
         dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
         self.live = {d: {} for d in dtypes}  # grad mode: dtype -> {id(tensor): entry}
-        self.frozen = weakref.WeakSet()  # every thread's no-grad stores: frozen_weights() blocks, no-grad regions
-        self.held = weakref.WeakSet()  # what graphs hold (wrap.hold), until the next backward pass
-        self.held_lock = threading.Lock()  # one thread's backward releases what another's forward adds
+        self.frozen = SharedWeakSet()  # every thread's no-grad stores: frozen_weights() blocks, no-grad regions
+        self.held = SharedWeakSet()  # what graphs hold (wrap.hold), until the next backward pass
         self.dtypes = dtypes
 
 

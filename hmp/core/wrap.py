@@ -179,8 +179,7 @@ def hold(result, fresh):
         if kept is None:
             held = meta[_METADATA_KEY] = _Held()
             kept = held.copies = []
-            with weight_cache.held_lock:
-                weight_cache.held.add(held)
+            weight_cache.held.add(held)
         kept.extend(fresh)
     fresh.clear()
 

@@ -235,3 +235,62 @@ def test_leaving_disable_casts_while_another_thread_reverts(fast_switching):
     stop.set()
     join(threads)
     assert not failures, failures[:3]
+
+
+def test_regions_open_and_backward_passes_release_in_many_threads_at_once(fast_switching):
+    """Every thread's no-grad stores are in one process-wide set, which a
+    backward pass in any thread reads while other threads open regions and
+    frozen_weights() blocks: the reader must never see the set change under
+    it (a weakref.WeakSet raised "Set changed size during iteration")."""
+    hmp.convert()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        reference = model(x)
+    stop, failures = threading.Event(), []
+
+    def holder():  # many live stores make each read of the set long
+        with hmp.frozen_weights():
+            stop.wait(JOIN_S)
+
+    def guarded(step):
+        def run():
+            try:
+                for _ in range(2000):
+                    step()
+            except Exception as e:
+                failures.append(f"{type(e).__name__}: {e}")
+
+        return run
+
+    def infer():
+        with torch.no_grad():
+            assert torch.equal(model(x), reference)
+
+    def train():
+        model(x).sum().backward()
+
+    holders = start([holder for _ in range(200)])
+    try:
+        join(start([guarded(infer), guarded(infer), guarded(train), guarded(train)]))
+    finally:
+        stop.set()
+    join(holders)
+    assert not failures, failures[:3]
+
+
+def test_the_shared_weak_set_keeps_what_lives_and_hands_it_over_once():
+    from hmp.core.state import SharedWeakSet
+
+    class Kept:
+        pass
+
+    s = SharedWeakSet()
+    objs = [Kept() for _ in range(5)]
+    for o in objs:
+        s.add(o)
+    del objs[1], objs[2]  # two of them go
+    assert len(s) == 3 and sorted(map(id, s.live())) == sorted(map(id, objs))
+    assert sorted(map(id, s.take())) == sorted(map(id, objs))
+    assert not s and s.live() == [] and s.take() == []
