@@ -89,6 +89,20 @@ class Tied(torch.nn.Module):
         return F.linear(self.mid(h), self.emb)  # 8 -> 6 through it again
 
 
+def tied_training():
+    """The weight cache's training setup, the same each call: a seeded Tied
+    model, three optimizers over it (fused, foreach and single-tensor
+    updates write the weights three different ways) and an input."""
+    torch.manual_seed(0)
+    model = Tied()
+    opts = {
+        "fused": torch.optim.AdamW(model.parameters(), lr=0.05, fused=True),
+        "foreach": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True),
+        "single": torch.optim.Adam(model.parameters(), lr=0.05, foreach=False),
+    }
+    return model, opts, torch.randn(4, 6)
+
+
 def clone_with_backward(backward):
     """An autograd Function whose forward clones its input and whose backward
     calls ``backward(grad)`` (which may raise) and passes the gradient on."""

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import Tied
+from helpers import tied_training
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -132,14 +132,7 @@ def _use(kind, model, x, alive=None):
 
 
 def _run(program, use_cache, keep_graphs=False):
-    torch.manual_seed(0)
-    model = Tied()
-    opts = {
-        "fused": torch.optim.AdamW(model.parameters(), lr=0.05, fused=True),
-        "foreach": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True),
-        "single": torch.optim.Adam(model.parameters(), lr=0.05, foreach=False),
-    }
-    x = torch.randn(4, 6)
+    model, opts, x = tied_training()
     hmp.convert(cache=use_cache)
     outs, alive = [], [] if keep_graphs else None
     try:

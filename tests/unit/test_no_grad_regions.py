@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import Tied
+from helpers import tied_training
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -297,14 +297,7 @@ def _region(kind, body):
 
 
 def _run(program, use_cache):
-    torch.manual_seed(0)
-    model = Tied()
-    opts = {
-        "fused": torch.optim.AdamW(model.parameters(), lr=0.05, fused=True),
-        "foreach": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True),
-        "single": torch.optim.Adam(model.parameters(), lr=0.05, foreach=False),
-    }
-    x = torch.randn(4, 6)
+    model, opts, x = tied_training()
     outs = []
     hmp.convert(cache=use_cache)
     try:
