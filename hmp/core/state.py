@@ -1,5 +1,5 @@
 """Everything hmp keeps between calls, in one place; imports nothing from hmp
-but torch_private (a leaf too).
+but torch_private and torch_releases (leaves too).
 
 - ``tls``: per thread. ``off`` is the only thing the per-call wrapper
   reads: ``OFF`` inside ``disable_casts()``, inside a listed op (so ops it
@@ -39,7 +39,7 @@ import weakref
 
 import torch
 
-from hmp.core import torch_private
+from hmp.core import torch_private, torch_releases
 
 # -1 outside a backward pass; autograd's device threads run nothing else
 _graph_task_id = torch_private.current_graph_task_id()
@@ -50,16 +50,14 @@ MODULE = 2  # casts off for an FP32 module's forward (modules.py): a BF16 module
 
 
 class ThreadState(threading.local):
-    # class attributes: every new thread starts with casting on ...
-    off = 0
-    lower_mode = None  # the TorchFunctionMode of an enclosing BF16 module (modules.py), while pushed
-
+    # Every attribute is set per thread, none on the class: dynamo before torch 2.13 reads an
+    # attribute of a threading.local statically, finds a class attribute before the thread's
+    # own value, and traces a stale one while its guard reads the live one (a compiled model
+    # inside disable_casts() recompiled and still cast; torch_releases.BOUNDARIES, below).
     def __init__(self):
-        # ... except one first seen inside a backward pass: an autograd
-        # device thread (CUDA runs backward there), which only ever runs
-        # backward, where hmp casts nothing. Runs once per thread.
-        # Set on the instance even where it equals the class's: torch.compile guards on where an
-        # attribute lives, and a first write moving it would recompile once.
+        # Each thread starts with casting on, except one first seen inside a backward pass: an
+        # autograd device thread (CUDA runs backward there), which only ever runs backward, where
+        # hmp casts nothing. Runs once per thread.
         self.off = OFF if _graph_task_id is not None and _graph_task_id() != -1 else 0
         self.lower_mode = None
         self.frames = []  # open regions' frames (enter/leave), oldest first
@@ -69,6 +67,12 @@ class ThreadState(threading.local):
         self.kept = None  # weak reference to the no-grad stores in use: a frozen_weights() block's or a region's
         self.fresh = []  # grad-mode copies the call in progress made, for its output's graph to hold (cache.py)
 
+
+if not torch_releases.BOUNDARIES["traced_state_writes"].present:
+    # The floor's dynamo breaks the graph at every write to a threading.local; with the class
+    # attributes it runs hmp's wrappers as CI tested them there, while without them it traced a
+    # stale ``off`` after a second conversion in one process (torch 2.4.1, tests/unit/test_compile.py)
+    ThreadState.off, ThreadState.lower_mode = 0, None
 
 tls = ThreadState()
 _KEEP = object()
