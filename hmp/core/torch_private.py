@@ -9,13 +9,21 @@ Each entry says why hmp needs it and the releases it is known for (the
 tested releases: hmp/tested.py). A name a release lacks
 gets a fallback here, never an AttributeError at ``import hmp``; where no
 fallback keeps hmp's promise, convert() says what is missing (``checkpoint_lacks()``,
-``step_lacks()``, through the rules' ``Changes.lacks``).
+``step_lacks()``, through the rules' ``Changes.lacks``; torch_releases.py's
+``release_lacks()`` for what a release between the floor and the newest cannot give).
+
+``PRESENT`` says which of them the running torch has; hmp/core/torch_releases.py
+holds the table of those names and behaviours, the first release that has
+each and what hmp does without it.
 """
 
 import importlib
 import operator
+import sys
 
 import torch
+import torch._functorch.config as _functorch_config
+import torch._guards as _guards
 import torch.utils.checkpoint as _checkpoint
 from torch._subclasses import fake_tensor as _fake_tensor
 from torch.jit import _builtins as _jit_builtins
@@ -58,18 +66,6 @@ def _false():
 # also asks about scripting; the cache asks on every call.
 tracing_state = getattr(torch._C, "_get_tracing_state", None) or _none
 
-# torch.compiler.is_compiling() without its torch.jit.is_scripting() call,
-# for the cache's per-tensor check (2.4 to 2.15 keep the flag it returns in
-# this module global): dynamo folds is_dynamo_compiling() to True while it
-# traces, and export and AOT tracing set the flag.
-_compiler = torch.compiler
-_dynamo_compiling = torch.compiler.is_dynamo_compiling
-
-
-def compiling():
-    return _dynamo_compiling() or _compiler._is_compiling_flag
-
-
 # torch.compile after dynamo's capture: AOTAutograd, decompositions and
 # inductor run torch's own Python code, which calls torch's public functions
 # by name (an addmm decomposition calls torch.mm); hmp decided every cast
@@ -77,36 +73,66 @@ def compiling():
 # Releases that hold _is_compiling_flag for the whole compile session say
 # so (_compile_session_context); there, the flag while dynamo is not tracing
 # and nothing is exported (export's default traces the user's own code
-# without dynamo, where hmp decides) is that phase. Older releases (the
-# floor) emit call_module for torch.nn modules and run their forwards
-# (hmp's wrappers in them) only in that phase: no such rule there.
+# without dynamo, where hmp decides) is that phase. Older releases set the
+# flag only while dynamo traces; their session is dynamo's CompileContext,
+# which it holds from capture to the compiled graph (every release from the
+# floor on: torch_releases.BOUNDARIES) and export does not open.
+_compiler = torch.compiler
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 KNOWS_COMPILE_SESSION = hasattr(_compiler, "_compile_session_context")
+_compile_context = _guards.CompileContext.try_get
 
 
-def lowering():
-    return (
-        KNOWS_COMPILE_SESSION
-        and not _dynamo_compiling()  # first: dynamo folds it, and reads (guards on) nothing after it
-        and _compiler._is_compiling_flag
-        and not getattr(_compiler, "_is_exporting_flag", False)
-    )
+def _exporting():
+    return getattr(_compiler, "_is_exporting_flag", False)
 
 
 # What a wrapper call runs under, asked once per call (the casts then ask nothing):
 # EAGER, the weight-cast cache and the CPU range check apply; JIT_TRACE (torch.jit.trace
 # records the ops: a cached copy would become a constant); COMPILING (export, AOT
 # tracing: fake tensors); DYNAMO (dynamo traces: folded, nothing else read or guarded
-# on); LOWERING (see lowering()).
+# on); LOWERING (torch.compile's session after dynamo's capture, see above).
 EAGER, JIT_TRACE, COMPILING, DYNAMO, LOWERING = range(5)
 
+if KNOWS_COMPILE_SESSION:
 
-def call_state():
-    if _dynamo_compiling():  # first, as in lowering()
-        return DYNAMO
-    if _compiler._is_compiling_flag:
-        exporting = getattr(_compiler, "_is_exporting_flag", False)
-        return LOWERING if KNOWS_COMPILE_SESSION and not exporting else COMPILING
-    return EAGER if tracing_state() is None else JIT_TRACE
+    def compiling():
+        """Anything compiles: dynamo traces, export or AOT traces, or the
+        compile session lowers. torch.compiler.is_compiling() without its
+        torch.jit.is_scripting() call, for the per-tensor checks: dynamo
+        folds is_dynamo_compiling() to True while it traces, and export,
+        AOT tracing and the session set the flag."""
+        return _dynamo_compiling() or _compiler._is_compiling_flag
+
+    def call_state():
+        if _dynamo_compiling():  # first: dynamo folds it, and reads (guards on) nothing after it
+            return DYNAMO
+        if _compiler._is_compiling_flag:
+            return COMPILING if _exporting() else LOWERING
+        return EAGER if tracing_state() is None else JIT_TRACE
+
+else:
+
+    def compiling():
+        return _dynamo_compiling() or _compiler._is_compiling_flag or _compile_context() is not None
+
+    def call_state():
+        if _dynamo_compiling():
+            return DYNAMO
+        if _compiler._is_compiling_flag:  # export or AOT tracing outside torch.compile
+            return COMPILING
+        if _compile_context() is not None:
+            return LOWERING if _inlines_modules() else COMPILING
+        return EAGER if tracing_state() is None else JIT_TRACE
+
+
+def _inlines_modules():
+    """Whether dynamo traced torch.nn modules' forwards (hmp's wrappers in
+    them): where it records them as modules instead (the floor's default),
+    their forwards first run when the graph is lowered, and hmp decides
+    there as in traced code (torch_releases.BOUNDARIES["inline_nn_modules"]). Read in a
+    compile session only, when dynamo is imported."""
+    return getattr(sys.modules.get("torch._dynamo.config"), "inline_inbuilt_nn_modules", True)
 
 
 def import_dynamo():
@@ -427,3 +453,24 @@ def reached_ops(fn, *args):
     with mode:
         fn(*args)
     return mode.ops
+
+
+# -- what the running torch has (hmp/core/torch_releases.py: the first release of each) ------------
+
+PRESENT = {
+    "compile_session": KNOWS_COMPILE_SESSION,
+    "autograd_cache": hasattr(_functorch_config, "enable_autograd_cache"),
+    "compiling_flag": hasattr(_compiler, "_is_compiling_flag"),
+    "tracing_state": hasattr(torch._C, "_get_tracing_state"),
+    "graph_task_id": hasattr(torch._C, "_current_graph_task_id"),
+    "functorch_transforms": hasattr(torch._C, "_are_functorch_transforms_active"),
+    "version_counter_reset": hasattr(*VERSION_COUNTER_RESET),
+    "checkpoint_generator": checkpoint_generator() is not None,
+    "record_function_exit": record_function_exit_call() is not None,
+    "jit_builtins": hasattr(_jit_builtins, "_register_builtin"),
+}
+
+
+def autograd_cache_switch():
+    """``(config module, name)``: torch's switch for AOTAutograd's cache, or None on a torch without it."""
+    return (_functorch_config, "enable_autograd_cache") if PRESENT["autograd_cache"] else None

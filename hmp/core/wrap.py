@@ -90,7 +90,7 @@ _COMPILING, _DYNAMO, _LOWERING = torch_private.COMPILING, torch_private.DYNAMO, 
 
 def _body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs):
     # While torch.compile lowers a captured graph, torch's own code calls this op by name: it runs
-    # as torch's (torch_private.lowering). Not an operator (``a @ b``): dynamo records those as
+    # as torch's (torch_private.call_state: LOWERING). Not an operator (``a @ b``): dynamo records those as
     # Python's operator, never as this wrapper, so the graph reaches it only while lowering.
     name = getattr(op, "__name__", "")
     lowers = not (name.startswith("__") and name.endswith("__"))
