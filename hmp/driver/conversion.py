@@ -91,6 +91,7 @@ def install(wanted, resolver=None):
     with runtime.lock:
         interop.warn_inside_autocast()  # before patching: a warnings filter set to "error" patches nothing
         tested.warn_if_newer()
+        tested.warn_if_lacking()
         if wanted.options.strict:
             _warn_strict()
         apply(wanted, resolver)

@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hmp.core import torch_releases
+
 NAMESPACES = {"torch": torch, "torch.nn.functional": F, "torch.Tensor": torch.Tensor}
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -33,14 +35,19 @@ def skip_without_bf16_lstm():
         pytest.skip(NO_BF16_LSTM)
 
 
-# the running torch's release, (major, minor, patch), for version-gated skips
-# (docs/reliability.md, "torch releases": each says which feature needs which torch)
+# the running torch's release, (major, minor, patch), for what a library decides by it
 TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:3])
 
 
-def needs_torch(version, why):
-    """Skip below ``version`` (a tuple), saying why; never on a torch that has the feature."""
-    return pytest.mark.skipif(TORCH < version, reason=f"needs torch >= {'.'.join(map(str, version))}: {why}")
+def needs(boundary):
+    """Skip where the running torch lacks ``boundary`` (a key of hmp's
+    torch_releases.BOUNDARIES), with the table's own words: a skip and
+    docs/torch-releases.md cannot drift apart."""
+    b = torch_releases.BOUNDARIES[boundary]
+    return pytest.mark.skipif(
+        not b.present,
+        reason=f"torch {torch_releases.VERSION} predates {b.first} ({b.what}): {b.without}; docs/torch-releases.md",
+    )
 
 
 def snapshot(namespaces=NAMESPACES):

@@ -11,18 +11,14 @@ eager output differs from what plain O1 gives without the declaration.
 import pytest
 import torch
 from helpers import COMPILE_BACKENDS as BACKENDS
-from helpers import needs_torch
+from helpers import needs
 from torch import nn
 
 import hmp
-from hmp.core import torch_private
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_dynamo"),
-    # AOTAutograd's decompositions call torch's functions by name; releases
-    # without a compile-session flag give hmp no way to tell them from the program
-    pytest.mark.skipif(not torch_private.KNOWS_COMPILE_SESSION, reason="this torch does not flag its compile session"),
-    needs_torch((2, 6), "dynamo traces hmp's thread state without a graph break"),
+    needs("traced_state_writes"),
 ]
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import needs_torch
+from helpers import needs
 
 import hmp
 
@@ -189,7 +189,7 @@ def _same(name, train, how):
             torch.testing.assert_close(other[k], eager[k], **tol, msg=lambda m, k=k: f"{k}: {m}")
 
 
-@needs_torch((2, 5), "the compile-session flag hmp's compiled rules rely on (docs/integrations.md)")
+@needs("traced_state_writes")
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_compiled_computes_in_the_eager_dtypes(name, train):
@@ -197,13 +197,13 @@ def test_compiled_computes_in_the_eager_dtypes(name, train):
 
 
 @pytest.mark.slow
-@needs_torch((2, 5), "the compile-session flag hmp's compiled rules rely on (docs/integrations.md)")
+@needs("traced_state_writes")
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_inductor_computes_in_the_eager_dtypes(name):
     _same(name, False, "inductor")
 
 
-@needs_torch((2, 5), "torch.export's default traces without dynamo from 2.5 on")
+@needs("export_without_dynamo")
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_exported_computes_in_the_eager_dtypes(name):
     _same(name, False, "exported")

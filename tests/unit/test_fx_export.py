@@ -11,7 +11,7 @@ What docs/integrations.md#fx-tracing-and-torchexport says, checked:
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import needs_torch
+from helpers import needs
 
 import hmp
 
@@ -76,7 +76,7 @@ def test_fx_graph_casts_exactly_when_run_while_converted(net_and_input, traced_w
         assert torch.equal(a, b)
 
 
-@needs_torch((2, 6), "dynamo traces hmp's writes to its thread state (a threading.local) without a graph break")
+@needs("traced_state_writes")
 def test_export_while_converted_keeps_the_casts_after_revert(net_and_input):
     net, x = net_and_input
     hmp.convert()
@@ -91,7 +91,7 @@ def test_export_while_converted_keeps_the_casts_after_revert(net_and_input):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-@needs_torch((2, 6), "torch 2.4's dynamo keeps the functions it saw while converted as unknown builtins")
+@needs("dynamo_forgets_wrappers")
 def test_export_after_revert_has_no_casts(net_and_input):
     net, x = net_and_input
     plain = net(x)

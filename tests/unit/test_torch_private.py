@@ -282,3 +282,33 @@ def test_compiling_answers_as_torch_compiler_is_compiling():
 
     ep = torch.export.export(M(), (torch.zeros(1),), strict=False)
     assert ep.module()(torch.zeros(1)).item() == 11
+
+
+def test_the_docs_table_is_the_boundaries_table():
+    """docs/torch-releases.md shows hmp/core/torch_releases.BOUNDARIES row for row, in order."""
+    from pathlib import Path
+
+    from hmp.core import torch_releases
+
+    doc = (Path(__file__).parents[2] / "docs" / "torch-releases.md").read_text()
+    shown = [line for line in doc.splitlines() if re.match(r"\| `\w+` \|", line)]
+    assert shown == torch_releases.table_rows()
+
+
+def test_convert_says_once_what_this_release_cannot_keep():
+    """On a release without a promise hmp cannot keep, convert() names the release and what is
+    not kept, once per process; on the releases that have everything it says nothing of it."""
+    import subprocess
+    import sys
+
+    from hmp.core import torch_releases
+
+    lines = torch_releases.release_lacks()
+    assert all(torch_releases.VERSION in line for line in lines)
+    if all(b.present or b.kept for b in torch_releases.BOUNDARIES.values()):
+        assert lines == []
+    code = "import warnings, hmp; warnings.simplefilter('always'); hmp.convert(); hmp.revert(); hmp.convert()"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for line in lines:
+        assert res.stderr.count(line) == 1, res.stderr[-2000:]

@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import needs_torch
+from helpers import needs
 
 import hmp
 from hmp.core import wrap
@@ -94,7 +94,7 @@ def test_a_wrapper_keeps_no_reference_to_what_a_call_was_given():
         assert grown < 64 * 1024, f"{grown} bytes more after 2000 calls"
 
 
-@needs_torch((2, 6), "dynamo traces hmp's writes to its thread state (a threading.local) without a graph break")
+@needs("traced_state_writes")
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_listed_calls_with_keywords_and_strided_inputs_compile_in_one_graph():
     """What decoding a transformers Llama calls (the decode benchmark broke its graph at every layer
