@@ -12,6 +12,7 @@ order of installation.
 from hmp.rules import (
     buffers,
     checkpoint,
+    compiled_caches,
     functions,
     no_grad_regions,
     pickling,
@@ -38,4 +39,5 @@ RULES = (
     region_factories,  # an author's autocast region however a library builds it
     buffers,  # a buffer reassigned while converted keeps its dtype
     pickling,  # torch.save and multiprocessing pickle hmp's wrappers as torch's functions
+    compiled_caches,  # torch.compile's caches keyed without hmp's state: off while converted
 )
