@@ -50,7 +50,7 @@ MODULE = 2  # casts off for an FP32 module's forward (modules.py): a BF16 module
 
 
 class ThreadState(threading.local):
-    # Every attribute is set per thread, none on the class: dynamo before torch 2.13 reads an
+    # Every attribute is set per thread, none on the class: dynamo before torch 2.12 reads an
     # attribute of a threading.local statically, finds a class attribute before the thread's
     # own value, and traces a stale one while its guard reads the live one (a compiled model
     # inside disable_casts() recompiled and still cast; torch_releases.BOUNDARIES, below).

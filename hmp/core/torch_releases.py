@@ -42,13 +42,13 @@ FLOOR = "2.4"
 BOUNDARIES = {
     "compile_session": _boundary(
         "torch.compiler._compile_session_context: the compile flag held from capture to the compiled graph",
-        "2.12",
+        "2.13",
         "the session is dynamo's CompileContext (torch._guards), held as long: the same rule",
         present=PRESENT["compile_session"],
     ),
     "thread_local_reads": _boundary(
         "dynamo traces an attribute of a threading.local as the running thread's value",
-        "2.13",
+        "2.12",
         "hmp's thread state keeps no class attribute, so there is no other value to read",
     ),
     "traced_state_writes": _boundary(

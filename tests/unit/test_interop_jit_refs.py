@@ -108,6 +108,7 @@ def test_scripted_transformer_layer_while_converted():
 def test_deberta_v2_imported_while_converted():
     """transformers' DeBERTa-v2 scripts helpers at import time: import it for
     the first time in a process that is already converted."""
+    pytest.importorskip("transformers")  # imported in the child process; a leg without it (CI's between-releases) skips
     code = textwrap.dedent("""
         import torch, hmp
         torch.set_num_threads(1)
