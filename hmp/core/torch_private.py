@@ -114,16 +114,32 @@ if KNOWS_COMPILE_SESSION:
 else:
 
     def compiling():
-        return _dynamo_compiling() or _compiler._is_compiling_flag or _compile_context() is not None
+        return (
+            _dynamo_compiling()
+            or _compiler._is_compiling_flag
+            or _compile_context() is not None
+            or _fake_mode() is not None
+        )
 
     def call_state():
         if _dynamo_compiling():
             return DYNAMO
         if _compiler._is_compiling_flag:  # export or AOT tracing outside torch.compile
             return COMPILING
-        if _compile_context() is not None:
+        # dynamo's compile context, or strict export's trace of what dynamo captured (no flag, no
+        # context: its tensors are fake)
+        if _compile_context() is not None or _fake_mode() is not None:
             return LOWERING if _inlines_modules() else COMPILING
         return EAGER if tracing_state() is None else JIT_TRACE
+
+
+_FAKE = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
+
+
+def _fake_mode():
+    """The FakeTensorMode in force, or None: the tensors of the call are
+    fake, and nothing of theirs can be read."""
+    return torch._C._get_dispatch_mode(_FAKE) if _FAKE is not None else None
 
 
 def _inlines_modules():

@@ -61,7 +61,8 @@ BOUNDARIES = {
     "dynamo_forgets_wrappers": _boundary(
         "dynamo forgets the wrappers it met while converted once revert() puts torch's functions back",
         "2.6",
-        "a program exported after revert() may keep hmp's casts: export it in a fresh process",
+        "after a second convert() in one process, a compiled graph breaks where the first conversion's wrappers "
+        "stood, and the op there may run uncast: compile in the process's first conversion",
         kept=False,
     ),
     "inline_nn_modules": _boundary(
@@ -73,8 +74,10 @@ BOUNDARIES = {
     ),
     "export_without_dynamo": _boundary(
         "torch.export.export traces the program without dynamo by default (strict=False)",
-        "2.5",
-        "export traces through dynamo: hmp decides as under torch.compile",
+        "2.8",
+        "export's default traces through dynamo, which keeps an FP32 entry or disable_casts() inside the program "
+        "only in part: export with strict=False, which hmp follows on every release",
+        kept=False,
     ),
     "autograd_cache": _boundary(
         "torch._functorch.config.enable_autograd_cache: AOTAutograd's cache, keyed without hmp's state",

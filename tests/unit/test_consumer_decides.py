@@ -162,7 +162,8 @@ def _run(name, train, how):
         if how == "eager":
             return model(idx)
         if how == "exported":
-            return torch.export.export(model, (idx,)).module()(idx)
+            # without dynamo, as export's default is from 2.8 on (docs/torch-releases.md)
+            return torch.export.export(model, (idx,), strict=False).module()(idx)
         torch._dynamo.reset()
         try:
             return torch.compile(model, backend=how)(idx)
@@ -203,8 +204,6 @@ def test_inductor_computes_in_the_eager_dtypes(name):
     _same(name, False, "inductor")
 
 
-@needs("export_without_dynamo")
-@needs("traced_state_writes")  # an export through dynamo traces hmp's thread state as torch.compile does
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_exported_computes_in_the_eager_dtypes(name):
     _same(name, False, "exported")

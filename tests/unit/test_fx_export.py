@@ -11,7 +11,6 @@ What docs/integrations.md#fx-tracing-and-torchexport says, checked:
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import needs
 
 import hmp
 
@@ -76,14 +75,15 @@ def test_fx_graph_casts_exactly_when_run_while_converted(net_and_input, traced_w
         assert torch.equal(a, b)
 
 
-@needs("traced_state_writes")
 def test_export_while_converted_keeps_the_casts_after_revert(net_and_input):
     net, x = net_and_input
     hmp.convert()
     eager = net(x)
-    program = torch.export.export(net, (x,))
+    program = torch.export.export(net, (x,), strict=False)
     hmp.revert()
-    to_bf16 = [n for n in program.graph.nodes if n.op == "call_function" and torch.bfloat16 in n.args]
+    to_bf16 = [  # torch 2.4 records the dtype as a keyword
+        n for n in program.graph.nodes if n.op == "call_function" and torch.bfloat16 in (*n.args, n.kwargs.get("dtype"))
+    ]
     assert to_bf16, "the exported graph has no cast to bfloat16"
     exported = program.module()(x)
     assert dtypes(exported) == [torch.bfloat16, torch.float32]
@@ -91,14 +91,13 @@ def test_export_while_converted_keeps_the_casts_after_revert(net_and_input):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-@needs("dynamo_forgets_wrappers")
 def test_export_after_revert_has_no_casts(net_and_input):
     net, x = net_and_input
     plain = net(x)
     hmp.convert()
     net(x)
     hmp.revert()
-    program = torch.export.export(net, (x,))
+    program = torch.export.export(net, (x,), strict=False)
     assert not [n for n in program.graph.nodes if n.op == "call_function" and torch.bfloat16 in n.args]
     hmp.convert()  # an exported program calls aten ops hmp does not patch
     exported = program.module()(x)
