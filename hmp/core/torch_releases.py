@@ -58,6 +58,14 @@ BOUNDARIES = {
         "disable_casts() inside compiled code) and is not compiled again when it changes: compile after convert()",
         kept=False,
     ),
+    "dynamo_traces_wrappers_fully": _boundary(
+        "dynamo traces a disable_casts() block and a wrapper's call of a Tensor method (torch 2.6's does not)",
+        "2.7",
+        "disable_casts() inside compiled code breaks the graph, inductor can fail on a converted model "
+        "(\"'method_descriptor' object has no attribute '__module__'\"), and a compile that fails may leave "
+        'casts off in its thread: on 2.6 use backend="aot_eager", or torch 2.7 or newer',
+        kept=False,
+    ),
     "dynamo_forgets_wrappers": _boundary(
         "dynamo forgets the wrappers it met while converted once revert() puts torch's functions back",
         "2.6",

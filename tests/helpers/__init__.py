@@ -39,6 +39,21 @@ def skip_without_bf16_lstm():
 TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:3])
 
 
+def release_said():
+    """hmp's record of warnings already given, holding only what convert() says once per process
+    of the running torch's release (torch_releases.release_lacks; tested in a fresh process by
+    test_torch_private): for a test that starts its own warnings afresh, on any release."""
+    return {("torch lacks", line) for line in torch_releases.release_lacks()}
+
+
+def release_lines_removed(text):
+    """``text`` (a process's stderr) without the release's own warnings and their source lines."""
+    lines = text.splitlines()
+    drop = {i for i, line in enumerate(lines) for said in torch_releases.release_lacks() if said in line}
+    drop |= {i + 1 for i in drop}
+    return "\n".join(line for i, line in enumerate(lines) if i not in drop)
+
+
 def needs(boundary):
     """Skip where the running torch lacks ``boundary`` (a key of hmp's
     torch_releases.BOUNDARIES), with the table's own words: a skip and

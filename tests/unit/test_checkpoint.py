@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
+from helpers import release_said
 
 import hmp
 from hmp.core import torch_private
@@ -145,7 +146,7 @@ def test_timm_grad_checkpointing_gives_the_same_gradients():
 def test_a_torch_without_the_generator_gets_one_warning_naming_it(monkeypatch):
     # as on a future torch that renames it again: convert() still works, and says what is not kept cast
     monkeypatch.setattr(torch_private, "_GENERATORS", ("_no_such_generator",))
-    monkeypatch.setattr(hmp.core.state, "warned", set())
+    monkeypatch.setattr(hmp.core.state, "warned", release_said())
     with pytest.warns(RuntimeWarning, match=r"torch \S+ has no non-reentrant checkpoint generator.*please report"):
         hmp.convert()
     assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.bfloat16

@@ -19,6 +19,7 @@ import hmp
 pytestmark = [
     pytest.mark.usefixtures("fresh_dynamo"),
     needs("traced_state_writes"),
+    needs("dynamo_traces_wrappers_fully"),
 ]
 
 

@@ -191,6 +191,7 @@ def _same(name, train, how):
 
 
 @needs("traced_state_writes")
+@needs("dynamo_traces_wrappers_fully")
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_compiled_computes_in_the_eager_dtypes(name, train):
@@ -199,6 +200,7 @@ def test_compiled_computes_in_the_eager_dtypes(name, train):
 
 @pytest.mark.slow
 @needs("traced_state_writes")
+@needs("dynamo_traces_wrappers_fully")
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_inductor_computes_in_the_eager_dtypes(name):
     _same(name, False, "inductor")

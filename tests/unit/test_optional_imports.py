@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import release_said
 
 import hmp
 from hmp.core import state
@@ -18,7 +19,7 @@ from hmp.core import state
 @pytest.fixture
 def fresh(monkeypatch):
     """A process that has not warned yet, and no real torchvision in the way."""
-    monkeypatch.setattr(state, "warned", set())
+    monkeypatch.setattr(state, "warned", release_said())
     for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
         monkeypatch.delitem(sys.modules, name)
     return monkeypatch

@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import release_said
 
 import hmp
 
@@ -250,7 +251,7 @@ def test_sparse_coo_runs_in_the_lower_dtype_like_dense():
 def fresh_no_kernel_warnings(monkeypatch):
     from hmp.core import state
 
-    monkeypatch.setattr(state, "warned", set())
+    monkeypatch.setattr(state, "warned", release_said())
 
 
 def test_op_without_a_kernel_for_the_cast_dtype_runs_uncast_and_warns_once(fresh_no_kernel_warnings):
