@@ -12,6 +12,8 @@ import pytest
 import torch
 from helpers import run_python
 
+from hmp.core import torch_releases
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 RUN = BENCHMARKS / "run.py"
@@ -135,6 +137,24 @@ def test_decode_quick_converts_hmp_only_for_its_own_configurations(tmp_path):
         "hmp-O1-frozen / hmp-O1",
     ]
     assert sum(line.startswith("- target ") for line in p.stdout.splitlines()) == 3
+
+
+@pytest.mark.slow  # four compiles of a tiny Llama's decode
+@pytest.mark.torch_internals  # compiled code follows hmp on every release CI tests (issue 54)
+def test_compiled_decode_runs_and_follows_hmp(tmp_path):
+    """benchmarks/decode.py --compiled on the running torch: each configuration compiles, decodes and
+    gives its own dtype; hmp is converted for the phase and the others run inside disable_casts(),
+    which compiled code honours where dynamo can trace hmp's thread state (docs/torch-releases.md)."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "decode.json"
+    args = ["--quick", "--only-compiled", "--json", str(out)]
+    p = run_python(str(BENCHMARKS / "decode.py"), *args, cwd=ROOT, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    cfgs = json.loads(out.read_text())["compiled"]["configs"]
+    dtypes = {n: c["logits_dtype"] for n, c in cfgs.items()}
+    assert dtypes["hmp-O1"] == dtypes["autocast"] == dtypes["bf16"] == "bfloat16", dtypes
+    if torch_releases.BOUNDARIES["traced_state_writes"].present:
+        assert dtypes["fp32"] == "float32", dtypes
 
 
 def _tables(markdown):
