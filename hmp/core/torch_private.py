@@ -127,6 +127,7 @@ else:
             return DYNAMO
         if _compiler._is_compiling_flag:  # export or AOT tracing outside torch.compile
             return COMPILING
+        # _in_session(), inlined: this runs once per eager call
         if _guards_tls.__dict__.get("compile_context") is not None or _EXPORT_STRICT_BY_DEFAULT and _fake_mode():
             return LOWERING if _inlines_modules() else COMPILING
         return EAGER if tracing_state() is None else JIT_TRACE
