@@ -1,47 +1,45 @@
 """The weight-cast cache: lower-precision copies of weights that cannot go stale.
 
-Correct by construction: no copy outlives the reason it was made.
+A copy outlives its call only where hmp sees every write to its source, as
+torch.autocast's cache: a leaf that requires grad (a parameter in training),
+whose writes go through autograd's version counter. A frozen weight
+(requires_grad=False) is written through ``.data`` or its storage by peft's
+merge, offloading, hand-written loaders, which no counter shows: it is cast
+per call, unless inside ``frozen_weights()``, where the caller states that
+nothing writes the weights.
 
 - Grad mode: a copy is held only through a weak reference, and strongly by
   the graph of the output it was made for: torch keeps a tensor's Python
   object alive while the autograd graph saves it (a weight), and the
   wrapper puts a copy autograd does not save (a bias) in that output's
   ``grad_fn.metadata`` (wrap.hold). So the copy lives as long as the graph
-  that uses it, until a backward pass starts (``release``): backward, or
-  dropping the output, frees it. A weight
-  used several times in one forward (tied embeddings, an RNN cell, every
+  that uses it, until a backward pass starts (``release``). A weight used
+  several times in one forward (tied embeddings, an RNN cell, every
   micro-batch of one accumulated step) is cast once; the next step casts
   again.
 - No grad: copies are kept for a region, per thread: the outermost of
-  torch's own no-grad regions (``torch.no_grad()``, ``torch.inference_mode()``,
-  ``torch.set_grad_enabled(False)`` as a block, entered with grad on:
-  ``model.generate()``, an evaluation loop; hmp/rules/no_grad_regions.py
-  tells ``open_region``/``close_region``), or ``hmp.frozen_weights()``,
-  where the caller states the weights do not change. Dropped when that
-  region exits; a region's also when a backward pass starts. Outside both
-  (grad turned off by a call, not a block) copies are not kept.
-- Every optimizer step (torch's global step post hook, see hmp/rules/steps.py)
-  and ``clear_cache()`` drop every copy.
+  torch's own no-grad blocks entered with grad on (hmp/rules/no_grad_regions.py
+  tells ``open_region``/``close_region``), from a weight's second use in it
+  (a region of one forward casts per call: keeping its copies would only
+  cost fresh memory), or for a ``frozen_weights()`` block, from the first.
+  Dropped when that region exits, a region's also when a backward pass
+  starts. Grad turned off by a call, not a block, keeps nothing.
+- Every optimizer step (hmp/rules/steps.py), every refill that puts a
+  version counter back (hmp/rules/refills.py: FSDP2's all-gathers) and
+  ``clear_cache()`` drop every copy.
 
-Within those lifetimes an entry (named fields, see ``_Entry``) is also
-checked against what can change cheaply (version counter, data pointer,
-requires_grad), and it holds the source storage so its address cannot be
-reused. A write that keeps the version counter does so through torch's one
-way to put a counter back, ``torch._C._autograd._unsafe_set_version_counter``
-(``torch.autograd._unsafe_preserve_version_counter`` calls it): FSDP2 refills
-an unsharded parameter in place with it at every all-gather (same tensor,
-same version, often the same address), DDP broadcasts buffers with it.
-hmp/rules/refills.py sees each call and ``refilled()`` drops every copy, so
-the per-call check stays the three comparisons above. What no counter
-shows at all is a write through another tensor on the same memory (the
-``p.data`` alias, storage-level copies, collectives such as
-``dist.broadcast``, which declare no write): invisible only while a graph
-that saved the old copy is still alive (a forward's output kept across the
-write, ``retain_graph=True``), or inside a no-grad region or
-``frozen_weights()``. The cache steps aside for inference tensors (no
-version counter), under functorch transforms (their tensors have no
-storage), while ``torch.jit.trace`` runs (a cached copy would be recorded
-as a constant) and while torch.compile traces (fake tensors).
+An entry (``_Entry``) is checked at every hit against the source's version
+counter, data pointer and, for no-grad stores, shape. Nothing of hmp's sits
+on the user's tensor (``torch.utils.swap_tensors`` refuses one with a weak
+reference): an entry holds the source's storage weakly, and goes when that
+storage dies, so a storage's address is not reused while an entry names it,
+and a region never keeps alive the storage a program released
+(``model.to()``, offloading, ``del model``). What no counter shows (a write
+through ``p.data`` or the storage of a weight that requires grad) is missed
+while a graph or a region keeps its copy, as under torch.autocast. The cache
+steps aside for inference tensors (no version counter), under functorch
+transforms (no storage), while ``torch.jit.trace`` runs (a cached copy would
+be recorded as a constant) and while torch.compile traces (fake tensors).
 """
 
 from __future__ import annotations
@@ -91,22 +89,40 @@ class _Region(_Frozen):
 
 class _Entry:
     """A cached copy and what it was cast from. ``copy``: a weak reference to
-    the copy (grad mode) or the copy itself (frozen_weights); ``version``,
-    ``ptr``, ``grad``: the source's version counter, data pointer and
-    requires_grad at the cast; ``storage`` holds the source storage so its
-    address cannot be reused; ``source``: a weak reference to the source
-    that drops the entry with it."""
+    the copy (grad mode) or the copy itself (no-grad stores);
+    ``version``, ``ptr``, ``shape``: the source's version counter, data
+    pointer and shape at the cast; ``storage``: a weak reference to the
+    source's storage, whose death drops the entry (so its address cannot be
+    reused while the entry lives, and nothing of hmp's sits on the user's
+    tensor: ``torch.utils.swap_tensors`` refuses a tensor with a weak
+    reference)."""
 
-    __slots__ = ("copy", "version", "ptr", "grad", "storage", "source")
-
-
-def _forget(store, key):
-    return lambda _ref: store.pop(key, None)
+    __slots__ = ("copy", "version", "ptr", "shape", "storage")
 
 
-def _keep(store, t, copy, old, weak):
-    """Record ``copy`` of ``t`` in ``store`` (replacing ``old``), unless
-    ``t`` has nothing stable to check a later call against."""
+class _Drop:
+    """The callback of an entry's weak references: the copy (grad mode) or
+    the source's storage died, so the entry goes, unless a newer one took its
+    key."""
+
+    __slots__ = ("store", "key")
+
+    def __init__(self, store, key):
+        self.store, self.key = store, key
+
+    def __call__(self, ref):
+        e = self.store.get(self.key)
+        if e is not None and (e.storage is ref or e.copy is ref):
+            self.store.pop(self.key, None)
+
+
+_SEEN = _Entry()  # a region's first sight of a weight: no copy kept, nothing held
+_SEEN.copy = None
+
+
+def _keep(store, t, copy, weak):
+    """Record ``copy`` of ``t`` in ``store``, unless ``t`` has nothing
+    stable to check a later call against."""
     if isinstance(t, _Fake):  # no real storage (FakeTensorMode)
         return False
     try:
@@ -115,32 +131,53 @@ def _keep(store, t, copy, old, weak):
         return False
     if _transforms_active():  # the copy is wrapped at the transform's level: it must not escape
         return False
-    e = _Entry()  # a new entry, stored in one step: a thread reading the old one never sees a mix
-    # torch keeps a tensor's Python object alive while C++ (a graph's saved
-    # tensors) holds it, so the weak reference lives as long as that (2.4 to 2.14)
-    e.copy = weakref.ref(copy) if weak else copy
-    e.version, e.ptr, e.grad, e.storage = version, ptr, t.requires_grad, t.untyped_storage()
     key = id(t)
-    e.source = old.source if old is not None else weakref.ref(t, _forget(store, key))
+    drop = _Drop(store, key)
+    e = _Entry()  # a new entry, stored in one step: a thread reading the old one never sees a mix
+    # in grad mode the copy's graph holds the weight (its AccumulateGrad node) while the copy lives
+    e.copy = weakref.ref(copy, drop) if weak else copy
+    e.version, e.ptr, e.shape = version, ptr, t.shape
+    e.storage = weakref.ref(t.untyped_storage(), drop)
     store[key] = e
     return True
 
 
 def size():
-    """Usable entries: live grad-mode copies and this thread's frozen ones."""
+    """Usable entries: live grad-mode copies and this thread's kept ones."""
     n = sum(1 for s in weight_cache.live.values() for e in list(s.values()) if e.copy() is not None)
     kept = _kept()
-    return n + (sum(len(s) for s in kept.stores.values()) if kept is not None else 0)
+    if kept is not None:
+        n += sum(1 for s in kept.stores.values() for e in list(s.values()) if e.copy is not None)
+    return n
+
+
+def cache_bytes() -> int:
+    """Bytes of the lower-precision weight copies hmp keeps alive now, in
+    every thread: those no-grad regions and ``frozen_weights()`` blocks
+    keep, and those graphs hold until their backward pass (wrap.hold; a
+    weight's copy there is also what autograd saves for backward)."""
+    seen, n = set(), 0
+
+    def count(c):
+        nonlocal n
+        if c is not None and id(c) not in seen:
+            seen.add(id(c))
+            n += c.nbytes
+
+    for kept in weight_cache.frozen.live():
+        for store in kept.stores.values():
+            for e in list(store.values()):
+                count(e.copy)
+    for held in weight_cache.held.live():
+        for c in held.copies or ():
+            count(c)
+    return n
 
 
 def _kept():
     """The calling thread's no-grad stores in use, or None."""
     ref = tls.kept
     return ref() if ref is not None else None
-
-
-def _dead():
-    return None
 
 
 def release() -> None:
@@ -159,15 +196,9 @@ def release() -> None:
 
 
 def clear_cache() -> None:
-    """Drop every cached lower-precision copy. A grad-mode entry stays as an
-    empty one, so the weight's next cast (each training step) reuses its
-    weak reference to the weight instead of making another."""
+    """Drop every cached lower-precision copy, and every entry with it."""
     release()
-    for store in weight_cache.live.values():
-        for e in list(store.values()):
-            e.copy, e.storage = _dead, None
-    for kept in weight_cache.frozen.live():
-        kept.clear()
+    refilled()
 
 
 def refilled() -> None:
@@ -178,51 +209,65 @@ def refilled() -> None:
     use, so the work is at most one drop per cast."""
     for store in weight_cache.live.values():
         store.clear()
-    for frozen in weight_cache.frozen.live():
-        for store in frozen.stores.values():
-            store.clear()
+    for kept in weight_cache.frozen.live():
+        kept.clear()
 
 
 def caster(dtype):
-    """A one-argument cast to ``dtype`` that goes through the cache for
-    parameters and other leaf tensors that require grad. A hit is one
-    dictionary lookup and a check of the entry's named fields.
-    ``cast.eager``: the same cast for a wrapper's call in eager code, which
-    has turned casts off and asked once whether anything traces or compiles
-    (hmp/core/wrap.py), so it asks nothing per tensor."""
+    """A one-argument cast to ``dtype`` that goes through the cache for the
+    tensors whose writes hmp sees as torch.autocast does: leaves that
+    require grad (parameters in training). A frozen parameter goes through
+    it only inside ``frozen_weights()``, the caller's promise that nothing
+    writes it (a frozen weight is written through ``.data`` or its storage
+    by peft's merge, offloading, hand-written loaders: writes no counter
+    shows). A hit is one dictionary lookup and a check of the entry's named
+    fields. ``cast.eager``: the same cast for a wrapper's call in eager
+    code, which has turned casts off and asked once whether anything traces
+    or compiles (hmp/core/wrap.py), so it asks nothing per tensor."""
     plain = CASTS[dtype]
     lowered = eager_of(plain)
     live = weight_cache.live[dtype]
 
+    def kept_cast(t, kept, first_use):
+        store = kept.stores[dtype]
+        e = store.get(id(t))
+        if e is not None:
+            copy = e.copy
+            if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr() and e.shape == t.shape:
+                return copy
+        copy = lowered(t)
+        if e is None and not first_use:  # a region keeps a copy from a weight's second use: one forward
+            store[id(t)] = _SEEN  # per region casts per call, into memory the allocator reuses
+        else:
+            _keep(store, t, copy, False)
+        return copy
+
     def eager(t):
-        if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
+        if not t.requires_grad:
+            if type(t) is not _Parameter:
+                return lowered(t)
+            ref = tls.kept  # a frozen parameter: kept inside frozen_weights() only
+            kept = ref() if ref is not None else None
+            if kept is None or type(kept) is not _Frozen:
+                return lowered(t)
+            return kept_cast(t, kept, True)
+        if not t.is_leaf:
             return lowered(t)
         if _grad_enabled():
             e = live.get(id(t))
             if e is not None:
                 copy = e.copy()
-                if (
-                    copy is not None
-                    and e.version == _version(t)
-                    and e.ptr == t.data_ptr()
-                    and e.grad is t.requires_grad
-                ):
+                if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr():
                     return copy
             copy = lowered(t)
-            if _keep(live, t, copy, e, True):
+            if _keep(live, t, copy, True):
                 tls.fresh.append(copy)  # the wrapper hands it to its output's graph (wrap.hold)
             return copy
         ref = tls.kept  # a no-grad region's or frozen_weights()'s stores
         kept = ref() if ref is not None else None
         if kept is None:
             return lowered(t)
-        store = kept.stores[dtype]
-        e = store.get(id(t))
-        if e is not None and e.version == _version(t) and e.ptr == t.data_ptr():
-            return e.copy
-        copy = lowered(t)
-        _keep(store, t, copy, e, False)
-        return copy
+        return kept_cast(t, kept, type(kept) is _Frozen)
 
     def cast(t):
         if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
@@ -251,11 +296,13 @@ def frozen_weights() -> Iterator[None]:
     refills that put the version counter back (FSDP2's all-gathers) inside
     the block; what it cannot see is a write through another tensor on the
     weight's memory (the ``p.data`` alias, ``dist.broadcast`` into a
-    parameter), which is what you promise not to do here. Without it,
-    no-grad casts are kept for the outermost ``torch.no_grad()`` /
-    ``torch.inference_mode()`` block, under the same checks, and dropped
-    when it exits or a backward pass starts; the block keeps them across
-    such regions (a loop that enters ``torch.no_grad()`` per batch)."""
+    parameter, peft's ``merge_adapter()``), which is what you promise not to
+    do here. Frozen weights (requires_grad=False) are kept only here.
+    Without it, no-grad casts of weights that require grad are kept for the
+    outermost ``torch.no_grad()`` / ``torch.inference_mode()`` block from
+    their second use, under the same checks, and dropped when it exits or a
+    backward pass starts; the block keeps them across such regions (a
+    server that enters ``torch.no_grad()`` per request)."""
     st = tls
     if st.frozen_depth == 0:
         kept = _Frozen()  # owned here: tls.kept refers to it weakly

@@ -1,9 +1,9 @@
-"""A no-grad region keeps its weight casts until it ends, as torch.autocast's
-region keeps its own: the outermost block of torch's ``torch.no_grad()``,
-``torch.inference_mode()`` or ``torch.set_grad_enabled(False)`` entered with
-grad on (``model.generate()``, an evaluation loop, ``@torch.no_grad()``
-functions) opens the weight-cast cache's no-grad stores in its thread, and
-its exit drops them (hmp/core/cache.py: ``open_region``/``close_region``;
+"""A no-grad region keeps the weight casts it uses twice until it ends: the
+outermost block of torch's ``torch.no_grad()``, ``torch.inference_mode()`` or
+``torch.set_grad_enabled(False)`` entered with grad on (``model.generate()``,
+an evaluation loop, ``@torch.no_grad()`` functions) opens the weight-cast
+cache's no-grad stores in its thread, and its exit drops them
+(hmp/core/cache.py: ``open_region``/``close_region``, which says what is kept;
 every hit is still checked against the weight's version counter and data
 pointer, and an optimizer step, a backward pass, a refill, revert() and
 clear_cache() drop them sooner). Without this, every no-grad call cast

@@ -3,6 +3,7 @@ computes exactly what the same run computes with ``convert(cache=False)``
 (the oracle), whatever writes the weights."""
 
 import copy
+import weakref
 import gc
 import threading
 
@@ -436,3 +437,51 @@ def test_a_value_beyond_the_range_saturates_in_the_next_region_however_it_was_wr
             assert lin(e0)[0, 0].item() == top
     finally:
         hmp.revert()
+
+
+# -- nothing of hmp's on a user's tensor ------------------------------------------------------------
+
+_SWAPS = {
+    "model.to": lambda m: m.to(torch.float64),
+    "load_state_dict": lambda m: m.load_state_dict({k: v.clone() + 1 for k, v in m.state_dict().items()}),
+    "swap_tensors": lambda m: torch.utils.swap_tensors(m.weight, torch.nn.Parameter(torch.zeros(8, 8))),
+}
+
+
+@pytest.mark.parametrize("when", ["converted", "inside a region", "after clear_cache", "after revert"])
+@pytest.mark.parametrize("swap", list(_SWAPS))
+def test_swap_based_conversion_works_after_hmp_cast_the_weights(swap, when):
+    """torch.utils.swap_tensors refuses a tensor with a weak reference; nn.Module._apply and
+    load_state_dict call it under swap-on-conversion (torch's announced default), and for traceable
+    subclasses (DTensor). hmp keeps nothing on a parameter: its entries hold the storage weakly."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    hmp.convert()
+    try:
+        lin(x).float().sum().backward()  # one training step
+        opt.step()
+        kept = lin(x)  # a graph alive: the cache holds the weight's copy
+        with torch.no_grad():
+            lin(x), lin(x)  # and a region's kept copy, inside it
+            if when == "inside a region":
+                assert all(not weakref.getweakrefs(p) for p in lin.parameters())
+                _SWAPS[swap](lin)
+        if when == "after clear_cache":
+            hmp.clear_cache()
+        elif when == "after revert":
+            hmp.revert()
+        if when != "inside a region":
+            assert all(not weakref.getweakrefs(p) for p in lin.parameters())
+            del kept
+            _SWAPS[swap](lin)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+        hmp.revert()
+    lin.float()  # (model.to made them float64, which hmp leaves as the author chose)
+    with hmp.converted(), torch.no_grad():
+        out = lin(x), lin(x), lin(x)
+    assert out[2].dtype == BF16 and torch.equal(out[2], out[0])  # the swapped weights are cast as any others
