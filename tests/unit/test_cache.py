@@ -3,9 +3,9 @@ computes exactly what the same run computes with ``convert(cache=False)``
 (the oracle), whatever writes the weights."""
 
 import copy
-import weakref
 import gc
 import threading
+import weakref
 
 import pytest
 import torch
