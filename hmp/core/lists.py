@@ -150,7 +150,9 @@ class _Reading:
         try:
             if not modules:
                 raise ValueError(f"{name!r}: module entries go in the BF16 or FP32 list")
-            entry = from_line(name, _shipped(self.path))
+            # a '-' line imports nothing: a library not installed (or not imported yet) is taken out
+            # as a pattern, as a shipped list names it (tune writes such lines for every shipped entry)
+            entry = from_line(name, _shipped(self.path) or remove)
             if remove:  # as written (how an included pattern is known) and as the class it names
                 self.removed[name] = self.removed[entry_key(entry)] = number
             else:

@@ -2,6 +2,8 @@
 
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,23 @@ def test_a_minus_pattern_line_takes_out_exactly_that_module_entry(tmp_path, gone
     assert [entry_key(m) for m in classes["fp32"]] == [m for m in shipped if m != gone]
     _, classes = effective(Resolver(), environ={})
     assert [entry_key(m) for m in classes["fp32"]] == shipped
+
+
+def test_a_minus_line_for_a_library_not_installed_loads_and_imports_nothing(tmp_path):
+    """tune writes a '-' line for each shipped module entry it takes out; such a file loads where the
+    library is not installed, and a '-' line imports nothing (a fresh process: diffusers stays out)."""
+    gone = "diffusers.models.embeddings.Timesteps"
+    fp32 = write(tmp_path, "fp32.txt", f"include default\n-nosuchlib_hmp.models.Block\n-{gone}\n")
+    code = (
+        "import sys, hmp\n"
+        "from hmp.core.lists import effective\n"
+        "from hmp.core.module_entries import entry_key\n"
+        "from hmp.core.resolve import Resolver\n"
+        f"_, classes = effective(Resolver(), sources={{'fp32': {str(fp32)!r}}}, environ={{}})\n"
+        "keys = [entry_key(m) for m in classes['fp32']]\n"
+        f"assert {gone!r} not in keys and keys, keys\n"
+        "assert 'nosuchlib_hmp' not in sys.modules and 'diffusers' not in sys.modules\n"
+        f"hmp.convert(fp32_file_path={str(fp32)!r}); hmp.revert(); print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
