@@ -399,11 +399,18 @@ def main(argv=None):
     ap.add_argument("--profile", metavar="CONFIG", action="append", help="cProfile CONFIG's decode instead")
     ap.add_argument("--compiled", action="store_true", help="also compiled fp32, autocast, hmp O1, bf16")
     ap.add_argument("--only-compiled", action="store_true", help="the compiled phase alone")
+    ap.add_argument("--layers", type=int, help="decoder layers of the proxy (default 4; fewer compile faster)")
+    ap.add_argument(
+        "--compiled-configs",
+        default=",".join(COMPILED),
+        help=f"the compiled phase's configurations, a comma list (default {','.join(COMPILED)})",
+    )
     args = ap.parse_args(argv)
     new, rounds = (4, 2) if args.quick else (args.tokens, args.rounds)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed cache argument
-    models, cfg = build("proxy", args.device)
+    size = dict(SIZES["proxy"], **({"num_hidden_layers": args.layers} if args.layers else {}))
+    models, cfg = build(size, args.device)
     if args.profile:
         for name in args.profile:
             print(profile(models, name, cfg.vocab_size, args.device, new), end="\n\n")
@@ -419,8 +426,12 @@ def main(argv=None):
         res = measure(models, cfg.vocab_size, args.device, new, rounds, progress=lambda m: print(m, file=sys.stderr))
         print(report(res), flush=True)
     if args.compiled or args.only_compiled:
+        names = tuple(n for n in args.compiled_configs.split(",") if n)
+        unknown = [n for n in names if n not in COMPILED]
+        if unknown:
+            ap.error(f"--compiled-configs: unknown {unknown}; choose from {','.join(COMPILED)}")
         res["compiled"] = measure_compiled(
-            models, cfg.vocab_size, args.device, new, rounds, progress=lambda m: print(m, file=sys.stderr)
+            models, cfg.vocab_size, args.device, new, rounds, names, progress=lambda m: print(m, file=sys.stderr)
         )
         print(report_compiled(res["compiled"]))
     if args.json:

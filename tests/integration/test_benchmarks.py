@@ -139,20 +139,21 @@ def test_decode_quick_converts_hmp_only_for_its_own_configurations(tmp_path):
     assert sum(line.startswith("- target ") for line in p.stdout.splitlines()) == 3
 
 
-@pytest.mark.slow  # four compiles of a tiny Llama's decode
+@pytest.mark.slow  # two compiles of a one-layer Llama's decode
 @pytest.mark.torch_internals  # compiled code follows hmp on every release CI tests (issue 54)
 def test_compiled_decode_runs_and_follows_hmp(tmp_path):
-    """benchmarks/decode.py --compiled on the running torch: each configuration compiles, decodes and
-    gives its own dtype; hmp is converted for the phase and the others run inside disable_casts(),
+    """benchmarks/decode.py --compiled on the running torch: hmp O1 and fp32 compile, decode and give
+    their own dtypes; hmp is converted for the phase and fp32 runs inside disable_casts(),
     which compiled code honours where dynamo can trace hmp's thread state (docs/torch-releases.md)."""
     pytest.importorskip("transformers")
     out = tmp_path / "decode.json"
-    args = ["--quick", "--only-compiled", "--json", str(out)]
+    # hmp's phase and disable_casts() inside it, on one layer: autocast's and bf16's compiles are torch's own
+    args = ["--quick", "--only-compiled", "--layers", "1", "--compiled-configs", "hmp-O1,fp32", "--json", str(out)]
     p = run_python(str(BENCHMARKS / "decode.py"), *args, cwd=ROOT, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     cfgs = json.loads(out.read_text())["compiled"]["configs"]
     dtypes = {n: c["logits_dtype"] for n, c in cfgs.items()}
-    assert dtypes["hmp-O1"] == dtypes["autocast"] == dtypes["bf16"] == "bfloat16", dtypes
+    assert dtypes["hmp-O1"] == "bfloat16", dtypes
     if torch_releases.BOUNDARIES["traced_state_writes"].present:
         assert dtypes["fp32"] == "float32", dtypes
 
