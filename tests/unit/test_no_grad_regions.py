@@ -504,11 +504,12 @@ def test_compiled_code_with_a_region_inside_compiles_once_and_equals_eager():
 def test_a_refill_in_compiled_code_is_missed_only_out_of_reach_where_a_region_kept_the_copy(frozen):
     """A refill (a write with the version counter put back: FSDP2's all-gather) is seen through
     torch's Python function, or by the version counter where a compiled graph does not put it back.
-    A graph compiled before convert() by a backend that keeps the call (``backend="eager"``) runs
-    torch's function as it found it: inside a region that kept a trainable weight's copy that refill
-    is missed until the region ends, as under torch.autocast; a frozen weight's copy is never kept
-    there, so it is seen. (A graph compiled after convert() may call hmp's function or bump the
-    counter, depending on what dynamo captured first in the process: seen or missed, never worse.)"""
+    A graph compiled by a backend that keeps the call (``backend="eager"``) runs the function dynamo
+    captured, torch's or hmp's, depending on what the process compiled first (measured: missed when
+    this test runs alone, seen after another test compiled a refill under hmp): inside a region that
+    kept a trainable weight's copy that refill may be missed until the region ends, as under
+    torch.autocast, which misses every refill; a frozen weight's copy is never kept there, so it is
+    seen; after the region it is seen."""
     torch.manual_seed(0)
     lin, x, new = torch.nn.Linear(8, 8), torch.randn(2, 8), torch.randn(8, 8)
     lin.requires_grad_(not frozen)
@@ -530,7 +531,10 @@ def test_a_refill_in_compiled_code_is_missed_only_out_of_reach_where_a_region_ke
         after = lin(x)
     fresh = _fresh(lin, x)
     assert torch.equal(after, fresh) and not torch.equal(after, before)
-    assert torch.equal(inside, fresh if frozen else before)
+    if frozen:
+        assert torch.equal(inside, fresh)
+    else:  # the region's copy or the refilled weight's: nothing else
+        assert torch.equal(inside, before) or torch.equal(inside, fresh)
 
 
 def test_the_cache_section_of_the_docs_names_tests_that_exist():
