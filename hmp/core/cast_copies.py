@@ -12,7 +12,7 @@ import numbers
 
 import torch
 
-from hmp.core import torch_private
+from hmp.core import saturating_cast, torch_private
 from hmp.core.dtypes import BF16, FP16, FP32, FP64
 from hmp.core.dtypes import name as dtype_name
 from hmp.core.state import OFF, tls
@@ -32,6 +32,8 @@ _isinf, _clamp, _where, _nan_to_num_ = torch.isinf, torch.clamp, torch.where, _T
 _aminmax, _item, _copy_ = torch.aminmax, _TB.item, _TB.copy_
 _set_grad, _tracing = torch_private.set_grad_enabled, torch_private.tracing_state
 _compiling = torch_private.compiling
+_to_finite, _Parameter = saturating_cast.to_finite, torch.nn.Parameter
+_transforms_active, _forward_ad = torch_private.functorch_transforms_active, torch_private.forward_ad_active
 _NAN = float("nan")
 
 
@@ -45,12 +47,19 @@ def _finite(dtype):
 
     On the CPU, where reading a bound costs no device sync, one reduction
     (``aminmax``) says whether anything lies beyond the range, against the
-    three passes saturation takes. ``cast_finite.eager`` is the cast for a
+    three passes saturation takes. Off the CPU the cast is one op,
+    ``hmp::to_finite`` (saturating_cast.py: one kernel on CUDA); a tensor
+    subclass (DTensor), vmap and forward-mode AD take torch's ops, which
+    they know. ``cast_finite.eager`` is the cast for a
     wrapper's call, which has turned casts off and checked once that nothing
     traces or compiles (hmp/core/wrap.py): no per-cast state to read."""
     cast, top = PLAIN_CASTS[dtype], torch.finfo(dtype).max
 
     def eager(t):
+        if not t.is_cpu:
+            tt = type(t)
+            if (tt is Tensor or tt is _Parameter) and not _transforms_active() and not _forward_ad():
+                return _to_finite(t, dtype)
         y = cast(t)
         grad = y.requires_grad  # grad mode on and t requires grad: the checks run outside autograd
         if grad:

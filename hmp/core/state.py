@@ -22,7 +22,8 @@ module-level store and memo and checks it is named here):
   ``pays.is_pointwise``, ``resolve.aten_entry_points``,
   ``region_factories.load``, ``errors._shipped``, ``entries._table``
   (lru_caches), ``cast_copies._NUMBER_TYPES`` (a type's answer), and
-  ``functions._plans`` (an autograd Function class's cast plan, weak);
+  ``functions._plans`` (an autograd Function class's cast plan, weak),
+  ``saturating_cast.kernel`` (the Triton kernel, compiled once);
 - registrations made at import, by the floor above a core module that
   must not import it: ``rescue._annotators``, ``culprit._wrappers``;
 - ``steps._checked``: the optimizers already looked at (weak: it goes

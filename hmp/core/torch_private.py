@@ -27,8 +27,9 @@ import torch._functorch.config as _functorch_config
 import torch._guards as _guards
 import torch.utils.checkpoint as _checkpoint
 from torch._subclasses import fake_tensor as _fake_tensor
+from torch.autograd import forward_ad as _forward_ad
 from torch.jit import _builtins as _jit_builtins
-from torch.utils import _pytree
+from torch.utils import _python_dispatch, _pytree
 from torch.utils.data import dataloader as _dataloader
 from torch.utils.data._utils import worker as _worker
 
@@ -36,16 +37,13 @@ VERSION = torch.__version__.split("+")[0]
 
 # -- tensors ----------------------------------------------------------------------------------
 
-# Casts call TensorBase's C methods directly, never a name hmp may patch on
-# torch.Tensor (listing `to` or `float` cannot recurse).
+# Casts call TensorBase's C methods directly, never a name hmp may patch (no recursion).
 TensorBase = torch._C.TensorBase
 
-# The in-place write counter the weight-cast cache checks; a C attrgetter, as
-# cheap as the attribute on the hot path.
+# The in-place write counter the weight-cast cache checks (a C attrgetter: cheap on the hot path).
 version_of = operator.attrgetter("_version")
 
-# Grad mode switched without a context manager object: the saturating cast
-# fixes its copy in place outside autograd on every activation cast.
+# Grad mode switched without a context manager object (the CPU cast's checks run outside autograd).
 set_grad_enabled = torch._C._set_grad_enabled
 
 
@@ -167,6 +165,11 @@ def import_dynamo():
 # True under vmap/grad/jvp: their tensors have no storage to cache by.
 functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None) or _false
 
+
+def forward_ad_active():  # -1 outside dual_level(): tangents take torch's ops (saturating_cast.py)
+    return _forward_ad._current_level >= 0
+
+
 # Parameters made under FakeTensorMode: they have no real storage, and
 # torch warns (later: raises) when asked for their data pointer. torch
 # imports this module itself (2.4 to 2.14).
@@ -250,10 +253,11 @@ FUSED_LINEAR_KERNELS = ("_transformer_encoder_layer_fwd", "_native_multi_head_at
 OpOverloadPacket = torch._ops.OpOverloadPacket
 
 
+overload_schema = operator.attrgetter("_schema")  # an OpOverload's FunctionSchema: no public name (2.4 to 2.15)
+
+
 def schema_of(packet, overload):
-    """The FunctionSchema of one overload: what it returns as a view and
-    which arguments it writes. OpOverload has no public name for it (2.4 to 2.13)."""
-    return getattr(packet, overload)._schema
+    return overload_schema(getattr(packet, overload))  # what it returns as a view, which arguments it writes
 
 
 def all_schemas():
@@ -453,9 +457,7 @@ def step_lacks():
     return []
 
 
-# Which aten overloads a call reaches (hmp/core/pointwise.py classifies list
-# names by them): torch's dispatch mode, from its private module.
-from torch.utils import _python_dispatch  # noqa: E402
+# The ops a call dispatches (pays.py classifies names by them, tools/launches.py counts kernels)
 
 
 class _Reached(_python_dispatch.TorchDispatchMode):
@@ -464,16 +466,16 @@ class _Reached(_python_dispatch.TorchDispatchMode):
         self.ops = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
+        self.ops.append((func, args, kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
-def reached_ops(fn, *args):
-    """The aten overloads ``fn(*args)`` dispatches, in order."""
+def reached_calls(fn, *args, **kwargs):
+    """``(fn's result, [(overload, args, kwargs), ...])``: each op ``fn`` dispatches, in order."""
     mode = _Reached()
     with mode:
-        fn(*args)
-    return mode.ops
+        result = fn(*args, **kwargs)
+    return result, mode.ops
 
 
 # -- what the running torch has (hmp/core/torch_releases.py: the first release of each) ------------

@@ -21,7 +21,12 @@ from hmp.core import wrap
 
 PACKAGE = Path(hmp.__file__).resolve().parent
 # optional or platform-only modules may be imported where they are needed
-LOCAL_IMPORTS_ALLOWED = {"resource", "tqdm"}  # tqdm: the demo extra
+LOCAL_IMPORTS_ALLOWED = {
+    "resource",
+    "tqdm",
+    "triton",
+    "triton.language",
+}  # tqdm: the demo extra; triton: CUDA's cast kernel
 
 
 def module_name(path):

@@ -1,0 +1,169 @@
+"""The saturating cast off the CPU as one op, ``hmp::to_finite``: on CUDA one kernel.
+
+A cast to a lower dtype keeps a finite value finite (docs/never-changes.md). On the CPU hmp reads
+the source's range first (cast_copies.py), which costs no device sync; off the CPU a read would
+wait for the device, so the cast saturates every time. Stock torch has no two-op cast that keeps
+infinities (``clamp`` and ``nan_to_num`` turn them into the largest finite value), so the saturation
+took four dispatched ops (``_to_copy``, ``isinf``, ``clamp``, ``where``): four kernel launches where
+torch.autocast's cast makes one, and batch-1 decode on a GPU is bound by launches.
+
+``to_finite(t, dtype)`` is that cast as one registered op, so a dispatch mode sees one op and each
+device gives its own kernel:
+
+- CUDA (and ROCm), with Triton importable (it ships with torch's CUDA builds): one Triton kernel
+  reads the float32 source and writes the saturated, rounded copy. bf16's rounding is done on the
+  bits (round to nearest even, as torch's), so the kernel gives the same bits in Triton's
+  interpreter (``TRITON_INTERPRET=1``, how the CPU tests check its numbers) as on a GPU.
+- Meta (and fake tensors): the output's metadata, nothing run.
+- Any other device (HPU, MPS, XPU), or a source the kernel does not take (not float32, not
+  contiguous, empty): the four stock ops.
+
+Inside torch.compile and jit.trace hmp never calls this op: it emits the stock ops
+(cast_copies.py), which inductor fuses into the consumer's kernel.
+"""
+
+import functools
+
+import torch
+
+from hmp.core import torch_private
+
+_TB = torch_private.TensorBase
+_CASTS = {torch.bfloat16: _TB.bfloat16, torch.float16: _TB.half}
+_TOPS = {dtype: torch.finfo(dtype).max for dtype in _CASTS}
+_isinf, _clamp, _where = torch.isinf, torch.clamp, torch.where
+_F32 = torch.float32
+BLOCK = 1024
+
+NAME = "hmp::to_finite"
+_lib = torch.library.Library("hmp", "FRAGMENT")  # noqa: TOR901 (hmp's own namespace, defined once)
+_lib.define("to_finite(Tensor self, ScalarType dtype) -> Tensor")
+
+
+def stock(t, dtype):
+    """The cast in torch's ops: round, then a finite value beyond the range (inf after rounding)
+    becomes the largest finite value; an infinity stays infinite, NaN stays NaN. Four ops."""
+    y = _CASTS[dtype](t)
+    top = _TOPS[dtype]
+    try:
+        _where(_isinf(t), y, _clamp(y, -top, top), out=y)
+    except (RuntimeError, NotImplementedError):  # a layout without these ops (nested): torch's rounding
+        pass
+    return y
+
+
+@functools.lru_cache(maxsize=None)
+def kernel():
+    """The Triton kernel, compiled lazily; None where Triton is not importable."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def to_finite_kernel(src, dst, n, top, BLOCK: tl.constexpr, BF16: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        x = tl.load(src + offs, mask=inside)
+        ax = tl.abs(x)
+        # a finite value beyond the range: the largest finite value (NaN fails both tests)
+        x = tl.where((ax > top) & (ax != float("inf")), tl.where(x > 0, top, -top), x)
+        if BF16:
+            # round to nearest even on the bits, as torch does; NaN to torch's quiet NaN
+            b = x.to(tl.uint32, bitcast=True)
+            r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+            r = tl.where(x != x, 0x7FC0, r)
+            tl.store(dst + offs, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=inside)
+        else:
+            tl.store(dst + offs, x.to(tl.float16, fp_downcast_rounding="rtne"), mask=inside)
+
+    return triton, to_finite_kernel
+
+
+STOCK_OPS = 4  # _to_copy, isinf, clamp, where
+
+
+def launch(src, dst):
+    """One Triton kernel: the float32 ``src`` into ``dst`` (both contiguous, same shape, not empty)."""
+    triton, k = kernel()
+    n = src.numel()
+    dtype = dst.dtype
+    k[(triton.cdiv(n, BLOCK),)](src, dst, n, _TOPS[dtype], BLOCK=BLOCK, BF16=dtype is torch.bfloat16)
+    return dst
+
+
+def _by_stride(t):
+    """The permutation that lays a dense tensor out contiguously (strides descending), or None when
+    ``t`` is not dense (a slice with gaps, a broadcast): its elements are then not one run of memory."""
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def cuda_kernels(t, dtype):
+    """The kernel launches the cast of ``t`` makes on CUDA (Triton ships with torch's CUDA builds):
+    one for a dense float32 source, in any order of its dimensions (as torch's cast keeps it); two
+    for one with gaps (a contiguous copy, then the kernel); the stock ops' four for other dtypes."""
+    if t.dtype is not _F32 or t.numel() == 0:
+        return STOCK_OPS
+    return 1 if t.is_contiguous() or _by_stride(t) is not None else 2
+
+
+def _cast(t, dtype):
+    if t.is_contiguous():
+        return launch(t, torch.empty_like(t, dtype=dtype))
+    order = _by_stride(t)
+    if order is None:  # not one run of memory: a contiguous copy first, as torch's cast makes one
+        return launch(t.contiguous(), torch.empty(t.shape, dtype=dtype, device=t.device))
+    y = torch.empty_like(t, dtype=dtype)  # a dense tensor's copy keeps its strides, as torch's cast does
+    launch(t.permute(order), y.permute(order))
+    return y
+
+
+def _cuda(t, dtype):
+    if t.dtype is not _F32 or t.numel() == 0 or kernel() is None:
+        return stock(t, dtype)
+    index = t.get_device()
+    if index == torch.cuda.current_device():
+        return _cast(t, dtype)
+    with torch.cuda.device(index):  # Triton launches on the current device
+        return _cast(t, dtype)
+
+
+def _meta(t, dtype):
+    return torch.empty_like(t, dtype=dtype)
+
+
+_lib.impl("to_finite", _cuda, "CUDA")
+_lib.impl("to_finite", _meta, "Meta")
+_lib.impl("to_finite", stock, "CompositeExplicitAutograd")
+
+op = torch.ops.hmp.to_finite.default
+
+
+class _ToFinite(torch.autograd.Function):
+    """The op with a gradient: the plain cast's (the gradient cast back to the source's dtype),
+    forward mode too."""
+
+    @staticmethod
+    def forward(t, dtype):
+        return op(t, dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.src, ctx.dst = inputs[0].dtype, inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.src), None
+
+    @staticmethod
+    def jvp(ctx, tangent, _):
+        return tangent.to(ctx.dst)
+
+
+def to_finite(t, dtype):
+    """The saturating cast of ``t`` as one op, with the plain cast's gradient where one is wanted."""
+    if t.requires_grad and torch.is_grad_enabled():
+        return _ToFinite.apply(t, dtype)
+    return op(t, dtype)
