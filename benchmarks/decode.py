@@ -60,6 +60,7 @@ import floor  # noqa: E402
 import wrapped_calls  # noqa: E402
 
 import hmp  # noqa: E402
+from hmp.tools.launches import count  # noqa: E402
 
 CONFIGS = ("fp32", "autocast", "floor", "hmp-O1", "hmp-O1-frozen", "bf16")
 COMPILED = ("fp32", "autocast", "hmp-O1", "bf16")
@@ -158,6 +159,35 @@ def generate(model, prompt, new):
     return torch.cat(toks, 1)[0].tolist(), out.logits.dtype
 
 
+def _steps(model, prompt, new):
+    """The decode's calls with token 0 fed back (what a token costs, not which): runs on meta tensors."""
+    kw = _cache_kw(model)
+    out = model(input_ids=prompt, use_cache=True)
+    tok = torch.zeros(1, 1, dtype=torch.long, device=prompt.device)
+    for _ in range(new):
+        out = model(input_ids=tok, use_cache=True, **{kw: _cache_of(out)})
+
+
+def kernels_added_per_token(models, name, prompt, device, tokens=4):
+    """GPU kernel launches per token a configuration adds over fp32 (hmp.tools.launches), counted
+    where nothing needs a GPU: on CUDA the run's own tensors; on a CPU, hmp and the floor on a
+    meta copy of the model (their off-CPU paths, as on CUDA), autocast and bf16 on the CPU
+    (autocast cannot run on meta), each beside fp32 on the same device, so the difference is
+    the configuration's own. On meta, sdpa with bf16 inputs runs its math decomposition, whose
+    upcasts are counted (five per call); on CUDA it is one fused kernel: the estimate is high there."""
+    on = device if torch.device(device).type == "cuda" or name in ("fp32", "autocast", "bf16") else "meta"
+    if on == "meta" and "meta" not in models:
+        models["meta"] = copy.deepcopy(models["fp32"]).to("meta")
+    model = models["meta"] if on == "meta" else model_for(models, name)
+    base = models["meta"] if on == "meta" else models["fp32"]
+    p = prompt.to(on)
+    with active("fp32", on):
+        plain = count(_steps, base, p, tokens).kernels
+    with active(name, on):
+        mine = count(_steps, model, p, tokens).kernels
+    return (mine - plain) / tokens
+
+
 def sample(models, name, prompt, new, device):
     """ms per token of one decode in configuration ``name``."""
     model = model_for(models, name)
@@ -196,6 +226,7 @@ def measure(models, vocab, device, new, rounds, names=CONFIGS, progress=None):
     for name in names:
         sample(models, name, prompt, new, device)  # warm-up: lazy imports, first casts, allocator
         info[name] = describe(models, name, prompt, new, device)
+        info[name]["kernels_added_per_token"] = kernels_added_per_token(models, name, prompt, device)
     times = {n: [] for n in names}
     for r in range(rounds):
         k = r % len(names)
@@ -365,15 +396,17 @@ def profile(models, name, vocab, device, new, top=15):
 
 def report(res):
     lines = [
-        "| configuration | ms/token | vs autocast | IQR/median | wrapped calls/token | logits | tokens = autocast's |",
-        "|---|---:|---:|---:|---:|---|---:|",
+        "| configuration | ms/token | vs autocast | IQR/median | wrapped calls/token | logits | tokens = autocast's "
+        "| GPU kernels/token added over fp32 |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     for n, ms in res["ms_per_token"].items():
         i = res["configs"][n]
         same = i.get("same_tokens_as_autocast", float("nan"))
         lines.append(
             f"| {n} | {ms:.3f} | {res['vs_autocast'].get(n, float('nan')):.3f} | {res['iqr_rel'][n]:.2f} | "
-            f"{i['wrapped_per_token']:.0f} | {i['logits_dtype']} | {same:.2f} |"
+            f"{i['wrapped_per_token']:.0f} | {i['logits_dtype']} | {same:.2f} | "
+            f"{i.get('kernels_added_per_token', float('nan')):+.0f} |"
         )
     lines.append("")
     if "floor" in res["vs_autocast"]:

@@ -4,11 +4,11 @@ A listed op's wrapper in hmp casts through a generic body: thread state (casts o
 outermost op decides), a check per call of whether torch.compile or torch.jit.trace is running, a weight
 cache whose every hit is checked against the weight's version counter and data pointer, and the
 guarantees that rest on them. The floor keeps only what a bf16 call must do to be as safe: the same
-casts (a float32 activation to bf16 with the saturation check: ``aminmax`` and two reads, saturating
-only when a value lies beyond the range; a Python float beyond bf16's range leaves the call uncast, as
-hmp's FP32 rule takes it), weights from a dict. Nothing else: it is a bound on what any design that
-wraps each listed call in Python can reach, not a replacement (no compile, trace, thread, in-place or
-write-back rules).
+casts (a float32 activation to bf16 with the saturation check: on the CPU ``aminmax`` and two reads,
+saturating only when a value lies beyond the range, off it hmp's one-kernel op; a Python float beyond
+bf16's range leaves the call uncast, as hmp's FP32 rule takes it), weights from a dict. Nothing else:
+it is a bound on what any design that wraps each listed call in Python can reach, not a replacement
+(no compile, trace, thread, in-place or write-back rules).
 
     with floor.installed():        # hmp's default lists' sites, the floor's wrappers at each
         model(x)
@@ -26,6 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import hmp
 from hmp.core import dtypes, wrap
+from hmp.core.saturating_cast import to_finite as _to_finite
 from hmp.core.state import runtime
 
 _F32, _BF16 = torch.float32, torch.bfloat16
@@ -38,16 +39,15 @@ _grad_mode = torch._C._set_grad_enabled
 
 
 def _down(t):
-    """A float32 activation to bf16, finite values kept finite (off the CPU, where reading the range
-    would wait for the device, always saturated, as hmp does)."""
+    """A float32 activation to bf16, finite values kept finite: off the CPU, where reading the range
+    would wait for the device, hmp's one op (``hmp::to_finite``: one kernel on CUDA), as hmp does."""
+    if not t.is_cpu:
+        return _to_finite(t, _BF16)
     y = _bf16(t)
     grad = y.requires_grad
     if grad:
         _grad_mode(False)
     try:
-        if not t.is_cpu:
-            _where(_isinf(t), y, _clamp(y, -_TOP, _TOP), out=y)
-            return y
         lo, hi = _aminmax(t)
         if not (-_TOP <= lo.item() and hi.item() <= _TOP):
             _where(_isinf(t), y, _clamp(y, -_TOP, _TOP), out=y)

@@ -52,7 +52,7 @@ GPT2 = {
 LLAMA_DRY = dict(decode.SIZES["proxy"], num_hidden_layers=2, max_position_embeddings=128)
 # per part: the full run's sizes and rounds, then the dry run's
 PLAN = {
-    "full": dict(batch=(8, 1024), rounds=4, steps=3, c_rounds=3, c_steps=3, new=32, d_rounds=5, reps=21, calls=1000),
+    "full": dict(batch=(8, 1024), rounds=8, steps=3, c_rounds=3, c_steps=3, new=32, d_rounds=5, reps=5, calls=200),
     "dry": dict(batch=(2, 32), rounds=2, steps=1, c_rounds=1, c_steps=1, new=4, d_rounds=1, reps=1, calls=5),
     "cpu": dict(batch=(4, 128), rounds=7, steps=3, c_rounds=7, c_steps=3, new=8, d_rounds=3, reps=5, calls=100),
 }
@@ -78,6 +78,24 @@ def peak_mib(device, base):
 
 
 @contextlib.contextmanager
+def allocator_state(device):
+    """What the CUDA caching allocator holds after a round (torch.cuda.memory_stats()): a step time
+    that grows round after round shows here as growing segments, allocations or retries."""
+    if torch.device(device).type != "cuda":
+        return {}
+    st = torch.cuda.memory_stats(device)
+    keys = (
+        "allocated_bytes.all.current",
+        "reserved_bytes.all.current",
+        "segment.all.current",
+        "allocation.all.current",
+        "num_alloc_retries",
+        "num_device_alloc",
+        "num_device_free",
+    )
+    return {k: st.get(k, 0) for k in keys}
+
+
 def converted_for(name):
     """hmp O1 for hmp's configurations; reverted on exit, and checked to be."""
     if hmp.is_converted():
@@ -127,6 +145,7 @@ def train(device, plan, size, compiled, backend):
         return out.loss
 
     times, peaks, losses = {n: [] for n in TRAIN_CONFIGS}, {}, {}
+    memory = {n: [] for n in TRAIN_CONFIGS}  # per round: what the allocator holds, to name a growth's cause
     recompiles = dict.fromkeys(TRAIN_CONFIGS, 0)  # graphs compiled in timed steps: those samples time the compiler
     for name in TRAIN_CONFIGS:  # warm-up (the compile, for torch.compile)
         t0 = time.perf_counter()
@@ -150,8 +169,10 @@ def train(device, plan, size, compiled, backend):
                 recompiles[name] += _graphs() - graphs
                 peaks[name] = peak_mib(device, base_mem)
                 losses[name] = float(loss.detach())
+                memory[name].append(allocator_state(device))
         log(f"  round {r + 1}/{rounds}: " + "  ".join(f"{n} {v[-1]:.2f}" for n, v in times.items()))
     med = {n: statistics.median(v) for n, v in times.items()}
+    rounds_ms = {n: [round(x, 2) for x in v] for n, v in times.items()}
     return {
         "what": f"GPT-2 {cfg.n_layer} layers, width {cfg.n_embd}, batch {b}x{t}, AdamW, "
         f"{cfg._attn_implementation} attention" + (f", torch.compile (backend {backend})" if compiled else ", eager"),
@@ -163,6 +184,8 @@ def train(device, plan, size, compiled, backend):
         "loss": losses,
         "logits_dtype": {n: "/".join(sorted(s["dtypes"])) for n, s in state.items()},
         "graphs_compiled_while_timed": recompiles,
+        "rounds_ms": rounds_ms,
+        "memory_by_round": memory,
     }
 
 
@@ -211,6 +234,14 @@ def markdown(meta, parts):
                 f"| {n} | {ms:.2f} | {r['vs_autocast'][n]:.3f} | {r['vs_bf16'][n]:.3f} | {r['peak_mib'][n]:.0f} | "
                 f"{r['loss'][n]:.4f} | {r['logits_dtype'][n]} | {r['graphs_compiled_while_timed'][n]} |"
             )
+        L += ["", "Each round's ms/step (a trend across rounds: each round converts and reverts hmp once):", ""]
+        L += [f"- {n}: " + ", ".join(f"{x:.2f}" for x in v) for n, v in r["rounds_ms"].items()]
+        mem = {n: v for n, v in r["memory_by_round"].items() if any(v)}
+        if mem:
+            L += ["", "What the CUDA allocator holds after each round (torch.cuda.memory_stats()):", ""]
+            for n, v in mem.items():
+                first, last = v[0], v[-1]
+                L.append(f"- {n}: " + ", ".join(f"{k} {first[k]} -> {last[k]}" for k in first))
         L.append("")
     r = parts.get("decode")
     if r is not None:

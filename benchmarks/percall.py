@@ -53,6 +53,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hmp
+from hmp.core.saturating_cast import to_finite as _to_finite
+from hmp.tools.launches import count
 from hmp.tools.progress import Progress
 
 SIZE = 8
@@ -77,6 +79,23 @@ _grad_mode = torch._C._set_grad_enabled  # as hmp's casts switch it: no context 
 _within = lambda lo, hi: -_TOP <= lo.item() and hi.item() <= _TOP  # noqa: E731
 
 
+def _down(t):
+    """A float32 activation to bf16, finite kept finite: on the CPU the range read, saturating only
+    beyond it; off the CPU hmp's one op (hmp::to_finite: one kernel on CUDA), reading nothing."""
+    if not t.is_cpu:
+        return _to_finite(t, _BF16)
+    y = _bf16(t)
+    grad = y.requires_grad
+    if grad:
+        _grad_mode(False)
+    lo, hi = _aminmax(t)
+    if grad:
+        _grad_mode(True)
+    if not _within(lo, hi):
+        _saturate(t, y)
+    return y
+
+
 def _saturate(t, y):
     """Out of the floor's way: only a value beyond bf16's range gets here."""
     grad = y.requires_grad
@@ -94,16 +113,7 @@ def floor(op, case):
 
         def linear(input, weight, bias=None):
             if input.dtype is _F32:
-                y = _bf16(input)
-                grad = y.requires_grad
-                if grad:
-                    _grad_mode(False)
-                lo, hi = _aminmax(input)
-                if grad:
-                    _grad_mode(True)
-                if not _within(lo, hi):
-                    _saturate(input, y)
-                input = y
+                input = _down(input)
             w = weights.get(id(weight))
             if w is None:  # a weight in range (checked on the cast): as hmp's first call, saturating
                 w = weights[id(weight)] = _bf16(weight)
@@ -117,17 +127,9 @@ def floor(op, case):
 
         def mm(a, b):
             if a.dtype is _F32:
-                y = _bf16(a)
-                lo, hi = _aminmax(a)
-                if not _within(lo, hi):
-                    _saturate(a, y)
-                a = y
+                a = _down(a)
             if b.dtype is _F32:
-                y = _bf16(b)
-                lo, hi = _aminmax(b)
-                if not _within(lo, hi):
-                    _saturate(b, y)
-                b = y
+                b = _down(b)
             return op(a, b)
 
         return mm
@@ -260,6 +262,7 @@ def run(reps, calls, progress=print, device="cpu"):
             progress(f"rep {rep + 1}/{reps}")
     finally:
         hmp.revert()
+    launches = kernels()
     result = {}
     for case, per_mode in samples.items():
         med = {m: statistics.median(v) for m, v in per_mode.items()}
@@ -268,6 +271,7 @@ def run(reps, calls, progress=print, device="cpu"):
         over_floor = [s - f for s, f in zip(per_mode["hmp"], per_mode["floor"])]
         limit = CASES[case][2]
         result[case] = {
+            "kernels_per_call": launches[case],
             "median_us": med,
             "added_us": {m: statistics.median(v) for m, v in paired.items()},
             "added_quartiles_us": {m: quartiles(v) for m, v in paired.items()},
@@ -280,6 +284,30 @@ def run(reps, calls, progress=print, device="cpu"):
     return result
 
 
+def kernels():
+    """case -> mode -> kernel launches per call on a GPU, counted (hmp.tools.launches) where nothing
+    runs: bare, the floor and hmp on ``meta`` tensors (their off-CPU paths, as on CUDA), autocast on
+    CPU tensors (its region's policy for these ops is the CUDA one). The third call in one region:
+    what a weight cache keeps is not cast again."""
+    tables = {"meta": cases("meta"), "cpu": cases("cpu")}
+    originals = {c: getattr(ns, attr) for c, (ns, attr, _) in tables["cpu"].items()}
+    out = {c: {} for c in originals}
+    hmp.convert()
+    try:
+        impls = implementations(tables["cpu"], originals)
+        for case in originals:
+            for mode in MODES:
+                device = "cpu" if mode == "autocast" else "meta"
+                ns, attr, fn = tables[device][case]
+                with installed(ns, attr, _impl(impls, case, mode)), mode_context(mode, case, device):
+                    keep = fn(), fn()  # a region keeps a weight's copy from its second use
+                    out[case][mode] = count(fn).kernels
+                    del keep
+    finally:
+        hmp.revert()
+    return out
+
+
 def quartiles(values):
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
     return q[0], q[2]
@@ -287,15 +315,16 @@ def quartiles(values):
 
 def report(result):
     lines = [
-        "| call | bare (us) | autocast added | floor added | hmp added | hmp - floor (IQR) | target | met |",
-        "|---|---:|---:|---:|---:|---:|---|---|",
+        "| call | bare (us) | autocast added | floor added | hmp added | hmp - floor (IQR) | target | met "
+        "| GPU kernels per call: bare / autocast / floor / hmp |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for case, r in result.items():
         a, q = r["added_us"], r["hmp_over_floor_quartiles_us"]
         lines.append(
             f"| {case} | {r['median_us']['bare']:.2f} | {a['autocast']:+.2f} | {a['floor']:+.2f} | {a['hmp']:+.2f} | "
             f"{r['hmp_over_floor_us']:+.2f} ({q[0]:+.2f} to {q[1]:+.2f}) | <= +{r['limit_over_floor_us']:g} | "
-            f"{'yes' if r['met'] else 'no'} |"
+            f"{'yes' if r['met'] else 'no'} | {' / '.join(str(r['kernels_per_call'][m]) for m in MODES)} |"
         )
     return "\n".join(lines)
 
