@@ -23,6 +23,7 @@ class Config:
     kind: str  # "fp32" | "autocast" | "hmp" | "bf16" | "floor" (benchmarks/floor.py: the bound for a Python wrapper)
     hmp_args: dict = field(default_factory=dict)
     frozen: bool = False  # the whole run inside hmp.frozen_weights() (weights unchanged: inference)
+    accumulate: bool = False  # the whole run inside hmp.accumulation() (a weight cast once per optimizer step)
 
     @property
     def is_hmp(self):
@@ -42,7 +43,12 @@ class Config:
         if not self.is_hmp:
             yield
             return
-        with hmp.converted(**self.hmp_args), hmp.frozen_weights() if self.frozen else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(hmp.converted(**self.hmp_args))
+            if self.frozen:
+                stack.enter_context(hmp.frozen_weights())
+            if self.accumulate:
+                stack.enter_context(hmp.accumulation())
             yield
 
     def forward_ctx(self, device):
@@ -71,6 +77,7 @@ def all_configs(device):
         Config("hmp-O1-ac", "hmp O1 (autocast's lists)", "hmp", dict(opt_level="O1", **autocast_list_args(device))),
         Config("hmp-O2", "hmp O2", "hmp", {"opt_level": "O2"}),
         Config("hmp-O1-frozen", "hmp O1 inside hmp.frozen_weights()", "hmp", {"opt_level": "O1"}, frozen=True),
+        Config("hmp-O1-acc", "hmp O1 inside hmp.accumulation()", "hmp", {"opt_level": "O1"}, accumulate=True),
         Config("floor", "the floor: the smallest Python wrapper with hmp O1's casts", "floor", {"opt_level": "O1"}),
         Config("bf16", "pure bf16 (model.bfloat16())", "bf16"),
     ]

@@ -214,5 +214,38 @@ class CNNTrain(Workload):
         return torch.randn(b, 3, s, s, generator=gen), torch.randint(0, 10, (b,), generator=gen)
 
 
+class Accumulate(Workload):
+    """Gradient accumulation (issue 56): where hmp.accumulation() casts each weight once per step."""
+
+    name = "accumulate"
+    description = (
+        "gradient accumulation, weight-heavy: TransformerEncoder d_model 512, FFN 2048, 4 layers, "
+        "4 micro-batches of batch 1x16 per SGD step"
+    )
+    micro = 4
+    reps = 7
+    warmup = 1
+
+    def make_model(self, quick):
+        d, h, f, n, _, v = _tf_sizes(quick)
+        return _Head(_encoder(d, h, f, n, 0.0), d, v)
+
+    def make_data(self, quick, gen):
+        d, _, _, _, s, v = _tf_sizes(quick)
+        s = min(s, 16)
+        return torch.randn(self.micro, s, d, generator=gen), torch.randint(0, v, (self.micro, s), generator=gen)
+
+    def step(self, st, cfg, device):
+        st.opt.zero_grad(set_to_none=True)
+        for x, y in zip(st.x.split(1), st.y.split(1)):  # micro-batches of one sample
+            with cfg.forward_ctx(device):
+                out = st.model(x)
+                loss = self.loss(out, y.flatten()) / self.micro
+            loss.backward()
+        with cfg.optimizer_ctx():
+            st.opt.step()
+        return out
+
+
 def all_workloads():
-    return [TransformerTrain(), MLPTrain(), TransformerInfer(1), TransformerInfer(16), CNNTrain()]
+    return [TransformerTrain(), MLPTrain(), TransformerInfer(1), TransformerInfer(16), CNNTrain(), Accumulate()]

@@ -14,7 +14,7 @@ undo log), driven by conversion; state holds everything kept. hmp/rules/
 keeps hmp out of the rest of PyTorch; docs/architecture.md maps the rest.
 """
 
-from hmp.core.cache import cache_bytes, clear_cache, frozen_weights
+from hmp.core.cache import accumulation, cache_bytes, clear_cache, frozen_weights
 from hmp.core.lists import list_path
 from hmp.core.op_wrap import op_wrap, to_bf16, to_fp32
 from hmp.core.switches import casts_enabled, disable_casts, enable_casts
@@ -42,6 +42,7 @@ __all__ = [
     "clear_cache",
     "cache_bytes",
     "frozen_weights",
+    "accumulation",
     "bf16_function",
     "fp32_function",
     "promote_function",

@@ -87,6 +87,21 @@ class _Region(_Frozen):
     __slots__ = ()
 
 
+class _Steps:
+    """An ``accumulation()`` block's copies of trainable weights, held strongly (so their grad-mode
+    entries stay valid across micro-batches and their backward passes) until an optimizer step or
+    ``clear_cache()`` (``clear``, through ``refilled``) or the block's exit. Registered with the
+    no-grad stores so those reach it; a backward pass (``release``) leaves it alone."""
+
+    __slots__ = ("copies", "__weakref__")
+
+    def __init__(self):
+        self.copies = []
+
+    def clear(self):
+        self.copies = []
+
+
 class _Entry:
     """A cached copy and what it was cast from. ``copy``: a weak reference to
     the copy (grad mode) or the copy itself (no-grad stores);
@@ -165,6 +180,10 @@ def cache_bytes() -> int:
             n += c.nbytes
 
     for kept in weight_cache.frozen.live():
+        if type(kept) is _Steps:
+            for c in kept.copies:
+                count(c)
+            continue
         for store in kept.stores.values():
             for e in list(store.values()):
                 count(e.copy)
@@ -210,7 +229,7 @@ def refilled() -> None:
     for store in weight_cache.live.values():
         store.clear()
     for kept in weight_cache.frozen.live():
-        kept.clear()
+        kept.clear()  # accumulation() blocks' copies too: the optimizer step rewrote their weights
 
 
 def caster(dtype):
@@ -261,7 +280,11 @@ def caster(dtype):
                     return copy
             copy = lowered(t)
             if _keep(live, t, copy, True):
-                tls.fresh.append(copy)  # the wrapper hands it to its output's graph (wrap.hold)
+                st = tls
+                st.fresh.append(copy)  # the wrapper hands it to its output's graph (wrap.hold)
+                steps = st.accumulating
+                if steps is not None:  # inside accumulation(): held until the optimizer step
+                    steps.copies.append(copy)
             return copy
         ref = tls.kept  # a no-grad region's or frozen_weights()'s stores
         kept = ref() if ref is not None else None
@@ -318,6 +341,33 @@ def frozen_weights() -> Iterator[None]:
             kept.clear()
             if st.kept is ref:
                 st.kept = found
+
+
+@contextlib.contextmanager
+def accumulation() -> Iterator[None]:
+    """A block of gradient accumulation: each trainable weight (a leaf that requires grad) is cast
+    once per optimizer step, not once per micro-batch, where torch.autocast casts it again in every
+    forward. Its copy is kept from its first use until the next optimizer step (any optimizer's
+    ``step()``: hmp/rules/steps.py), ``clear_cache()`` or the block's exit; what it costs is one
+    lower-precision copy of every trainable weight, held across the step's micro-batches.
+
+    hmp still checks each use against the weight's version counter and data pointer, so in-place
+    ops and ``p.data = ...`` are seen; what it cannot see is a write through another tensor on the
+    weight's memory (``p.data.copy_()``, a hand-written update through ``.data``, a broadcast into
+    a parameter) between two micro-batches of one step: that is what you promise not to make here.
+    Thread-local; nestable (the outermost block owns the copies)."""
+    st = tls
+    if st.accumulating is not None:
+        yield
+        return
+    steps = _Steps()
+    weight_cache.frozen.add(steps)
+    st.accumulating = steps
+    try:
+        yield
+    finally:
+        st.accumulating = None
+        steps.clear()
 
 
 def open_region():

@@ -80,6 +80,13 @@ def _callables(name):
     return [fn for fn in found if callable(fn)]
 
 
+def _ops_of(fn, *args):
+    """The aten overloads ``fn(*args)`` dispatches, in order."""
+    ops = []
+    torch_private.dispatched(fn, lambda op, a, k: ops.append(op), *args)
+    return ops
+
+
 def _reached(fn):
     """The aten overloads a call of ``fn`` on float tensors reaches (one or two
     arguments, as it accepts), with the random stream as it was; None when
@@ -90,7 +97,7 @@ def _reached(fn):
             try:
                 with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    return [op for op, _, _ in torch_private.reached_calls(fn, *args)[1]]
+                    return _ops_of(fn, *args)
             except Exception:  # not callable with float tensors alone
                 continue
     return None

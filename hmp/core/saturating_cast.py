@@ -54,31 +54,12 @@ def stock(t, dtype):
 
 @functools.lru_cache(maxsize=None)
 def kernel():
-    """The Triton kernel, compiled lazily; None where Triton is not importable."""
+    """``(triton, the kernel)``, imported on the first cast on CUDA; None where Triton is not importable."""
     try:
-        import triton
-        import triton.language as tl
+        from hmp.core import saturating_kernel
     except ImportError:
         return None
-
-    @triton.jit
-    def to_finite_kernel(src, dst, n, top, BLOCK: tl.constexpr, BF16: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < n
-        x = tl.load(src + offs, mask=inside)
-        ax = tl.abs(x)
-        # a finite value beyond the range: the largest finite value (NaN fails both tests)
-        x = tl.where((ax > top) & (ax != float("inf")), tl.where(x > 0, top, -top), x)
-        if BF16:
-            # round to nearest even on the bits, as torch does; NaN to torch's quiet NaN
-            b = x.to(tl.uint32, bitcast=True)
-            r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-            r = tl.where(x != x, 0x7FC0, r)
-            tl.store(dst + offs, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=inside)
-        else:
-            tl.store(dst + offs, x.to(tl.float16, fp_downcast_rounding="rtne"), mask=inside)
-
-    return triton, to_finite_kernel
+    return saturating_kernel.triton, saturating_kernel.to_finite_kernel
 
 
 STOCK_OPS = 4  # _to_copy, isinf, clamp, where

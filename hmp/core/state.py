@@ -23,7 +23,7 @@ module-level store and memo and checks it is named here):
   ``region_factories.load``, ``errors._shipped``, ``entries._table``
   (lru_caches), ``cast_copies._NUMBER_TYPES`` (a type's answer), and
   ``functions._plans`` (an autograd Function class's cast plan, weak),
-  ``saturating_cast.kernel`` (the Triton kernel, compiled once);
+  ``saturating_cast.kernel`` (the Triton kernel, imported once);
 - registrations made at import, by the floor above a core module that
   must not import it: ``rescue._annotators``, ``culprit._wrappers``;
 - ``steps._checked``: the optimizers already looked at (weak: it goes
@@ -66,6 +66,7 @@ class ThreadState(threading.local):
         self.steps = []  # per step in progress: (what enter() returned, the frame calling its hooks) (steps.py)
         self.frozen_depth = 0  # frozen_weights() nesting (cache.py)
         self.kept = None  # weak reference to the no-grad stores in use: a frozen_weights() block's or a region's
+        self.accumulating = None  # the accumulation() block's copies (cache.py), or None
         self.fresh = []  # grad-mode copies the call in progress made, for its output's graph to hold (cache.py)
 
 

@@ -461,21 +461,20 @@ def step_lacks():
 
 
 class _Reached(_python_dispatch.TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, seen):
         super().__init__()
-        self.ops = []
+        self.seen = seen
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append((func, args, kwargs or {}))
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        self.seen(func, args, kwargs)  # told, not kept: a kept argument would outlive the call
+        return func(*args, **kwargs)
 
 
-def reached_calls(fn, *args, **kwargs):
-    """``(fn's result, [(overload, args, kwargs), ...])``: each op ``fn`` dispatches, in order."""
-    mode = _Reached()
-    with mode:
-        result = fn(*args, **kwargs)
-    return result, mode.ops
+def dispatched(fn, seen, *args, **kwargs):
+    """``fn(*args, **kwargs)``'s result; ``seen(overload, args, kwargs)`` is called for each op it dispatches."""
+    with _Reached(seen):
+        return fn(*args, **kwargs)
 
 
 # -- what the running torch has (hmp/core/torch_releases.py: the first release of each) ------------

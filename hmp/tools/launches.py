@@ -59,14 +59,18 @@ def kernels_of(op, args, kwargs):
 
 
 def count(fn, *args, **kwargs):
-    """Run ``fn(*args, **kwargs)`` and count what it dispatched (``Launches``)."""
-    result, calls = torch_private.reached_calls(fn, *args, **kwargs)
+    """Run ``fn(*args, **kwargs)`` and count what it dispatched (``Launches``). Nothing of the call's
+    is kept: each op is counted as it is dispatched (a kept tensor would change what caches hold)."""
     ops = collections.Counter()
     reads = 0
-    for op, a, k in calls:
+
+    def seen(op, a, k):
+        nonlocal reads
         if _schema(op).name.endswith(_HOST_READ):
             reads += 1
         n = kernels_of(op, a, k)
         if n:
             ops[str(op).removesuffix(".default")] += n
+
+    result = torch_private.dispatched(fn, seen, *args, **kwargs)
     return Launches(sum(ops.values()), reads, ops, result)

@@ -143,7 +143,11 @@ def test_a_llama_forward_and_training_step_launch_no_more_than_autocast():
         out.backward()
 
     with torch.no_grad():
-        plain_cpu, plain_meta = count(forward, model, ids), count(forward, meta, meta_ids)
+        plain_cpu = count(forward, model, ids)
+        try:
+            plain_meta = count(forward, meta, meta_ids)
+        except RuntimeError as e:  # torch < 2.5 refuses autocast(device_type="meta"), which the rotary embedding enters
+            pytest.skip(f"this torch runs no Llama on meta tensors, without hmp: {e}")
         with torch.autocast("cpu", BF16):
             autocast = count(forward, model, ids)
     autocast_step = count(step, model, ids, torch.autocast("cpu", BF16))
@@ -167,15 +171,27 @@ def test_a_llama_forward_and_training_step_launch_no_more_than_autocast():
 _KERNEL_CHECK = textwrap.dedent(
     """
     import torch
+    import triton
+    import triton.language as tl
     from hmp.core import saturating_cast as sc
 
-    triton_, k = sc.kernel()
+    @triton.jit
+    def copy(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+    probe, out = torch.arange(8.0), torch.zeros(8)
+    copy[(1,)](probe, out, 8, BLOCK=64)
+    if not torch.equal(probe, out):  # Triton 3.0's interpreter with torch 2.4 reads CPU tensors wrong
+        raise SystemExit("INTERPRETER COPIES WRONG: " + str(out.tolist()))
+
+    assert sc.kernel() is not None
     runs = []
-    run = k.run
-    def counted(*a, **kw):
+    launch = sc.launch
+    def counted(*a, **kw):  # each call is one grid of the one kernel
         runs.append(1)
-        return run(*a, **kw)
-    k.run = counted
+        return launch(*a, **kw)
+    sc.launch = counted
 
     g = torch.Generator().manual_seed(0)
     special = torch.tensor([0.0, -0.0, 1.0, 1.00390625, 65504.0, 65519.0, 65520.0, 3.3895313892515355e38,
@@ -208,6 +224,8 @@ def test_the_kernel_gives_torchs_bits_in_tritons_interpreter(tmp_path):
     script = tmp_path / "kernel_check.py"
     script.write_text(_KERNEL_CHECK)
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    if "INTERPRETER COPIES WRONG" in done.stderr:
+        pytest.skip("this Triton's interpreter gets a plain copy wrong: " + done.stderr.strip()[-200:])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "MISMATCHES 0" in done.stdout
 

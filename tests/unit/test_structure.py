@@ -21,12 +21,8 @@ from hmp.core import wrap
 
 PACKAGE = Path(hmp.__file__).resolve().parent
 # optional or platform-only modules may be imported where they are needed
-LOCAL_IMPORTS_ALLOWED = {
-    "resource",
-    "tqdm",
-    "triton",
-    "triton.language",
-}  # tqdm: the demo extra; triton: CUDA's cast kernel
+# tqdm: the demo extra; the Triton kernel of CUDA's cast, imported at the first cast there
+LOCAL_IMPORTS_ALLOWED = {"resource", "tqdm", "hmp.core.saturating_kernel"}
 
 
 def module_name(path):

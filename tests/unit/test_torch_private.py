@@ -312,3 +312,21 @@ def test_convert_says_once_what_this_release_cannot_keep():
     assert res.returncode == 0, res.stderr[-2000:]
     for line in lines:
         assert res.stderr.count(line) == 1, res.stderr[-2000:]
+
+
+def test_forward_ad_active_only_inside_a_dual_level():
+    import torch.autograd.forward_ad as fwAD
+
+    assert not tp.forward_ad_active()
+    with fwAD.dual_level():
+        assert tp.forward_ad_active()
+    assert not tp.forward_ad_active()
+
+
+def test_dispatched_tells_each_op_and_overload_schema_reads_it():
+    seen = []
+    out = tp.dispatched(torch.mm, lambda op, a, k: seen.append((op, a)), torch.ones(2, 2), torch.ones(2, 2))
+    assert torch.equal(out, torch.full((2, 2), 2.0))
+    assert [op for op, _ in seen] == [torch.ops.aten.mm.default] and len(seen[0][1]) == 2
+    schema = tp.overload_schema(torch.ops.aten.t.default)
+    assert schema.name == "aten::t" and schema.returns[0].alias_info is not None
