@@ -176,15 +176,17 @@ def kernels_added_per_token(models, name, prompt, device, tokens=4):
     the configuration's own. On meta, sdpa with bf16 inputs runs its math decomposition, whose
     upcasts are counted (five per call); on CUDA it is one fused kernel: the estimate is high there."""
     on = device if torch.device(device).type == "cuda" or name in ("fp32", "autocast", "bf16") else "meta"
-    if on == "meta" and "meta" not in models:
-        models["meta"] = copy.deepcopy(models["fp32"]).to("meta")
-    model = models["meta"] if on == "meta" else model_for(models, name)
-    base = models["meta"] if on == "meta" else models["fp32"]
-    p = prompt.to(on)
+    # the meta copy lives for this count only: kept, its objects would slow the timed runs' collections
+    meta = copy.deepcopy(models["fp32"]).to("meta") if on == "meta" else None
+    model = meta if meta is not None else model_for(models, name)
+    base = meta if meta is not None else models["fp32"]
+    p = torch.zeros(prompt.shape, dtype=prompt.dtype, device="meta") if meta is not None else prompt
     with active("fp32", on):
         plain = count(_steps, base, p, tokens).kernels
     with active(name, on):
         mine = count(_steps, model, p, tokens).kernels
+    del meta, model, base
+    gc.collect()
     return (mine - plain) / tokens
 
 
@@ -226,7 +228,6 @@ def measure(models, vocab, device, new, rounds, names=CONFIGS, progress=None):
     for name in names:
         sample(models, name, prompt, new, device)  # warm-up: lazy imports, first casts, allocator
         info[name] = describe(models, name, prompt, new, device)
-        info[name]["kernels_added_per_token"] = kernels_added_per_token(models, name, prompt, device)
     times = {n: [] for n in names}
     for r in range(rounds):
         k = r % len(names)
@@ -234,6 +235,8 @@ def measure(models, vocab, device, new, rounds, names=CONFIGS, progress=None):
             times[name].append(sample(models, name, prompt, new, device))
         if progress:
             progress(f"round {r + 1}/{rounds}: " + "  ".join(f"{n} {t[-1]:.3f}" for n, t in times.items()))
+    for name in names:  # after the timed rounds: counting before them slowed them (a meta copy, a dispatch mode)
+        info[name]["kernels_added_per_token"] = kernels_added_per_token(models, name, prompt, device)
     return summarize(times, info, new)
 
 
