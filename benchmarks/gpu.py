@@ -77,7 +77,6 @@ def peak_mib(device, base):
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
-@contextlib.contextmanager
 def allocator_state(device):
     """What the CUDA caching allocator holds after a round (torch.cuda.memory_stats()): a step time
     that grows round after round shows here as growing segments, allocations or retries."""
@@ -96,6 +95,7 @@ def allocator_state(device):
     return {k: st.get(k, 0) for k in keys}
 
 
+@contextlib.contextmanager
 def converted_for(name):
     """hmp O1 for hmp's configurations; reverted on exit, and checked to be."""
     if hmp.is_converted():

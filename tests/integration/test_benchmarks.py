@@ -199,5 +199,8 @@ def test_gpu_dry_run_reports_every_configuration_with_a_ratio(tmp_path):
     assert rows["hmp-O1"][4] != "0" and rows["autocast"][4] == "0"  # wrapped calls per token
     rows = tables[sections["Per call"]]
     for case in ("linear (training)", "linear (frozen_weights)", "linear (no_grad)", "mm", "Tensor.mm (a.mm(b))"):
-        assert case in rows and len(rows[case]) == 8  # bare, autocast, floor, hmp, hmp - floor, target, met
+        # bare, autocast, floor, hmp, hmp - floor, target, met, GPU kernels per call (bare / autocast / floor / hmp)
+        assert case in rows and len(rows[case]) == 9
+        bare, autocast, floor, mine = (int(n) for n in rows[case][8].split(" / "))
+        assert bare == 1 and mine == autocast == floor, rows[case]  # one launch per cast, as autocast's
     assert "DRY RUN" in out.read_text()

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # every module of the package but those whose subcommand or framework loads
 # what hmp itself must not (the demo and tune: tqdm; the Lightning plugin:
 # lightning; the testing kit's strategies, check and pytest hooks: hypothesis
-# and pytest, which a test run has loaded already)
+# and pytest, which a test run has loaded already; CUDA's cast kernel: triton, imported
+# at the first cast on CUDA)
 NOT_PROBED = {
     "hmp.testing.checking",
     "hmp.testing.strategies",
@@ -23,6 +24,7 @@ NOT_PROBED = {
     "hmp.demo.training",
     "hmp.tools.tune_cli",
     "hmp.integrations.lightning",
+    "hmp.core.saturating_kernel",
 }
 ALL_MODULES = sorted(
     ".".join(("hmp",) + p.relative_to(ROOT / "hmp").with_suffix("").parts).removesuffix(".__init__")
@@ -66,7 +68,7 @@ PROBE = textwrap.dedent(r"""
         return out
 
     OPTIONAL = ("torchvision", "habana_frameworks", "tqdm", "matplotlib", "lightning", "pytorch_lightning",
-                "pytest", "hypothesis", "setuptools", "pkg_resources", "transformers", "apex", "IPython")
+                "pytest", "hypothesis", "setuptools", "pkg_resources", "transformers", "apex", "IPython", "triton")
     start, loaded = world(), set(sys.modules)
     for name in sys.argv[1:]:
         importlib.import_module(name)
