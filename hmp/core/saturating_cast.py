@@ -35,8 +35,7 @@ _isinf, _clamp, _where = torch.isinf, torch.clamp, torch.where
 _F32 = torch.float32
 BLOCK = 1024
 
-NAME = "hmp::to_finite"
-_lib = torch.library.Library("hmp", "FRAGMENT")  # noqa: TOR901 (hmp's own namespace, defined once)
+_lib = torch.library.Library("hmp", "FRAGMENT")  # hmp's own namespace: its one op, defined at import
 _lib.define("to_finite(Tensor self, ScalarType dtype) -> Tensor")
 
 
