@@ -38,7 +38,7 @@ _aminmax, _where, _isinf, _clamp = torch.aminmax, torch.where, torch.isinf, torc
 _grad_mode = torch._C._set_grad_enabled
 
 
-def _down(t):
+def down(t):
     """A float32 activation to bf16, finite values kept finite: off the CPU, where reading the range
     would wait for the device, hmp's one op (``hmp::to_finite``: one kernel on CUDA), as hmp does."""
     if not t.is_cpu:
@@ -69,11 +69,11 @@ def _lower(op, weights):
             if a.dtype is _F32:
                 c = weights.get(id(a))
                 if c is None:
-                    c = weights[id(a)] = _down(a)
+                    c = weights[id(a)] = down(a)
                 return c
         elif t is _Tensor:
             if a.dtype is _F32:
-                return _down(a)
+                return down(a)
         elif t is list or t is tuple:
             return seq(a)
         return a
@@ -86,7 +86,7 @@ def _lower(op, weights):
                 if a.dtype is _F32:
                     c = weights.get(id(a))
                     if c is None:
-                        c = weights[id(a)] = _down(a)
+                        c = weights[id(a)] = down(a)
                     if out is None:
                         out = list(args)
                     out[i] = c
@@ -94,7 +94,7 @@ def _lower(op, weights):
                 if a.dtype is _F32:
                     if out is None:
                         out = list(args)
-                    out[i] = _down(a)
+                    out[i] = down(a)
             elif t is float:
                 if not -_TOP <= a <= _TOP:  # hmp's FP32 rule for this call; the floor runs it as given
                     return op(*args, **kwargs)

@@ -48,12 +48,12 @@ import time
 import warnings
 from pathlib import Path
 
+import floor as floor_module  # benchmarks/floor.py, beside this file
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import hmp
-from hmp.core.saturating_cast import to_finite as _to_finite
 from hmp.tools.launches import count
 from hmp.tools.progress import Progress
 
@@ -72,38 +72,8 @@ MODES = ("bare", "autocast", "floor", "hmp")
 
 # The floor's pieces, torch's own (captured before any convert())
 _F32, _BF16, _HALVES = torch.float32, torch.bfloat16, (torch.bfloat16, torch.float16)
-_TOP = torch.finfo(_BF16).max
 _bf16, _float = torch.Tensor.bfloat16, torch.Tensor.float
-_aminmax, _where, _isinf, _clamp = torch.aminmax, torch.where, torch.isinf, torch.clamp
-_grad_mode = torch._C._set_grad_enabled  # as hmp's casts switch it: no context manager object
-_within = lambda lo, hi: -_TOP <= lo.item() and hi.item() <= _TOP  # noqa: E731
-
-
-def _down(t):
-    """A float32 activation to bf16, finite kept finite: on the CPU the range read, saturating only
-    beyond it; off the CPU hmp's one op (hmp::to_finite: one kernel on CUDA), reading nothing."""
-    if not t.is_cpu:
-        return _to_finite(t, _BF16)
-    y = _bf16(t)
-    grad = y.requires_grad
-    if grad:
-        _grad_mode(False)
-    lo, hi = _aminmax(t)
-    if grad:
-        _grad_mode(True)
-    if not _within(lo, hi):
-        _saturate(t, y)
-    return y
-
-
-def _saturate(t, y):
-    """Out of the floor's way: only a value beyond bf16's range gets here."""
-    grad = y.requires_grad
-    if grad:
-        _grad_mode(False)
-    _where(_isinf(t), y, _clamp(y, -_TOP, _TOP), out=y)
-    if grad:
-        _grad_mode(True)
+_floor_down = floor_module.down  # an activation's cast, as benchmarks/floor.py makes it
 
 
 def floor(op, case):
@@ -113,7 +83,7 @@ def floor(op, case):
 
         def linear(input, weight, bias=None):
             if input.dtype is _F32:
-                input = _down(input)
+                input = _floor_down(input)
             w = weights.get(id(weight))
             if w is None:  # a weight in range (checked on the cast): as hmp's first call, saturating
                 w = weights[id(weight)] = _bf16(weight)
@@ -127,9 +97,9 @@ def floor(op, case):
 
         def mm(a, b):
             if a.dtype is _F32:
-                a = _down(a)
+                a = _floor_down(a)
             if b.dtype is _F32:
-                b = _down(b)
+                b = _floor_down(b)
             return op(a, b)
 
         return mm
