@@ -7,7 +7,13 @@ before ``delay_s``: work that ends sooner says nothing.
 The time left is the time so far per unit done times the units left, so it
 tracks the work done; the tools count in runs of the user's step
 (``StepRuns``), units of one size, and add to the total as each phase
-learns how many it needs."""
+learns how many it needs.
+
+One bar for the whole run, all phases, that only moves forward: the total
+grows as phases announce their runs, so done/total can fall (a phase ends
+at 100 %, the next adds runs); the bar shows the largest share so far,
+short of 100 % (SHORT_OF_ALL) until the work ends (close() with a message),
+and the runs done and known so far beside it."""
 
 import sys
 import time
@@ -16,6 +22,17 @@ try:
     from tqdm import tqdm
 except ImportError:  # tqdm is the `demo` extra
     tqdm = None
+
+
+SCALE = 1000  # the terminal bar counts thousandths of the work
+SHORT_OF_ALL = 0.99  # the most the bar shows before the work has ended
+
+
+def forward(shown, done, total):
+    """The share of the work to show: ``done/total``, never less than ``shown`` (what was shown before),
+    never more than SHORT_OF_ALL while running; 0 while nothing is known."""
+    share = min(done / total, SHORT_OF_ALL) if total else 0.0
+    return max(shown, share)
 
 
 class Progress:
@@ -27,17 +44,18 @@ class Progress:
         self.label, self.total, self.prog, self.unit, self.every_s = label, total, prog, unit, every_s
         self.delay_s = delay_s
         self.done = 0
+        self.shown = 0.0  # the share of the work the bar shows: only grows (forward())
         self.bar = None
         if tqdm is not None and sys.stderr.isatty():
             self.bar = tqdm(
-                total=total,
+                total=SCALE,
                 desc=label,
-                unit=unit,
                 leave=True,
                 file=sys.stderr,
                 dynamic_ncols=True,
                 mininterval=0.5,
                 delay=delay_s,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}",
             )
         self.start = self.last = time.perf_counter()
         self.said = False  # a plain line was printed (after delay_s)
@@ -63,17 +81,18 @@ class Progress:
     def set_total(self, total):
         if total == self.total:
             return
-        self.total = total  # a plain line says it with the next count, not a line of its own
-        if self.bar is not None:
-            self.bar.total = total
-            self.bar.refresh()
+        self.total = total  # said with the next count, not a line of its own; the bar never moves back
 
     def step(self, postfix="", done=None):
         """One more done (or ``done`` in all); ``postfix``: what it was."""
-        before, self.done = self.done, self.done + 1 if done is None else done
+        self.done = self.done + 1 if done is None else done
+        self.shown = forward(self.shown, self.done, self.total)
         if self.bar is not None:
-            self.bar.set_postfix_str(postfix, refresh=False)
-            self.bar.update(self.done - before)
+            known = "" if self.total is None else f"/{self.total}"
+            self.bar.set_postfix_str(
+                f"{self.unit} {self.done}{known}{', ' + postfix if postfix else ''}", refresh=False
+            )
+            self.bar.update(round(self.shown * SCALE) - self.bar.n)
             return
         now = time.perf_counter()
         if not self.said:
@@ -96,7 +115,11 @@ class Progress:
         return time.perf_counter() - self.start
 
     def close(self, message=None):
+        """End the bar: full when the work ended (``message``), where it was when it did not."""
         if self.bar is not None:
+            if message is not None:
+                self.shown = 1.0
+                self.bar.update(SCALE - self.bar.n)
             self.bar.close()
         if message is not None and (self.said or self.bar is not None or not self.delay_s):
             self.note(message)
