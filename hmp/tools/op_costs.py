@@ -175,10 +175,20 @@ class OpCosts(TorchFunctionMode):
 class Costs:
     """What ``measure()`` found: ``seconds`` (op -> its float32 time in a
     step, the sum of its calls' medians), ``authored`` (the ops the author
-    computes in float32), ``runs`` (how many timed runs)."""
+    computes in float32), ``runs`` (how many timed runs), ``step_seconds``
+    (the median wall time of those same runs, each whole step: what an op's
+    time is a part of, never a step timed elsewhere or in another
+    configuration)."""
 
-    def __init__(self, seconds, authored, runs):
+    def __init__(self, seconds, authored, runs, step_seconds=None):
         self.seconds, self.authored, self.runs = seconds, authored, runs
+        self.step_seconds = step_seconds
+
+    def of_step(self, op):
+        """``op``'s time as a share of the step it was measured in (None when the step was not timed)."""
+        if not self.step_seconds:
+            return None
+        return self.seconds.get(op, 0.0) / self.step_seconds
 
     def share(self, op):
         total = sum(self.seconds.values())
@@ -194,12 +204,14 @@ def measure(run, modules, runs=3):
     paths = module_paths(modules)
     with OpCosts(paths):
         run()  # warm-up: first calls allocate, fill caches and compile kernels
-    timed = []
+    timed, walls = [], []
     with collector_paused():
         for _ in range(runs):
             costs = OpCosts(paths)
+            start = time.perf_counter()
             with costs:
                 run()
+            walls.append(time.perf_counter() - start)
             timed.append(costs)
     authored = set().union(*(c.authored for c in timed))
     seconds = {}
@@ -211,7 +223,7 @@ def measure(run, modules, runs=3):
         for name in set().union(*orders):
             totals = [sum(s for n, s in c.calls if n == name) for c in timed]
             seconds[name] = statistics.median(totals)
-    return Costs(seconds, authored, runs)
+    return Costs(seconds, authored, runs, statistics.median(walls))
 
 
 NOT_TIMED = {"fp32_ms": None, "lists_ms": None, "cast_ms": None, "time_ratio": None}
@@ -226,8 +238,9 @@ def op_times(stats_of, repeats=TIMED_PAIRS):
     latter with the casts hmp makes for them (``cast_ms`` of it): medians
     of ``repeats`` runs each, interleaved, after a warm-up run of each and
     with Python's garbage collector paused, and the time under the lists
-    relative to fp32 (timing.ratio); ``total``: that ratio for all the ops'
-    time together. Both runs go through the recording wrappers, so the same
+    relative to fp32 (timing.ratio), for the ops recorded in every run on
+    both sides (both_sides()); ``total``: that ratio for those same ops'
+    time together, from the same runs (total_ratio()). Both runs go through the recording wrappers, so the same
     calls are timed under the names the rows have: a TorchFunctionMode is
     handed ``Tensor.div`` for ``/`` and cannot tell ``truediv`` from
     ``div``. None: not run in that step."""
@@ -243,7 +256,7 @@ def op_times(stats_of, repeats=TIMED_PAIRS):
         got = [part(stats[name]) * 1e3 for stats in runs[kind] if name in stats]
         return got or None
 
-    out = {}
+    out, common = {}, both_sides(runs)
     for name in set().union(*runs["fp32"], *runs["lists"]):
         a = ms("fp32", name, lambda s: s.op_seconds)
         b = ms("lists", name, lambda s: s.op_seconds + s.cast_seconds)
@@ -252,9 +265,32 @@ def op_times(stats_of, repeats=TIMED_PAIRS):
             "fp32_ms": a and statistics.median(a),
             "lists_ms": b and statistics.median(b),
             "cast_ms": cast and statistics.median(cast),
-            "time_ratio": timing.ratio(a, b) if a and b and len(a) == len(b) else None,
+            "time_ratio": timing.ratio(a, b) if name in common else None,
         }
+    return out, total_ratio(runs)
+
+
+def both_sides(runs):
+    """The ops recorded in every run on both sides: the op set a total is taken over. An op recorded on one
+    side only (an op in no list that hmp wraps under the lists and the fp32 run does not record) has no
+    fp32 time to set against its time under the lists, and its row says not timed."""
+    every = [set(stats) for kind in ("fp32", "lists") for stats in runs[kind]]
+    return set.intersection(*every) if every else set()
+
+
+def total_ratio(runs):
+    """The listed ops' time under the lists relative to fp32, from the same runs as the rows' times and over
+    the same ops (both_sides(): those whose rows have a ratio), pair by pair: the audit's headline."""
+    ops = both_sides(runs)
+    if not ops:
+        return None
     totals = {
-        kind: [sum(s.op_seconds + s.cast_seconds for s in stats.values()) for stats in runs[kind]] for kind in runs
+        kind: [sum(stats[op].op_seconds + _cast(kind, stats[op]) for op in ops) for stats in runs[kind]]
+        for kind in runs
     }
-    return out, timing.ratio(totals["fp32"], totals["lists"])
+    return timing.ratio(totals["fp32"], totals["lists"])
+
+
+def _cast(kind, stats):
+    """The casts hmp makes count under the lists, as in the rows' ``lists_ms``; the fp32 runs make none."""
+    return stats.cast_seconds if kind == "lists" else 0.0
