@@ -238,7 +238,7 @@ def trial_chart(tune):
         BadgeColumn("was in", rows, lambda r: _list_badge(r["was"])),
         _error_column("own max rel error in bf16", rows, "own_max_rel", own, threshold),
         _error_column("error it passes to the loss", rows, "loss_error", loss, loss_threshold, mark="loss threshold"),
-        TimeColumn("fp32 time in one step", rows, lambda r: r["seconds"] * 1e3, lambda r: None),
+        TimeColumn("fp32 time in the step it was measured in", rows, lambda r: r["seconds"] * 1e3, lambda r: None),
         TextColumn("outcome", rows, outcome),
     ]
     return chart(rows, columns, lambda r: f"{r['op']}: {r.get('why') or outcome(r)[0]}", "trials")

@@ -25,11 +25,21 @@ import torch
 from hmp.tools import timing
 from hmp.tools.charts import _sort_key, legend, module_chart, nothing_cast, op_chart, trial_chart
 from hmp.tools.files import check_outputs
+from hmp.tools.sentences import (  # noqa: F401 (speed_sentence, DEFAULT_FILES: this module's names before)
+    DEFAULT_FILES,
+    OUTSIDE,
+    WITHIN,
+    audit_outcome,
+    audit_todo,
+    loss_state,
+    speed_sentence,
+    tune_outcome,
+    tune_todo,
+)
 from hmp.tools.svg import _num, esc
 from hmp.version import __version__
 
 TOOL = "hmp.tools.report"
-DEFAULT_FILES = ("tuned_bf16.txt", "tuned_fp32.txt")
 
 # --- tables ---------------------------------------------------------------------------------------------------------
 
@@ -87,8 +97,11 @@ def _validation_verdict(tune, name):
     gap = abs(tune.loss_gap(name))
     if name != "tuned lists":
         return ""
-    if gap <= tune.tolerance:
+    state = loss_state(tune.loss_gaps(name), tune.tolerance)
+    if state == WITHIN:
         return f"within tolerance ({tune.tolerance:.0%} of fp32's loss)"
+    if state != OUTSIDE:
+        return f"cannot tell yet: over the last steps both within and outside the {tune.tolerance:.0%} tolerance"
     if gap <= abs(tune.loss_gap("starting lists")):
         return f"outside tolerance ({tune.tolerance:.0%}), but no further than the starting lists"
     return f"outside tolerance ({tune.tolerance:.0%})"
@@ -97,144 +110,19 @@ def _validation_verdict(tune, name):
 # --- the verdict and what to do ---------------------------------------------------------------------------------------
 
 
-def speed_sentence(ratio, what):
-    """``what``'s time relative to fp32 as a sentence: faster, slower or no measurable difference."""
-    if ratio is None:
-        return f"Speed: {what} was not timed."
-    if ratio.measurable:
-        return f"{ratio.direction().capitalize()}: {what} takes {ratio.words()}."
-    return f"Speed: {timing.UNCLEAR} between {what} and fp32 ({ratio.middle_half()}, interleaved)."
-
-
 def _flagged_words(audit):
     if audit.flagged:
         return ", ".join(audit.flagged)
     return "none alone: each op cast by itself stays under the thresholds"
 
 
-def tune_outcome(tune):
-    """The tune page's verdict: ``(ok, [sentences])``."""
-    gap, start = tune.loss_gap("tuned lists"), tune.loss_gap("starting lists")
-    steps = "training under the tuned lists"
-    first = (
-        f"{'Within' if tune.within else 'Outside'} the {tune.tolerance:.0%} tolerance: {steps} ends {gap:+.2%} "
-        f"from fp32's loss (the starting lists: {start:+.2%})."
-    )
-    out = [first, speed_sentence(tune.ratio("tuned lists"), "a step under the tuned lists")]
-    if not tune.within:
-        if not tune.audit.flagged and not tune.modules_to_fp32:
-            why = (
-                "No op is over the thresholds alone: the loss drifts from many ops' rounding together, which "
-                "moving single ops does not fix."
-            )
-        else:
-            why = "Tune kept no change that made the loss worse than the starting lists'."
-        out.append(
-            why + " Put the model's most sensitive module classes in the FP32 list (the module table below), "
-            "or validate over more steps."
-        )
-    return tune.within, out
-
-
-def audit_outcome(audit):
-    """The audit page's verdict: ``(ok, [sentences])``."""
-    flagged = audit.flagged + audit.flagged_modules
-    if flagged:
-        first = (
-            f"{len(audit.flagged)} op(s) and {len(audit.flagged_modules)} module class(es) flagged: their bf16 "
-            f"error is over the thresholds ({', '.join(flagged)})."
-        )
-    else:
-        first = (
-            f"Nothing flagged: each op cast alone stays under the error threshold {audit.threshold:g} and the loss "
-            f"threshold {audit.loss_threshold:g}, with no inf/NaN."
-        )
-    return not flagged, [
-        first,
-        f"After one step under the lists the loss is {_num(audit.output_error)} off fp32's (relative).",
-        speed_sentence(audit.time_ratio, "the listed ops' forward time under the lists"),
-    ]
-
-
-def change_reasons(tune):
-    """Each change tune made, with why it is there: ``[sentence]``."""
-    flagged = {r["op"]: r["reason"] for r in tune.audit.rows}
-    out = [
-        f"{op} to the FP32 list: flagged by the audit ({flagged.get(op) or 'over the bounds'})"
-        for op in tune.moved_to_fp32
-    ]
-    for op, p in tune.proposals.items():
-        if p["accepted"]:
-            out.append(
-                f"{p['class']} to the FP32 list, instead of moving {op}: {op}'s error is confined to it (with it in "
-                f"FP32, {op} cast everywhere else makes error {_num(p['own_max_rel'], 2)} and moves the loss by "
-                f"{_num(p['loss_error'], 2)})"
-            )
-    for p in tune.module_proposals.values():
-        if p["accepted"]:
-            out.append(
-                f"{p['class']} to the FP32 list: its own code makes error {_num(p['made_max_rel'], 2)}, over the "
-                f"threshold {tune.audit.threshold:g}, with the flagged ops moved"
-            )
-    for op in tune.added_to_bf16:
-        why = tune.trials.get(op, {}).get("why") or "kept in bf16"
-        out.append(f"{op} to the BF16 list: {why.removeprefix('kept: ')}")
-    return out
-
-
-def tune_todo(tune):
-    """What to do, agreeing with the verdict: nothing, the changes with their reasons and the call that
-    loads them, or (outside the tolerance) what to change before using them."""
-    bf16, fp32 = tune.written or DEFAULT_FILES
-    call = f"hmp.convert(bf16_file_path={bf16!r}, fp32_file_path={fp32!r})"
-    reasons = change_reasons(tune)
-    if tune.written:
-        files = f"Files written: {bf16} (the BF16 list) and {fp32} (the FP32 list); each extends the default list."
-    else:
-        files = f"Write the files first: result.write({bf16!r}, {fp32!r})."
-    listed = '<ul class="changes">' + "".join(f"<li>{esc(r)}</li>" for r in reasons) + "</ul>"
-    if not tune.within:
-        return [
-            f"<p>{esc('Do not use the tuned lists as they are: training under them ends outside the tolerance.')} "
-            + esc(
-                "Put the model's most sensitive module classes in the FP32 list (the module table below) and run "
-                "tune again, or validate over more steps (--steps)."
-            )
-            + "</p>",
-            *([f"<p>{esc('What the files written hold, for reference:')}</p>", listed] if reasons else []),
-            f"<p>{esc(files)}</p>",
-        ]
-    if not reasons:
-        return [
-            "<p>Nothing to change: the lists you have suit this step. Tune kept no change; the files written hold "
-            "the same lists (<code>include default</code> and nothing else).</p>",
-            *([f"<p>{esc(tune.authored_words().capitalize())}.</p>"] if tune.authored else []),
-        ]
-    return [
-        f"<p>{len(reasons)} change{'s' * (len(reasons) != 1)} from the starting lists, each with why it is there:</p>",
-        listed,
-        f"<p>{esc(files)} Use them:</p>",
-        f'<pre class="call">{esc(call)}</pre>',
-    ]
-
-
-def audit_todo(audit):
-    if not (audit.flagged or audit.flagged_modules):
-        return ["<p>Nothing to change: the lists in force suit this step.</p>"]
-    return [
-        "<p>Let tune move the flagged ops (or their module classes) to FP32 and check the result by training:</p>",
-        '<pre class="call">python -m hmp tune TARGET --report tune.html</pre>',
-        "<p>or put them in an FP32 list file (<code>include default</code>, then one name a line) and pass it "
-        "as <code>hmp.convert(fp32_file_path=...)</code>.</p>",
-    ]
-
-
 def verdict_first(audit, tune):
-    ok, sentences = tune_outcome(tune) if tune is not None else audit_outcome(audit)
+    state, sentences = tune_outcome(tune) if tune is not None else audit_outcome(audit)
     todo = tune_todo(tune) if tune is not None else audit_todo(audit)
     outcome = "".join(f"<p>{esc(s)}</p>" for s in sentences)
+    look = {WITHIN: "ok", OUTSIDE: "bad"}.get(state, "unsure")
     return [
-        f'<section id="verdict" class="verdict {"ok" if ok else "bad"}"><h2>Verdict</h2>{outcome}</section>',
+        f'<section id="verdict" class="verdict {look}"><h2>Verdict</h2>{outcome}</section>',
         '<section id="todo"><h2>What to do</h2>' + "".join(todo) + "</section>",
     ]
 
@@ -252,6 +140,7 @@ section.verdict { border-left: 6px solid; padding: 2px 14px; margin: 12px 0; fon
 section.verdict h2 { margin-top: 8px; }
 section.verdict.ok { border-color: #54a24b; background: #f1f8ef; }
 section.verdict.bad { border-color: #c0392b; background: #fbefed; }
+section.verdict.unsure { border-color: #b7950b; background: #fdf8e6; }
 pre.call { background: #f4f4f4; padding: 8px 12px; white-space: pre-wrap; font-size: 13px; }
 .box { max-width: 100%; overflow-x: auto; }  /* a safety: the test checks nothing in a box overflows it */
 .box > svg { display: block; max-width: 100%; height: auto; }  /* a wide chart scales down to its box */

@@ -11,10 +11,17 @@ from datetime import datetime, timezone
 import torch
 
 from hmp.core import kinds
-from hmp.tools import timing, tuned_files
+from hmp.tools import sentences, timing, tuned_files
 from hmp.tools.files import write_all
 from hmp.tools.report import write as write_html
 from hmp.tools.target import user_name
+
+
+def op_time(trial):
+    """A trial's op time with the step it is a part of: ``1.234 (of 5.678 ms)``; the step is the same
+    runs' (op_costs.Costs.step_seconds), so the op's time is never more than it."""
+    step = trial.get("step_seconds")
+    return f"{trial['seconds'] * 1e3:.3f}" + (f" (of {step * 1e3:.3f} ms)" if step else "")
 
 
 class TuneResult:
@@ -58,6 +65,10 @@ class TuneResult:
         self.low = low  # the lower dtype: which default list the files written extend
         self.strict = strict  # strict=True: Habana's rule, whose default BF16 list the files extend
         self.written = None  # (bf16 path, fp32 path) once write() wrote them, for the page's "what to do"
+        self.trajectories = {}  # name -> the loss after each validation step (the last is validation[name])
+        self.steps = None  # validation steps, rounds of timing: what "run longer" doubles
+        self.rounds = None
+        self.start_modules = None  # the starting conversion's module entries: whose lines the files keep
 
     def spread(self, name):
         """The relative spread of ``name``'s step times: (75th - 25th
@@ -85,21 +96,53 @@ class TuneResult:
             return None
         return timing.ratio(self.samples["fp32"], self.samples[name])
 
+    def loss_gaps(self, name):
+        """``name``'s loss relative to fp32's (loss_gap) after each of the last half of the validation
+        steps, the final one last: the interval a loss verdict is judged on (sentences.loss_state).
+        Only the final one where no trajectory was recorded."""
+        mine, ref = self.trajectories.get(name), self.trajectories.get("fp32")
+        if not mine or not ref or len(mine) != len(ref):
+            return [self.loss_gap(name)]
+        gaps = []
+        for a, b in list(zip(ref, mine))[len(mine) // 2 :]:
+            diff = b - a
+            gaps.append(diff / abs(a) if a else (math.copysign(math.inf, diff) if diff else 0.0))
+        return gaps
+
+    def loss_state(self):
+        """sentences.WITHIN, OUTSIDE or UNKNOWN for the tuned lists' loss against ``tolerance``."""
+        return sentences.loss_state(self.loss_gaps("tuned lists"), self.tolerance)
+
     @property
     def within(self):
-        """The tuned lists' final loss within ``tolerance`` of fp32's."""
-        return abs(self.loss_gap("tuned lists")) <= self.tolerance
+        """The tuned lists' loss within ``tolerance`` of fp32's after every one of the last half of the
+        validation steps (after the final one, where no trajectory was recorded)."""
+        return self.loss_state() == sentences.WITHIN
+
+    def file_parts(self):
+        """``{kind: {"start": [...], "tune": [...]}}``: the lines the files write() writes (would write)
+        hold after ``include default``, the starting lists' own and tune's changes (tuned_files.split)."""
+        modules = {k: tuple(v) for k, v in self.modules.items()}
+        return {
+            kind: tuned_files.split(kind, self.lists, modules, self.before, self.start_modules, self.low, self.strict)
+            for kind in ("bf16", "fp32")
+        }
 
     @property
     def verdict(self):
-        """One line: the tuned lists' loss against fp32's and the tolerance, and their step time."""
-        gap, start = self.loss_gap("tuned lists"), self.loss_gap("starting lists")
+        """One line: the tuned lists' loss against fp32's and the tolerance, and their step time, judged
+        as the page judges them (sentences.loss_state, timing.Ratio.measurable): a verdict only where
+        the interval lies on one side of its threshold, else cannot tell yet and what to run."""
+        gaps, state = self.loss_gaps("tuned lists"), self.loss_state()
+        over = f"; {min(gaps):+.2%} to {max(gaps):+.2%} over the last {len(gaps)} steps" if len(gaps) > 1 else ""
+        word = {sentences.WITHIN: "within", sentences.OUTSIDE: "OUTSIDE"}.get(state, "CANNOT TELL YET whether within")
         line = (
-            f"verdict: the tuned lists end {gap:+.2%} from fp32's loss, "
-            f"{'within' if self.within else 'OUTSIDE'} the {self.tolerance:.0%} tolerance (starting lists: "
-            f"{start:+.2%})"
+            f"verdict: the tuned lists end {gaps[-1]:+.2%} from fp32's loss{over}, {word} the {self.tolerance:.0%} "
+            f"tolerance (starting lists: {self.loss_gap('starting lists'):+.2%})"
         )
-        if not self.within:
+        if state == sentences.UNKNOWN:
+            line += f"; run longer to tell (--steps {2 * (self.steps or len(gaps))})"
+        if self.loss_state() == sentences.OUTSIDE:
             line += (
                 "; tune kept no addition that made it worse than the starting lists, so the rest is the "
                 "lower dtype's on this model: put the model's most sensitive module classes in the FP32 list "
@@ -108,6 +151,10 @@ class TuneResult:
         ratio = self.ratio("tuned lists")
         if ratio is not None:
             line += "; step time: " + ratio.words()
+            if not ratio.measurable:
+                line += ", cannot tell yet whether faster or slower" + (
+                    f": run longer to tell ({sentences.more_rounds(self.rounds)})" if self.rounds else ""
+                )
         return line
 
     def time_cell(self, name):
@@ -170,12 +217,12 @@ class TuneResult:
             "",
             "## ops tried in bf16",
             "",
-            "| op | was in | fp32 time ms | own max rel err | error passed to loss | inf/NaN | outcome |",
+            "| op | was in | fp32 time ms (of a step) | own max rel err | error passed to loss | inf/NaN | outcome |",
             "|---|---|---:|---:|---:|---:|---|",
         ]
         for op, t in sorted(self.trials.items(), key=lambda kv: -kv[1]["seconds"]):
             lines.append(
-                f"| {op} | {t['was'] or 'no list'} | {t['seconds'] * 1e3:.3f} | {t['own_max_rel']:.3g} | "
+                f"| {op} | {t['was'] or 'no list'} | {op_time(t)} | {t['own_max_rel']:.3g} | "
                 f"{t['loss_error']:.3g} | {t['nonfinite']} | {t.get('why') or ('kept' if t['accepted'] else 'no')} |"
             )
         if self.authored:
@@ -249,8 +296,9 @@ class TuneResult:
 
     def write(self, bf16_path, fp32_path, promote_path=None):
         """Write list files that hmp.convert() loads, each extending the
-        default list (tuned_files.texts: ``include default`` and tune's
-        changes, module classes as their import paths). All or nothing
+        default list (tuned_files.texts: ``include default``, the starting
+        lists' own lines and tune's changes, each under a comment saying
+        which, module classes as their import paths). All or nothing
         (files.write_all): raises ValueError, writing nothing, when a class
         does not load by its import path, when two paths are the same file,
         or when a path cannot be written."""
@@ -264,5 +312,8 @@ class TuneResult:
             f"# validation final losses: " + ", ".join(f"{k} {v:.5f}" for k, v in self.validation.items()) + "\n"
         )
         targets = [("bf16", bf16_path), ("fp32", fp32_path)] + ([("promote", promote_path)] if promote_path else [])
-        write_all(tuned_files.texts(self.lists, self.modules, targets, summary, self.low, self.strict), "hmp.tune")
+        texts = tuned_files.texts(
+            self.lists, self.modules, targets, summary, self.low, self.strict, self.before, self.start_modules
+        )
+        write_all(texts, "hmp.tune")
         self.written = (os.fspath(bf16_path), os.fspath(fp32_path))

@@ -1,8 +1,14 @@
 """The list files hmp.tune writes. Each extends the default list of its kind
-(``include default``) and holds only tune's changes: ``-name`` for an entry
-taken out of the default, a name for one added. So the defaults' module
+(``include default``) and holds only what differs from it: ``-name`` for an
+entry taken out of the default, a name for one added. So the defaults' module
 patterns (rotary and timestep embeddings, op_lists/fp32.txt) and every op
-tune did not touch stay as shipped, and a later hmp's defaults apply."""
+nobody touched stay as shipped, and a later hmp's defaults apply.
+
+Those lines are of two origins, written under a comment each and told apart
+by ``split()``: the lines the lists tune started from already had (the
+user's own: a list file given to convert(), say) and tune's changes. What a
+page or a header says about a file comes from that split, never from a
+guess."""
 
 from __future__ import annotations
 
@@ -16,8 +22,10 @@ from hmp.core.resolve import Resolver
 TOOL = "hmp.tune"
 HEADER = (
     "# extends the default {kind} list: 'include default' keeps all of it (its ops and its module\n"
-    "# patterns); the lines after it are tune's changes: '-name' takes a default entry out, a name adds one\n"
+    "# patterns); each line after it changes it: '-name' takes a default entry out, a name adds one\n"
 )
+FROM_START = "# from the lists tune started from (already yours before tune ran):"
+FROM_TUNE = "# tune's changes:"
 
 
 def importable(cls):
@@ -71,15 +79,36 @@ def instances(modules):
     return [shown(t) for targets in modules.values() for t in targets if not isinstance(t, (type, Pattern))]
 
 
-def texts(lists, modules, targets, summary, low=torch.bfloat16, strict=False):
+def split(kind, lists, modules, before=None, before_modules=None, low=torch.bfloat16, strict=False):
+    """``{"start": [...], "tune": [...]}``: the lines after ``include default`` that make ``kind``'s
+    list hold ``lists[kind]`` and ``modules[kind]``, parted into those the starting lists (``before``,
+    ``before_modules``; None: the default) have too, and the rest, tune's changes."""
+    lines = changes(kind, lists[kind], modules.get(kind, ()), low, strict)
+    start = set()
+    if before is not None:
+        start = set(changes(kind, before[kind], (before_modules or {}).get(kind, ()), low, strict))
+    return {"start": [x for x in lines if x in start], "tune": [x for x in lines if x not in start]}
+
+
+def body(parts):
+    """The text after the header: ``include default``, then each origin's lines under its comment."""
+    lines = ["include default"]
+    for heading, key in ((FROM_START, "start"), (FROM_TUNE, "tune")):
+        if parts[key]:
+            lines += [heading, *parts[key]]
+    return "\n".join(lines) + "\n"
+
+
+def texts(lists, modules, targets, summary, low=torch.bfloat16, strict=False, before=None, before_modules=None):
     """``[(path, text)]`` for ``targets``, ``[(kind, path)]``: each file
     ``summary`` (comment lines), the header, ``include default`` and the
-    changes. Raises ValueError for a class that does not load by its path."""
+    lines (split(): the starting lists' own, then tune's changes). Raises
+    ValueError for a class that does not load by its path."""
     note = instances(modules)
     if note:
         summary += f"# not in these files, give them to convert() again: module instances {', '.join(note)}\n"
     out = []
     for kind, path in targets:
-        lines = ["include default", *changes(kind, lists[kind], modules.get(kind, ()), low, strict)]
-        out.append((path, summary + HEADER.format(kind=kinds.kind(kind).title_in(low)) + "\n".join(lines) + "\n"))
+        parts = split(kind, lists, modules, before, before_modules, low, strict)
+        out.append((path, summary + HEADER.format(kind=kinds.kind(kind).title_in(low)) + body(parts)))
     return out

@@ -14,8 +14,9 @@
    timing.py: the middle half of the pairs' ratios below 1), so no op is
    moved on timing noise;
 3. validate: train a few steps from the same state in fp32, with the current
-   lists and with the candidate; if the candidate's loss strays from fp32's,
-   drop the additions and module proposals; time a step of each.
+   lists and with the candidate, each step's loss recorded (the verdict's
+   interval, TuneResult.loss_gaps); if the candidate's loss strays from
+   fp32's, drop the additions and module proposals; time a step of each.
 
 Every phase counts in runs of the user's step (progress.StepRuns), shown on
 stderr or handed to ``progress``.
@@ -55,15 +56,18 @@ def _as_float(value):
     return float(step_loss(value, "hmp.tune").detach().double().mean())
 
 
-def _train(fn, args, kwargs, guard, steps, conversion):
+def _train(fn, args, kwargs, guard, steps, conversion, losses=None):
     """fn's value after ``steps`` calls from the guarded state under
-    ``conversion`` (None: plain torch), and the step times."""
+    ``conversion`` (None: plain torch), and the step times; with a list for
+    ``losses``, each step's loss appended to it (after the timing)."""
     times, value = [], None
     with guard.running(), applied(conversion):
         for _ in range(steps):
             start = time.perf_counter()
             value = fn(*args, **kwargs)
             times.append(time.perf_counter() - start)
+            if losses is not None:
+                losses.append(_as_float(value))
     return _as_float(value), times
 
 
@@ -141,8 +145,8 @@ class _Tuner:
     def run_step(self, conversion, **options):
         return run_step(self.run, self.args, self.kwargs, self.guard, conversion, **options)
 
-    def train(self, conversion, steps=None):
-        return _train(self.run, self.args, self.kwargs, self.guard, steps or self.steps, conversion)
+    def train(self, conversion, steps=None, losses=None):
+        return _train(self.run, self.args, self.kwargs, self.guard, steps or self.steps, conversion, losses)
 
     def __call__(self, state):
         self.guard = StateGuard("hmp.tune", state, self.args, self.kwargs, self.fn)
@@ -193,7 +197,7 @@ class _Tuner:
         self.runs.expect(1 + COST_RUNS, "measuring what each op costs in fp32")
         costs = op_costs.measure(one_step, self.guard.modules, runs=COST_RUNS)
         resolver = Resolver()
-        self.seconds = costs.seconds
+        self.seconds, self.cost_step = costs.seconds, costs.step_seconds
         large = [
             op
             for op in costs.seconds
@@ -239,26 +243,30 @@ class _Tuner:
         trial = {
             "was": kind_of(op, self.lists),
             "seconds": self.seconds[op],
+            # the whole step of the same runs (op_costs.measure): the op's time is a part of it, not of a
+            # step timed elsewhere or in another configuration
+            "step_seconds": self.cost_step,
             **self.alone(op, {**_empty_lists(), LOWER.name: {op}}),
             "time_ratio": None,
         }
         if trial["accepted"]:
-            ratio, step_s = self.step_ratio_with(op)
-            # what the op can save at most: its whole fp32 time, as a share of a step
-            trial["time_ratio"], trial["ceiling"] = ratio, self.seconds[op] / step_s if step_s else 0.0
+            ratio = self.step_ratio_with(op)
+            # what the op can save at most: its whole fp32 time, as a share of the step it was measured in
+            trial["time_ratio"] = ratio
+            trial["ceiling"] = self.seconds[op] / self.cost_step if self.cost_step else 0.0
             trial["accepted"] = ratio is not None and ratio.surely_faster and 1 - ratio.high <= trial["ceiling"]
         trial["outcome"], trial["why"] = trial_outcome(trial, self.threshold, self.loss_threshold)
         return trial
 
     def step_ratio_with(self, op):
         """A step's time with ``op`` added to the BF16 list, relative to the lists so far
-        (timing.Ratio): ``rounds`` rounds, the two interleaved; and the median step without it."""
+        (timing.Ratio): ``rounds`` rounds, the two interleaved."""
         lists = {k: v - {op} for k, v in self.lists.items()}
         lists["bf16"].add(op)
         configs = {"without": self.under(self.lists), "with": self.under(lists)}
         self.runs.expect(len(configs) * self.rounds * ROUND_STEPS, f"timing a step with {op} in bf16")
         samples = _interleaved_times(self.run, self.args, self.kwargs, self.guard, configs, self.rounds)
-        return timing.ratio(samples["without"], samples["with"]), statistics.median(samples["without"])
+        return timing.ratio(samples["without"], samples["with"])
 
     def try_class_instead(self, op, cls):
         """The flagged ``op`` cast where its starting list says, with ``cls`` in FP32."""
@@ -312,10 +320,11 @@ class _Tuner:
             "starting lists": self.under(self.start_lists),
             "tuned lists": self.under(self.candidate, to_fp32),
         }
-        self.validation = {}
+        self.validation, self.trajectories = {}, {}
         self.runs.expect(len(self.configs) * self.steps, "validation: training in each configuration")
         for name, conversion in self.configs.items():
-            self.validation[name] = self.train(conversion)[0]
+            self.trajectories[name] = []
+            self.validation[name] = self.train(conversion, losses=self.trajectories[name])[0]
         if not self.acceptable("tuned lists") and (self.candidate != self.lists or to_fp32):
             everything = [*self.trials.values(), *self.proposals.values(), *self.module_proposals.values()]
             for t in everything:
@@ -325,7 +334,9 @@ class _Tuner:
             self.runs.expect(self.steps, "validation: the lists without tune's additions")
             self.candidate = self.lists
             self.configs["tuned lists"] = self.under(self.candidate)
-            self.validation["tuned lists"] = self.train(self.configs["tuned lists"])[0]
+            self.trajectories["tuned lists"] = []
+            tuned = self.configs["tuned lists"]
+            self.validation["tuned lists"] = self.train(tuned, losses=self.trajectories["tuned lists"])[0]
 
     def acceptable(self, name):
         """Within ``tolerance`` of fp32, or no further from it than the starting lists."""
@@ -366,6 +377,8 @@ class _Tuner:
         )
         result.authored = self.authored  # large ops not tried: the author computes their input in float32
         result.runs = self.runs.done
+        result.trajectories, result.steps, result.rounds = self.trajectories, self.steps, self.rounds
+        result.start_modules = self.start.modules
         return result
 
 
