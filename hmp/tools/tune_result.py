@@ -135,7 +135,7 @@ class TuneResult:
         the interval lies on one side of its threshold, else cannot tell yet and what to run."""
         gaps, state = self.loss_gaps("tuned lists"), self.loss_state()
         over = f"; {min(gaps):+.2%} to {max(gaps):+.2%} over the last {len(gaps)} steps" if len(gaps) > 1 else ""
-        word = {sentences.WITHIN: "within", sentences.OUTSIDE: "OUTSIDE"}.get(state, "CANNOT TELL YET whether within")
+        word = {sentences.WITHIN: "within", sentences.OUTSIDE: "OUTSIDE"}.get(state, "CANNOT TELL YET against")
         line = (
             f"verdict: the tuned lists end {gaps[-1]:+.2%} from fp32's loss{over}, {word} the {self.tolerance:.0%} "
             f"tolerance (starting lists: {self.loss_gap('starting lists'):+.2%})"
