@@ -134,6 +134,7 @@ def run(args):
                     "lists": result.lists,
                     "modules_to_fp32": [class_path(c) for c in result.modules_to_fp32],
                     "validation": result.validation,
+                    "loss_per_step": result.trajectories,  # what the verdict's loss interval is judged on
                     "timings": result.timings,
                     "step_times": result.samples,
                     "same_as": result.same_as,

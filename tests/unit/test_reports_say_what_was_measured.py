@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+import hmp
 from hmp.tools import op_costs, progress, report, sentences, tuned_files
 from hmp.tools.auditing import AuditReport
 from hmp.tools.record import OpStats
@@ -180,13 +181,39 @@ def test_the_files_are_described_by_their_lines_the_users_own_and_tunes(tmp_path
     assert "f.txt: include default, then 1 of tune's (" in todo
 
 
-def test_every_file_tune_writes_loads_where_diffusers_is_not_installed(tmp_path):
-    """Starting lists without the shipped module patterns: the FP32 file takes them out by name
-    (``-diffusers.models.embeddings.Timesteps``); convert() must load it with no diffusers to import."""
-    result = recorded(losses([0.0] * 10), lists={"bf16": ["linear"], "fp32": ["sub"], "promote": []})
+def tiny_tune():
+    """A real tune, of a tiny model for two validation steps: the files its own writer writes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+
+    def step():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    result = hmp.tune(step, state=(model, opt), steps=2, rounds=2, progress=False)
+    assert len(result.trajectories["tuned lists"]) == 2  # each validation step's loss, on record
+    return result
+
+
+def without_patterns():
+    """Starting lists without the shipped module patterns: the FP32 file takes them out by name."""
+    return recorded(losses([0.0] * 10), lists={"bf16": ["linear"], "fp32": ["sub"], "promote": []})
+
+
+@pytest.mark.parametrize("made", [without_patterns, tiny_tune])
+def test_every_file_tune_writes_loads_where_diffusers_is_not_installed(tmp_path, made):
+    """convert() must load what tune writes, ``-diffusers.models.embeddings.Timesteps`` lines
+    included, with no diffusers to import."""
+    result = made()
     bf16, fp32 = tmp_path / "tuned_bf16.txt", tmp_path / "tuned_fp32.txt"
     result.write(bf16, fp32)
-    assert "-diffusers.models.embeddings.Timesteps" in fp32.read_text()
+    if made is without_patterns:
+        assert "-diffusers.models.embeddings.Timesteps" in fp32.read_text()
     if importlib.util.find_spec("diffusers") is not None:
         pytest.skip("diffusers is installed here: this check needs an environment without it")
     probe = (
