@@ -3,10 +3,13 @@ exist, and what their schemas say (a result that is a view of an input,
 the arguments an op writes). resolve.py maps them to Python names."""
 
 import functools
+import importlib
+import types
 
 import torch
 
 from hmp.core import torch_private
+from hmp.core.identity import unwrap
 
 
 def aten_op(name):
@@ -60,3 +63,54 @@ def aten_names():
     """Every aten operator name the registry reports, for suggestions only."""
     schemas = torch_private.all_schemas()  # [] when it fails: suggestions are a nicety
     return {s.name[6:] for s in schemas if s.name.startswith("aten::")}
+
+
+# Where builtin functions generated from aten operators live. Each such
+# builtin carries its operator's name (torch.linalg.multi_dot.__name__ ==
+# "linalg_multi_dot", F.logsigmoid.__name__ == "log_sigmoid"), so scanning
+# these namespaces maps an operator to every Python name that calls it,
+# private ones included (F.cross_entropy looks up
+# torch._C._nn.cross_entropy_loss at call time). torch._C._VariableFunctions
+# is left out: torch.X is the public name of each of its builtins.
+ATEN_HOMES = (
+    "torch",
+    "torch.nn.functional",
+    *torch_private.ATEN_PRIVATE_HOMES,
+    "torch.linalg",
+    "torch.special",
+    "torch.fft",
+)
+
+
+@functools.lru_cache(maxsize=None)
+def aten_entry_points():
+    """``{aten op name: [(owner, module, attr), ...]}`` for every builtin in
+    ATEN_HOMES whose name is an aten operator; built once (a namespace entry
+    hmp has wrapped is looked at through its original)."""
+    table = {}
+    for owner in ATEN_HOMES:
+        module = importlib.import_module(owner)
+        for attr, value in list(vars(module).items()):
+            fn = unwrap(value)
+            if attr.startswith("__") or not isinstance(fn, types.BuiltinFunctionType):
+                continue
+            op = getattr(fn, "__name__", None)
+            if isinstance(op, str) and aten_op(op) is not None:
+                table.setdefault(op, []).append((owner, module, attr))
+    return table
+
+
+@functools.lru_cache(maxsize=None)
+def python_builtins():
+    """``((aten op name, builtin), ...)``: one builtin generated from each aten
+    operator a Python name reaches: those of ATEN_HOMES, and for a Python
+    function of ``torch`` named after an operator (``torch.einsum``,
+    ``torch.tensordot``) the builtin it calls through torch._VF."""
+    found = {op: getattr(module, attr) for op, places in aten_entry_points().items() for _, module, attr in places[:1]}
+    for attr, value in list(vars(torch).items()):
+        fn = unwrap(value)
+        if isinstance(fn, types.FunctionType) and fn.__name__ == attr and attr not in found and aten_op(attr):
+            builtin = getattr(torch_private.VF, attr, None)
+            if isinstance(builtin, types.BuiltinFunctionType):
+                found[attr] = builtin
+    return tuple(sorted(found.items()))

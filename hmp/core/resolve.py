@@ -18,7 +18,6 @@ and test_written_arguments.py exercise each on the running torch.
 """
 
 import difflib
-import functools
 import importlib
 import importlib.util
 import inspect
@@ -31,8 +30,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hmp.core import state, torch_private
-from hmp.core.aten import aten_names, aten_op, schema_writes
+from hmp.core import spellings, state, torch_private
+from hmp.core.aten import aten_entry_points, aten_names, aten_op, python_builtins, schema_writes
 from hmp.core.identity import unwrap
 
 log = logging.getLogger("hmp")
@@ -295,11 +294,14 @@ class Resolver:
         named = [(kind, name) for kind, names in effective.items() for name in sorted(names)]
         fused = [(kind, f) for kind, name in named for f in FUSED.get(name, ())]
         listed = {name for _, name in named}
+        spelled = spellings.spellings(tuple((k, tuple(sorted(v))) for k, v in effective.items()), python_builtins())
         extra = [(kind, name) for kind, names in fallback for name in names if name not in listed]
         out, seen = [], set()
-        first_extra = len(named) + len(fused)
-        for i, (kind, name) in enumerate(named + fused + extra):
-            for site in self.sites(name):
+        first_extra = len(named) + len(fused) + len(spelled)
+        # a spelling binds its own name's sites under the entry it follows (spellings.py)
+        todo = [(k, n, n) for k, n in named + fused] + list(spelled) + [(k, n, n) for k, n in extra]
+        for i, (kind, name, spelling) in enumerate(todo):
+            for site in self.sites(spelling):
                 key = (id(site.namespace), site.attr)
                 if key not in seen:
                     seen.add(key)
@@ -373,37 +375,3 @@ def suggest(name, universe, n=3):
 # -- aten operator names ----------------------------------------------------------------------
 
 BOUND, NO_PYTHON, UNKNOWN = "bound", "no-python", "unknown"
-
-# Where builtin functions generated from aten operators live. Each such
-# builtin carries its operator's name (torch.linalg.multi_dot.__name__ ==
-# "linalg_multi_dot", F.logsigmoid.__name__ == "log_sigmoid"), so scanning
-# these namespaces maps an operator to every Python name that calls it,
-# private ones included (F.cross_entropy looks up
-# torch._C._nn.cross_entropy_loss at call time). torch._C._VariableFunctions
-# is left out: torch.X is the public name of each of its builtins.
-ATEN_HOMES = (
-    "torch",
-    "torch.nn.functional",
-    *torch_private.ATEN_PRIVATE_HOMES,
-    "torch.linalg",
-    "torch.special",
-    "torch.fft",
-)
-
-
-@functools.lru_cache(maxsize=None)
-def aten_entry_points():
-    """``{aten op name: [(owner, module, attr), ...]}`` for every builtin in
-    ATEN_HOMES whose name is an aten operator; built once (a namespace entry
-    hmp has wrapped is looked at through its original)."""
-    table = {}
-    for owner in ATEN_HOMES:
-        module = importlib.import_module(owner)
-        for attr, value in list(vars(module).items()):
-            fn = unwrap(value)
-            if attr.startswith("__") or not isinstance(fn, types.BuiltinFunctionType):
-                continue
-            op = getattr(fn, "__name__", None)
-            if isinstance(op, str) and aten_op(op) is not None:
-                table.setdefault(op, []).append((owner, module, attr))
-    return table

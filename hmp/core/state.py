@@ -19,7 +19,9 @@ module-level store and memo and checks it is named here):
 - memos of what torch or a shipped file says, the same for every call and
   never written by one: ``aten.returns_view``, ``aten.schema_writes``,
   ``lists.fallback_names``, ``lists.one_dtype_names``, ``pays.is_random``,
-  ``pays.is_pointwise``, ``resolve.aten_entry_points``,
+  ``pays.is_pointwise``, ``aten.aten_entry_points``, ``aten.python_builtins``,
+  ``spellings.computation``, ``spellings.spellings``, ``spellings._signatures``
+  (what torch's registry says an op computes, traced once on meta tensors),
   ``region_factories.load``, ``errors._shipped``, ``entries._table``
   (lru_caches), ``cast_copies._NUMBER_TYPES`` (a type's answer), and
   ``functions._plans`` (an autograd Function class's cast plan, weak),

@@ -5,12 +5,12 @@ here means one file to read when a new release breaks something, and
 tests/unit/test_structure.py fails if another module reaches one directly.
 tests/unit/test_torch_private.py checks each of them on the running torch.
 
-Each entry says why hmp needs it and the releases it is known for (the
-tested releases: hmp/tested.py). A name a release lacks
-gets a fallback here, never an AttributeError at ``import hmp``; where no
-fallback keeps hmp's promise, convert() says what is missing (``checkpoint_lacks()``,
-``step_lacks()``, through the rules' ``Changes.lacks``; torch_releases.py's
-``release_lacks()`` for what a release between the floor and the newest cannot give).
+Each entry says why hmp needs it and the releases it is known for (hmp/tested.py).
+A name a release lacks gets a fallback here, never an AttributeError at ``import
+hmp``; where none keeps hmp's promise, convert() says what is missing
+(``checkpoint_lacks()``, ``step_lacks()``, through the rules' ``Changes.lacks``;
+torch_releases.py's ``release_lacks()`` for what a release between the floor and
+the newest cannot give).
 
 ``PRESENT`` says which of them the running torch has; hmp/core/torch_releases.py
 holds the table of those names and behaviours, the first release that has
@@ -47,9 +47,7 @@ version_of = operator.attrgetter("_version")
 set_grad_enabled = torch._C._set_grad_enabled
 
 
-def current_graph_task_id():
-    """The C function giving -1 outside a backward pass, or None (an autograd
-    device thread then cannot be told apart: it casts until a region says not)."""
+def current_graph_task_id():  # -1 outside a backward pass; None: an autograd thread casts until a region says not
     return getattr(torch._C, "_current_graph_task_id", None)
 
 
@@ -254,6 +252,10 @@ OpOverloadPacket = torch._ops.OpOverloadPacket
 
 
 overload_schema = operator.attrgetter("_schema")  # an OpOverload's FunctionSchema: no public name (2.4 to 2.15)
+
+
+def composite_implicit(overload):  # no kernel of its own: it runs other ops (hmp/core/spellings.py)
+    return overload.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 def schema_of(packet, overload):

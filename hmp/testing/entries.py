@@ -6,7 +6,9 @@ The binding rule, as docs/lists.md states it: a list name ``X`` binds
 ``torchvision.ops.X`` and the builtins generated from ``aten::X``; the fused
 kernels of resolve.FUSED follow the list of the op they contain; an op in no
 list that has no kernel for the lower dtype, or needs one dtype, gets the
-FP32 or promote rule where a call needs it (lists.fallback_names). Here that
+FP32 or promote rule where a call needs it (lists.fallback_names); another
+name of a listed op (core/spellings.py: the same computation, read from
+torch's registry) follows that op's entry. Here that
 rule runs backwards, from a callable to the names that bind it, so the
 testing kit's oracle does not ask hmp's resolver which site a call reaches.
 """
@@ -21,7 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from hmp.core import aten, kinds, lists, pays, resolve
+from hmp.core import aten, kinds, lists, pays, resolve, spellings
 from hmp.core.identity import unwrap
 from hmp.core.resolve import FUSED
 
@@ -67,9 +69,9 @@ def _table():
     for klass in torch.Tensor.__mro__:
         for attr, value in list(vars(klass).items()):
             add(value, attr)
-    for places in resolve.aten_entry_points().values():
+    for op, places in aten.aten_entry_points().items():
         for _, module, attr in places:
-            add(getattr(module, attr, None), attr)
+            add(getattr(module, attr, None), op)  # by its operator: torch.linalg.norm is linalg_norm, not norm
     return found
 
 
@@ -178,6 +180,10 @@ def binding(conversion, op, call, runtime):
             for fused in FUSED.get(name, ()):
                 if fused in call.names:
                     return Binding(kind, fused, False)
+    listed_by_kind = tuple((k, tuple(v)) for k, v in bound.items())
+    for kind, name, spelling in spellings.spellings(listed_by_kind, aten.python_builtins()):
+        if spelling in call.names:  # another name of a listed op (hmp/core/spellings.py)
+            return Binding(kind, name, False)
     listed = set().union(*bound.values())
     for kind, names in lists.fallback_names(conversion.options.low):
         for name in names:

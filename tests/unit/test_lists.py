@@ -11,6 +11,7 @@ import torch
 from helpers import assert_same, snapshot, write
 
 import hmp
+from hmp.core.list_files import default_path, read_names
 from hmp.core.lists import effective
 from hmp.core.module_entries import entry_key
 from hmp.core.resolve import Resolver
@@ -25,10 +26,14 @@ DEFAULT_BF16_STRICT = sorted(
     DEFAULT_BF16
     + "batch_norm dropout dropout1d dropout2d dropout3d group_norm instance_norm layer_norm leaky_relu mul relu".split()
 )
+# hmp's own FP32 entries, and every op CPU autocast computes in float32 (op_lists/autocast_cpu_fp32.txt)
 DEFAULT_FP32 = sorted(
-    "avg_pool3d binary_cross_entropy binary_cross_entropy_with_logits cross_entropy ctc_loss div divide embedding "
-    "embedding_bag huber_loss log log2 log_softmax mse_loss multi_margin_loss multilabel_margin_loss nll_loss "
-    "smooth_l1_loss softmax topk truediv".split()
+    set(
+        "avg_pool3d binary_cross_entropy binary_cross_entropy_with_logits cross_entropy ctc_loss div divide embedding "
+        "embedding_bag huber_loss log log2 log_softmax mse_loss multi_margin_loss multilabel_margin_loss nll_loss "
+        "smooth_l1_loss softmax topk truediv".split()
+    )
+    | {n for _, n in read_names(default_path("autocast_cpu_fp32.txt"))}
 )
 PROMOTE_AT_LEAST = set("add sub mul div truediv pow addcmul addcdiv cat stack where index_put scatter_add".split())
 # module entries of the default FP32 list, after its ops (resolved when their library is imported)

@@ -1,0 +1,184 @@
+"""The other names of a listed op, found from torch's operator registry.
+
+torch.autocast casts at the dispatcher, where every spelling of an op arrives
+as the same operator; hmp binds Python names. So a list name binds, besides its
+own entry points (resolve.py), every *spelling* of its op: the builtins
+generated from an aten operator that has no kernel of its own
+(CompositeImplicitAutograd: it only calls other ops) and whose computation is
+the listed op's. ``torch.linalg.matmul`` and ``torch.inner`` compute what
+``matmul`` does (``mm``), ``torch.einsum`` and ``torch.tensordot`` a listed
+product (``bmm``, ``mm``), ``torch.special.softmax`` what ``softmax`` does
+(``_softmax``), ``torch.true_divide`` ``div``.
+
+An op's computation is what it dispatches when traced once on meta tensors
+(no data, no random state: nothing of the user's is touched), views and
+allocations left out: a view computes nothing. An op listed under its own name
+follows its own entry; a spelling whose computation matches entries of two
+lists follows the first in binding order. Built once per process for each
+set of listed names (tests/unit/test_spellings.py sweeps every callable).
+"""
+
+import functools
+import types
+import warnings
+
+import torch
+
+from hmp.core import torch_private
+from hmp.core.aten import aten_op
+
+# Probe shapes, tried in order until the call runs: every tensor argument gets the same one.
+_SHAPES = ((4, 4), (2, 4, 4), (2, 4, 4, 4), (4,))
+# The one argument no schema type can fill: einsum's equation. A last resort by argument
+# name, for the probe only (what binds is still the traced computation).
+_STRINGS = {"equation": {2: "ij,jk->ik"}}
+_ALLOCATES = frozenset(("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"))
+_SCALARS = {"int": 1, "SymInt": 1, "float": 0.5, "bool": False, "Scalar": 2, "number": 2}
+# _unsafe_view's schema returns a new tensor, but it only reinterprets one its caller just made.
+_NO_COMPUTE = _ALLOCATES | {"_unsafe_view"}
+
+
+def _argument(arg, shape):
+    """A probe value for one schema argument, or raise LookupError."""
+    kind = str(arg.type)  # the schema's JIT type: Tensor, List[Tensor], List[int], Optional[...], int, ...
+    if kind == "Tensor":
+        return torch.empty(shape, device="meta")
+    if kind == "List[Tensor]":
+        return [torch.empty(shape, device="meta"), torch.empty(shape, device="meta")]
+    if kind in _SCALARS:
+        return _SCALARS[kind]
+    if kind == "List[int]":  # sizes, strides, dims: 2, not 1, where 1 takes a shortcut (a pool to 1 is a mean)
+        return [2] * (getattr(arg, "N", None) or 1)
+    if kind.startswith("Optional["):
+        return None
+    if kind == "str" and len(shape) in _STRINGS.get(arg.name, {}):
+        return _STRINGS[arg.name][len(shape)]
+    raise LookupError(kind)
+
+
+def _needs_out(schema):
+    return any(a.kwarg_only and not a.has_default_value() for a in schema.arguments)
+
+
+def _probe_args(schema, shape):
+    """Positional arguments for ``schema`` (defaults where it has them), or None."""
+    args = []
+    for arg in schema.arguments:
+        if arg.kwarg_only:
+            if not arg.has_default_value():
+                return None  # an out= overload
+            continue
+        try:
+            args.append(arg.default_value if arg.has_default_value() else _argument(arg, shape))
+        except LookupError:
+            return None
+    return args
+
+
+def _traced(fn, args):
+    """The computing ops ``fn(*args)`` dispatches, in order, or None where it does not run."""
+    ops = []
+
+    def seen(overload, a, k):
+        name = overload.__name__.partition(".")[0]  # mm.default: the operator's name
+        if name not in _NO_COMPUTE and not _is_view(overload):
+            ops.append(name)
+
+    try:
+        with warnings.catch_warnings():  # a deprecated op warns when it runs: the probe is not the user's call
+            warnings.simplefilter("ignore")
+            torch_private.dispatched(fn, seen, *args)
+    except Exception:
+        return None
+    return tuple(ops)
+
+
+def _is_view(overload):
+    schema = torch_private.overload_schema(overload)
+    if not schema.returns or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return False
+    return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _single_tensor(schema):
+    return len(schema.returns) == 1 and str(schema.returns[0].type) == "Tensor"
+
+
+@functools.lru_cache(maxsize=None)
+def computation(name, builtin=None):
+    """The ops ``aten::name`` computes on the first probe that runs (empty: it
+    only makes views), called through ``builtin`` (its Python builtin, so a
+    warning it gives is Python's to silence) or its operator; None when no
+    probe runs."""
+    packet = aten_op(name)
+    if packet is None:
+        return None
+    for overload in packet.overloads():
+        schema = torch_private.schema_of(packet, overload)
+        if not _single_tensor(schema):
+            continue
+        for shape in _SHAPES:
+            args = _probe_args(schema, shape)
+            if args is None:
+                continue
+            ops = _traced(builtin if builtin is not None else getattr(packet, overload), args)
+            if ops is not None:
+                return ops
+    return None
+
+
+def composite(name):
+    """True when every overload of ``aten::name`` a call can reach (``out=``
+    aside) only calls other ops."""
+    packet = aten_op(name)
+    if packet is None:
+        return False
+    reached = []
+    for o in packet.overloads():
+        try:
+            if not _needs_out(torch_private.schema_of(packet, o)):
+                reached.append(torch_private.composite_implicit(getattr(packet, o)))
+        except Exception:  # an overload the registry names but cannot look up (einsum.sublist)
+            continue
+    return bool(reached) and all(reached)
+
+
+@functools.lru_cache(maxsize=8)
+def spellings(listed, builtins):
+    """``((kind, listed name, spelling), ...)``: the composite operators among
+    ``builtins`` (``((aten name, builtin), ...)``) whose computation is a
+    listed op's. ``listed``: ``((kind, (names, ...)), ...)`` in binding order."""
+    targets = []
+    taken = {n for _, names in listed for n in names}
+    through = dict(builtins)
+    for kind, names in listed:
+        for name in names:
+            ops = computation(name, through.get(name))
+            if ops:
+                targets.append((ops, kind, name))
+    if not targets:
+        return ()
+    out = []
+    for name, builtin in builtins:
+        if name in taken or not isinstance(builtin, types.BuiltinFunctionType) or not composite(name):
+            continue
+        found = computation(name, builtin)
+        matches = [(kind, target) for ops, kind, target in targets if ops == found] if found else []
+        if matches:
+            # named after the entry with its very schema (linalg_matmul: matmul), else the kernel's own (einsum: bmm)
+            same = [m for m in matches if _signatures(m[1]) & _signatures(name)]
+            kernel = [m for m in matches if not composite(m[1])]
+            out.append((*(same or kernel or matches)[0], name))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _signatures(name):
+    packet = aten_op(name)
+    found = set()
+    for o in packet.overloads() if packet is not None else ():
+        try:
+            found.add(tuple((a.name, str(a.type)) for a in torch_private.schema_of(packet, o).arguments))
+        except Exception:
+            continue
+    return found
