@@ -9,11 +9,14 @@ hypothesis), and returns ``(args, kwargs)`` for the function a user calls
 submodule's ``torch.fft.rfft``). Shapes are small and every call is one
 torch accepts in float32; which dtype each floating tensor has is ``g``'s
 choice.
-tests/unit/test_testing_kit.py checks that every name of every shipped list
-has a builder.
+hmp/testing/samples_extra.py adds the ops torch.autocast keeps in float32
+(BUILDERS below includes them). tests/unit/test_testing_kit.py checks that
+every name of every shipped list has a builder that draws calls torch runs.
 """
 
 import torch
+
+from hmp.testing import samples_extra
 
 
 def _mm(g):
@@ -447,3 +450,4 @@ BUILDERS = {
     "fft_rfft": _rfft,
     "quantile": _quantile,
 }
+BUILDERS.update(samples_extra.BUILDERS)
