@@ -49,6 +49,7 @@ def __getattr__(name):
         if e.name != "hypothesis":
             raise
         raise ModuleNotFoundError(
-            f"hmp.testing.{name} needs hypothesis: pip install hypothesis", name="hypothesis"
+            f'hmp.testing.{name} needs hypothesis: pip install "torch-hmp[testing]" (or pip install hypothesis)',
+            name="hypothesis",
         ) from e
     return loaded if name == "strategies" else getattr(loaded, name)
