@@ -6,7 +6,11 @@ For each entry: every drawn call ran in the dtype hmp's rules give
 call failed under hmp that runs in plain torch, and no finite value became
 inf or NaN in a cast hmp made (what the op received, recorded). One verdict
 line per entry says what the entry does; an op without a kernel for the
-lower dtype says so.
+lower dtype says so. An entry no drawn call exercises is "skipped" and fails
+the check (the line says why and what to do); an entry of the lower list that
+torch.autocast computes in float32 (op_lists/autocast_*_fp32.txt: losses,
+softmax, norms, linear algebra) is "flagged" with that reason. A device this
+machine does not have is bad input (ValueError), not a failure of every entry.
 """
 
 import contextlib
@@ -18,22 +22,25 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
 from hmp.core import dtypes, kinds
+from hmp.core.list_files import list_path, read_names
 from hmp.driver.conversion import converted, effective_lists, in_force
 from hmp.testing.follows import Rejected, follow
 from hmp.testing.strategies import builder, calls, op_for
 
-OK, FAILED, SKIPPED = "ok", "FAILED", "skipped"
+OK, FAILED, SKIPPED, FLAGGED, MODULE = "ok", "FAILED", "skipped", "flagged", "module"
+# the shipped data of what torch.autocast computes in float32, by device
+AUTOCAST_FP32 = {"cpu": "autocast_cpu_fp32", "cuda": "autocast_cuda_fp32"}
 
 
 class Verdict(NamedTuple):
     kind: str  # the list: "bf16", "fp32" or "promote"
     name: str
-    status: str  # OK, FAILED or SKIPPED
+    status: str  # OK, FAILED, SKIPPED (not checked: fails the check), FLAGGED (ran as listed; see says) or MODULE
     says: str  # what the entry does, or what went wrong
 
     @property
     def ok(self):
-        return self.status != FAILED
+        return self.status not in (FAILED, SKIPPED)
 
 
 class Report(NamedTuple):
@@ -50,10 +57,38 @@ class Report(NamedTuple):
         for v in self.verdicts:
             lines.append(f"{v.kind:<8} {v.name:<{width}}  {v.status:<7} {v.says}")
         counts = Counter(v.status for v in self.verdicts)
+        more = "".join(f", {counts[s]} {s}" for s in (FLAGGED, MODULE) if counts[s])
         lines.append(
-            f"{len(self.verdicts)} entries: {counts[OK]} ok, {counts[FAILED]} failed, {counts[SKIPPED]} skipped"
+            f"{len(self.verdicts)} entries: {counts[OK]} ok, {counts[FAILED]} failed, {counts[SKIPPED]} skipped{more}"
         )
+        if counts[SKIPPED]:
+            lines.append(
+                f"not checked: {', '.join(v.name for v in self.verdicts if v.status == SKIPPED)}: "
+                "the check fails until every entry is exercised"
+            )
         return "\n".join(lines)
+
+
+def autocast_fp32():
+    """``{op name: [device, ...]}``: the ops torch.autocast computes in float32
+    (the shipped op_lists/autocast_cpu_fp32.txt and autocast_cuda_fp32.txt)."""
+    found = {}
+    for device, name in AUTOCAST_FP32.items():
+        for _, text in read_names(list_path(name)):
+            if not text.startswith(("-", "include ")) and "." not in text:
+                found.setdefault(text, []).append(device)
+    return found
+
+
+def _device(device):
+    """``device`` as a string; ValueError, one line, where this machine has no such device."""
+    try:
+        where = torch.device(device)
+        torch.empty(1, device=where)
+    except (RuntimeError, AssertionError, AttributeError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"device {device!r} is not available on this machine ({first})") from None
+    return str(where)
 
 
 def check_lists(
@@ -75,6 +110,8 @@ def check_lists(
     ``.ok``); a bad list file raises hmp.convert's error. The conversion in
     force before, and the random stream, are as they were afterwards."""
     low = low_precision_type
+    device = _device(device)
+    kept = autocast_fp32()
     kwargs = dict(
         opt_level=opt_level,
         bf16_file_path=bf16_file_path,
@@ -95,9 +132,12 @@ def check_lists(
                 if only is not None and name not in only:
                     continue
                 if why.startswith("module entry"):
-                    verdicts.append(Verdict(kind, name, SKIPPED, f"{why} (module entries are not checked here)"))
+                    verdicts.append(Verdict(kind, name, MODULE, f"{why} (module entries are not checked here)"))
                     continue
-                verdicts.append(_check_entry(kind, name, why, low, examples, device))
+                verdict = _check_entry(kind, name, why, low, examples, device)
+                if verdict.status == OK and kind == "bf16" and name in kept:
+                    verdict = _flag(verdict, low, kept[name])
+                verdicts.append(verdict)
         options = in_force().options
     title = kinds.LOWER.title_in(low)
     header = (
@@ -132,8 +172,16 @@ class _Tally:
 
 def _check_entry(kind, name, why, low, examples, device):
     op = op_for(name)
-    if op is None or builder(name) is None:
-        return Verdict(kind, name, SKIPPED, f"{why}; no sample calls (hmp.testing.strategies has no builder for it)")
+    if op is None:
+        return Verdict(kind, name, SKIPPED, f"{why}; not checked: no Python function reaches it in this torch")
+    if builder(name) is None:
+        return Verdict(
+            kind,
+            name,
+            SKIPPED,
+            f"{why}; not checked: hmp.testing.strategies has no sample calls for it (no builder, no probe call runs); "
+            f"test it yourself with calls(op, build=lambda g: (args, kwargs)), or remove it from the list",
+        )
     tally = _Tally()
 
     @settings(
@@ -157,6 +205,15 @@ def _check_entry(kind, name, why, low, examples, device):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return Verdict(kind, name, FAILED, first + (f" [{example}]" if example else ""))
     return Verdict(kind, name, OK, _says(why, low, device, tally))
+
+
+def _flag(verdict, low, devices):
+    kind = "a loss" if verdict.name.endswith("_loss") or verdict.name.endswith("cross_entropy") else "an op"
+    return verdict._replace(
+        status=FLAGGED,
+        says=f"{verdict.says}; but torch.autocast computes it in float32 (on {' and '.join(devices)}): "
+        f"{kind} moved to {dtypes.name(low)} (op_lists/{AUTOCAST_FP32[devices[0]]}.txt)",
+    )
 
 
 def _says(why, low, device, tally):
