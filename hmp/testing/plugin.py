@@ -6,6 +6,11 @@ conversion the test left in force, no ``disable_casts()`` block left open,
 no hmp wrapper left in torch's namespaces. What stayed fails that test, and
 is undone so the next test starts as this one did.
 
+Every other test is watched too, once it or its fixtures have imported hmp
+(``Watch``): after its fixtures' teardown, a conversion in force that was not
+before the test (nor after its setup), a ``disable_casts()`` block left open
+or a wrapper left in torch is that test's error, and is undone.
+
 pytest loads the hooks from hmp/testing/pytest_hooks (the entry point),
 which imports this module only when a test asks for hmp."""
 
@@ -90,6 +95,39 @@ class Block:
             problems.append("left hmp converted (a convert() or converted() block the test did not undo)")
             restore(self.before)
         if self.before is None:
+            left = wrappers_left()
+            if left:
+                problems.append(f"left hmp wrappers in torch after revert(): {', '.join(left[:10])}")
+        return [f"hmp: the test {p}" for p in problems]
+
+
+class Watch:
+    """What a test without the marker or the fixture left of hmp: the state
+    before its setup (``imported=False``: hmp was not imported yet, so not
+    converted), after its setup (``set_up()``), and after its fixtures'
+    teardown (``close()``: the problems, each undone)."""
+
+    def __init__(self, imported=True):
+        self.before = [in_force()] if imported else [None]
+        self.frames = len(state.tls.frames) if imported else 0
+
+    def set_up(self):
+        self.before.append(in_force())
+
+    def close(self):
+        problems = []
+        if len(state.tls.frames) > self.frames:
+            problems.append("left hmp's casts off in this thread (a disable_casts() block entered, never exited)")
+            while len(state.tls.frames) > self.frames:
+                state.leave(state.tls.frames[-1])
+        now = in_force()
+        if now is not None and all(now is not b for b in self.before):
+            problems.append(
+                "left hmp converted (a converted() block entered and never exited, or convert() without revert()); "
+                "use `with hmp.converted(...):` or @pytest.mark.hmp(...)"
+            )
+            restore(self.before[0])
+        elif now is None and self.before[0] is None:
             left = wrappers_left()
             if left:
                 problems.append(f"left hmp wrappers in torch after revert(): {', '.join(left[:10])}")

@@ -11,15 +11,22 @@ hmp.testing.plugin, which converts and checks.
     def test_lists(): ...           # runs converted; the next test does not
 
     def test_default(hmp_converted): ...   # hmp.convert() with its defaults
+
+Any other test that leaves hmp converted (a ``converted()`` block never
+exited, ``convert()`` without ``revert()``), casts off or a wrapper in torch
+errors at its teardown (hmp.testing.plugin.Watch), once hmp is imported: this
+module looks for it in sys.modules and imports nothing before.
 """
 
 import importlib
+import sys
 
 import pytest
 
 MARKER = "hmp"
 FIXTURE = "hmp_converted"
 _BLOCK = pytest.StashKey()
+_WATCH = pytest.StashKey()
 
 
 def pytest_configure(config):
@@ -62,8 +69,42 @@ def pytest_runtest_call(item):
         return
     problems = block.close()
     if problems and outcome.excinfo is None:
-        failure = pytest.fail.Exception("\n".join(problems), pytrace=False)
-        force = getattr(outcome, "force_exception", None)  # pluggy 1.1 and newer
-        if force is None:
-            raise failure
-        force(failure)
+        _fail(outcome, problems)
+
+
+def _plugin():
+    """hmp.testing.plugin once the program has imported hmp, else None (nothing imported)."""
+    return importlib.import_module("hmp.testing.plugin") if "hmp.driver.conversion" in sys.modules else None
+
+
+def _fail(outcome, problems):
+    failure = pytest.fail.Exception("\n".join(problems), pytrace=False)
+    force = getattr(outcome, "force_exception", None)  # pluggy 1.1 and newer
+    if force is None:
+        raise failure
+    force(failure)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    plugin = _plugin()
+    watch = plugin.Watch() if plugin is not None else None
+    yield
+    if watch is None:
+        plugin = _plugin()
+        watch = plugin.Watch(imported=False) if plugin is not None else None
+    if watch is not None:
+        watch.set_up()
+        item.stash[_WATCH] = watch
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    outcome = yield
+    watch = item.stash.get(_WATCH, None)
+    if watch is None:
+        plugin = _plugin()
+        watch = plugin.Watch(imported=False) if plugin is not None else None
+    problems = watch.close() if watch is not None else []
+    if problems and outcome.excinfo is None:
+        _fail(outcome, problems)
