@@ -2,13 +2,14 @@
 
     python -m pytest examples/test_cast_rules.py      (or: python examples/test_cast_rules.py)
 
-It needs pytest and hypothesis (pip install pytest hypothesis). hmp's pytest plugin comes with hmp
+It needs pytest and hypothesis (pip install "torch-hmp[testing]"). hmp's pytest plugin comes with hmp
 (no conftest needed): ``@pytest.mark.hmp(...)`` runs a test under ``hmp.convert(...)`` with those
 arguments and puts everything back when the test returns; the ``hmp_converted`` fixture does the
 same for a test that names it. What it checks (docs/testing.md):
 
 - every op of your lists, called on drawn inputs (edge values among them), runs in the dtype
   hmp's rules give, never fails where plain torch runs, and never sees a finite value as inf;
+  an entry without sample calls fails (it would never be checked);
 - a model's listed ops run in the dtypes you mean (``assert_runs_as``);
 - after a converted test, the next one runs unconverted.
 """
@@ -46,6 +47,12 @@ def test_every_listed_op_follows_the_rules(call):
     """Any entry of the lists in force, drawn calls of it: hmp runs each as its rules say."""
     op, args, kwargs = call
     assert_follows_rules(op, *args, **kwargs)
+
+
+@pytest.mark.hmp(bf16_file_path=str(MY_BF16))
+def test_every_listed_op_is_exercised():
+    """An entry no drawn call reaches (no sample calls) is never checked: name it here."""
+    assert hst.without_calls() == {}
 
 
 @pytest.mark.hmp(bf16_file_path=str(MY_BF16))

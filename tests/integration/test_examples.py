@@ -62,7 +62,7 @@ EXPECTED = {
         r"head float32",
         r"after a training step: parameters \['torch\.float32'\], gradients \['torch\.float32'\]",
     ],
-    "test_cast_rules.py": [r"\b5 passed\b"],  # a pytest file: the hmp plugin from the entry point, no conftest
+    "test_cast_rules.py": [r"\b6 passed\b"],  # a pytest file: the hmp plugin from the entry point, no conftest
     "tune_my_model.py": [
         r"## audit of the starting lists",
         r"\| linear \| bf16 \|",
