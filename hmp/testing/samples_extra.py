@@ -223,7 +223,9 @@ def _bn_args(g, stats):
 def _embedding_bag_torch(g):
     v, d, n = g.size(2, 4), g.size(), g.size(2, 4)
     # weight, indices, offsets, scale_grad_by_freq, mode (0: sum, 1: mean), sparse
-    return (g.t(v, d), g.idx(v, n), torch.tensor([0, n // 2]), False, g.pick([0, 1]), False), {}
+    indices = g.idx(v, n)
+    offsets = torch.tensor([0, n // 2], device=indices.device)
+    return (g.t(v, d), indices, offsets, False, g.pick([0, 1]), False), {}
 
 
 def _lu_solve_linalg(g):
