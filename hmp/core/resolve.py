@@ -294,7 +294,9 @@ class Resolver:
         named = [(kind, name) for kind, names in effective.items() for name in sorted(names)]
         fused = [(kind, f) for kind, name in named for f in FUSED.get(name, ())]
         listed = {name for _, name in named}
-        spelled = spellings.spellings(tuple((k, tuple(sorted(v))) for k, v in effective.items()), python_builtins())
+        spelled = spellings.spellings(
+            tuple((k, tuple(sorted(v))) for k, v in effective.items()), python_builtins(), RNN_KERNELS
+        )
         extra = [(kind, name) for kind, names in fallback for name in names if name not in listed]
         out, seen = [], set()
         first_extra = len(named) + len(fused) + len(spelled)

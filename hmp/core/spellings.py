@@ -10,9 +10,11 @@ the listed op's. ``torch.linalg.matmul`` and ``torch.inner`` compute what
 product (``bmm``, ``mm``), ``torch.special.softmax`` what ``softmax`` does
 (``_softmax``), ``torch.true_divide`` ``div``.
 
-An op's computation is what it dispatches when traced once on meta tensors
-(no data, no random state: nothing of the user's is touched), views and
-allocations left out: a view computes nothing. An op listed under its own name
+An op's computation is what it dispatches when traced once on small zero
+tensors on the CPU (meta tensors would need no data, but torch 2.4's meta
+path of gru_cell crashes the process on a shape it should refuse), views and
+allocations left out: a view computes nothing. The probe keeps nothing of the
+user's: the random state is restored, warnings are silenced, no grad is kept. An op listed under its own name
 follows its own entry; a spelling whose computation matches entries of two
 lists follows the first in binding order. Built once per process for each
 set of listed names (tests/unit/test_spellings.py sweeps every callable).
@@ -42,9 +44,9 @@ def _argument(arg, shape):
     """A probe value for one schema argument, or raise LookupError."""
     kind = str(arg.type)  # the schema's JIT type: Tensor, List[Tensor], List[int], Optional[...], int, ...
     if kind == "Tensor":
-        return torch.empty(shape, device="meta")
+        return torch.zeros(shape)
     if kind == "List[Tensor]":
-        return [torch.empty(shape, device="meta"), torch.empty(shape, device="meta")]
+        return [torch.zeros(shape), torch.zeros(shape)]
     if kind in _SCALARS:
         return _SCALARS[kind]
     if kind == "List[int]":  # sizes, strides, dims: 2, not 1, where 1 takes a shortcut (a pool to 1 is a mean)
@@ -60,8 +62,9 @@ def _needs_out(schema):
     return any(a.kwarg_only and not a.has_default_value() for a in schema.arguments)
 
 
-def _probe_args(schema, shape):
-    """Positional arguments for ``schema`` (defaults where it has them), or None."""
+def _probe_args(schema, shape, optional_tensors=False):
+    """Positional arguments for ``schema`` (defaults where it has them; with
+    ``optional_tensors``, a tensor for each optional one), or None."""
     args = []
     for arg in schema.arguments:
         if arg.kwarg_only:
@@ -69,7 +72,10 @@ def _probe_args(schema, shape):
                 return None  # an out= overload
             continue
         try:
-            args.append(arg.default_value if arg.has_default_value() else _argument(arg, shape))
+            if optional_tensors and str(arg.type) == "Optional[Tensor]":
+                args.append(torch.zeros(shape))
+            else:
+                args.append(arg.default_value if arg.has_default_value() else _argument(arg, shape))
         except LookupError:
             return None
     return args
@@ -85,7 +91,8 @@ def _traced(fn, args):
             ops.append(name)
 
     try:
-        with warnings.catch_warnings():  # a deprecated op warns when it runs: the probe is not the user's call
+        # a deprecated op warns when it runs, a random one draws: the probe is not the user's call
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]), torch.no_grad():
             warnings.simplefilter("ignore")
             torch_private.dispatched(fn, seen, *args)
     except Exception:
@@ -106,10 +113,12 @@ def _single_tensor(schema):
 
 @functools.lru_cache(maxsize=None)
 def computation(name, builtin=None):
-    """The ops ``aten::name`` computes on the first probe that runs (empty: it
-    only makes views), called through ``builtin`` (its Python builtin, so a
-    warning it gives is Python's to silence) or its operator; None when no
-    probe runs."""
+    """``(ops, ops with its optional tensors given)``: what ``aten::name``
+    computes on the first probe that runs, called through ``builtin`` (its
+    Python builtin, so a warning it gives is Python's to silence) or its
+    operator; None when no probe runs. Both, so that an op whose optional
+    tensor adds work is no spelling of one without it (``linear`` with a
+    bias runs ``addmm``, ``matmul`` never does)."""
     packet = aten_op(name)
     if packet is None:
         return None
@@ -117,13 +126,14 @@ def computation(name, builtin=None):
         schema = torch_private.schema_of(packet, overload)
         if not _single_tensor(schema):
             continue
+        fn = builtin if builtin is not None else getattr(packet, overload)
         for shape in _SHAPES:
             args = _probe_args(schema, shape)
-            if args is None:
-                continue
-            ops = _traced(builtin if builtin is not None else getattr(packet, overload), args)
+            ops = None if args is None else _traced(fn, args)
             if ops is not None:
-                return ops
+                if not any(str(a.type) == "Optional[Tensor]" for a in schema.arguments):
+                    return ops, ops
+                return ops, _traced(fn, _probe_args(schema, shape, optional_tensors=True))
     return None
 
 
@@ -144,26 +154,34 @@ def composite(name):
 
 
 @functools.lru_cache(maxsize=8)
-def spellings(listed, builtins):
+def spellings(listed, builtins, unprobed=frozenset()):
     """``((kind, listed name, spelling), ...)``: the composite operators among
     ``builtins`` (``((aten name, builtin), ...)``) whose computation is a
-    listed op's. ``listed``: ``((kind, (names, ...)), ...)`` in binding order."""
+    listed op's. ``listed``: ``((kind, (names, ...)), ...)`` in binding order.
+    ``unprobed``: ops never run with made-up arguments (the recurrent kernels:
+    torch 2.4's gru_cell crashes the process on a shape it should refuse),
+    neither spellings nor spelled."""
     targets = []
     taken = {n for _, names in listed for n in names}
     through = dict(builtins)
     for kind, names in listed:
         for name in names:
-            ops = computation(name, through.get(name))
-            if ops:
+            if name in unprobed or aten_op(name) is None:
+                continue
+            # an operator with kernels of its own dispatches as itself: nothing to run
+            ops = computation(name, through.get(name)) if composite(name) else ((name,), (name,))
+            if ops and ops[0]:
                 targets.append((ops, kind, name))
     if not targets:
         return ()
     out = []
     for name, builtin in builtins:
-        if name in taken or not isinstance(builtin, types.BuiltinFunctionType) or not composite(name):
+        if name in taken or name in unprobed or not isinstance(builtin, types.BuiltinFunctionType):
+            continue
+        if not composite(name):
             continue
         found = computation(name, builtin)
-        matches = [(kind, target) for ops, kind, target in targets if ops == found] if found else []
+        matches = [(kind, target) for ops, kind, target in targets if ops == found] if found and found[0] else []
         if matches:
             # named after the entry with its very schema (linalg_matmul: matmul), else the kernel's own (einsum: bmm)
             same = [m for m in matches if _signatures(m[1]) & _signatures(name)]

@@ -181,7 +181,7 @@ def binding(conversion, op, call, runtime):
                 if fused in call.names:
                     return Binding(kind, fused, False)
     listed_by_kind = tuple((k, tuple(v)) for k, v in bound.items())
-    for kind, name, spelling in spellings.spellings(listed_by_kind, aten.python_builtins()):
+    for kind, name, spelling in spellings.spellings(listed_by_kind, aten.python_builtins(), resolve.RNN_KERNELS):
         if spelling in call.names:  # another name of a listed op (hmp/core/spellings.py)
             return Binding(kind, name, False)
     listed = set().union(*bound.values())
