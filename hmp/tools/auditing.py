@@ -83,6 +83,7 @@ class AuditReport:
         # why hmp does not cast them -> the entries of the audited lists ("kind name"; conversion.decisions)
         self.uncast = dict(uncast or {})
         self.created = datetime.now(timezone.utc)  # when measured, for the HTML report's title
+        self.step_ms = {}  # "fp32"/"lists" -> median wall time of the runs the op times come from
 
     def save_html(self, path, title=None):
         """Write the report as one self-contained HTML page with inline SVG
@@ -428,7 +429,10 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold, runs=None):
         rows.append(row)
     made = made_by_class(fn, args, kwargs, guard, conversion, ref, full, runs)
     runs.expect(2 * (TIMED_PAIRS + 1), "audit: timing the ops")
-    times, total = op_times(lambda fp32: run_step(fn, args, kwargs, guard, conversion, passthrough=fp32)[1].stats)
+    walls = {}  # the steps the op times are parts of: the same runs' wall times
+    times, total = op_times(
+        lambda fp32: run_step(fn, args, kwargs, guard, conversion, passthrough=fp32)[1].stats, walls=walls
+    )
     for row in rows:
         row.update(times.get(row["op"], NOT_TIMED))
     paths = module_paths(guard.modules)
@@ -437,7 +441,9 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold, runs=None):
     for path, value in full.seen.items():
         cls = user_name(type(paths[path]))
         seen[cls] = max(seen.get(cls, value), value)
-    return AuditReport(rows, output_error, threshold, loss_threshold, modules, seen, total, _uncast(decided))
+    report = AuditReport(rows, output_error, threshold, loss_threshold, modules, seen, total, _uncast(decided))
+    report.step_ms = walls
+    return report
 
 
 def _uncast(decided):

@@ -11,7 +11,8 @@ timed ``runs`` times after a warm-up, with Python's garbage collector
 paused; each call is the median of its times over the runs (a step calls
 the same ops in the same order), so a stall that lands on one run's call
 (a collection, a thread waking, a page fault) does not make that op look
-expensive.
+expensive; an op's time is at most its median total over the runs, so it
+is never more than the step those runs took (Costs.step_seconds).
 
 The author's float32: ``x.float()``, ``x.to(torch.float32)`` (also when x
 is float32 already, as in an fp32 run: the author wrote it for the lower
@@ -216,13 +217,17 @@ def measure(run, modules, runs=3):
     authored = set().union(*(c.authored for c in timed))
     seconds = {}
     orders = [[name for name, _ in c.calls] for c in timed]
+    totals = {
+        name: statistics.median(sum(s for n, s in c.calls if n == name) for c in timed) for name in set().union(*orders)
+    }  # each op's median total over the runs: never more than the median step (each run's is inside it)
     if all(order == orders[0] for order in orders):
         for i, name in enumerate(orders[0]):
             seconds[name] = seconds.get(name, 0.0) + statistics.median(c.calls[i][1] for c in timed)
+        # a sum of medians can exceed the median of the sums (stalls on different calls in different
+        # runs): no more than the op's median total, so no op is said to take longer than the step
+        seconds = {name: min(value, totals[name]) for name, value in seconds.items()}
     else:  # the runs called different ops (data-dependent control flow): each op's median total
-        for name in set().union(*orders):
-            totals = [sum(s for n, s in c.calls if n == name) for c in timed]
-            seconds[name] = statistics.median(totals)
+        seconds = totals
     return Costs(seconds, authored, runs, statistics.median(walls))
 
 
@@ -230,7 +235,7 @@ NOT_TIMED = {"fp32_ms": None, "lists_ms": None, "cast_ms": None, "time_ratio": N
 TIMED_PAIRS = 5  # an fp32 run and a run under the lists, this many times, interleaved, after one of each
 
 
-def op_times(stats_of, repeats=TIMED_PAIRS):
+def op_times(stats_of, repeats=TIMED_PAIRS, walls=None):
     """``({op: {"fp32_ms", "lists_ms", "cast_ms", "time_ratio"}}, total)``:
     the wall time of each recorded op's calls in a step in fp32
     (``stats_of(True)``: a recorded run casting nothing, its
@@ -243,14 +248,22 @@ def op_times(stats_of, repeats=TIMED_PAIRS):
     time together, from the same runs (total_ratio()). Both runs go through the recording wrappers, so the same
     calls are timed under the names the rows have: a TorchFunctionMode is
     handed ``Tensor.div`` for ``/`` and cannot tell ``truediv`` from
-    ``div``. None: not run in that step."""
+    ``div``. None: not run in that step. ``walls``: a dict given gets each
+    side's median wall time of those same runs in ms (``{"fp32", "lists"}``):
+    the steps the ops' times are parts of, never less than any op's (a
+    run's op time is inside its wall time, so their medians keep the order)."""
     runs = {"fp32": [], "lists": []}
+    seconds = {"fp32": [], "lists": []}
     stats_of(True)  # warm-up: first calls fill caches
     stats_of(False)
     with collector_paused():
         for _ in range(repeats):
-            runs["fp32"].append(stats_of(True))
-            runs["lists"].append(stats_of(False))
+            for kind, fp32 in (("fp32", True), ("lists", False)):
+                start = time.perf_counter()
+                runs[kind].append(stats_of(fp32))
+                seconds[kind].append(time.perf_counter() - start)
+    if walls is not None:
+        walls.update({kind: statistics.median(s) * 1e3 for kind, s in seconds.items()})
 
     def ms(kind, name, part):
         got = [part(stats[name]) * 1e3 for stats in runs[kind] if name in stats]

@@ -182,9 +182,20 @@ def op_section(audit, tune):
         "inputs already arrive in its dtype casts nothing and has no own error. Time: the op's forward calls in a "
         f"step, the median of {_pairs(audit)} runs in fp32 and as many under the lists, interleaved, casts included; "
         "under the lists relative to fp32 (below 1 is faster), or no measurable difference when the runs' spread "
-        "says so.</p>",
+        f"says so.{esc(step_words(audit))}</p>",
         boxed(op_chart(audit, tune)),
     ]
+
+
+def step_words(audit):
+    """The whole steps the op times are parts of (the same runs' wall times), for the op chart's caption."""
+    ms = getattr(audit, "step_ms", None) or {}
+    if "fp32" not in ms or "lists" not in ms:
+        return ""
+    return (
+        f" The whole step in those runs: {_num(ms['fp32'])} ms in fp32, {_num(ms['lists'])} ms under the lists "
+        "(medians, recording included); each op's time is a part of it."
+    )
 
 
 def _pairs(audit):

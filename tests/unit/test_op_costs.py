@@ -96,9 +96,9 @@ def test_a_stall_on_one_runs_call_does_not_make_that_op_expensive(monkeypatch):
 
         def perf_counter(self):
             self.reads += 1
-            # two readings per call; the warm-up and the first timed run make 10 each: reading 22
-            # ends the first call of the second timed run
-            self.now += 1e-3 + (1.0 if self.reads == 22 else 0.0)
+            # two readings per call, and each timed run's wall time two more: the warm-up makes 10,
+            # the first timed run 12, the second's start 1: reading 25 ends its first call
+            self.now += 1e-3 + (1.0 if self.reads == 25 else 0.0)
             return self.now
 
     def run():
@@ -108,7 +108,8 @@ def test_a_stall_on_one_runs_call_does_not_make_that_op_expensive(monkeypatch):
     monkeypatch.setattr(op_costs, "time", Clock())
     costs = op_costs.measure(run, [], runs=3)
     assert costs.seconds == {"sin": pytest.approx(5e-3)}
-    assert op_costs.time.reads == 40  # the stall happened, inside a timed call
+    assert op_costs.time.reads == 46  # the stall happened, inside a timed call
+    assert costs.seconds["sin"] <= costs.step_seconds  # the step of the same runs: 11 ms each but the stalled
 
 
 def test_tune_leaves_the_authors_float32_alone_unless_asked():

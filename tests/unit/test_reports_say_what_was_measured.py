@@ -340,3 +340,49 @@ def test_nothing_to_change_does_not_claim_the_lists_suit_a_step_they_slow_down()
     assert "Slower: a step under the tuned lists takes 2.00x fp32's time" in verdict
     assert "Nothing to change in the lists" in todo and "suit" not in todo
     assert "takes 2.00x fp32's time (middle half of 4 pairs: 2.00x to 2.00x): fp32 without hmp is faster here" in todo
+
+
+def test_an_audits_op_times_are_parts_of_the_step_of_the_same_runs():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+
+    def step():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    audit = hmp.audit(step, state=(model, opt), progress=False)
+    timed = [r for r in audit.rows if r["fp32_ms"] is not None]
+    assert timed and all(r["fp32_ms"] <= audit.step_ms["fp32"] for r in timed)
+    assert all(r["lists_ms"] <= audit.step_ms["lists"] for r in audit.rows if r["lists_ms"] is not None)
+    assert "The whole step in those runs: " in html.unescape(report.render(audit=audit))
+
+
+def test_stalls_on_different_calls_in_different_runs_do_not_make_an_op_longer_than_the_step(monkeypatch):
+    """Two calls of sin a step, three runs; a 9 ms stall on the first call in runs 1 and 2 and on the
+    second in runs 2 and 3: each call's median is 10 ms, their sum 20 ms, while the step of the same
+    runs took 14 ms (median). The op's time is its median total, 11 ms: never more than the step."""
+    x = torch.randn(4, 8)
+
+    class Clock:
+        now, reads = 0.0, 0
+
+        def perf_counter(self):
+            # readings: the warm-up 1-4; each timed run its start, 2 per call, its end (5-10, 11-16, 17-22)
+            self.reads += 1
+            self.now += 1e-3 + (9e-3 if self.reads in (7, 13, 15, 21) else 0.0)
+            return self.now
+
+    def run():
+        torch.sin(x)
+        torch.sin(x)
+
+    monkeypatch.setattr(op_costs, "time", Clock())
+    costs = op_costs.measure(run, [], runs=3)
+    assert op_costs.time.reads == 22
+    assert costs.step_seconds == pytest.approx(14e-3)
+    assert costs.seconds == {"sin": pytest.approx(11e-3)}  # not the 20 ms of the calls' medians summed
