@@ -80,7 +80,12 @@ def test_tune_runs_the_users_step_and_writes_lists_and_json(project, form, capsy
     gap = (res["validation"]["tuned lists"] - res["validation"]["fp32"]) / abs(res["validation"]["fp32"])
     assert res["verdict"] in captured.out
     assert f"{gap:+.2%} from fp32's loss" in res["verdict"]
-    assert ("within the 2% tolerance" if abs(gap) <= 0.02 else "OUTSIDE the 2% tolerance") in res["verdict"]
+    # judged over the last half of the validation steps (each step's loss, in the JSON): within or
+    # outside only where every one of them agrees, else it cannot tell yet
+    ref, mine = res["loss_per_step"]["fp32"], res["loss_per_step"]["tuned lists"]
+    gaps = [abs(b - a) / abs(a) for a, b in list(zip(ref, mine))[len(mine) // 2 :]]
+    word = "within" if max(gaps) <= 0.02 else "OUTSIDE" if min(gaps) > 0.02 else "CANNOT TELL YET against"
+    assert f"{word} the 2% tolerance" in res["verdict"]
     assert all(len(times) == 2 * 2 for times in res["step_times"].values())  # 2 timed steps per round
 
 
