@@ -4,7 +4,10 @@ assets.
 
 The page leads with its verdict (the outcome: within or outside the
 tolerance, faster, slower or no measurable difference), then what to do
-(the files written and the call that loads them), then the evidence. Every
+(the files written, what their lines hold and the call that loads them),
+then the evidence. The verdict's and what to do's sentences are made from
+the numbers on the page (sentences.py): a verdict only where its interval
+lies on one side of its threshold, else "cannot tell yet" and what to run. Every
 timing is relative to fp32 (timing.py), from the same measurement wherever
 it shows. Nothing is wider than the page's 1280 px and nothing hides behind
 a scroll bar of its own: a chart wider than its box scales down to fit it
