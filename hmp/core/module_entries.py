@@ -114,7 +114,7 @@ def from_line(name, shipped):
     not imported (a shipped list never imports a library)."""
     if is_pattern(name):
         return Pattern(name)
-    if shipped and name.split(".")[0] not in sys.modules:
+    if shipped and sys.modules.get(name.split(".")[0]) is None:  # not imported, or blocked (sys.modules[x] = None)
         return Pattern(name)
     return module_class(name)
 

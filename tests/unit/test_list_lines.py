@@ -4,6 +4,8 @@ not precision choices refused with their file and line, one warning for a
 file that drops the default FP32 or promote ops or is empty, and advice in
 hmp's own notes that keeps the defaults."""
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -287,3 +289,16 @@ def test_a_tensor_subclass_that_refuses_a_cast_runs_uncast():
     with hmp.converted():
         out = torch.relu(s) * torch.ones(3)
     assert out.dtype == FP32
+
+
+def test_the_default_lists_load_where_a_library_they_name_is_blocked():
+    """A program that blocks a library (``sys.modules["diffusers"] = None``, a common way to stub one
+    out) converts with the default lists: their diffusers entries stay patterns, nothing imported."""
+    code = (
+        "import sys; sys.modules['diffusers'] = None\n"
+        "import hmp\n"
+        "hmp.convert(); print(sorted(n for n in hmp.effective_lists()['fp32'] if n.startswith('diffusers')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "diffusers.models.embeddings.Timesteps" in out.stdout
