@@ -13,7 +13,9 @@ product (``bmm``, ``mm``), ``torch.special.softmax`` what ``softmax`` does
 An op's computation is what it dispatches when traced once on small zero
 tensors on the CPU (meta tensors would need no data, but torch 2.4's meta
 path of gru_cell crashes the process on a shape it should refuse), views and
-allocations left out: a view computes nothing. The probe keeps nothing of the
+allocations left out: a view computes nothing. An op is a spelling of a
+listed one when everything it computes, over every probe shape and with its
+optional tensors left out and given, is something the listed op computes. The probe keeps nothing of the
 user's: the random state is restored, warnings are silenced, no grad is kept. An op listed under its own name
 follows its own entry; a spelling whose computation matches entries of two
 lists follows the first in binding order. Built once per process for each
@@ -36,8 +38,9 @@ _SHAPES = ((4, 4), (2, 4, 4), (2, 4, 4, 4), (4,))
 _STRINGS = {"equation": {2: "ij,jk->ik"}}
 _ALLOCATES = frozenset(("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"))
 _SCALARS = {"int": 1, "SymInt": 1, "float": 0.5, "bool": False, "Scalar": 2, "number": 2}
-# _unsafe_view's schema returns a new tensor, but it only reinterprets one its caller just made.
-_NO_COMPUTE = _ALLOCATES | {"_unsafe_view"}
+# _unsafe_view's schema returns a new tensor, but it only reinterprets one its caller just made;
+# clone and copy_ move values (a reshape of a permuted tensor copies it) and compute none.
+_NO_COMPUTE = _ALLOCATES | {"_unsafe_view", "clone", "copy_"}
 
 
 def _argument(arg, shape):
@@ -113,27 +116,28 @@ def _single_tensor(schema):
 
 @functools.lru_cache(maxsize=None)
 def computation(name, builtin=None):
-    """``(ops, ops with its optional tensors given)``: what ``aten::name``
-    computes on the first probe that runs, called through ``builtin`` (its
-    Python builtin, so a warning it gives is Python's to silence) or its
-    operator; None when no probe runs. Both, so that an op whose optional
-    tensor adds work is no spelling of one without it (``linear`` with a
-    bias runs ``addmm``, ``matmul`` never does)."""
+    """What ``aten::name`` computes: the set of op sequences it dispatches
+    over the probe shapes that run, each with its optional tensors left out
+    and given, called through ``builtin`` (its Python builtin, so a warning it
+    gives is Python's to silence) or its operator; None when no probe runs."""
     packet = aten_op(name)
     if packet is None:
         return None
+    found = set()
     for overload in packet.overloads():
         schema = torch_private.schema_of(packet, overload)
         if not _single_tensor(schema):
             continue
         fn = builtin if builtin is not None else getattr(packet, overload)
+        optional = any(str(a.type) == "Optional[Tensor]" for a in schema.arguments)
         for shape in _SHAPES:
-            args = _probe_args(schema, shape)
-            ops = None if args is None else _traced(fn, args)
-            if ops is not None:
-                if not any(str(a.type) == "Optional[Tensor]" for a in schema.arguments):
-                    return ops, ops
-                return ops, _traced(fn, _probe_args(schema, shape, optional_tensors=True))
+            for given in (False, True) if optional else (False,):
+                args = _probe_args(schema, shape, given)
+                ops = None if args is None else _traced(fn, args)
+                if ops is not None:
+                    found.add(ops)
+        if found:
+            return frozenset(found)
     return None
 
 
@@ -169,8 +173,8 @@ def spellings(listed, builtins, unprobed=frozenset()):
             if name in unprobed or aten_op(name) is None:
                 continue
             # an operator with kernels of its own dispatches as itself: nothing to run
-            ops = computation(name, through.get(name)) if composite(name) else ((name,), (name,))
-            if ops and ops[0]:
+            ops = computation(name, through.get(name)) if composite(name) else frozenset({(name,)})
+            if ops:
                 targets.append((ops, kind, name))
     if not targets:
         return ()
@@ -181,7 +185,11 @@ def spellings(listed, builtins, unprobed=frozenset()):
         if not composite(name):
             continue
         found = computation(name, builtin)
-        matches = [(kind, target) for ops, kind, target in targets if ops == found] if found and found[0] else []
+        if not found or () in found:  # runs nowhere, or only makes a view somewhere
+            continue
+        # every computation of the spelling is one of the entry's: matmul (mm, bmm, dot) is no spelling
+        # of mm, linear (addmm with a bias) none of matmul; torch.linalg.matmul is matmul's
+        matches = [(kind, target) for ops, kind, target in targets if found <= ops]
         if matches:
             # named after the entry with its very schema (linalg_matmul: matmul), else the kernel's own (einsum: bmm)
             same = [m for m in matches if _signatures(m[1]) & _signatures(name)]

@@ -23,7 +23,8 @@ module-level store and memo and checks it is named here):
   ``spellings.computation``, ``spellings.spellings``, ``spellings._signatures``
   (what torch's registry says an op computes, traced once on meta tensors),
   ``region_factories.load``, ``errors._shipped``, ``entries._table``
-  (lru_caches), ``cast_copies._NUMBER_TYPES`` (a type's answer), and
+  (lru_caches), ``strategies._FOUND`` (the testing kit's builder found for
+  an op, probed once), ``cast_copies._NUMBER_TYPES`` (a type's answer), and
   ``functions._plans`` (an autograd Function class's cast plan, weak),
   ``saturating_cast.kernel`` (the Triton kernel, imported once);
 - registrations made at import, by the floor above a core module that

@@ -417,15 +417,7 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold, runs=None):
             row["nonfinite"] = max(nonfinite, own_nonfinite)
             row["loss_error"], _, final_nonfinite = compare(ref_final, own_final)
             row["nonfinite"] += final_nonfinite
-        reasons = []
-        if row["own_max_rel"] > threshold:
-            reasons.append(f"error {row['own_max_rel']:.2g} > {threshold:g}")
-        if row["nonfinite"]:
-            reasons.append("introduces inf/NaN")
-        if row["loss_error"] > loss_threshold:
-            reasons.append(f"loss error {row['loss_error']:.2g} > {loss_threshold:g}")
-        row["reason"] = "; ".join(reasons)
-        row["flagged"] = bool(reasons)
+        _flag(row, threshold, loss_threshold)
         rows.append(row)
     made = made_by_class(fn, args, kwargs, guard, conversion, ref, full, runs)
     runs.expect(2 * (TIMED_PAIRS + 1), "audit: timing the ops")
@@ -444,6 +436,19 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold, runs=None):
     report = AuditReport(rows, output_error, threshold, loss_threshold, modules, seen, total, _uncast(decided))
     report.step_ms = walls
     return report
+
+
+def _flag(row, threshold, loss_threshold):
+    """Say in ``row`` why the op is flagged, if it is."""
+    reasons = []
+    if row["own_max_rel"] > threshold:
+        reasons.append(f"error {row['own_max_rel']:.2g} > {threshold:g}")
+    if row["nonfinite"]:
+        reasons.append("introduces inf/NaN")
+    if row["loss_error"] > loss_threshold:
+        reasons.append(f"loss error {row['loss_error']:.2g} > {loss_threshold:g}")
+    row["reason"] = "; ".join(reasons)
+    row["flagged"] = bool(reasons)
 
 
 def _uncast(decided):

@@ -21,6 +21,7 @@ data with known numbers.
 
 import math
 
+from hmp.core import kinds
 from hmp.tools import timing
 from hmp.tools.svg import _num, esc
 
@@ -109,7 +110,8 @@ def file_words(path, parts):
 def files_sentence(tune, paths):
     """The files (written or to write) described from their lines."""
     parts = tune.file_parts()
-    return "; ".join(file_words(path, parts[kind]) for kind, path in zip(("bf16", "fp32"), paths)) + "."
+    files = (kinds.LOWER.name, kinds.FP32.name)  # tune writes the lower list's file and the FP32 one
+    return "; ".join(file_words(path, parts[kind]) for kind, path in zip(files, paths)) + "."
 
 
 # --- tune -----------------------------------------------------------------------------------------------------------

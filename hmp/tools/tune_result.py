@@ -125,7 +125,7 @@ class TuneResult:
         modules = {k: tuple(v) for k, v in self.modules.items()}
         return {
             kind: tuned_files.split(kind, self.lists, modules, self.before, self.start_modules, self.low, self.strict)
-            for kind in ("bf16", "fp32")
+            for kind in (kinds.LOWER.name, kinds.FP32.name)
         }
 
     @property
