@@ -10,10 +10,11 @@ the listed op's. ``torch.linalg.matmul`` and ``torch.inner`` compute what
 product (``bmm``, ``mm``), ``torch.special.softmax`` what ``softmax`` does
 (``_softmax``), ``torch.true_divide`` ``div``.
 
-An op's computation is what it dispatches when traced once on small zero
-tensors on the CPU (meta tensors would need no data, but torch 2.4's meta
-path of gru_cell crashes the process on a shape it should refuse), views and
-allocations left out: a view computes nothing. An op is a spelling of a
+An op's computation is what it dispatches when traced on meta tensors (no
+data: nothing computes), views, copies and allocations left out: a view
+computes nothing. The recurrent kernels are never probed (torch 2.4's
+gru_cell crashes the process on a shape it should refuse, on meta and CPU
+alike); nothing else has crashed on the releases CI tests. An op is a spelling of a
 listed one when everything it computes, over every probe shape and with its
 optional tensors left out and given, is something the listed op computes. The probe keeps nothing of the
 user's: the random state is restored, warnings are silenced, no grad is kept. An op listed under its own name
@@ -22,6 +23,7 @@ lists follows the first in binding order. Built once per process for each
 set of listed names (tests/unit/test_spellings.py sweeps every callable).
 """
 
+import contextlib
 import functools
 import types
 import warnings
@@ -47,9 +49,9 @@ def _argument(arg, shape):
     """A probe value for one schema argument, or raise LookupError."""
     kind = str(arg.type)  # the schema's JIT type: Tensor, List[Tensor], List[int], Optional[...], int, ...
     if kind == "Tensor":
-        return torch.zeros(shape)
+        return torch.empty(shape, device="meta")
     if kind == "List[Tensor]":
-        return [torch.zeros(shape), torch.zeros(shape)]
+        return [torch.empty(shape, device="meta"), torch.empty(shape, device="meta")]
     if kind in _SCALARS:
         return _SCALARS[kind]
     if kind == "List[int]":  # sizes, strides, dims: 2, not 1, where 1 takes a shortcut (a pool to 1 is a mean)
@@ -76,7 +78,7 @@ def _probe_args(schema, shape, optional_tensors=False):
             continue
         try:
             if optional_tensors and str(arg.type) == "Optional[Tensor]":
-                args.append(torch.zeros(shape))
+                args.append(torch.empty(shape, device="meta"))
             else:
                 args.append(arg.default_value if arg.has_default_value() else _argument(arg, shape))
         except LookupError:
@@ -94,13 +96,18 @@ def _traced(fn, args):
             ops.append(name)
 
     try:
-        # a deprecated op warns when it runs, a random one draws: the probe is not the user's call
-        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]), torch.no_grad():
-            warnings.simplefilter("ignore")
-            torch_private.dispatched(fn, seen, *args)
+        torch_private.dispatched(fn, seen, *args)
     except Exception:
         return None
     return tuple(ops)
+
+
+@contextlib.contextmanager
+def _probing():
+    """A deprecated op warns when it runs, a random one draws: a probe is not the user's call."""
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]), torch.no_grad():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _is_view(overload):
@@ -123,6 +130,27 @@ def computation(name, builtin=None):
     packet = aten_op(name)
     if packet is None:
         return None
+    with _probing():
+        return _computation(packet, builtin)
+
+
+def _first(name, builtin):
+    """The ops of ``aten::name``'s first probe that runs, or None: most composite ops are
+    told apart from every listed one by it, before the full computation is traced."""
+    packet = aten_op(name)
+    with _probing():
+        for overload in packet.overloads():
+            schema = torch_private.schema_of(packet, overload)
+            if _single_tensor(schema):
+                for shape in _SHAPES:
+                    args = _probe_args(schema, shape)
+                    ops = None if args is None else _traced(builtin, args)
+                    if ops is not None:
+                        return ops
+    return None
+
+
+def _computation(packet, builtin):
     found = set()
     for overload in packet.overloads():
         schema = torch_private.schema_of(packet, overload)
@@ -141,6 +169,7 @@ def computation(name, builtin=None):
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def composite(name):
     """True when every overload of ``aten::name`` a call can reach (``out=``
     aside) only calls other ops."""
@@ -179,10 +208,11 @@ def spellings(listed, builtins, unprobed=frozenset()):
     if not targets:
         return ()
     out = []
+    computed = set().union(*(ops for ops, _, _ in targets))
     for name, builtin in builtins:
         if name in taken or name in unprobed or not isinstance(builtin, types.BuiltinFunctionType):
             continue
-        if not composite(name):
+        if not composite(name) or _first(name, builtin) not in computed:
             continue
         found = computation(name, builtin)
         if not found or () in found:  # runs nowhere, or only makes a view somewhere

@@ -20,7 +20,8 @@ module-level store and memo and checks it is named here):
   never written by one: ``aten.returns_view``, ``aten.schema_writes``,
   ``lists.fallback_names``, ``lists.one_dtype_names``, ``pays.is_random``,
   ``pays.is_pointwise``, ``aten.aten_entry_points``, ``aten.python_builtins``,
-  ``spellings.computation``, ``spellings.spellings``, ``spellings._signatures``
+  ``spellings.computation``, ``spellings.spellings``, ``spellings._signatures``,
+  ``spellings.composite``
   (what torch's registry says an op computes, traced once on meta tensors),
   ``region_factories.load``, ``errors._shipped``, ``entries._table``
   (lru_caches), ``strategies._FOUND`` (the testing kit's builder found for
