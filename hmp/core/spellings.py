@@ -134,6 +134,7 @@ def computation(name, builtin=None):
         return _computation(packet, builtin)
 
 
+@functools.lru_cache(maxsize=None)
 def _first(name, builtin):
     """The ops of ``aten::name``'s first probe that runs, or None: most composite ops are
     told apart from every listed one by it, before the full computation is traced."""

@@ -21,7 +21,7 @@ module-level store and memo and checks it is named here):
   ``lists.fallback_names``, ``lists.one_dtype_names``, ``pays.is_random``,
   ``pays.is_pointwise``, ``aten.aten_entry_points``, ``aten.python_builtins``,
   ``spellings.computation``, ``spellings.spellings``, ``spellings._signatures``,
-  ``spellings.composite``
+  ``spellings.composite``, ``spellings._first``
   (what torch's registry says an op computes, traced once on meta tensors),
   ``region_factories.load``, ``errors._shipped``, ``entries._table``
   (lru_caches), ``strategies._FOUND`` (the testing kit's builder found for
