@@ -2,7 +2,7 @@
 
     python -m pytest examples/test_cast_rules.py      (or: python examples/test_cast_rules.py)
 
-It needs pytest and hypothesis (pip install "torch-hmp[testing]"). hmp's pytest plugin comes with hmp
+It needs pytest and hypothesis (pip install pytest hypothesis, or the testing extra). hmp's pytest plugin comes with hmp
 (no conftest needed): ``@pytest.mark.hmp(...)`` runs a test under ``hmp.convert(...)`` with those
 arguments and puts everything back when the test returns; the ``hmp_converted`` fixture does the
 same for a test that names it. What it checks (docs/testing.md):

@@ -35,6 +35,11 @@ __all__ = [
     "strategies",
 ]
 
+# what to install for the parts that draw calls (torch-hmp is not on the package index yet)
+NEEDS = (
+    'pip install hypothesis (or the testing extra: pip install ".[testing]" in a checkout, '
+    '"torch-hmp[testing]" once published)'
+)
 _NEEDS_HYPOTHESIS = {"strategies": "hmp.testing.strategies", "check_lists": "hmp.testing.checking"}
 
 
@@ -49,7 +54,7 @@ def __getattr__(name):
         if e.name != "hypothesis":
             raise
         raise ModuleNotFoundError(
-            f'hmp.testing.{name} needs hypothesis: pip install "torch-hmp[testing]" (or pip install hypothesis)',
+            f"hmp.testing.{name} needs hypothesis: {NEEDS}",
             name="hypothesis",
         ) from e
     return loaded if name == "strategies" else getattr(loaded, name)

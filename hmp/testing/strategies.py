@@ -9,7 +9,7 @@ hmp's guarantees are about, and valid calls of the ops lists name.
         args, kwargs = call
         ...
 
-Needs hypothesis (``pip install "torch-hmp[testing]"``); nothing else of hmp
+Needs hypothesis (``pip install hypothesis``, or the ``testing`` extra); nothing else of hmp
 imports this module. Asking for a strategy never touches the program's random
 streams: a builder is found, and an op without one probed, on values from a
 private generator, the same answer for every seed.
@@ -19,6 +19,8 @@ import warnings
 
 import torch
 
+from hmp.testing import NEEDS
+
 try:
     from hypothesis import assume
     from hypothesis import strategies as st
@@ -26,7 +28,7 @@ except ModuleNotFoundError as e:  # an ImportError that says what to install
     if e.name != "hypothesis":
         raise
     raise ModuleNotFoundError(
-        'hmp.testing.strategies needs hypothesis: pip install "torch-hmp[testing]" (or pip install hypothesis)',
+        f"hmp.testing.strategies needs hypothesis: {NEEDS}",
         name="hypothesis",
     ) from e
 
