@@ -340,7 +340,7 @@ def main():
         print(profile(args.calls * 10, args.device))
         return
     bar = Progress("timing", args.reps, "percall.py", unit="rep")  # one line (a bar on a terminal), not one per rep
-    result = run(args.reps, args.calls, progress=bar.step, device=args.device)
+    result = run(args.reps, args.calls, progress=lambda said: bar.step(), device=args.device)  # the bar counts reps
     bar.close()
     print(
         f"torch {torch.__version__}, {SIZE}x{SIZE} tensors on {args.device}, median over {args.reps} reps of "

@@ -69,8 +69,10 @@ def test_percall_prints_one_progress_line_not_one_per_rep(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "rep 1/3" not in p.stdout and "rep 2/3" not in p.stdout
     progress = [line for line in p.stderr.splitlines() if "rep" in line]
-    # the count up front; a line every 10 s on a slow machine, never one per rep
-    assert progress[0] == "percall.py: timing: 3 reps" and len(progress) < 3, progress
+    # the count up front, then a line only where 10 s have passed (a busy machine takes that per rep:
+    # the clock decides how many, so the test bounds it by the reps, never by time); each names its rep once
+    assert progress[0] == "percall.py: timing: 3 reps" and len(progress) <= 3, progress
+    assert all(line.count("rep ") == 1 for line in progress[1:]), progress
 
 
 def _load_run():
