@@ -24,7 +24,7 @@ module-level store and memo and checks it is named here):
   ``spellings.composite``, ``spellings._first``
   (what torch's registry says an op computes, traced once on meta tensors),
   ``region_factories.load``, ``errors._shipped``, ``entries._table``
-  (lru_caches), ``strategies._FOUND`` (the testing kit's builder found for
+  (lru_caches), ``strategies._FOUND``, ``strategies._REMOVED`` (the testing kit's builder found for
   an op, probed once), ``cast_copies._NUMBER_TYPES`` (a type's answer), and
   ``functions._plans`` (an autograd Function class's cast plan, weak),
   ``saturating_cast.kernel`` (the Triton kernel, imported once);

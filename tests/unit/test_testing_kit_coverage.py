@@ -98,6 +98,8 @@ SPELLINGS = {
 @pytest.mark.parametrize("name", sorted(SPELLINGS))
 def test_every_spelling_of_an_op_resolves_to_its_builder(name):
     for spelling in SPELLINGS[name]:
+        if hst.removed(spelling):  # torch 2.15 removed torch.cholesky: the name stays and raises
+            continue
         assert hst.builder(spelling) is BUILDERS[name], spelling
         _draws_calls_torch_runs(hst.op_for(spelling) if isinstance(spelling, str) else spelling, spelling)
 
@@ -123,7 +125,7 @@ HOMES = (torch, F, torch.Tensor, torch.linalg, torch.special, torch.fft)
 @pytest.mark.parametrize("name", _shipped_names())
 def test_every_op_of_every_shipped_list_draws_calls_torch_runs_under_every_spelling(name):
     op = hst.op_for(name)
-    if op is None:
+    if op is None or hst.removed(op):
         pytest.skip(f"no Python callable reaches {name} in torch {torch.__version__}")
     _draws_calls_torch_runs(op, name)
     for home in HOMES:
