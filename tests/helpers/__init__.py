@@ -230,3 +230,27 @@ COMPILE_BACKENDS = [
         ],
     ),
 ]
+
+
+def op_row(op, own, loss, **fields):
+    """An audit row built by hand: ``op`` in the BF16 list, ``own`` its own
+    (and its output's) max rel error, ``loss`` the error it passes to the
+    loss, not timed; ``fields`` change the rest."""
+    return {
+        "op": op,
+        "list": "bf16",
+        "calls": 1,
+        "casts": 1,
+        "max_rel": own,
+        "mean_rel": own,
+        "nonfinite": 0,
+        "own_max_rel": own,
+        "loss_error": loss,
+        "own_by_module": {},
+        "reason": "",
+        "flagged": False,
+        "fp32_ms": None,
+        "lists_ms": None,
+        "cast_ms": None,
+        **fields,
+    }

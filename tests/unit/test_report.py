@@ -16,7 +16,7 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import LinearNormLinear, training_step
+from helpers import LinearNormLinear, op_row, training_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -232,30 +232,6 @@ def test_page_is_self_contained(audited, tuned):
         assert not {"script", "link", "img", "iframe", "object"} & set(parser.tags)
         assert "http://" not in page and "https://" not in page and "url(" not in page
         assert page.isascii()
-
-
-def op_row(op, own, loss, **fields):
-    """An audit row built by hand: ``op`` in the BF16 list, ``own`` its own
-    (and its output's) max rel error, ``loss`` the error it passes to the
-    loss, not timed; ``fields`` change the rest."""
-    return {
-        "op": op,
-        "list": "bf16",
-        "calls": 1,
-        "casts": 1,
-        "max_rel": own,
-        "mean_rel": own,
-        "nonfinite": 0,
-        "own_max_rel": own,
-        "loss_error": loss,
-        "own_by_module": {},
-        "reason": "",
-        "flagged": False,
-        "fp32_ms": None,
-        "lists_ms": None,
-        "cast_ms": None,
-        **fields,
-    }
 
 
 def fake_report(op, path):

@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from helpers import op_row
 
 import hmp
 from hmp.tools import op_costs, progress, report, sentences, tuned_files
@@ -28,25 +29,7 @@ from hmp.tools.tune_result import TuneResult, op_time
 
 
 def row(op, own=0.01, loss=1e-4, **fields):
-    base = {
-        "op": op,
-        "list": "bf16",
-        "calls": 1,
-        "casts": 1,
-        "max_rel": own,
-        "mean_rel": own,
-        "nonfinite": 0,
-        "own_max_rel": own,
-        "loss_error": loss,
-        "own_by_module": {},
-        "reason": "",
-        "flagged": False,
-        "fp32_ms": None,
-        "lists_ms": None,
-        "cast_ms": None,
-        "time_ratio": None,
-    }
-    return base | fields
+    return op_row(op, own, loss, **{"time_ratio": None, **fields})
 
 
 def recorded(trajectories, samples=None, lists=None, before=None, steps=20, rounds=5):
