@@ -164,8 +164,8 @@ def test_the_files_are_described_by_their_lines_the_users_own_and_tunes(tmp_path
     assert "f.txt: include default, then 1 of tune's (" in todo
 
 
-def tiny_tune():
-    """A real tune, of a tiny model for two validation steps: the files its own writer writes."""
+def tiny_step():
+    """A tiny model's training step and the state tune and audit restore between runs."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -178,7 +178,13 @@ def tiny_tune():
         opt.step()
         return loss
 
-    result = hmp.tune(step, state=(model, opt), steps=2, rounds=2, progress=False)
+    return step, (model, opt)
+
+
+def tiny_tune():
+    """A real tune, of a tiny model for two validation steps: the files its own writer writes."""
+    step, state = tiny_step()
+    result = hmp.tune(step, state=state, steps=2, rounds=2, progress=False)
     assert len(result.trajectories["tuned lists"]) == 2  # each validation step's loss, on record
     return result
 
@@ -326,19 +332,8 @@ def test_nothing_to_change_does_not_claim_the_lists_suit_a_step_they_slow_down()
 
 
 def test_an_audits_op_times_are_parts_of_the_step_of_the_same_runs():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
-
-    def step():
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    audit = hmp.audit(step, state=(model, opt), progress=False)
+    step, state = tiny_step()
+    audit = hmp.audit(step, state=state, progress=False)
     timed = [r for r in audit.rows if r["fp32_ms"] is not None]
     assert timed and all(r["fp32_ms"] <= audit.step_ms["fp32"] for r in timed)
     assert all(r["lists_ms"] <= audit.step_ms["lists"] for r in audit.rows if r["lists_ms"] is not None)
