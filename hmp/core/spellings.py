@@ -136,23 +136,27 @@ def computation(name, builtin=None):
 
 @functools.lru_cache(maxsize=None)
 def _first(name, builtin):
-    """The ops of ``aten::name``'s first probe that runs, or None: most composite ops are
-    told apart from every listed one by it, before the full computation is traced."""
-    packet = aten_op(name)
+    """One thing ``aten::name`` computes (its first probe that runs), or None: most composite
+    ops are told apart from every listed one by it, before the full computation is traced."""
     with _probing():
-        for overload in packet.overloads():
-            schema = torch_private.schema_of(packet, overload)
-            if _single_tensor(schema):
-                for shape in _SHAPES:
-                    args = _probe_args(schema, shape)
-                    ops = None if args is None else _traced(builtin, args)
-                    if ops is not None:
-                        return ops
-    return None
+        return next((ops for _, ops in _probes(aten_op(name), builtin) if ops is not None), None)
 
 
 def _computation(packet, builtin):
+    """Every probe's ops, of the first overload where one runs."""
     found = set()
+    for _, ops in _probes(packet, builtin):
+        if ops is not None:
+            found.add(ops)
+        elif found:  # the end of the first overload where a probe ran
+            break
+    return frozenset(found) if found else None
+
+
+def _probes(packet, builtin):
+    """``(overload, ops)`` of each probe that runs, and ``(overload, None)`` where an overload's
+    probes end: the single-tensor overloads in order, each over the probe shapes, with its
+    optional tensors left out and then given."""
     for overload in packet.overloads():
         schema = torch_private.schema_of(packet, overload)
         if not _single_tensor(schema):
@@ -164,10 +168,8 @@ def _computation(packet, builtin):
                 args = _probe_args(schema, shape, given)
                 ops = None if args is None else _traced(fn, args)
                 if ops is not None:
-                    found.add(ops)
-        if found:
-            return frozenset(found)
-    return None
+                    yield overload, ops
+        yield overload, None
 
 
 @functools.lru_cache(maxsize=None)
