@@ -114,3 +114,12 @@ def python_builtins():
             if isinstance(builtin, types.BuiltinFunctionType):
                 found[attr] = builtin
     return tuple(sorted(found.items()))
+
+
+def makes_view(overload):
+    """True for an OpOverload whose every output aliases an input it does not write: it
+    computes nothing (tools/launches.py counts no kernel for it; spellings.py no work)."""
+    schema = torch_private.overload_schema(overload)
+    if not schema.returns or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return False
+    return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)

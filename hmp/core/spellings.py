@@ -31,7 +31,7 @@ import warnings
 import torch
 
 from hmp.core import torch_private
-from hmp.core.aten import aten_op
+from hmp.core.aten import aten_op, makes_view
 
 # Probe shapes, tried in order until the call runs: every tensor argument gets the same one.
 _SHAPES = ((4, 4), (2, 4, 4), (2, 4, 4, 4), (4,))
@@ -92,7 +92,7 @@ def _traced(fn, args):
 
     def seen(overload, a, k):
         name = overload.__name__.partition(".")[0]  # mm.default: the operator's name
-        if name not in _NO_COMPUTE and not _is_view(overload):
+        if name not in _NO_COMPUTE and not makes_view(overload):
             ops.append(name)
 
     try:
@@ -108,13 +108,6 @@ def _probing():
     with warnings.catch_warnings(), torch.random.fork_rng(devices=[]), torch.no_grad():
         warnings.simplefilter("ignore")
         yield
-
-
-def _is_view(overload):
-    schema = torch_private.overload_schema(overload)
-    if not schema.returns or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-        return False
-    return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
 def _single_tensor(schema):

@@ -18,22 +18,11 @@ import collections
 import dataclasses
 
 from hmp.core import saturating_cast, torch_private
+from hmp.core.aten import makes_view
 
 _ALLOCATES = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
 _HOST_READ = "_local_scalar_dense"
 _schema = torch_private.overload_schema
-
-
-def _views(op):
-    """True for an op whose every output aliases an input it does not write: it makes no kernel."""
-    schema = _schema(op)
-    if not schema.returns:
-        return False
-    for r in schema.returns:
-        info = r.alias_info
-        if info is None or info.is_write:
-            return False
-    return not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 @dataclasses.dataclass
@@ -53,7 +42,7 @@ def kernels_of(op, args, kwargs):
     if op is saturating_cast.op:
         dtype = args[1] if len(args) > 1 else kwargs["dtype"]
         return saturating_cast.cuda_kernels(args[0], dtype)
-    if name == _HOST_READ or name in _ALLOCATES or _views(op):
+    if name == _HOST_READ or name in _ALLOCATES or makes_view(op):
         return 0
     return 1
 
