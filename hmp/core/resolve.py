@@ -85,6 +85,7 @@ class Binding(NamedTuple):
     kind: str  # "bf16", "fp32" or "promote"
     name: str  # the list name
     fallback: bool = False  # an op in no list, bound so a lower-precision input cannot break it
+    picks: tuple = ()  # an op in no list whose call picks its kernel: spellings.computations' answer (picked.py)
 
 
 def make_site(namespace, attr, owner, inplace, fn, inplace_param=None):
@@ -289,25 +290,31 @@ class Resolver:
         """``[Binding]`` for every entry point the effective lists (kind ->
         names, in the order the kinds bind) bind, each site once: listed
         names first, so a fused kernel listed by name keeps its own list;
-        then the fused kernels of listed ops (FUSED); then ``fallback``
-        (``(kind, names)`` pairs: ops in no list that get a rule anyway)."""
+        then the fused kernels of listed ops (FUSED), the spellings of listed
+        ops (spellings.py); then ``fallback`` (``(kind, names)`` pairs: ops in
+        no list that get a rule anyway); then the ops whose call picks the
+        kernel it reaches (picked.py), with an empty kind."""
         named = [(kind, name) for kind, names in effective.items() for name in sorted(names)]
         fused = [(kind, f) for kind, name in named for f in FUSED.get(name, ())]
         listed = {name for _, name in named}
-        spelled = spellings.spellings(
-            tuple((k, tuple(sorted(v))) for k, v in effective.items()), python_builtins(), RNN_KERNELS
-        )
+        by_kind = tuple((k, tuple(sorted(v))) for k, v in effective.items())
+        spelled = spellings.spellings(by_kind, python_builtins(), RNN_KERNELS)
         extra = [(kind, name) for kind, names in fallback for name in names if name not in listed]
+        # an op whose call picks its kernel by a string (picked.py); one with a rule of its own keeps it
+        targets = spellings.computations(by_kind, python_builtins(), RNN_KERNELS)
+        picks = spellings.picked(by_kind, python_builtins(), RNN_KERNELS, frozenset(n for _, n in extra))
         out, seen = [], set()
         first_extra = len(named) + len(fused) + len(spelled)
         # a spelling binds its own name's sites under the entry it follows (spellings.py)
-        todo = [(k, n, n) for k, n in named + fused] + list(spelled) + [(k, n, n) for k, n in extra]
-        for i, (kind, name, spelling) in enumerate(todo):
+        todo = [(k, n, n, ()) for k, n in named + fused] + [(*s, ()) for s in spelled]
+        todo += [(k, n, n, ()) for k, n in extra] + [("", n, n, targets) for n in picks]
+        for i, (kind, name, spelling, chosen_from) in enumerate(todo):
             for site in self.sites(spelling):
                 key = (id(site.namespace), site.attr)
                 if key not in seen:
                     seen.add(key)
-                    out.append(Binding(site, kind, name, i >= first_extra))
+                    fell_back = first_extra <= i < first_extra + len(extra)
+                    out.append(Binding(site, kind, name, fell_back, chosen_from))
         return out
 
     def _aten_sites(self, name, found):

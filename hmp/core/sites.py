@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from hmp.core import culprit, dtypes, kinds, policy
+from hmp.core import culprit, dtypes, kinds, picked, policy
 from hmp.core.pays import NORMALIZATIONS
 from hmp.core.rescue import About
 from hmp.core.resolve import BUILTINS
@@ -126,6 +126,8 @@ class Wrappers:
     def site(self, binding, original):
         """The wrapper of ``original`` for a resolve.Binding."""
         site, name, fallback = binding.site, binding.name, binding.fallback
+        if binding.picks:
+            return self._picked(binding, original)
         kind = kinds.kind(binding.kind)  # an unknown kind raises here, before anything is built
         prepare = policy.for_site(kind, name, site, self.low, self.casters, self.strict, fallback)
         op = original
@@ -143,6 +145,32 @@ class Wrappers:
         at = NEVER if site.inplace_param is None else site.inplace_param
         src, cast, refuse = kind.lean(self.low, self.casters)
         return make(op, prepare, about, original, src, cast, refuse, at, hidden)
+
+    def _picked(self, binding, original):
+        """The wrapper of an op whose call picks its kernel (hmp/core/picked.py):
+        a call that reaches a listed op's computation gets that entry's rule,
+        built here for each list; any other runs as torch's."""
+        site, name = binding.site, binding.name
+        choose = picked.chooser(original, binding.picks)
+        # an entry's name changes its rule only for a normalisation (policy.for_site): one rule per list else
+        rules = {}
+        for _, kind, target in binding.picks:
+            shown = target if target in NORMALIZATIONS else ""
+            if (kind, shown) not in rules:
+                rules[kind, shown] = policy.for_site(kinds.kind(kind), shown, site, self.low, self.casters, self.strict)
+
+        def prepare(args, kwargs):
+            kind, target = choose(args, kwargs)
+            return rules[kind, target if target in NORMALIZATIONS else ""](args, kwargs)
+
+        def needs(args, kwargs):
+            return choose(args, kwargs) is not None
+
+        about = About.of(binding)
+        hidden = not isinstance(original, BUILTINS)
+        return make(
+            self._op(original), self._prepare(prepare, site.label, name), about, original, hidden=hidden, needs=needs
+        )
 
     def _lean(self, site, kind, name, fallback):
         """True when a call without keywords may skip ``prepare`` and apply the

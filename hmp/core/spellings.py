@@ -86,8 +86,8 @@ def _probe_args(schema, shape, optional_tensors=False):
     return args
 
 
-def _traced(fn, args):
-    """The computing ops ``fn(*args)`` dispatches, in order, or None where it does not run."""
+def traced(fn, args, kwargs=None):
+    """The computing ops ``fn(*args, **kwargs)`` dispatches, in order, or None where it does not run."""
     ops = []
 
     def seen(overload, a, k):
@@ -96,14 +96,14 @@ def _traced(fn, args):
             ops.append(name)
 
     try:
-        torch_private.dispatched(fn, seen, *args)
+        torch_private.dispatched(fn, seen, *args, **(kwargs or {}))
     except Exception:
         return None
     return tuple(ops)
 
 
 @contextlib.contextmanager
-def _probing():
+def probing():
     """A deprecated op warns when it runs, a random one draws: a probe is not the user's call."""
     with warnings.catch_warnings(), torch.random.fork_rng(devices=[]), torch.no_grad():
         warnings.simplefilter("ignore")
@@ -123,7 +123,7 @@ def computation(name, builtin=None):
     packet = aten_op(name)
     if packet is None:
         return None
-    with _probing():
+    with probing():
         return _computation(packet, builtin)
 
 
@@ -131,7 +131,7 @@ def computation(name, builtin=None):
 def _first(name, builtin):
     """One thing ``aten::name`` computes (its first probe that runs), or None: most composite
     ops are told apart from every listed one by it, before the full computation is traced."""
-    with _probing():
+    with probing():
         return next((ops for _, ops in _probes(aten_op(name), builtin) if ops is not None), None)
 
 
@@ -159,7 +159,7 @@ def _probes(packet, builtin):
         for shape in _SHAPES:
             for given in (False, True) if optional else (False,):
                 args = _probe_args(schema, shape, given)
-                ops = None if args is None else _traced(fn, args)
+                ops = None if args is None else traced(fn, args)
                 if ops is not None:
                     yield overload, ops
         yield overload, None
@@ -183,15 +183,11 @@ def composite(name):
 
 
 @functools.lru_cache(maxsize=8)
-def spellings(listed, builtins, unprobed=frozenset()):
-    """``((kind, listed name, spelling), ...)``: the composite operators among
-    ``builtins`` (``((aten name, builtin), ...)``) whose computation is a
-    listed op's. ``listed``: ``((kind, (names, ...)), ...)`` in binding order.
-    ``unprobed``: ops never run with made-up arguments (the recurrent kernels:
-    torch 2.4's gru_cell crashes the process on a shape it should refuse),
-    neither spellings nor spelled."""
-    targets = []
-    taken = {n for _, names in listed for n in names}
+def computations(listed, builtins, unprobed=frozenset()):
+    """``((computation, kind, listed name), ...)`` in binding order: what
+    each listed op computes (an op with kernels of its own: itself). The
+    arguments are ``spellings``'."""
+    out = []
     through = dict(builtins)
     for kind, names in listed:
         for name in names:
@@ -200,11 +196,24 @@ def spellings(listed, builtins, unprobed=frozenset()):
             # an operator with kernels of its own dispatches as itself: nothing to run
             ops = computation(name, through.get(name)) if composite(name) else frozenset({(name,)})
             if ops:
-                targets.append((ops, kind, name))
-    if not targets:
+                out.append((ops, kind, name))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=8)
+def spellings(listed, builtins, unprobed=frozenset()):
+    """``((kind, listed name, spelling), ...)``: the composite operators among
+    ``builtins`` (``((aten name, builtin), ...)``) whose computation is a
+    listed op's. ``listed``: ``((kind, (names, ...)), ...)`` in binding order.
+    ``unprobed``: ops never run with made-up arguments (the recurrent kernels:
+    torch 2.4's gru_cell crashes the process on a shape it should refuse),
+    neither spellings nor spelled."""
+    found_targets = computations(listed, builtins, unprobed)
+    if not found_targets:
         return ()
+    taken = {n for _, names in listed for n in names}
     out = []
-    computed = set().union(*(ops for ops, _, _ in targets))
+    computed = set().union(*(ops for ops, _, _ in found_targets))
     for name, builtin in builtins:
         if name in taken or name in unprobed or not isinstance(builtin, types.BuiltinFunctionType):
             continue
@@ -215,13 +224,39 @@ def spellings(listed, builtins, unprobed=frozenset()):
             continue
         # every computation of the spelling is one of the entry's: matmul (mm, bmm, dot) is no spelling
         # of mm, linear (addmm with a bias) none of matmul; torch.linalg.matmul is matmul's
-        matches = [(kind, target) for ops, kind, target in targets if found <= ops]
+        matches = [(kind, target) for ops, kind, target in found_targets if found <= ops]
         if matches:
             # named after the entry with its very schema (linalg_matmul: matmul), else the kernel's own (einsum: bmm)
             same = [m for m in matches if _signatures(m[1]) & _signatures(name)]
             kernel = [m for m in matches if not composite(m[1])]
             out.append((*(same or kernel or matches)[0], name))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=8)
+def picked(listed, builtins, unprobed=frozenset(), skip=frozenset()):
+    """The composite operators among ``builtins`` that take a string (the
+    kernel they reach is the call's: hmp/core/picked.py), no list names, are
+    no spelling and not in ``skip`` (ops with a rule of their own); none
+    where nothing is listed. Arguments as ``spellings``'."""
+    if not computations(listed, builtins, unprobed):
+        return ()
+    taken = {n for _, names in listed for n in names} | {s for *_, s in spellings(listed, builtins, unprobed)}
+    names = dict.fromkeys(name for name, _ in builtins)  # a name's builtins in several namespaces: once
+    return tuple(
+        n for n in names if n not in taken and n not in unprobed and n not in skip and _takes_string(n) and composite(n)
+    )
+
+
+def _takes_string(name):
+    packet = aten_op(name)
+    for o in packet.overloads() if packet is not None else ():
+        try:
+            if any(str(a.type) == "str" for a in torch_private.schema_of(packet, o).arguments):
+                return True
+        except Exception:  # an overload the registry names but cannot look up (einsum.sublist)
+            continue
+    return False
 
 
 @functools.lru_cache(maxsize=None)

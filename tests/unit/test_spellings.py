@@ -64,7 +64,7 @@ def _probe(name):
         schema = getattr(packet, overload)._schema
         for shape in spellings._SHAPES:
             args = spellings._probe_args(schema, shape)
-            if args is not None and spellings._traced(builtin, args) is not None:
+            if args is not None and spellings.traced(builtin, args) is not None:
                 return builtin, args
     raise AssertionError(name)
 
