@@ -23,9 +23,10 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from hmp.core import aten, kinds, lists, pays, resolve, spellings
+from hmp.core import aten, kinds, lists, pays, resolve, spellings, torch_private
 from hmp.core.identity import unwrap
 from hmp.core.resolve import FUSED
+from hmp.core.switches import disable_casts
 
 _HOMES = (("torch", torch), ("torch.nn.functional", F))
 _SKIP = (type, types.ModuleType, staticmethod, classmethod, property)
@@ -190,6 +191,48 @@ def binding(conversion, op, call, runtime):
             if name not in listed and name in call.names:
                 return Binding(kind, name, True)
     return None
+
+
+def picked_binding(conversion, call, args, kwargs):
+    """The Binding of a call of an op whose call picks its kernel (a string
+    argument; hmp/core/picked.py), or None: the listed op among the kernels
+    torch's own op dispatches when run on copies of these very arguments
+    (not hmp's trace on meta tensors), when every other op it dispatches
+    only views, copies or allocates."""
+    bound = bound_names(conversion)
+    listed_by_kind = tuple((k, tuple(v)) for k, v in bound.items())
+    fallback = frozenset(n for _, names in lists.fallback_names(conversion.options.low) for n in names)
+    picked = spellings.picked(listed_by_kind, aten.python_builtins(), resolve.RNN_KERNELS, fallback)
+    if not call.names & set(picked):
+        return None
+    reached = []
+    copies = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
+    with spellings.probing(), disable_casts():
+        torch_private.dispatched(unwrap(call.fn), lambda overload, a, k: reached.append(overload), *copies, **kwargs)
+    listed = [
+        (kind, o.__name__.partition(".")[0])
+        for o in reached
+        for kind, names in bound.items()
+        if o.__name__.partition(".")[0] in names
+    ]
+    others = [
+        o for o in reached if not _moves_values(o) and o.__name__.partition(".")[0] not in set().union(*bound.values())
+    ]
+    return Binding(*listed[0], False) if len(listed) == 1 and not others else None
+
+
+def _moves_values(overload):
+    """True for an op that computes nothing (its schema: an alias of an input, or no tensor input read)."""
+    schema = overload._schema
+    return any(r.alias_info is not None for r in schema.returns) or overload.__name__.split(".")[0] in (
+        "empty",
+        "empty_like",
+        "new_empty",
+        "empty_strided",
+        "clone",
+        "copy_",
+        "_unsafe_view",
+    )
 
 
 def why_left(conversion, call):

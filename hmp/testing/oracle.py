@@ -85,7 +85,7 @@ def expected_call(op, /, *args, **kwargs):
     if not casts_enabled():
         return Expected(None, "left to torch: hmp's casts are off in this thread")
     call = entries.call_of(op, args)
-    bound = entries.binding(conversion, op, call, runtime)
+    bound = entries.binding(conversion, op, call, runtime) or entries.picked_binding(conversion, call, args, kwargs)
     if bound is None:
         return Expected(None, f"left to torch: {entries.why_left(conversion, call)}")
     return _Rules(conversion.options.low, bound, call, kwargs).expect()
