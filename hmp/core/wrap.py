@@ -40,7 +40,7 @@ import torch
 
 from hmp.core import cast_copies, culprit, policy, rescue, torch_private
 from hmp.core.identity import ORIGINAL, mark, unwrap
-from hmp.core.state import OFF, graph_off, tls, weight_cache
+from hmp.core.state import OFF, graph_off, runtime, tls, weight_cache
 
 log = logging.getLogger("hmp")
 
@@ -200,7 +200,6 @@ def fields(wrapper):
     return {name: _cell(wrapper, name).cell_contents for name in _FIELDS}
 
 
-_ready = False  # ready_for_compile has run in this process
 _ready_lock = threading.Lock()  # two threads' first convert() do it once
 
 
@@ -210,16 +209,15 @@ def ready_for_compile():
     program that compiles after convert() gets one graph). Once per process:
     importing dynamo takes a second or more where the program has not done
     it already."""
-    global _ready
     with _ready_lock:
-        if _ready:
+        if runtime.ready_for_compile:
             return
         torch_private.import_dynamo()
         # a change of the cast state while dynamo traces is a node of the graph (state.graph_off),
         # kept by dead-code elimination: its lowering replays it
         torch.compiler.allow_in_graph(graph_off)
         torch.fx.node.has_side_effect(graph_off)
-        _ready = True
+        runtime.ready_for_compile = True
 
 
 def finish(wrapper, op):

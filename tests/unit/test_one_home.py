@@ -167,6 +167,27 @@ def test_what_hmp_keeps_outside_state_is_named_in_states_docstring():
     assert missing == [], f"kept outside core/state.py and not named in its docstring: {missing}"
 
 
+def rebound_globals(root):
+    """``[(path, line)]`` of every ``global`` statement under ``root``: a module-level name a
+    function rebinds is a store no docstring check sees (a store belongs on core/state.py)."""
+    return [
+        (path.relative_to(root).as_posix(), node.lineno)
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Global)
+    ]
+
+
+def test_no_function_rebinds_a_module_name():
+    assert rebound_globals(PACKAGE) == []
+
+
+def test_a_planted_global_is_caught(tmp_path):
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "wrap.py").write_text("_ready = False\n\n\ndef ready():\n    global _ready\n    _ready = True\n")
+    assert rebound_globals(tmp_path) == [("core/wrap.py", 5)]
+
+
 def test_a_planted_store_outside_state_is_caught(tmp_path):
     (tmp_path / "core").mkdir()
     (tmp_path / "core" / "cache.py").write_text(
