@@ -184,7 +184,8 @@ def test_no_function_rebinds_a_module_name():
 
 def test_a_planted_global_is_caught(tmp_path):
     (tmp_path / "core").mkdir()
-    (tmp_path / "core" / "wrap.py").write_text("_ready = False\n\n\ndef ready():\n    global _ready\n    _ready = True\n")
+    planted = "_ready = False\n\n\ndef ready():\n    global _ready\n    _ready = True\n"
+    (tmp_path / "core" / "wrap.py").write_text(planted)
     assert rebound_globals(tmp_path) == [("core/wrap.py", 5)]
 
 
