@@ -107,5 +107,9 @@ def main(argv=None):
         print(f"| {case} | {statistics.median(ratios):.3f} | {q1:.3f} - {q3:.3f} | {statistics.median(other_us):.2f} |")
 
 
+# its quickest run that still goes through its code (tests/integration/test_benchmark_scripts.py)
+QUICK = (".", "--pairs", "2", "--calls", "10")  # this checkout against itself
+
+
 if __name__ == "__main__":
     main()

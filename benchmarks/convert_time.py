@@ -52,5 +52,9 @@ def main(argv=None):
     print(f"\nonce / twice: {median['once'] / median['twice']:.2f}")
 
 
+# its quickest run that still goes through its code (tests/integration/test_benchmark_scripts.py)
+QUICK = ("--rounds", "1")
+
+
 if __name__ == "__main__":
     main()

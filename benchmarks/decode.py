@@ -479,5 +479,9 @@ def main(argv=None):
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
 
 
+# its quickest run that still goes through its code (tests/integration/test_benchmark_scripts.py)
+QUICK = ("--quick",)
+
+
 if __name__ == "__main__":
     main()

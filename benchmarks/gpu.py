@@ -330,5 +330,9 @@ def main(argv=None):
         log(f"written: {out}")
 
 
+# its quickest run that still goes through its code (tests/integration/test_benchmark_scripts.py)
+QUICK = ("--dry-run",)
+
+
 if __name__ == "__main__":
     main()

@@ -712,5 +712,9 @@ def main(argv=None):
     return 0
 
 
+# its quickest run that still goes through its code (tests/integration/test_benchmark_scripts.py)
+QUICK = ("--check",)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -35,8 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hmp  # noqa: E402
-from hmp import wrap  # noqa: E402
-from hmp.core import cast_copies, dtypes, policy
+from hmp.core import cast_copies, dtypes, policy, wrap  # noqa: E402
 from hmp.core.rescue import About  # noqa: E402
 
 
@@ -62,8 +61,8 @@ def cases():
 
     relu = F.relu  # the Python function (hmp not converted yet)
     casters = dict(cast_copies.CASTS)
-    prepare = policy.lower(torch.bfloat16, casters, policy.inplace_out(casters), "relu")
-    refuse = cast_copies.numbers_check(torch.bfloat16, "relu")
+    prepare = policy.lower(torch.bfloat16, casters, policy.inplace_out(casters))
+    refuse = cast_copies.numbers_check(torch.bfloat16)
     kw = dict(src=dtypes.FP32_ONLY, cast=casters[torch.bfloat16], refuse=refuse)
     with_check = wrap.make(relu, prepare, About("relu"), hidden=True, **kw)
     without = wrap.make(relu, prepare, About("relu"), hidden=False, **kw)
@@ -79,7 +78,7 @@ def converted_cases():
     x = torch.randn(8, 8)
     hmp.convert()
     yield "fallback wrapper stepping aside, cdist 8x4", (lambda: torch.cdist(a, b), lambda: cdist(a, b))
-    cast, refuse = cast_copies.CASTS[torch.bfloat16], cast_copies.numbers_check(torch.bfloat16, "f")
+    cast, refuse = cast_copies.CASTS[torch.bfloat16], cast_copies.numbers_check(torch.bfloat16)
     y = cast(x)
     args = (y, 0.5, np.float32(0.5), None, True, "mean")  # nothing to cast: only the number check differs
     yield (
@@ -110,6 +109,10 @@ def main(argv=None):
             print(f"| {name} | {diff:+.2f} | {ratio:.3f} | {q1:.3f} - {q3:.3f} |")
     finally:
         hmp.revert()
+
+
+# its quickest run that still goes through its code (tests/integration/test_benchmark_scripts.py)
+QUICK = ("--pairs", "2", "--calls", "10")
 
 
 if __name__ == "__main__":

@@ -353,5 +353,9 @@ def main():
             json.dump(result, f, indent=1)
 
 
+# its quickest run that still goes through its code (tests/integration/test_benchmark_scripts.py)
+QUICK = ("--reps", "1", "--calls", "10")
+
+
 if __name__ == "__main__":
     main()

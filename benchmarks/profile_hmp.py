@@ -382,5 +382,9 @@ def main(argv=None):
     }[args.cmd](args)
 
 
+# its quickest run that still goes through its code (tests/integration/test_benchmark_scripts.py)
+QUICK = ("casts", "--quick")
+
+
 if __name__ == "__main__":
     main()

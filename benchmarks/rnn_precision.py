@@ -77,5 +77,9 @@ def main():
             )
 
 
+# its quickest run that still goes through its code (tests/integration/test_benchmark_scripts.py)
+QUICK = ("--hidden", "8", "--seq", "4", "--batch", "2", "--reps", "1")
+
+
 if __name__ == "__main__":
     main()

@@ -654,5 +654,9 @@ def main(argv=None):
     return 0
 
 
+# its quickest run that still goes through its code (tests/integration/test_benchmark_scripts.py)
+QUICK = ("--quick", "--workload", "mlp", "--no-memory")
+
+
 if __name__ == "__main__":
     sys.exit(main())

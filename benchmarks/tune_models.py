@@ -7,6 +7,7 @@ model) and compare the tuned lists with the default lists: step time
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import time
@@ -99,8 +100,11 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     ap.add_argument("--out", default="/tmp/hmp-tuned", help="prefix for the written list files")
     ap.add_argument("--json")
+    ap.add_argument("--quick", action="store_true", help="a CNN batch of 16: checks the script, measures nothing")
     args = ap.parse_args(argv)
     problem = PROBLEMS[args.model]
+    if args.quick and args.model == "cnn":
+        problem = functools.partial(cnn_problem, n=16)
 
     hmp.revert()
     state, step, batch = problem()
@@ -125,6 +129,10 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"losses": losses, "step_ms": ms, "lists": result.lists}, f, indent=2)
+
+
+# its quickest run that still goes through its code (tests/integration/test_benchmark_scripts.py)
+QUICK = ("--quick", "--steps", "2", "--rounds", "1", "--out", "{tmp}/tuned")
 
 
 if __name__ == "__main__":
