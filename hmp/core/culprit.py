@@ -16,7 +16,7 @@ import dis
 import itertools
 import linecache
 
-from hmp.core.resolve import Resolver
+from hmp.core.resolve import Resolver, list_names
 
 _OPERATORS = {
     ast.MatMult: "matmul",
@@ -115,13 +115,7 @@ def called_name(text):
 def list_name(name):
     """The list name for an attribute name: ``__rmul__`` -> mul, ``mul_`` -> mul."""
     resolver = Resolver()
-    candidates = [name]
-    if name.startswith("__") and name.endswith("__"):
-        core = name[2:-2]
-        candidates = [core, core[1:]] if core[:1] in ("r", "i") else [core]
-    elif name.endswith("_") and not name.startswith("_"):
-        candidates = [name[:-1], name]
-    return next((c for c in candidates if resolver.exists(c)), None)
+    return next((c for c in list_names(name) if resolver.exists(c)), None)
 
 
 def callee(exc):

@@ -53,6 +53,37 @@ RNN_KERNELS = frozenset(
 )
 
 
+def entry_forms(name, tensor_has):
+    """The binding rule: ``(on namespaces, on torch.Tensor)``, each
+    ``[(attribute name, in-place)]``, the attributes list name ``name`` binds.
+    ``X`` binds ``X`` and ``X_``; on torch.Tensor also, where it has
+    ``__X__`` (``tensor_has(attr)``), ``__X__``, ``__rX__`` and ``__iX__``;
+    Habana's ``iX`` (``iadd``) binds the in-place operator ``__iX__`` itself.
+    ``list_names`` is its inverse."""
+    inplace_name = None if name.endswith("_") else name + "_"
+    explicit = name.endswith("_") and not name.endswith("__")
+    plain = [(attr, attr is inplace_name or explicit) for attr in (name, inplace_name) if attr is not None]
+    on_tensor = list(plain)
+    dunder = f"__{name}__"
+    if not name.startswith("_") and tensor_has(dunder):
+        if name.startswith("i") and tensor_has(f"__{name[1:]}__"):
+            on_tensor.append((dunder, True))  # Habana's "iadd": the in-place operator `a += b` itself
+        else:
+            on_tensor += [(dunder, False), (f"__r{name}__", False), (f"__i{name}__", True)]
+    return plain, on_tensor
+
+
+def list_names(attr):
+    """The list names that may bind attribute ``attr`` by ``entry_forms``, in
+    the order the error note tries them: ``__rmul__`` -> rmul, mul; ``mul_`` -> mul, mul_."""
+    if attr.startswith("__") and attr.endswith("__"):
+        core = attr[2:-2]
+        return (core, core[1:]) if core[:1] in ("r", "i") else (core,)
+    if attr.endswith("_"):
+        return attr[:-1], attr
+    return (attr,)
+
+
 @dataclass(frozen=True)
 class Site:
     """One attribute that a list name binds."""
@@ -252,30 +283,18 @@ class Resolver:
         """Every Site that ``name`` binds; empty when torch has no such op."""
         if name in self._cache:
             return self._cache[name]
-        found = []
+        found, T = [], torch.Tensor
         if not self._may_exist(name) and aten_op(name) is None:
             self._cache[name] = found
             return found
-        inplace_name = None if name.endswith("_") else name + "_"
-        explicit_inplace = name.endswith("_") and not name.endswith("__")
+        plain, on_tensor = entry_forms(name, lambda attr: self._lookup(T, attr, in_class=True) is not None)
         for owner, module in self.modules:
-            for attr in (name, inplace_name):
-                if attr is None:
-                    continue
+            for attr, inplace in plain:
                 fn = self._lookup(module, attr, in_class=False)
                 if fn is not None:
-                    inplace = attr is inplace_name or explicit_inplace
                     found.append(make_site(module, attr, owner, inplace, fn, _inplace_param(fn)))
-        T = torch.Tensor
-        attrs = [(name, explicit_inplace), (inplace_name, True)]
-        dunder = f"__{name}__"
-        if not name.startswith("_") and self._lookup(T, dunder, in_class=True) is not None:
-            if name.startswith("i") and self._lookup(T, f"__{name[1:]}__", in_class=True) is not None:
-                attrs.append((dunder, True))  # Habana's "iadd": the in-place operator `a += b` itself
-            else:
-                attrs += [(dunder, False), (f"__r{name}__", False), (f"__i{name}__", True)]
-        for attr, inplace in attrs:
-            fn = None if attr is None else self._lookup(T, attr, in_class=True)
+        for attr, inplace in on_tensor:
+            fn = self._lookup(T, attr, in_class=True)
             if fn is not None:
                 found.append(make_site(T, attr, "torch.Tensor", inplace, fn))
         found += _vf_sites(name)
