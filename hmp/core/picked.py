@@ -25,6 +25,7 @@ from hmp.core import spellings
 
 _TENSOR, _LIST, _TUPLE, _OTHER = "hmp:tensor", "hmp:list", "hmp:tuple", "hmp:other"
 _PLAIN = (str, bool, int, float, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_EXACT = frozenset(_PLAIN)
 # What stands for a symbolic number in the trace (a compiled graph's size passed on).
 _SYMBOLIC = {"SymInt": 1, "SymFloat": 1.0, "SymBool": False}
 # The trace's tensors are one size in every dimension, larger than every integer the call names (a pad
@@ -36,18 +37,27 @@ _MIN_SIZE, _MAX_SIZE = 4, 1024
 def key(args, kwargs):
     """What of a call can pick its kernel: every non-tensor argument, each
     tensor's rank and dtype (not its sizes: a compiled graph's may be
-    symbolic). Every tuple in it is tagged, so no argument reads as a tag."""
-    return _key(args), _key(tuple(sorted(kwargs.items()))) if kwargs else None
+    symbolic). ``(args' keys, ((keyword, key), ...) or None)``; every tuple
+    inside an argument's key is tagged, so no argument reads as a tag."""
+    exact = _EXACT
+    got = tuple([v if type(v) in exact else _key(v) for v in args])
+    if not kwargs:
+        return got, None
+    return got, tuple([(n, v if type(v) in exact else _key(v)) for n, v in kwargs.items()])
 
 
 def _key(v):
+    t = type(v)
+    if t in _EXACT:
+        return v
+    if t is tuple or t is list:
+        items = tuple(v) if _EXACT.issuperset(map(type, v)) else tuple([_key(x) for x in v])
+        return (_TUPLE if t is tuple else _LIST, items)
     if isinstance(v, torch.Tensor):
         return (_TENSOR, v.dim(), v.dtype)
-    if type(v) is list or type(v) is tuple:
-        return (_LIST if type(v) is list else _TUPLE, tuple(_key(x) for x in v))
     if isinstance(v, _PLAIN):
         return v
-    return (_OTHER, type(v).__name__)  # a SymInt, an object: what it is, not its value
+    return (_OTHER, t.__name__)  # a SymInt, an object: what it is, not its value
 
 
 def _value(k, size):
@@ -74,7 +84,9 @@ def _ints(k):
 
 
 def _size(k):
-    largest = max((*_ints(k[0]), *_ints(k[1])), default=0)
+    given, keywords = k
+    values = (*given, *(v for _, v in keywords or ()))
+    largest = max((i for v in values for i in _ints(v)), default=0)
     return min(max(_MIN_SIZE, 2 * largest + 2), _MAX_SIZE)
 
 
@@ -88,7 +100,8 @@ def chooser(fn, targets):
     def decided(k):
         size = _size(k)
         try:
-            args, kwargs = _value(k[0], size), dict(_value(k[1], size)) if k[1] else {}
+            args = [_value(v, size) for v in k[0]]
+            kwargs = {n: _value(v, size) for n, v in k[1] or ()}
         except LookupError:  # an argument the trace cannot stand in for: torch's call, as without hmp
             return None
         with spellings.probing():

@@ -329,6 +329,8 @@ class Resolver:
         todo += [(k, n, n, ()) for k, n in extra] + [("", n, n, targets) for n in picks]
         for i, (kind, name, spelling, chosen_from) in enumerate(todo):
             for site in self.sites(spelling):
+                if chosen_from and not isinstance(site.original(), types.BuiltinFunctionType):
+                    continue  # a Python function (F.pad) reaches the kernel through the builtin, decided there
                 key = (id(site.namespace), site.attr)
                 if key not in seen:
                     seen.add(key)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hmp
-from hmp.core import aten, lists, resolve, spellings, torch_releases
+from hmp.core import aten, lists, resolve, spellings, torch_releases, wrap
 from hmp.driver.conversion import in_force
 from hmp.testing import entries, expected_call
 
@@ -143,3 +143,13 @@ def test_only_ops_no_list_names_are_picked():
         x = torch.rand(2, 3, 6, 6, dtype=torch.float16)
         assert F.pad(x, (1, 1, 1, 1), mode="reflect").dtype == torch.float32
     assert "pad" in fallback
+
+
+def test_the_builtin_decides_and_python_functions_stay_torchs():
+    """F.pad (Python) reaches the kernel through torch._C._nn.pad: only the builtin is wrapped, so a
+    call is decided once; F.pad stays torch's own function."""
+    original = F.pad
+    with hmp.converted():
+        assert F.pad is original
+        assert wrap.is_wrapper(torch._C._nn.pad)
+    assert not wrap.is_wrapper(torch._C._nn.pad)
