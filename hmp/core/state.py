@@ -169,7 +169,7 @@ class Runtime:
         # the site is that library's; the wrapper it holds follows the conversion in force (conversion.py)
         self.displaced = {}
         self.adopted = []  # the displaced entries whose wrapper the conversion in force re-armed
-        self.ready_for_compile = False  # wrap.ready_for_compile has run in this process
+        self.ready_for_compile = False  # wrap.ready_for_compile has run in this process (conversion.apply)
 
 
 runtime = Runtime()

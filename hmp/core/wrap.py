@@ -40,7 +40,7 @@ import torch
 
 from hmp.core import cast_copies, culprit, policy, rescue, torch_private
 from hmp.core.identity import ORIGINAL, mark, unwrap
-from hmp.core.state import OFF, graph_off, runtime, tls, weight_cache
+from hmp.core.state import OFF, graph_off, tls, weight_cache
 
 log = logging.getLogger("hmp")
 
@@ -200,24 +200,22 @@ def fields(wrapper):
     return {name: _cell(wrapper, name).cell_contents for name in _FIELDS}
 
 
-_ready_lock = threading.Lock()  # two threads' first convert() do it once
+_ready_lock = threading.Lock()  # two threads' first convert() do it one after the other
 
 
 def ready_for_compile():
     """Before convert() installs wrappers: dynamo imported (what it reads
     from torch's namespaces at import must be torch's own functions, so a
-    program that compiles after convert() gets one graph). Once per process:
+    program that compiles after convert() gets one graph). Idempotent;
+    convert() runs it once per process (``runtime.ready_for_compile``):
     importing dynamo takes a second or more where the program has not done
     it already."""
     with _ready_lock:
-        if runtime.ready_for_compile:
-            return
         torch_private.import_dynamo()
         # a change of the cast state while dynamo traces is a node of the graph (state.graph_off),
         # kept by dead-code elimination: its lowering replays it
         torch.compiler.allow_in_graph(graph_off)
         torch.fx.node.has_side_effect(graph_off)
-        runtime.ready_for_compile = True
 
 
 def finish(wrapper, op):

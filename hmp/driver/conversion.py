@@ -151,7 +151,10 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
     """Install ``conversion`` (a Conversion with checked lists) in place of
     the current one. profile/audit/tune pass a ``recorder`` (hmp/tools/record.py)
     and ``passthrough``."""
-    wrap.ready_for_compile()  # outside the lock: an import that may run a watched module's callback
+    # once per process, outside the lock: an import that may run a watched module's callback
+    if not runtime.ready_for_compile:
+        wrap.ready_for_compile()
+        runtime.ready_for_compile = True
     with runtime.lock:
         _install_built(conversion, _build(conversion, resolver or Resolver(), recorder, passthrough))
 

@@ -222,8 +222,8 @@ def picked_binding(conversion, call, args, kwargs):
 
 
 def _moves_values(overload):
-    """True for an op that computes nothing (its schema: an alias of an input, or no tensor input read)."""
-    schema = overload._schema
+    """True for an op that computes nothing: its schema returns an alias of an input, or it allocates or copies."""
+    schema = torch_private.overload_schema(overload)
     return any(r.alias_info is not None for r in schema.returns) or overload.__name__.split(".")[0] in (
         "empty",
         "empty_like",
