@@ -249,14 +249,26 @@ def picked(listed, builtins, unprobed=frozenset(), skip=frozenset()):
 
 
 def _takes_string(name):
+    """True when an overload of ``aten::name`` takes a string that may pick a kernel. Not a
+    named-tensor overload, whose ``Dimname`` older releases print as ``str``: one that takes a
+    list of names, a dimension another overload takes as an int (argsort.dimname's ``dim``), or
+    a string a named-tensor overload takes (flatten.named_out_dim's ``out_dim``)."""
     packet = aten_op(name)
+    schemas = []
     for o in packet.overloads() if packet is not None else ():
         try:
-            if any(str(a.type) == "str" for a in torch_private.schema_of(packet, o).arguments):
-                return True
+            schemas.append([(a.name, str(a.type)) for a in torch_private.schema_of(packet, o).arguments])
         except Exception:  # an overload the registry names but cannot look up (einsum.sublist)
             continue
-    return False
+    names = {n for arguments in schemas for n, t in arguments if t in ("int", "SymInt")}
+    named = []
+    while True:  # a string that names a dimension in one overload names one in every overload
+        named = [a for a in schemas if any(t == "List[str]" or t == "str" and n in names for n, t in a)]
+        more = names | {n for a in named for n, t in a if t == "str"}
+        if more == names:
+            break
+        names = more
+    return any(t == "str" for arguments in schemas if arguments not in named for _, t in arguments)
 
 
 @functools.lru_cache(maxsize=None)
