@@ -209,15 +209,17 @@ def picked_binding(conversion, call, args, kwargs):
     copies = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
     with spellings.probing(), disable_casts():
         torch_private.dispatched(unwrap(call.fn), lambda overload, a, k: reached.append(overload), *copies, **kwargs)
-    listed = [
-        (kind, o.__name__.partition(".")[0])
-        for o in reached
-        for kind, names in bound.items()
-        if o.__name__.partition(".")[0] in names
-    ]
-    others = [
-        o for o in reached if not _moves_values(o) and o.__name__.partition(".")[0] not in set().union(*bound.values())
-    ]
+    kind_of = {}
+    for kind, names in bound.items():  # the first kind in binding order, as hmp binds
+        for name in names:
+            kind_of.setdefault(name, kind)
+    listed, others = [], []
+    for o in reached:
+        name = o.__name__.partition(".")[0]  # mm.default: the operator's name
+        if name in kind_of:
+            listed.append((kind_of[name], name))
+        elif not _moves_values(o):
+            others.append(name)
     return Binding(*listed[0], False) if len(listed) == 1 and not others else None
 
 
