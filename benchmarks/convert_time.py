@@ -12,7 +12,7 @@ import statistics
 import time
 
 import hmp
-from hmp.core.resolve import Resolver
+from hmp.binding.resolve import Resolver
 from hmp.driver import conversion
 from hmp.driver.plan import plan
 

@@ -37,7 +37,7 @@ Sources, for the installed torch:
 
 A failing OpInfo is listed under the first of its ``aten_name``, its name with dots replaced
 (``fft.rfft`` -> ``fft_rfft``) and its name's last component (``nn.functional.grid_sample`` ->
-``grid_sample``) that ``hmp.core.resolve.Resolver().check`` reports BOUND and that binds the function
+``grid_sample``) that ``hmp.binding.resolve.Resolver().check`` reports BOUND and that binds the function
 the sweep called; one with no such name (``torch.sparse.mm``, ``torch.masked.*``), or whose name
 hmp refuses in a list (``view_as_complex`` returns a view), is named in the file's header as left
 out.
@@ -68,10 +68,10 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling script, also when imported by path
 from autocast_lists import wrap_comment  # noqa: E402
 
-from hmp.core import lists as hmp_lists  # noqa: E402
-from hmp.core.aten import returns_view  # noqa: E402
+from hmp.binding import lists as hmp_lists  # noqa: E402
+from hmp.binding.aten import returns_view  # noqa: E402
+from hmp.binding.resolve import BOUND, Resolver  # noqa: E402
 from hmp.core.identity import unwrap  # noqa: E402
-from hmp.core.resolve import BOUND, Resolver  # noqa: E402
 
 LIST_DIR = ROOT / "op_lists"
 LOWER = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -600,7 +600,7 @@ def run_as_composites(sweep, findings, out, resolver):
     and every other op of the files in force: the ops they call are cast by their own lists or
     the files (``F.multi_head_attention_forward`` given a bfloat16 query calls ``linear``,
     which the BF16 list casts). Listing such an op would run all of it in float32 instead."""
-    from hmp.core.resolve import BUILTINS
+    from hmp.binding.resolve import BUILTINS
 
     failing = {}
     for f in findings:

@@ -7,15 +7,16 @@ A drop-in for Habana's ``habana_frameworks.torch.hpex.hmp``::
     ...
     optimizer.step()  # runs with casts off by itself while converted
 
-Importing hmp patches nothing; only convert() does. How one call flows
-(all in hmp/core/): lists (list files) -> resolve (names to the places ops
-live) -> policy (what each call casts) -> wrap (the wrapper) -> patch (the
-undo log), driven by conversion; state holds everything kept. hmp/rules/
-keeps hmp out of the rest of PyTorch; docs/architecture.md maps the rest.
+Importing hmp patches nothing; only convert() does. A conversion: plan
+(hmp/driver/) -> what the lists say and what each site's wrapper does
+(hmp/binding/) -> conversion, through the undo log -> rules (hmp/rules/,
+which keep hmp out of the rest of PyTorch). A call: wrap -> policy ->
+cache -> cast_copies, with state beside (hmp/core/).
+docs/architecture.md maps the rest.
 """
 
+from hmp.binding.lists import list_path
 from hmp.core.cache import accumulation, cache_bytes, clear_cache, frozen_weights
-from hmp.core.lists import list_path
 from hmp.core.op_wrap import op_wrap, to_bf16, to_fp32
 from hmp.core.switches import casts_enabled, disable_casts, enable_casts
 from hmp.driver.conversion import convert, converted, effective_lists, is_converted, revert

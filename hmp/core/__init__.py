@@ -1,4 +1,4 @@
-"""The cast pipeline and the state it keeps: list files (lists) -> the places
-ops live (resolve) -> what each call casts (policy) -> the wrapper (wrap,
-fallback, cache) -> the undo log (patch), driven by conversion; state holds
-everything kept between calls, casts turns casting off and on for a block."""
+"""What runs in every call: the wrapper (wrap) -> what a call casts (policy)
+-> the weight-cast cache (cache) -> the casts (cast_copies), with the state
+kept between calls beside them (state, switches); rescue when an op raises.
+What each site's wrapper does is decided at convert time in hmp/binding/."""

@@ -4,10 +4,9 @@ Each policy is a small factory returning ``prepare(args, kwargs) ->
 (args, kwargs)``. ``prepare`` returns its inputs unchanged (the same
 objects) when nothing needs a cast, and never mutates them. ``casters`` maps a
 dtype to a one-argument cast function; it is chosen at convert time (plain,
-or through the weight cache). ``for_site`` picks the one prepare a wrapper
-calls: the list's rule, with the in-place rule for calls that write a
-tensor (``out=``, ``inplace=True``, an argument the op's schema marks
-written) checked inside it.
+or through the weight cache). Which prepare a site's wrapper calls (the
+list's rule, with the in-place rule for calls that write a tensor checked
+inside it) is decided at convert time: hmp/binding/sites.py.
 
 ``needs`` says when an op in no list must step in (docs/never-changes.md).
 The casts themselves (a finite value stays finite) and ``write_back`` live
@@ -18,16 +17,9 @@ import torch
 
 from hmp.core.cast_copies import is_number, numbers_check
 from hmp.core.dtypes import FLOATS, FP32, FP32_ONLY, HALVES, OTHER_FLOATS
-from hmp.core.pays import NORMALIZATIONS
 
 Tensor = torch.Tensor
 _promote_types = torch.promote_types  # captured: listing promote_types cannot recurse
-
-# Norms without running statistics. Some devices' kernels reject a bf16 input
-# with fp32 weight and bias (CUDA's layer_norm); under strict=True, which casts
-# a norm's input, these retry with weight and bias cast too (sites.one_dtype_on_reject).
-AFFINE_ONLY_NORMS = frozenset(("layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm"))
-
 
 SAME = object()  # cast_each: nothing was cast
 
@@ -319,7 +311,7 @@ def inplace_input(casters):
     return prepare
 
 
-def _checking_inplace(main, into, position):
+def checking_inplace(main, into, position):
     """``main``, except for calls with ``inplace=True`` (positional at
     ``position``, or by keyword): those follow the in-place rule."""
 
@@ -378,11 +370,6 @@ def given_mixed(args, kwargs):
     return widest(args, kwargs) is not None
 
 
-def for_kind(kind, low, casters):
-    """The rule of list ``kind`` (a kinds.Kind) for a whole call (user functions, registered ops)."""
-    return kind.policy(low, casters, inplace_out(casters))
-
-
 def as_given(low, casters, out=None):
     """A call left to torch, but for ``out=`` (the in-place rule): an op in no
     list that may need one dtype runs as given, and only where its kernel
@@ -394,49 +381,3 @@ def as_given(low, casters, out=None):
         return args, kwargs
 
     return prepare
-
-
-def for_site(kind, name, site, low, casters, strict=False, fallback=False):
-    """The one prepare for calls of ``site`` (a resolve.Site) bound by list
-    entry ``name`` of list ``kind`` (a kinds.Kind); ``strict``: Habana's
-    literal rule (a normalisation is bound only then, and only its input is
-    cast); ``fallback``: an op in no list (lists.fallback_names), which gets
-    the kind's fallback rule."""
-    if site.inplace:
-        return inplace_self(casters)
-    out = inplace_out(casters)
-    factory = kind.policy
-    if kind.norms is not None and name in NORMALIZATIONS:
-        factory = kind.norms
-    elif fallback:
-        factory = fallback_of(kind).policy or factory
-    main = factory(low, casters, out)
-    if site.written:
-        main = written_into(site.written, main, casters)
-    if site.inplace_param is None:
-        return main
-    return _checking_inplace(main, inplace_input(casters), site.inplace_param)
-
-
-def fallback_of(kind):
-    """``kind``'s rule for an op in no list (kinds.Fallback); a ValueError for a kind that has none."""
-    if kind.fallback is None:
-        raise ValueError(f"hmp: the {kind.name} list gives no rule to an op in no list")
-    return kind.fallback
-
-
-def one_dtype_rule(kind, name, site, low, casters, fallback):
-    """The rule that puts every floating argument of a call in one dtype
-    where the site's kernel rejects the mix it was given, or None: a strict
-    lower-list norm without running statistics (its input cast alone: weight
-    and bias go down too, by the kind's own rule) and an op in no list whose
-    kind retries (the promote rule: all to the widest, as torch's type
-    promotion gives; a call that writes a tensor runs in that tensor's dtype
-    instead). See sites.one_dtype_on_reject."""
-    if kind.norms is not None and name in AFFINE_ONLY_NORMS:
-        return kind.policy(low, casters)
-    retry = fallback_of(kind).retry if fallback else None
-    if retry is not None and not site.inplace:
-        to_one = retry(low, casters)
-        return written_into(site.written, to_one, casters) if site.written else to_one
-    return None

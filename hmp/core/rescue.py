@@ -24,7 +24,7 @@ import re
 import warnings
 from typing import NamedTuple, Optional
 
-from hmp.core import culprit, dtypes, state, torch_private
+from hmp.core import dtypes, state, torch_private, wrapper_frames
 from hmp.core.cast_copies import PLAIN_CASTS
 from hmp.core.dtypes import FP32
 from hmp.core.policy import fp32
@@ -108,7 +108,7 @@ def _may_run_again(exc, about):
     C function it called and names a missing kernel."""
     if about is not None and about.name is not None:
         return True
-    return bool(exc.args) and bool(_NO_KERNEL.search(str(exc.args[0]))) and culprit.raised_by_the_op(exc)
+    return bool(exc.args) and bool(_NO_KERNEL.search(str(exc.args[0]))) and wrapper_frames.raised_by_the_op(exc)
 
 
 def _without_the_cast(op, about, args, kwargs):

@@ -31,7 +31,7 @@ module-level store and memo and checks it is named here):
   ``functions._plans`` (an autograd Function class's cast plan, weak),
   ``saturating_cast.kernel`` (the Triton kernel, imported once);
 - registrations made at import, by the floor above a core module that
-  must not import it: ``rescue._annotators``, ``culprit._wrappers``;
+  must not import it: ``rescue._annotators``, ``wrapper_frames._wrappers``;
 - ``steps._checked``: the optimizers already looked at (weak: it goes
   with them); ``plan.PARAMETERS``: convert()'s signature, read once;
 - ``target.FILE_MODULES``: a tool run's imported target files (the

@@ -254,7 +254,7 @@ OpOverloadPacket = torch._ops.OpOverloadPacket
 overload_schema = operator.attrgetter("_schema")  # an OpOverload's FunctionSchema: no public name (2.4 to 2.15)
 
 
-def composite_implicit(overload):  # no kernel of its own: it runs other ops (hmp/core/spellings.py)
+def composite_implicit(overload):  # no kernel of its own: it runs other ops (hmp/binding/spellings.py)
     return overload.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
 
 

@@ -2,7 +2,7 @@
 functions, ``@hmp.*_function`` decorators, ``op_wrap``), and its life:
 paused, resumed, taken over, retired by revert(), compiled by TorchScript
 as its original. What a site's wrapper does is decided in
-hmp/core/sites.py; Habana's ``op_wrap`` helpers are in hmp/core/op_wrap.py.
+hmp/binding/sites.py; Habana's ``op_wrap`` helpers are in hmp/core/op_wrap.py.
 
 Per call the body reads the thread's ``off``; when it is 0 it asks once
 whether anything compiles or traces (``torch_private.call_state``), turns
@@ -38,7 +38,7 @@ import weakref
 
 import torch
 
-from hmp.core import cast_copies, culprit, policy, rescue, torch_private
+from hmp.core import cast_copies, policy, rescue, torch_private, wrapper_frames
 from hmp.core.identity import ORIGINAL, mark, unwrap
 from hmp.core.state import OFF, graph_off, tls, weight_cache
 
@@ -189,7 +189,7 @@ def op_of(frame):
 
 
 _BODY = _body(None, None, None, None, None, None, None, None, None).__code__
-culprit.register_wrapper(_BODY, op_of)
+wrapper_frames.register_wrapper(_BODY, op_of)
 
 
 _FIELDS = ("op", "prepare", "about", "src", "cast", "refuse", "inplace_at", "hidden", "needs")

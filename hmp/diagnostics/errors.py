@@ -3,7 +3,7 @@
 When an op raises because it got a lower-precision (bfloat16/float16)
 tensor and a float32 one, one line is added with ``add_note`` (Python 3.11+;
 older Pythons get no note) naming the op and the list it probably belongs
-in (hmp/core/culprit.py finds the op). The user's exception object is always the
+in (hmp/diagnostics/culprit.py finds the op). The user's exception object is always the
 one raised, with its type and message unchanged.
 
 The note is added where the exception passes through hmp, and nowhere else:
@@ -20,9 +20,11 @@ a plain ``python script.py``; the script can pass the exception to
 import functools
 import re
 
-from hmp.core import culprit, kinds, lists, rescue, state, torch_private
-from hmp.core.kinds import FP32, LOWER, PROMOTE
-from hmp.core.pays import NORMALIZATIONS
+from hmp.binding import kinds, lists
+from hmp.binding.kinds import FP32, LOWER, PROMOTE
+from hmp.binding.pays import NORMALIZATIONS
+from hmp.core import rescue, state, torch_private
+from hmp.diagnostics import culprit
 
 _LOW = re.compile(r"BFloat16|bfloat16|\bHalf\b|\bhalf\b|float16")
 _FP32 = re.compile(r"\bFloat\b|\bfloat\b|float32|FloatTensor")

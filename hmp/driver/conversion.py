@@ -18,18 +18,19 @@ from typing import Any, Iterator, NamedTuple
 import torch
 
 from hmp import rules, tested
-from hmp.core import cache, dtypes, imports, kinds, lists, module_entries, modules, pays, sites, wrap
-from hmp.core.aten import returns_view
+from hmp.binding import imports, kinds, lists, module_entries, modules, pays, sites
+from hmp.binding.aten import returns_view
+from hmp.binding.kinds import FP32, LOWER
+from hmp.binding.module_entries import Pattern
+from hmp.binding.resolve import Binding, Resolver, attribute_site, owner_label
+from hmp.core import cache, dtypes, wrap
 from hmp.core.cache import clear_cache
 from hmp.core.cast_copies import CASTS
 from hmp.core.hints import ListPath, ModuleTargets
 from hmp.core.identity import unwrap
-from hmp.core.kinds import FP32, LOWER
-from hmp.core.module_entries import Pattern
-from hmp.core.patch import MISSING, PatchLog
-from hmp.core.resolve import Binding, Resolver, attribute_site, owner_label
 from hmp.core.state import close_block, first_time, runtime, user_stacklevel
 from hmp.diagnostics import errors, interop  # noqa: F401 (errors registers its note on the wrappers' errors)
+from hmp.driver.patch import MISSING, PatchLog
 from hmp.driver.plan import Conversion, options_of, plan
 from hmp.rules import pickling, regions, steps
 
@@ -68,7 +69,7 @@ def convert(
     (ignored, with a warning, under bfloat16). ``fp32_modules`` /
     ``bf16_modules``: module classes, instances, or names matched against
     ``model.named_modules()`` (``"lm_head"``, ``"*.post_attention_layernorm"``)
-    whose whole forward runs under that list's rule (hmp/core/modules.py), as
+    whose whole forward runs under that list's rule (hmp/binding/modules.py), as
     module entries of the list files do. ``uncast_file_path``: the entry
     points that run with casts off (hmp/rules/uncast_calls.py); ``""`` is the
     shipped list. ``strict=True`` (``None``: ``HMP_STRICT=1`` in the
@@ -77,7 +78,7 @@ def convert(
     HPU, and warns once with what that risks (docs/never-changes.md); by
     default only the entries that gain from the lower dtype (matrix products,
     convolutions, RNNs) cast, and every other op follows torch's type
-    promotion (hmp/core/pays.py; ``effective_lists(detail=True)`` says per entry).
+    promotion (hmp/binding/pays.py; ``effective_lists(detail=True)`` says per entry).
     """
     options = dict(locals())  # convert's own arguments, by name: their one spelling is the signature above
     with runtime.lock:
@@ -180,7 +181,7 @@ def _build(conversion, resolver, recorder, passthrough):
     # that have no kernel for the lower dtype or need one dtype run as they would without hmp's casts
     fallback = lists.fallback_names(options.low)
     placed = _placed()
-    # entries that gain nothing from their list's rule are not bound: torch runs them (hmp/core/pays.py)
+    # entries that gain nothing from their list's rule are not bound: torch runs them (hmp/binding/pays.py)
     one_dtype = lists.one_dtype_names()
     bound = {
         k: {n for n in v if pays.decision(kinds.kind(k), n, options.strict, one_dtype)[0]} for k, v in effective.items()
@@ -439,14 +440,14 @@ def applied(conversion, recorder=None, passthrough=False):
 
 def effective_lists(detail: bool = False) -> dict:
     """Each list kind's public name (``"bf16"``, ``"fp32"``, ``"promote"``:
-    hmp/core/kinds.py) to the sorted op names of its list
+    hmp/binding/kinds.py) to the sorted op names of its list
     and, after them, its module entries as a list file names them (a
     class's import path, or a pattern); empty when not converted.
 
     ``detail=True``: each list maps every entry to what hmp does with it:
     ``"cast"``, or why it is not (it gains nothing from the lower dtype
     outside strict mode, returns a view, torch already promotes it), and a
-    module entry to ``"module entry: ..."`` (hmp/core/pays.py)."""
+    module entry to ``"module entry: ..."`` (hmp/binding/pays.py)."""
     conversion = runtime.conversion
     if conversion is None:
         return {k: {} if detail else [] for k in kinds.names()}
@@ -462,7 +463,7 @@ def effective_lists(detail: bool = False) -> dict:
 
 def decisions(conversion):
     """``{kind: {op name: "cast" or why not}}`` for a Conversion's op entries,
-    sorted: what each line of its lists does (hmp/core/pays.py)."""
+    sorted: what each line of its lists does (hmp/binding/pays.py)."""
     strict, one_dtype = conversion.options.strict, lists.one_dtype_names()
     return {
         k: {n: pays.decision(kinds.kind(k), n, strict, one_dtype)[1] for n in sorted(v)}

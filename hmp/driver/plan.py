@@ -8,9 +8,9 @@ from typing import NamedTuple
 
 import torch
 
-from hmp.core import kinds, lists, module_entries
+from hmp.binding import kinds, lists, module_entries
+from hmp.binding.resolve import Resolver
 from hmp.core.dtypes import LOW
-from hmp.core.resolve import Resolver
 from hmp.rules import uncast_calls
 
 
@@ -25,9 +25,9 @@ class Options(NamedTuple):
 class Conversion(NamedTuple):
     """What one convert() installed; ``apply()`` installs it again."""
 
-    lists: dict  # list kind's name (hmp/core/kinds.py) -> set of op names
+    lists: dict  # list kind's name (hmp/binding/kinds.py) -> set of op names
     options: Options
-    modules: dict  # kind name -> module classes and instances (hmp/core/modules.py), for kinds that take them
+    modules: dict  # kind name -> module classes and instances (hmp/binding/modules.py), for kinds that take them
     uncast: tuple = ()  # uncast_calls.Entry: code that runs with casts off (building, averaging, merging)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from hmp.core import kinds, sites
+from hmp.binding import kinds, sites
 from hmp.driver import conversion
 
 F = TypeVar("F", bound=Callable)

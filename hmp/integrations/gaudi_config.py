@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from hmp.core import kinds, list_files, lists, module_entries
-from hmp.core.kinds import FP32, LOWER, OPT_LEVELS
-from hmp.core.lists import Names
-from hmp.core.resolve import NO_PYTHON, UNKNOWN, Resolver
+from hmp.binding import kinds, list_files, lists, module_entries
+from hmp.binding.kinds import FP32, LOWER, OPT_LEVELS
+from hmp.binding.lists import Names
+from hmp.binding.resolve import NO_PYTHON, UNKNOWN, Resolver
 from hmp.driver.conversion import convert, revert
 
 log = logging.getLogger("hmp")

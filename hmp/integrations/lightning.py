@@ -40,7 +40,7 @@ except ImportError:  # a torch built without torch.distributed: FSDP cannot run 
     MixedPrecision = None
 
 import hmp
-from hmp.core.resolve import Resolver
+from hmp.binding.resolve import Resolver
 from hmp.driver import conversion
 from hmp.driver.plan import PARAMETERS, plan, requested
 

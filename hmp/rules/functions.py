@@ -52,12 +52,12 @@ import weakref
 
 import torch
 
+from hmp.binding.resolve import subclasses
 from hmp.core import torch_private
 from hmp.core.cast_copies import PLAIN_CASTS
 from hmp.core.dtypes import FLOATS, FP64
 from hmp.core.identity import ORIGINAL, stand_in, unwrap
 from hmp.core.policy import cast_kwargs, cast_seq
-from hmp.core.resolve import subclasses
 from hmp.core.state import OFF, current, enter, leave, tls
 from hmp.core.switches import run_as
 from hmp.rules.interface import Changes

@@ -11,7 +11,7 @@ class Context(NamedTuple):
 
     lists: dict  # list kind -> op names in force ("bf16", "fp32", "promote")
     uncast: tuple  # the conversion's uncast_calls entries
-    watch: object  # hmp.core.imports.Watch: call back when the program imports a module later
+    watch: object  # hmp.binding.imports.Watch: call back when the program imports a module later
     casting: bool  # False for profile/audit's pass-through run, which casts nothing
     lower_modules: bool  # there are module entries under the lower list's rule
     # later(namespace, attr, value): a change made after convert() returned (a module imported, a

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from hmp.core import lists
+from hmp.binding import lists
 from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import runtime, tls
 from hmp.core.wrap import script_as

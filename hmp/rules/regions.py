@@ -32,10 +32,10 @@ import warnings
 import torch
 from torch.amp.autocast_mode import autocast
 
+from hmp.binding.resolve import subclasses
 from hmp.core import dtypes, state, torch_private
 from hmp.core.cache import release
 from hmp.core.identity import mark, stand_in, unwrap
-from hmp.core.resolve import subclasses
 from hmp.core.state import OFF, enter, leave, tls
 from hmp.core.switches import uncast
 from hmp.diagnostics import errors

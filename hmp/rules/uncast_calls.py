@@ -23,7 +23,7 @@ before a module holds anything), and a profile function in that thread
 
 An entry is resolved only once its module is imported by the program: hmp
 never imports a library for it. A module imported after ``convert()`` is
-resolved then (hmp/core/imports.py), and a subclass
+resolved then (hmp/binding/imports.py), and a subclass
 defined while converted is wrapped as it is created (a ``__init_subclass__``
 on the entry's class, removed by ``revert()``). Every change goes through
 the patch log.
@@ -38,9 +38,9 @@ from typing import NamedTuple
 
 import torch
 
-from hmp.core import list_files, lists
+from hmp.binding import list_files, lists
+from hmp.binding.resolve import subclasses
 from hmp.core.identity import stand_in, unwrap
-from hmp.core.resolve import subclasses
 from hmp.core.state import OFF, enter, first_time, leave, tls, user_stacklevel
 from hmp.core.switches import uncast
 from hmp.rules.interface import Changes

@@ -21,8 +21,9 @@ from typing import List, NamedTuple
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
-from hmp.core import dtypes, kinds
-from hmp.core.list_files import list_path, read_names
+from hmp.binding import kinds
+from hmp.binding.list_files import list_path, read_names
+from hmp.core import dtypes
 from hmp.driver.conversion import converted, effective_lists, in_force
 from hmp.testing.follows import Rejected, follow
 from hmp.testing.strategies import builder, calls, op_for

@@ -7,7 +7,7 @@ The binding rule, as docs/lists.md states it: a list name ``X`` binds
 kernels of resolve.FUSED follow the list of the op they contain; an op in no
 list that has no kernel for the lower dtype, or needs one dtype, gets the
 FP32 or promote rule where a call needs it (lists.fallback_names); another
-name of a listed op (core/spellings.py: the same computation, read from
+name of a listed op (hmp/binding/spellings.py: the same computation, read from
 torch's registry) follows that op's entry. Here that
 rule runs backwards, from a callable to the names that bind it, so the
 testing kit's oracle does not ask hmp's resolver which site a call reaches.
@@ -23,9 +23,10 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from hmp.core import aten, kinds, lists, pays, resolve, spellings, torch_private
+from hmp.binding import aten, kinds, lists, pays, resolve, spellings
+from hmp.binding.resolve import FUSED
+from hmp.core import torch_private
 from hmp.core.identity import unwrap
-from hmp.core.resolve import FUSED
 from hmp.core.switches import disable_casts
 
 _HOMES = (("torch", torch), ("torch.nn.functional", F))
@@ -183,7 +184,7 @@ def binding(conversion, op, call, runtime):
                     return Binding(kind, fused, False)
     listed_by_kind = tuple((k, tuple(v)) for k, v in bound.items())
     for kind, name, spelling in spellings.spellings(listed_by_kind, aten.python_builtins(), resolve.RNN_KERNELS):
-        if spelling in call.names:  # another name of a listed op (hmp/core/spellings.py)
+        if spelling in call.names:  # another name of a listed op (hmp/binding/spellings.py)
             return Binding(kind, name, False)
     listed = set().union(*bound.values())
     for kind, names in lists.fallback_names(conversion.options.low):
@@ -195,7 +196,7 @@ def binding(conversion, op, call, runtime):
 
 def picked_binding(conversion, call, args, kwargs):
     """The Binding of a call of an op whose call picks its kernel (a string
-    argument; hmp/core/picked.py), or None: the listed op among the kernels
+    argument; hmp/binding/picked.py), or None: the listed op among the kernels
     torch's own op dispatches when run on copies of these very arguments
     (not hmp's trace on meta tensors), when every other op it dispatches
     only views, copies or allocates."""

@@ -2,7 +2,7 @@
 calling hmp's wrapper.
 
 The rules, as docs/never-changes.md and docs/lists.md state them: a list
-entry that gains from its rule casts (hmp/core/pays.py decides which); the
+entry that gains from its rule casts (hmp/binding/pays.py decides which); the
 BF16 rule takes float32 tensors to the lower dtype, and a call given a
 number beyond that dtype's range runs under the FP32 rule instead; a
 normalisation (strict mode) casts its input alone; the FP32 rule takes
@@ -28,13 +28,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from hmp.binding.pays import NORMALIZATIONS
+from hmp.binding.resolve import BUILTINS
+from hmp.binding.sites import AFFINE_ONLY_NORMS
 from hmp.core import torch_private
 from hmp.core.dtypes import FLOATS as FLOATING
 from hmp.core.dtypes import FP32, first_floating
 from hmp.core.dtypes import LOW as LOWER
-from hmp.core.pays import NORMALIZATIONS
-from hmp.core.policy import AFFINE_ONLY_NORMS
-from hmp.core.resolve import BUILTINS
 from hmp.core.state import runtime
 from hmp.core.switches import casts_enabled, disable_casts
 from hmp.driver.conversion import in_force

@@ -32,7 +32,7 @@ except ModuleNotFoundError as e:  # an ImportError that says what to install
         name="hypothesis",
     ) from e
 
-from hmp.core import aten, resolve
+from hmp.binding import aten, resolve
 from hmp.core.identity import unwrap
 from hmp.core.switches import disable_casts
 from hmp.driver.conversion import effective_lists
@@ -223,7 +223,7 @@ def _copied(value):
 
 
 def _aten_entry_points():
-    # hmp.core.aten's (older checkouts: hmp.core.resolve's)
+    # hmp.binding.aten's (older checkouts: hmp.binding.resolve's)
     return (getattr(aten, "aten_entry_points", None) or resolve.aten_entry_points)()
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from hmp.core.kinds import FP32, LOWER
+from hmp.binding.kinds import FP32, LOWER
 
 # flag -> the attribute argparse stores it under
 LIST_FLAGS = {"--bf16-file": "bf16_file", "--fp32-file": "fp32_file"}

@@ -23,9 +23,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from hmp.core import kinds
+from hmp.binding import kinds
+from hmp.binding.pays import CAST
 from hmp.core.hints import Step
-from hmp.core.pays import CAST
 from hmp.driver.conversion import applied, decisions, in_force
 from hmp.driver.plan import plan
 from hmp.tools import timing

@@ -29,7 +29,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from hmp.core.module_entries import class_path
+from hmp.binding.module_entries import class_path
 from hmp.core.torch_private import tree_leaves
 
 # values put back as they are: immutable, or code

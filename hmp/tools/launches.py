@@ -17,8 +17,8 @@ hmp's own op ``hmp::to_finite`` counts as the kernels its CUDA implementation ru
 import collections
 import dataclasses
 
+from hmp.binding.aten import makes_view
 from hmp.core import saturating_cast, torch_private
-from hmp.core.aten import makes_view
 
 _ALLOCATES = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
 _HOST_READ = "_local_scalar_dense"

@@ -21,7 +21,7 @@ data with known numbers.
 
 import math
 
-from hmp.core import kinds
+from hmp.binding import kinds
 from hmp.tools import timing
 from hmp.tools.svg import _num, esc
 

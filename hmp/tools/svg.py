@@ -11,7 +11,7 @@ monospace, so a label's width is its length times 0.6 em.
 import html
 import math
 
-from hmp.core import kinds
+from hmp.binding import kinds
 from hmp.tools import timing
 
 FONT = 12  # px, row and header text
@@ -30,7 +30,7 @@ OK, OVER, BAD = "#4c78a8", "#f58518", "#c0392b"  # bar under the threshold, over
 FP32_TIME, LOW_TIME, SLOWER = "#a3a3a3", "#54a24b", "#f58518"
 UNCLEAR_TIME = "#c9c9c9"  # time under the lists with no measurable difference from fp32
 OUTPUT = "#9ecae9"  # a module's output error: what reaches it, not what it makes
-# each list kind's colour, in the kinds' order (hmp/core/kinds.py); None: an op in no list
+# each list kind's colour, in the kinds' order (hmp/binding/kinds.py); None: an op in no list
 LIST_COLOURS = {**dict(zip(kinds.names(), ("#1b9e77", "#7570b3", "#a6761d", "#e7298a"))), None: "#8c8c8c"}
 FONT_FAMILY = "ui-monospace, SFMono-Regular, Menlo, Consolas, 'DejaVu Sans Mono', monospace"
 

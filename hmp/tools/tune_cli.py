@@ -13,7 +13,7 @@ import json
 import torch
 
 import hmp
-from hmp.core.module_entries import class_path
+from hmp.binding.module_entries import class_path
 from hmp.demo import data as demo_data
 from hmp.demo.training import Config, build, train_step
 from hmp.tools import inspect_cli, tuning

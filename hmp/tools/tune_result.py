@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from hmp.core import kinds
+from hmp.binding import kinds
 from hmp.tools import sentences, timing, tuned_files
 from hmp.tools.files import write_all
 from hmp.tools.report import write as write_html

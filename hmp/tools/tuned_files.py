@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from hmp.core import kinds
-from hmp.core.lists import default_path, load
-from hmp.core.module_entries import Pattern, class_path, entry_key, module_class, shown
-from hmp.core.resolve import Resolver
+from hmp.binding import kinds
+from hmp.binding.lists import default_path, load
+from hmp.binding.module_entries import Pattern, class_path, entry_key, module_class, shown
+from hmp.binding.resolve import Resolver
 
 TOOL = "hmp.tune"
 HEADER = (

@@ -28,10 +28,10 @@ import statistics
 import time
 from typing import Any, Callable, Iterable
 
-from hmp.core import kinds
+from hmp.binding import kinds
+from hmp.binding.kinds import FP32, LOWER
+from hmp.binding.resolve import Resolver
 from hmp.core.hints import Step
-from hmp.core.kinds import FP32, LOWER
-from hmp.core.resolve import Resolver
 from hmp.driver.conversion import applied
 from hmp.tools import op_costs, timing
 from hmp.tools.auditing import audit_with, by_op, compare, in_force_or_default, kind_of, made_in, pairs, run_step, worst

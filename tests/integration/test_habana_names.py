@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp.core import lists
-from hmp.core.resolve import Resolver
+from hmp.binding import lists
+from hmp.binding.resolve import Resolver
 
 ROOT = Path(__file__).resolve().parents[2]
 

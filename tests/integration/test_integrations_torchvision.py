@@ -9,8 +9,8 @@ import torch
 from helpers import run_python
 
 import hmp
+from hmp.binding.resolve import Resolver
 from hmp.core.identity import ORIGINAL
-from hmp.core.resolve import Resolver
 
 ROOT = Path(__file__).resolve().parents[2]
 TV_OPS = ("nms", "batched_nms", "roi_align")
@@ -87,7 +87,7 @@ def roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1, a
 STUB_CHECK = """\
 import torch, hmp
 import torchvision.ops as ops
-from hmp.core.resolve import Resolver
+from hmp.binding.resolve import Resolver
 
 originals = {n: ops.__dict__[n] for n in ("nms", "batched_nms", "roi_align")}
 labels = [s.label for n in originals for s in Resolver().sites(n)]

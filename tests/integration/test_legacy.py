@@ -213,7 +213,7 @@ def test_uncaught_mismatch_is_noted_only_while_converted(tmp_path):
     path.write_text(
         "import sys, torch\n"
         "from habana_frameworks.torch.hpex import hmp\n"
-        "hmp.core.lists.fallback_names = lambda low: ()  # an op the fallback lists do not cover\n"
+        "hmp.binding.lists.fallback_names = lambda low: ()  # an op the fallback lists do not cover\n"
         "if '--convert' in sys.argv:\n"
         "    hmp.convert()\n"
         "torch.addbmm(torch.randn(2, 2), torch.randn(1, 2, 2).bfloat16(), torch.randn(1, 2, 2).bfloat16())\n"

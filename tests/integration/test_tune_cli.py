@@ -265,7 +265,7 @@ def test_a_class_from_a_file_target_is_written_by_a_path_a_fresh_process_loads(t
     cls = target.load_target(str(tmp_path / "planted_model.py") + ":make")()
     assert tuned_files.importable(cls) == "planted_model.Scale"
     assert target.user_name(cls) == "planted_model.Scale"  # shown as a list file names it
-    load = "from hmp.core.module_entries import module_class; print(module_class('planted_model.Scale'))"
+    load = "from hmp.binding.module_entries import module_class; print(module_class('planted_model.Scale'))"
     fresh = run_python("-c", load, cwd=tmp_path)
     assert fresh.returncode == 0 and "planted_model.Scale" in fresh.stdout, fresh.stderr
     # a file named like a module the process has (the stdlib's json) keeps clear of it

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import hmp
-from hmp.core import lists
-from hmp.core.resolve import BOUND, UNKNOWN, Resolver
+from hmp.binding import lists
+from hmp.binding.resolve import BOUND, UNKNOWN, Resolver
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp.core import lists
+from hmp.binding import lists
 
 FLOATING = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 N = 4

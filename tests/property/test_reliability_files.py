@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp.core.resolve import Resolver
+from hmp.binding.resolve import Resolver
 
 KINDS = ("bf16_file_path", "fp32_file_path", "promote_file_path")
 LINE = re.compile(r"line (\d+)")
@@ -376,7 +376,7 @@ def _expected_bad_lines(data):
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     bad, listed, removals = [], set(), []
-    shipped = {p.stem for p in hmp.core.lists.list_dir().glob("*.txt")} | {"default"}
+    shipped = {p.stem for p in hmp.binding.lists.list_dir().glob("*.txt")} | {"default"}
     for number, raw in enumerate(data.split(b"\n"), start=1):
         try:
             text = raw.decode("utf-8")

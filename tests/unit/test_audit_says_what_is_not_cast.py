@@ -1,6 +1,6 @@
 """What hmp reports is what it does (issue 45): an audit of lists that name
 entries hmp does not cast says which and why, in its table and its page,
-from the same decision convert() binds by (hmp/core/pays.py)."""
+from the same decision convert() binds by (hmp/binding/pays.py)."""
 
 import torch
 import torch.nn as nn

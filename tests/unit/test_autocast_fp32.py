@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp.core.list_files import default_path, read_names
+from hmp.binding.list_files import default_path, read_names
 from hmp.testing import strategies as hst
 from hmp.testing.entries import public_function
 

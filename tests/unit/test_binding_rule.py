@@ -6,7 +6,7 @@ attribute of torch.Tensor and torch."""
 import pytest
 import torch
 
-from hmp.core.resolve import Resolver, entry_forms, list_names
+from hmp.binding.resolve import Resolver, entry_forms, list_names
 from hmp.testing import entries
 
 RESOLVER = Resolver()

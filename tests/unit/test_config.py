@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import assert_same, snapshot
 
 import hmp
-from hmp.core.lists import list_dir
+from hmp.binding.lists import list_dir
 
 BERT = list_dir() / "gaudi_config_bert.json"
 BERT_AUTOCAST = list_dir() / "gaudi_config_bert_autocast.json"

@@ -234,7 +234,7 @@ def no_fallback(monkeypatch):
     """The ops these notes are about (an op in no list given mixed dtypes)
     are covered by the shipped fallback lists (lists.fallback_names); the
     note is for every op they do not cover, so the tests take them away."""
-    monkeypatch.setattr(hmp.core.lists, "fallback_names", lambda low: ())
+    monkeypatch.setattr(hmp.binding.lists, "fallback_names", lambda low: ())
 
 
 @needs_notes
@@ -301,7 +301,7 @@ def test_explain_adds_nothing_when_not_converted(no_fallback):
 MISMATCH_SCRIPT = """\
 import sys, threading, torch, hmp
 import torch.nn.functional as F
-hmp.core.lists.fallback_names = lambda low: ()  # an op the fallback lists do not cover
+hmp.binding.lists.fallback_names = lambda low: ()  # an op the fallback lists do not cover
 hmp.convert(strict="--listed" in sys.argv)  # strict: batch_norm is cast, through its wrapper
 bias, a = torch.randn(2, 2), torch.randn(1, 2, 2).bfloat16()
 def step():

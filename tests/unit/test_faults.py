@@ -10,7 +10,7 @@ import torch
 from helpers import assert_same, snapshot
 
 import hmp
-from hmp.core import patch
+from hmp.driver import patch
 
 BF16 = torch.bfloat16
 

@@ -9,8 +9,8 @@ step: tests/unit/test_never_corrupt.py.)"""
 import torch
 
 import hmp
+from hmp.binding.resolve import subclasses
 from hmp.core import torch_private as tp
-from hmp.core.resolve import subclasses
 
 BF16, FP32 = torch.bfloat16, torch.float32
 MISSING = object()

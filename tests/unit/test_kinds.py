@@ -1,4 +1,4 @@
-"""The list kinds (issue 50): one record per kind in hmp/core/kinds.py, read by
+"""The list kinds (issue 50): one record per kind in hmp/binding/kinds.py, read by
 everything that treats a list by its kind; an unknown kind raises where a
 kind is looked up, and a kind added to the registry is picked up by the
 pieces that read it."""
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import hmp
-from hmp.core import cast_copies, kinds, lists, modules, pays, policy, sites, wrap
+from hmp.binding import kinds, lists, modules, pays, sites
+from hmp.binding.list_files import default_path
+from hmp.binding.resolve import Binding, Resolver, attribute_site
+from hmp.core import cast_copies, policy, wrap
 from hmp.core.dtypes import BF16, FP16, FP32, FP64
-from hmp.core.list_files import default_path
-from hmp.core.resolve import Binding, Resolver, attribute_site
 from hmp.driver import conversion, plan
 
 CASTS = dict(cast_copies.PLAIN_CASTS)
@@ -92,7 +93,7 @@ def test_a_kind_without_a_rule_says_so():
     with pytest.raises(ValueError, match="takes no module entries"):
         forwards.replacing("promote", torch.nn.Linear.forward)
     with pytest.raises(ValueError, match="no rule to an op in no list"):
-        policy.fallback_of(kinds.LOWER)
+        sites.fallback_of(kinds.LOWER)
 
 
 def to_float64(low, casters, out=None):
@@ -134,7 +135,7 @@ def test_a_kind_added_to_the_registry_is_picked_up(fp64_kind):
     assert "hmp: unknown list kind 'fp8'; the kinds are bf16, fp32, promote, fp64" in _raised(kinds.kind, "fp8")
     x = torch.ones(3, dtype=FP32)
     # the policy factory
-    (cast,), _ = policy.for_kind(fp64_kind, BF16, CASTS)((x,), {})
+    (cast,), _ = sites.for_kind(fp64_kind, BF16, CASTS)((x,), {})
     assert cast.dtype == FP64
     # the lean path's rule, and the wrapper's prepare
     wrappers = sites.Wrappers(BF16, CASTS)

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp.core import lists
+from hmp.binding import lists
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -106,7 +106,7 @@ def _schema_views():
     return views
 
 
-_BOUND_VIEWS = sorted(v for v in _schema_views() if hmp.core.resolve.Resolver().exists(v) and v != "t")
+_BOUND_VIEWS = sorted(v for v in _schema_views() if hmp.binding.resolve.Resolver().exists(v) and v != "t")
 _NOT_PRECISION = [
     "__getitem__",
     "__setitem__",

@@ -11,10 +11,10 @@ import torch
 from helpers import assert_same, snapshot, write
 
 import hmp
-from hmp.core.list_files import default_path, read_names
-from hmp.core.lists import effective
-from hmp.core.module_entries import entry_key
-from hmp.core.resolve import Resolver
+from hmp.binding.list_files import default_path, read_names
+from hmp.binding.lists import effective
+from hmp.binding.module_entries import entry_key
+from hmp.binding.resolve import Resolver
 
 DEFAULT_BF16 = sorted(
     "addmm baddbmm bilinear bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d "
@@ -224,9 +224,9 @@ def test_a_minus_line_for_a_library_not_installed_loads_and_imports_nothing(tmp_
     fp32 = write(tmp_path, "fp32.txt", f"include default\n-nosuchlib_hmp.models.Block\n-{gone}\n")
     code = (
         "import sys, hmp\n"
-        "from hmp.core.lists import effective\n"
-        "from hmp.core.module_entries import entry_key\n"
-        "from hmp.core.resolve import Resolver\n"
+        "from hmp.binding.lists import effective\n"
+        "from hmp.binding.module_entries import entry_key\n"
+        "from hmp.binding.resolve import Resolver\n"
         f"_, classes = effective(Resolver(), sources={{'fp32': {str(fp32)!r}}}, environ={{}})\n"
         "keys = [entry_key(m) for m in classes['fp32']]\n"
         f"assert {gone!r} not in keys and keys, keys\n"

@@ -6,14 +6,14 @@ import inspect
 from pathlib import Path
 
 import hmp
-from hmp.core import kinds
+from hmp.binding import kinds
 from hmp.driver import plan
 
 PACKAGE = Path(hmp.__file__).parent
 
 # concept's home (a module path under hmp/) -> the names only it defines
 HOMES = {
-    "core/module_entries.py": {
+    "binding/module_entries.py": {
         "is_module_path",
         "module_class",
         "is_pattern",
@@ -27,8 +27,8 @@ HOMES = {
         "resolved",
     },
     "core/identity.py": {"mark", "unwrap", "stand_in", "ORIGINAL"},
-    "core/kinds.py": {"Kind", "KINDS", "kind", "Fallback", "OPT_LEVELS"},
-    "core/pays.py": {"why_not", "decision", "is_pointwise", "is_random", "NORMALIZATIONS"},
+    "binding/kinds.py": {"Kind", "KINDS", "kind", "Fallback", "OPT_LEVELS"},
+    "binding/pays.py": {"why_not", "decision", "is_pointwise", "is_random", "NORMALIZATIONS"},
     "driver/plan.py": {"plan", "requested", "options_of", "PARAMETERS"},
     # what a wrapper wraps, for the error path (was Wrapped, beside sites.Wrappers); the paused wrapper
     "core/rescue.py": {"About"},
@@ -65,26 +65,26 @@ def test_each_concepts_names_are_defined_in_its_home_only():
 
 
 def test_a_planted_second_home_is_caught(tmp_path):
-    (tmp_path / "core").mkdir()
+    (tmp_path / "binding").mkdir()
     planted = "class Pattern:\n    pass\n\n\ndef outer():\n    def class_path(c):\n        pass\n"
-    (tmp_path / "core" / "lists.py").write_text(planted)
+    (tmp_path / "binding" / "lists.py").write_text(planted)
     assert second_homes(tmp_path) == [
-        ("core/lists.py", "Pattern", "core/module_entries.py"),
-        ("core/lists.py", "class_path", "core/module_entries.py"),
+        ("binding/lists.py", "Pattern", "binding/module_entries.py"),
+        ("binding/lists.py", "class_path", "binding/module_entries.py"),
     ]
 
 
-KIND_NAMES = {"bf16", "fp32", "promote"}  # the public names of the list kinds (hmp/core/kinds.py)
+KIND_NAMES = {"bf16", "fp32", "promote"}  # the public names of the list kinds (hmp/binding/kinds.py)
 
 
 def kind_tables(root):
     """``[(module, line)]`` for every dict keyed by, or tuple, list or set
     holding, two or more list kinds' names under ``root``, outside
-    core/kinds.py: a second table of kinds, which a new kind would miss."""
+    binding/kinds.py: a second table of kinds, which a new kind would miss."""
     found = []
     for path in sorted(root.rglob("*.py")):
         module = path.relative_to(root).as_posix()
-        if module == "core/kinds.py":
+        if module == "binding/kinds.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Dict):
@@ -110,8 +110,8 @@ def test_a_planted_second_table_of_kinds_is_caught(tmp_path):
         'COLOURS = {"bf16": "#1b9e77", "fp32": "#7570b3"}\n\n\ndef f(kind):\n    return kind in ("promote", "bf16")\n'
     )
     (tmp_path / "tools" / "svg.py").write_text(planted)
-    (tmp_path / "core").mkdir()
-    (tmp_path / "core" / "kinds.py").write_text('NAMES = ("bf16", "fp32", "promote")\n')
+    (tmp_path / "binding").mkdir()
+    (tmp_path / "binding" / "kinds.py").write_text('NAMES = ("bf16", "fp32", "promote")\n')
     assert kind_tables(tmp_path) == [("tools/svg.py", 1), ("tools/svg.py", 5)]
 
 

@@ -1,4 +1,4 @@
-"""Ops whose call picks its kernel (hmp/core/picked.py): ``F.pad``'s mode picks reflection_pad2d (FP32
+"""Ops whose call picks its kernel (hmp/binding/picked.py): ``F.pad``'s mode picks reflection_pad2d (FP32
 list) or constant_pad_nd (no list). Each call follows the rule of the kernel it reaches, as torch.autocast
 (the oracle: it casts at the dispatcher) does, eager, compiled and exported alike; a kind of call is
 traced once."""
@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hmp
-from hmp.core import aten, lists, resolve, spellings, torch_releases, wrap
+from hmp.binding import aten, lists, resolve, spellings
+from hmp.core import torch_releases, wrap
 from hmp.driver.conversion import in_force
 from hmp.testing import entries, expected_call
 

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from helpers import write
 
 import hmp
+from hmp.binding.resolve import Resolver
 from hmp.core.identity import ORIGINAL
-from hmp.core.resolve import Resolver
 
 
 def labels(name):

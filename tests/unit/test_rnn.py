@@ -10,7 +10,7 @@ from helpers import skip_without_bf16_lstm, write
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import hmp
-from hmp.core.resolve import RNN_KERNELS
+from hmp.binding.resolve import RNN_KERNELS
 from hmp.diagnostics import errors
 
 MODULES = {

@@ -163,7 +163,8 @@ def test_layer_norm_kernel_gets_fp32_weight_on_cpu():
 
 def test_norm_falls_back_where_a_kernel_rejects_mixed_dtypes():
     """A stand-in for a device kernel (CUDA's layer_norm) that requires one dtype."""
-    from hmp.core import cast_copies, policy, sites
+    from hmp.binding import sites
+    from hmp.core import cast_copies, policy
 
     calls = []
 

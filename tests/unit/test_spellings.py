@@ -1,4 +1,4 @@
-"""Every spelling of a listed op follows its entry (hmp/core/spellings.py), swept over torch's
+"""Every spelling of a listed op follows its entry (hmp/binding/spellings.py), swept over torch's
 registry: each composite operator a Python name reaches whose computation is a listed op's casts
 as that op does, the testing kit's oracle says so too, and finding them touches nothing of the
 user's (random state)."""
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hmp
-from hmp.core import aten, resolve, spellings
+from hmp.binding import aten, resolve, spellings
 from hmp.driver.conversion import in_force
 from hmp.testing import entries, expected_call
 

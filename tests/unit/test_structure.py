@@ -165,8 +165,8 @@ def test_one_protocol_writes_the_thread_cast_state():
     # state.enter()/leave() everywhere; the per-call bodies (wrap.py, the
     # BF16 module's mode, the cast down) inline the pair, and only from off == 0 back to 0
     writers = {m for m, tree in SOURCES.items() if _thread_state_writes(tree)}
-    assert writers == {"hmp.core.state", "hmp.core.wrap", "hmp.core.modules", "hmp.core.cast_copies"}
-    for m in ("hmp.core.wrap", "hmp.core.modules", "hmp.core.cast_copies"):
+    assert writers == {"hmp.core.state", "hmp.core.wrap", "hmp.binding.modules", "hmp.core.cast_copies"}
+    for m in ("hmp.core.wrap", "hmp.binding.modules", "hmp.core.cast_copies"):
         lines = SOURCE_TEXT[m].splitlines()
         for n in _thread_state_writes(SOURCES[m]):
             assert lines[n - 1].strip() in ("st.off = OFF", "st.off = 0") or lines[n - 1].strip().startswith(
@@ -421,12 +421,14 @@ def test_every_replacement_outside_op_sites_is_listed():
 
 
 # The floors, bottom up: a module imports from its own floor and those below.
-# core is the ground floor (tested.py and version.py are data beside it);
-# diagnostics notes errors and other precision machinery; rules install what
+# core is the ground floor: what runs in every call (tested.py and
+# version.py are data beside it); binding decides once per convert() what
+# the lists say and what each site's wrapper does; diagnostics notes errors and other precision machinery; rules install what
 # each rule changes; the driver (convert/revert) puts them together; tools,
 # integrations, the demo and the package's front door use it.
 FLOORS = (
     ("hmp.core", "hmp.tested", "hmp.version"),
+    ("hmp.binding",),
     ("hmp.diagnostics",),
     ("hmp.rules",),
     ("hmp.driver",),
@@ -620,3 +622,19 @@ def test_the_subnormal_check_finds_a_planted_strategy():
         "a = st.floats(0.0, 1.0)\nb = st.floats(1e-4, 1.0)\nc = st.floats(-1, 1, allow_subnormal=False)\n"
     )
     assert _subnormal_floats(planted) == [1]
+
+
+def test_architecture_names_each_packages_modules_in_its_row():
+    """docs/architecture.md's table of folders names every module of each
+    package in that package's row, and no module the package lacks: the map
+    agrees with the code after a move."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    for folder in ("core", "binding", "diagnostics", "rules", "driver"):
+        row = next(line for line in page.splitlines() if line.startswith(f"| `hmp/{folder}/` |"))
+        named = set(re.findall(r"`([a-z_]+)`", row.split(" | ")[-1]))
+        modules = {p.stem for p in (PACKAGE / folder).glob("*.py") if p.stem != "__init__"}
+        assert modules - named == set(), f"hmp/{folder}/ modules missing from docs/architecture.md"
+        assert {n for n in named if n in _ALL_MODULE_STEMS} - modules == set(), f"hmp/{folder}/'s row names another's"
+
+
+_ALL_MODULE_STEMS = {p.stem for p in PACKAGE.rglob("*.py")}

@@ -69,7 +69,7 @@ def hooks_left(model):
 
 @pytest.fixture
 def unsafe_lists(tmp_path):
-    from hmp.core.lists import default_path
+    from hmp.binding.lists import default_path
 
     path = tmp_path / "bf16.txt"
     path.write_text(default_path("bf16.txt").read_text() + "sub\n")

@@ -23,10 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp.core import lists
+from hmp.binding import lists
+from hmp.binding.resolve import Resolver
 from hmp.core.cast_copies import CASTS
 from hmp.core.identity import ORIGINAL
-from hmp.core.resolve import Resolver
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp.core.resolve import Resolver
+from hmp.binding.resolve import Resolver
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DTYPES = st.sampled_from([BF16, FP16, FP32])

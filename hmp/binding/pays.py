@@ -25,9 +25,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from hmp.binding.aten import aten_op, returns_view
+from hmp.binding.resolve import FUSED, RNN_KERNELS
 from hmp.core import state, torch_private
-from hmp.core.aten import aten_op, returns_view
-from hmp.core.resolve import FUSED, RNN_KERNELS
 
 POINTWISE, RANDOM, NORMALIZATION = "pointwise", "random", "normalization"
 

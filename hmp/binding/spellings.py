@@ -30,8 +30,8 @@ import warnings
 
 import torch
 
+from hmp.binding.aten import aten_op, makes_view
 from hmp.core import torch_private
-from hmp.core.aten import aten_op, makes_view
 
 # Probe shapes, tried in order until the call runs: every tensor argument gets the same one.
 _SHAPES = ((4, 4), (2, 4, 4), (2, 4, 4, 4), (4,))
@@ -236,7 +236,7 @@ def spellings(listed, builtins, unprobed=frozenset()):
 @functools.lru_cache(maxsize=8)
 def picked(listed, builtins, unprobed=frozenset(), skip=frozenset()):
     """The composite operators among ``builtins`` that take a string (the
-    kernel they reach is the call's: hmp/core/picked.py), no list names, are
+    kernel they reach is the call's: hmp/binding/picked.py), no list names, are
     no spelling and not in ``skip`` (ops with a rule of their own); none
     where nothing is listed. Arguments as ``spellings``'."""
     if not computations(listed, builtins, unprobed):

@@ -3,7 +3,7 @@
 Everything here runs before anything is patched, so a bad file raises with
 torch untouched. Which file each list comes from, first match wins: the
 argument, the environment, the shipped default: each kind's record says
-(hmp/core/kinds.py).
+(hmp/binding/kinds.py).
 
 Besides op names and module paths, a line may be ``include default`` (the
 default list of the file's kind), ``include <name>`` (a shipped list,
@@ -23,9 +23,9 @@ from typing import NamedTuple
 
 import torch
 
-from hmp.core import kinds, pays, refusals, state
-from hmp.core.kinds import FP32, LOWER
-from hmp.core.list_files import (
+from hmp.binding import kinds, pays, refusals
+from hmp.binding.kinds import FP32, LOWER
+from hmp.binding.list_files import (
     INCLUDE,
     SANE,
     SHOWN,
@@ -38,9 +38,10 @@ from hmp.core.list_files import (
     read_names,
     short,
 )
-from hmp.core.module_entries import entry_key, from_line, is_module_path, is_pattern
-from hmp.core.refusals import refusal
-from hmp.core.resolve import BOUND, NO_PYTHON, UNKNOWN
+from hmp.binding.module_entries import entry_key, from_line, is_module_path, is_pattern
+from hmp.binding.refusals import refusal
+from hmp.binding.resolve import BOUND, NO_PYTHON, UNKNOWN
+from hmp.core import state
 
 # uncast_calls reads the line reader through lists (its old names)
 _read_lines, _check_path, _error_text = read_lines, check_path, error_text
@@ -95,7 +96,7 @@ class Entries(NamedTuple):
 
 def load(path, known, what, modules=True, default=None):
     """Read a list file and check every name with ``known.check(name)``
-    (hmp.core.resolve.Resolver.check); a module class's import path is imported
+    (hmp.binding.resolve.Resolver.check); a module class's import path is imported
     (the only code a list file can cause to run). ``modules=False``: module
     entries are an error (the promote list). ``default``: the path that
     ``include default`` reads.

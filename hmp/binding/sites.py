@@ -8,10 +8,11 @@ import logging
 
 import torch
 
-from hmp.core import culprit, dtypes, kinds, picked, policy
-from hmp.core.pays import NORMALIZATIONS
+from hmp.binding import kinds, picked
+from hmp.binding.pays import NORMALIZATIONS
+from hmp.binding.resolve import BUILTINS
+from hmp.core import dtypes, policy, wrapper_frames
 from hmp.core.rescue import About
-from hmp.core.resolve import BUILTINS
 from hmp.core.wrap import NEVER, PAUSED, finish, make, op_of
 
 log = logging.getLogger("hmp")
@@ -61,7 +62,7 @@ def _one_dtype_on_reject(op, to_one):
     return call
 
 
-culprit.register_wrapper(_one_dtype_on_reject(None, None).__code__, op_of)
+wrapper_frames.register_wrapper(_one_dtype_on_reject(None, None).__code__, op_of)
 
 
 def _dtypes(args, kwargs):
@@ -129,16 +130,16 @@ class Wrappers:
         if binding.picks:
             return self._picked(binding, original)
         kind = kinds.kind(binding.kind)  # an unknown kind raises here, before anything is built
-        prepare = policy.for_site(kind, name, site, self.low, self.casters, self.strict, fallback)
+        prepare = for_site(kind, name, site, self.low, self.casters, self.strict, fallback)
         op = original
-        to_one = policy.one_dtype_rule(kind, name, site, self.low, self.casters, fallback)
+        to_one = one_dtype_rule(kind, name, site, self.low, self.casters, fallback)
         if to_one is not None and not self.passthrough:
             op = one_dtype_on_reject(op, to_one)
         about = About.of(binding)
         hidden = not isinstance(original, BUILTINS)
         op = self._op(op)
         # an op in no list steps in only for a call that needs it: otherwise the ops it calls cast as usual
-        needs = policy.fallback_of(kind).needs if fallback else None
+        needs = fallback_of(kind).needs if fallback else None
         if not self._lean(site, kind, name, fallback):
             return make(op, self._prepare(prepare, site.label, name), about, original, hidden=hidden, needs=needs)
         # lean for calls without keywords: the rule's casts without the prepare call
@@ -147,17 +148,17 @@ class Wrappers:
         return make(op, prepare, about, original, src, cast, refuse, at, hidden)
 
     def _picked(self, binding, original):
-        """The wrapper of an op whose call picks its kernel (hmp/core/picked.py):
+        """The wrapper of an op whose call picks its kernel (hmp/binding/picked.py):
         a call that reaches a listed op's computation gets that entry's rule,
         built here for each list; any other runs as torch's."""
         site, name = binding.site, binding.name
         choose = picked.chooser(original, binding.picks)
-        # an entry's name changes its rule only for a normalisation (policy.for_site): one rule per list else
+        # an entry's name changes its rule only for a normalisation (for_site): one rule per list else
         rules = {}
         for _, kind, target in binding.picks:
             shown = target if target in NORMALIZATIONS else ""
             if (kind, shown) not in rules:
-                rules[kind, shown] = policy.for_site(kinds.kind(kind), shown, site, self.low, self.casters, self.strict)
+                rules[kind, shown] = for_site(kinds.kind(kind), shown, site, self.low, self.casters, self.strict)
 
         def prepare(args, kwargs):
             kind, target = choose(args, kwargs)
@@ -185,7 +186,7 @@ class Wrappers:
 
     def user_prepare(self, kind, label):
         """The prepare of a user function (``@hmp.*_function``) of list ``kind``."""
-        rule = policy.for_kind(kinds.kind(kind), self.low, self.casters)
+        rule = for_kind(kinds.kind(kind), self.low, self.casters)
         return self._prepare(rule, label, f"user_{kind}_function")
 
 
@@ -194,3 +195,62 @@ def user_function(fn, kind):
     resumes it with that conversion's prepare."""
     label = getattr(fn, "__qualname__", None) or repr(fn)
     return make(fn, PAUSED, About(label, None, kind))
+
+
+# -- which prepare a site's wrapper calls, decided once per site --
+
+# Norms without running statistics. Some devices' kernels reject a bf16 input
+# with fp32 weight and bias (CUDA's layer_norm); under strict=True, which casts
+# a norm's input, these retry with weight and bias cast too (one_dtype_on_reject).
+AFFINE_ONLY_NORMS = frozenset(("layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm"))
+
+
+def for_kind(kind, low, casters):
+    """The rule of list ``kind`` (a kinds.Kind) for a whole call (user functions, registered ops)."""
+    return kind.policy(low, casters, policy.inplace_out(casters))
+
+
+def for_site(kind, name, site, low, casters, strict=False, fallback=False):
+    """The one prepare for calls of ``site`` (a resolve.Site) bound by list
+    entry ``name`` of list ``kind`` (a kinds.Kind); ``strict``: Habana's
+    literal rule (a normalisation is bound only then, and only its input is
+    cast); ``fallback``: an op in no list (lists.fallback_names), which gets
+    the kind's fallback rule."""
+    if site.inplace:
+        return policy.inplace_self(casters)
+    out = policy.inplace_out(casters)
+    factory = kind.policy
+    if kind.norms is not None and name in NORMALIZATIONS:
+        factory = kind.norms
+    elif fallback:
+        factory = fallback_of(kind).policy or factory
+    main = factory(low, casters, out)
+    if site.written:
+        main = policy.written_into(site.written, main, casters)
+    if site.inplace_param is None:
+        return main
+    return policy.checking_inplace(main, policy.inplace_input(casters), site.inplace_param)
+
+
+def fallback_of(kind):
+    """``kind``'s rule for an op in no list (kinds.Fallback); a ValueError for a kind that has none."""
+    if kind.fallback is None:
+        raise ValueError(f"hmp: the {kind.name} list gives no rule to an op in no list")
+    return kind.fallback
+
+
+def one_dtype_rule(kind, name, site, low, casters, fallback):
+    """The rule that puts every floating argument of a call in one dtype
+    where the site's kernel rejects the mix it was given, or None: a strict
+    lower-list norm without running statistics (its input cast alone: weight
+    and bias go down too, by the kind's own rule) and an op in no list whose
+    kind retries (the promote rule: all to the widest, as torch's type
+    promotion gives; a call that writes a tensor runs in that tensor's dtype
+    instead). See sites.one_dtype_on_reject."""
+    if kind.norms is not None and name in AFFINE_ONLY_NORMS:
+        return kind.policy(low, casters)
+    retry = fallback_of(kind).retry if fallback else None
+    if retry is not None and not site.inplace:
+        to_one = retry(low, casters)
+        return policy.written_into(site.written, to_one, casters) if site.written else to_one
+    return None

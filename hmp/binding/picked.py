@@ -1,6 +1,6 @@
 """Ops whose kernel their call picks.
 
-A composite operator (no kernel of its own: hmp/core/spellings.py) that
+A composite operator (no kernel of its own: hmp/binding/spellings.py) that
 takes a string reaches a different kernel for each value of it:
 ``F.pad(x, p, mode="reflect")`` runs reflection_pad2d, which the FP32 list
 holds (CPU autocast computes it in float32), ``mode="constant"`` runs
@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from hmp.core import spellings
+from hmp.binding import spellings
 
 _TENSOR, _LIST, _TUPLE, _OTHER = "hmp:tensor", "hmp:list", "hmp:tuple", "hmp:other"
 _PLAIN = (str, bool, int, float, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)

@@ -4,8 +4,8 @@ precision. lists.py skips them with a warning (``warn_skipped``)."""
 
 import warnings
 
+from hmp.binding.aten import returns_view
 from hmp.core import state
-from hmp.core.aten import returns_view
 
 # Names hmp refuses in a list: calls that alias, copy, move or only write
 # data. A cast there does not choose a precision, it breaks the program:

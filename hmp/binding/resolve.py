@@ -30,8 +30,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hmp.core import spellings, state, torch_private
-from hmp.core.aten import aten_entry_points, aten_names, aten_op, python_builtins, schema_writes
+from hmp.binding import spellings
+from hmp.binding.aten import aten_entry_points, aten_names, aten_op, python_builtins, schema_writes
+from hmp.core import state, torch_private
 from hmp.core.identity import unwrap
 
 log = logging.getLogger("hmp")

@@ -3,7 +3,7 @@
 path), a pattern of class paths, or a module instance. Told apart from op
 names, resolved to classes, matched against a model's module names, and
 written back (``entry_key``, ``label``), all here; how an entry runs its
-module is hmp/core/modules.py's."""
+module is hmp/binding/modules.py's."""
 
 import difflib
 import fnmatch
@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from hmp.core import imports, kinds
-from hmp.core.aten import aten_op
+from hmp.binding import imports, kinds
+from hmp.binding.aten import aten_op
 
 Module = torch.nn.Module
 

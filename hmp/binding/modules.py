@@ -34,12 +34,13 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hmp.core import cast_copies, dtypes, kinds, policy, refusals
-from hmp.core.aten import returns_view
+from hmp.binding import kinds, refusals
+from hmp.binding.aten import returns_view
+from hmp.binding.module_entries import Pattern, resolved
+from hmp.binding.pays import NORMALIZATIONS
+from hmp.binding.resolve import writes
+from hmp.core import cast_copies, dtypes, policy
 from hmp.core.identity import mark, unwrap
-from hmp.core.module_entries import Pattern, resolved
-from hmp.core.pays import NORMALIZATIONS
-from hmp.core.resolve import writes
 from hmp.core.state import MODULE, OFF, enter, leave, tls
 from hmp.core.torch_private import tree_map_only
 

@@ -7,9 +7,9 @@ A record says what a list is called (its public name, the key of
 (convert()'s parameter, the environment, the shipped default per
 ``opt_level``) and what hmp does with an entry of it: the policy factory
 (what a call casts, hmp/core/policy.py), the lean path's casts (a call
-without keywords, hmp/core/sites.py), the module rule (a module entry's
-whole forward, hmp/core/modules.py) and which entries are bound at all
-(hmp/core/pays.py). Adding a kind is one record here, its policy, its list
+without keywords, hmp/binding/sites.py), the module rule (a module entry's
+whole forward, hmp/binding/modules.py) and which entries are bound at all
+(hmp/binding/pays.py). Adding a kind is one record here, its policy, its list
 file and its convert() parameter.
 
 The lower list keeps Habana's public name "bf16", in files and parameters;
@@ -21,7 +21,8 @@ from typing import Callable, Mapping, NamedTuple, Optional
 
 import torch
 
-from hmp.core import cast_copies, dtypes, pays, policy, wrap
+from hmp.binding import pays
+from hmp.core import cast_copies, dtypes, policy, wrap
 
 
 class Fallback(NamedTuple):
@@ -106,7 +107,7 @@ LOWER = Kind(
     own_under=("O2",),
     # float16 overflows above 65504: its O1 lower list is the GEMM/convolution family, as torch.autocast's
     # and apex O1's float16 lists (the seed's BF16 list stays available: ``include bf16``); strict=True:
-    # Habana's BF16 list, which also names the entries that cast only in strict mode (hmp/core/pays.py)
+    # Habana's BF16 list, which also names the entries that cast only in strict mode (hmp/binding/pays.py)
     o1_defaults={"fp16": "fp16.txt", "strict": "bf16_strict.txt"},
     module_rule="in_lower",
     modules_parameter="bf16_modules",

@@ -1,7 +1,7 @@
 """Which op an exception came from, read off its traceback.
 
 The innermost frame says it: when that frame is an hmp wrapper (a code
-object wrap.py registered with ``register_wrapper``), the op the wrapper
+object registered with hmp/core/wrapper_frames.py), the op the wrapper
 calls raised; otherwise the source of the call being executed there (the
 exact expression, from Python 3.11's code positions) names it, e.g.
 ``torch.addmm(...)``, ``x.mm(...)`` or ``a @ b``, checked against torch.
@@ -16,7 +16,8 @@ import dis
 import itertools
 import linecache
 
-from hmp.core.resolve import Resolver, list_names
+from hmp.binding.resolve import Resolver, list_names
+from hmp.core.wrapper_frames import in_wrapper, innermost, wrapper_op
 
 _OPERATORS = {
     ast.MatMult: "matmul",
@@ -28,40 +29,6 @@ _OPERATORS = {
     ast.Mod: "remainder",
     ast.FloorDiv: "floor_divide",
 }
-
-_wrappers = {}  # code object of an hmp wrapper -> op_of(frame), the op that frame calls
-
-
-def register_wrapper(code, op_of):
-    """Make frames running ``code`` count as hmp wrapper frames; ``op_of(frame)``
-    gives the op such a frame calls."""
-    _wrappers[code] = op_of
-
-
-def wrapper_op(frame):
-    """The op an hmp wrapper frame calls, or None when ``frame`` is not one."""
-    op_of = _wrappers.get(frame.f_code)
-    return None if op_of is None else op_of(frame)
-
-
-def innermost(tb):
-    if tb is None:
-        return None
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb
-
-
-def in_wrapper(tb):
-    """True when traceback entry ``tb`` is a frame of an hmp wrapper."""
-    return tb is not None and tb.tb_frame.f_code in _wrappers
-
-
-def raised_by_the_op(exc):
-    """True when ``exc`` came straight out of the op an hmp wrapper called (a
-    C function: nothing ran before its kernel was chosen): the innermost
-    frame of its traceback is the wrapper's."""
-    return in_wrapper(innermost(exc.__traceback__))
 
 
 def _source(tb):

@@ -5,7 +5,7 @@ lines mean, and how the lists combine, is lists.py's."""
 import os
 from pathlib import Path
 
-from hmp.core.module_entries import is_pattern
+from hmp.binding.module_entries import is_pattern
 
 
 def list_dir():
