@@ -423,9 +423,10 @@ def test_every_replacement_outside_op_sites_is_listed():
 # The floors, bottom up: a module imports from its own floor and those below.
 # core is the ground floor: what runs in every call (tested.py and
 # version.py are data beside it); binding decides once per convert() what
-# the lists say and what each site's wrapper does; diagnostics notes errors and other precision machinery; rules install what
-# each rule changes; the driver (convert/revert) puts them together; tools,
-# integrations, the demo and the package's front door use it.
+# the lists say and what each site's wrapper does; diagnostics notes errors
+# and other precision machinery; rules install what each rule changes; the
+# driver (convert/revert) puts them together; tools, integrations, the demo
+# and the package's front door use it.
 FLOORS = (
     ("hmp.core", "hmp.tested", "hmp.version"),
     ("hmp.binding",),
