@@ -15,7 +15,7 @@ cache -> cast_copies, with state beside (hmp/core/).
 docs/architecture.md maps the rest.
 """
 
-from hmp.binding.lists import list_path
+from hmp.binding.list_files import list_path
 from hmp.core.cache import accumulation, cache_bytes, clear_cache, frozen_weights
 from hmp.core.op_wrap import op_wrap, to_bf16, to_fp32
 from hmp.core.switches import casts_enabled, disable_casts, enable_casts

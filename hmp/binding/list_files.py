@@ -4,6 +4,7 @@ lines mean, and how the lists combine, is lists.py's."""
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from hmp.binding.module_entries import is_pattern
 
@@ -46,9 +47,20 @@ def check_path(path, what):
 MAX_BYTES = 64 << 20  # a list of every op torch has is under 100 KiB
 
 
+class Line(NamedTuple):
+    """One line of a list file, parsed (the grammar is read here only):
+    ``name`` is an op name, a module class's import path or pattern, or with
+    ``include`` the name of the list to include; ``remove`` for ``-name``."""
+
+    number: int
+    name: str
+    remove: bool = False
+    include: bool = False
+
+
 def read_names(path, what="list file"):
-    """Return ``[(line_number, text), ...]`` from a list file: each text an
-    op name or module path, ``-name`` or ``include <list>``.
+    """The lines of a list file (``[Line, ...]``): each an op name or module
+    path, ``-name`` or ``include <list>``.
 
     Tolerates a UTF-8 BOM, CRLF, blank lines, surrounding whitespace and
     ``#`` comments. Raises OSError naming the path when it cannot be read and
@@ -60,9 +72,15 @@ def read_names(path, what="list file"):
     return entries
 
 
+def names(path, what="list file"):
+    """The names a list file adds, in file order (its ``-name`` and
+    ``include`` lines left out): a shipped file read as data."""
+    return [line.name for line in read_names(path, what) if not (line.remove or line.include)]
+
+
 def read_lines(path, what):
-    """``(entries, errors)``: the lines of a list file, and ``(line number,
-    message)`` for each line that is not a valid one."""
+    """``(lines, errors)``: the valid lines of a list file (``Line``), and
+    ``(line number, message)`` for each line that is not a valid one."""
     path = check_path(path, what)
     try:
         with open(path, "rb") as f:
@@ -87,7 +105,7 @@ def read_lines(path, what):
         except UnicodeDecodeError as e:
             errors.append((number, f"line {number}: not valid UTF-8 ({e.reason} at byte {e.start})"))
             continue
-        line = _line(text.split("#", 1)[0])
+        line = _line(number, text.split("#", 1)[0])
         if line is None:
             errors.append(
                 (
@@ -96,25 +114,25 @@ def read_lines(path, what):
                     f"a module class's import path, '-name' or 'include <list>'",
                 )
             )
-        elif line:
-            entries.append((number, line))
+        elif line.name:
+            entries.append(line)
     return entries, errors
 
 
-INCLUDE = "include "
+INCLUDE = "include"
 
 
-def _line(text):
-    """The normalised text of a list line ("" for a blank one), or None
-    when it is not a valid line."""
+def _line(number, text):
+    """The parsed list line (an empty name for a blank one), or None when it
+    is not a valid line."""
     text = text.strip()
     if not text or is_name(text) or is_pattern(text):
-        return text
+        return Line(number, text)
     if text.startswith("-") and (is_name(text[1:].strip()) or is_pattern(text[1:].strip())):
-        return "-" + text[1:].strip()
+        return Line(number, text[1:].strip(), remove=True)
     words = text.split()
-    if len(words) == 2 and words[0] == INCLUDE.strip() and is_name(words[1]):
-        return INCLUDE + words[1]
+    if len(words) == 2 and words[0] == INCLUDE and is_name(words[1]):
+        return Line(number, words[1], include=True)
     return None
 
 

@@ -26,7 +26,6 @@ import torch
 from hmp.binding import kinds, pays, refusals
 from hmp.binding.kinds import FP32, LOWER
 from hmp.binding.list_files import (
-    INCLUDE,
     SANE,
     SHOWN,
     check_path,
@@ -34,17 +33,14 @@ from hmp.binding.list_files import (
     error_text,
     list_dir,
     list_path,
+    names,
     read_lines,
-    read_names,
     short,
 )
 from hmp.binding.module_entries import entry_key, from_line, is_module_path, is_pattern
 from hmp.binding.refusals import refusal
 from hmp.binding.resolve import BOUND, NO_PYTHON, UNKNOWN
 from hmp.core import state
-
-# uncast_calls reads the line reader through lists (its old names)
-_read_lines, _check_path, _error_text = read_lines, check_path, error_text
 
 log = logging.getLogger("hmp")
 
@@ -73,7 +69,7 @@ def fallback_names(low):
     dtype) when they are in no list. Shipped and checked by the test suite,
     so read without checking each name again."""
     return (
-        (FP32.name, tuple(n for _, n in read_names(default_path(NO_KERNEL_FILES[low])))),
+        (FP32.name, tuple(names(default_path(NO_KERNEL_FILES[low])))),
         (kinds.PROMOTE.name, tuple(sorted(one_dtype_names()))),
     )
 
@@ -82,7 +78,7 @@ def fallback_names(low):
 def one_dtype_names():
     """The ops that need all their floating inputs in one dtype (op_lists/one_dtype.txt):
     the only ones whose promotion torch does not do itself."""
-    return frozenset(n for _, n in read_names(default_path(ONE_DTYPE_FILE)))
+    return frozenset(names(default_path(ONE_DTYPE_FILE)))
 
 
 class Entries(NamedTuple):
@@ -107,14 +103,13 @@ def load(path, known, what, modules=True, default=None):
     with one warning for the file; bad lines (syntax, unknown or refused
     names, all of them at once) raise ValueError naming the file and lines.
     """
-    entries, syntax = read_lines(path, what)
+    lines, syntax = read_lines(path, what)
     r = _Reading(path, known, what)
-    for number, name in entries:
-        if name.startswith(INCLUDE):
+    for line in lines:
+        number, name, remove = line.number, line.name, line.remove
+        if line.include:
             r.include(number, name, modules, default)
             continue
-        remove = name.startswith("-")
-        name = name[1:] if remove else name
         if not remove and (name in r.explicit or name in r.classes):
             continue
         if is_pattern(name) or is_module_path(name):
@@ -132,15 +127,14 @@ class _Reading:
         self.errors, self.unreachable, self.skipped = [], [], []
         self.names, self.classes, self.explicit, self.removed = {}, {}, set(), {}
 
-    def include(self, number, name, modules, default):
-        target = name[len(INCLUDE) :]
+    def include(self, number, target, modules, default):
         try:
             source = default if target == "default" else list_path(target)
             if source is None:
                 raise ValueError("no default list here")
             included = load(source, self.known, f"list {target!r}", modules)
         except ValueError as e:
-            self.errors.append((number, f"line {number}: {name!r}: {str(e).replace('hmp: ', '')}"))
+            self.errors.append((number, f"line {number}: 'include {target}': {str(e).replace('hmp: ', '')}"))
             return
         for op in included.ops:
             self.names.setdefault(op, number)

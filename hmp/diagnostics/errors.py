@@ -20,7 +20,7 @@ a plain ``python script.py``; the script can pass the exception to
 import functools
 import re
 
-from hmp.binding import kinds, lists
+from hmp.binding import kinds, list_files, lists
 from hmp.binding.kinds import FP32, LOWER, PROMOTE
 from hmp.binding.pays import NORMALIZATIONS
 from hmp.core import rescue, state, torch_private
@@ -77,7 +77,7 @@ def _shipped():
         out[kind] = set()
         for f in names:
             try:
-                out[kind].update(n for _, n in lists.read_names(lists.default_path(f)))
+                out[kind].update(list_files.names(list_files.default_path(f)))
             except (OSError, ValueError):
                 pass
     return out

@@ -60,7 +60,7 @@ HMP_DEFAULTS_FILE = "gaudi_config_bert.json"
 
 def hmp_defaults():
     """``{"hmp_bf16_ops": [...], "hmp_fp32_ops": [...]}``: optimum-habana's defaults."""
-    config, _ = read_config(lists.default_path(HMP_DEFAULTS_FILE))
+    config, _ = read_config(list_files.default_path(HMP_DEFAULTS_FILE))
     return {field: list(config[field]) for field in MODE_LISTS["use_habana_mixed_precision"]}
 
 

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from hmp.binding import lists
+from hmp.binding import list_files
 from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import runtime, tls
 from hmp.core.wrap import script_as
@@ -33,7 +33,7 @@ _is_compiling = torch.compiler.is_compiling
 @functools.lru_cache(maxsize=None)
 def load():
     """The factories' entries, from the shipped file."""
-    default = lists.default_path(FILE)
+    default = list_files.default_path(FILE)
     return entries(default, default)
 
 

@@ -63,7 +63,7 @@ class Entry(NamedTuple):
 def load(path=""):
     """The entries of ``path`` (``""``/None: the shipped file), checked for
     their form only: a module is resolved when the program imports it."""
-    default = lists.default_path(DEFAULT_FILE)
+    default = list_files.default_path(DEFAULT_FILE)
     return entries(path if lists.given(path) else default, default)
 
 
@@ -73,17 +73,17 @@ def entries(source, default):
 
 
 def _read(source, default):
-    entries, errors = list_files.read_lines(source, TITLE)
+    lines, errors = list_files.read_lines(source, TITLE)
     out, bad = [], [e for _, e in errors]
-    for number, text in entries:
-        if text.startswith(lists.INCLUDE):
-            target = text[len(lists.INCLUDE) :]
-            if target != "default":
+    for line in lines:
+        number, text = line.number, line.name
+        if line.include:
+            if text != "default":
                 bad.append(f"line {number}: only 'include default' can be included here")
                 continue
             out += _read(default, default)
-        elif text.startswith("-"):
-            out = [(n, name) for n, name in out if name != text[1:]]
+        elif line.remove:
+            out = [(n, name) for n, name in out if name != text]
         elif "." not in text:
             bad.append(
                 f"line {number}: {text!r} is no dotted path (package.module.function or package.module.Class.method)"

@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
 from hmp.binding import kinds
-from hmp.binding.list_files import list_path, read_names
+from hmp.binding.list_files import list_path, names
 from hmp.core import dtypes
 from hmp.driver.conversion import converted, effective_lists, in_force
 from hmp.testing.follows import Rejected, follow
@@ -75,8 +75,8 @@ def autocast_fp32():
     (the shipped op_lists/autocast_cpu_fp32.txt and autocast_cuda_fp32.txt)."""
     found = {}
     for device, name in AUTOCAST_FP32.items():
-        for _, text in read_names(list_path(name)):
-            if not text.startswith(("-", "include ")) and "." not in text:
+        for text in names(list_path(name)):
+            if "." not in text:
                 found.setdefault(text, []).append(device)
     return found
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import hmp
-from hmp.binding import lists
+from hmp.binding import list_files
 from hmp.binding.resolve import BOUND, UNKNOWN, Resolver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +107,7 @@ def test_list_files_are_sorted_and_every_name_binds():
     here = kl.release()
     for kind, filename in kl.FILES.items():
         path = kl.LIST_DIR / filename
-        names = [name for _, name in lists.read_names(path)]
+        names = list_files.names(path)
         assert names, path
         assert names == sorted(set(names)), f"{filename}: not sorted or has duplicates"
         listed = kl.read(kind)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp.binding import lists
+from hmp.binding import list_files
 
 FLOATING = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 N = 4
@@ -93,7 +93,7 @@ BUILD = {
     "scatter_add": lambda s: ((t((s[0][0], False)), t((s[1][0], False))), lambda x, v: torch.scatter_add(x, 0, idx, v)),
     "masked_scatter": lambda s: ((t((s[0][0], False)), t((s[1][0], False))), lambda x, v: x.masked_scatter(mask, v)),
 }
-PROMOTE = [name for _, name in lists.read_names(lists.default_path("promote.txt"))]
+PROMOTE = list_files.names(list_files.default_path("promote.txt"))
 _DIR = Path(tempfile.mkdtemp(prefix="hmp-promote-"))
 (_DIR / "empty.txt").write_text("# nothing\n")
 

@@ -376,7 +376,7 @@ def _expected_bad_lines(data):
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     bad, listed, removals = [], set(), []
-    shipped = {p.stem for p in hmp.binding.lists.list_dir().glob("*.txt")} | {"default"}
+    shipped = {p.stem for p in hmp.binding.list_files.list_dir().glob("*.txt")} | {"default"}
     for number, raw in enumerate(data.split(b"\n"), start=1):
         try:
             text = raw.decode("utf-8")

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp.binding.list_files import default_path, read_names
+from hmp.binding.list_files import default_path, names
 from hmp.testing import strategies as hst
 from hmp.testing.entries import public_function
 
@@ -19,7 +19,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "never-changes.md"
 
 
 def _names(file):
-    return [n for _, n in read_names(default_path(file))]
+    return names(default_path(file))
 
 
 def _fp32():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hmp
-from hmp.binding import kinds, lists, modules, pays, sites
+from hmp.binding import kinds, list_files, lists, modules, pays, sites
 from hmp.binding.list_files import default_path
 from hmp.binding.resolve import Binding, Resolver, attribute_site
 from hmp.core import cast_copies, policy, wrap
@@ -68,7 +68,7 @@ def test_every_kind_has_a_complete_record_that_matches_convert():
         hmp.revert()
     assert list(in_force) == list(kinds.names())
     for k in kinds.KINDS:
-        shipped = {n for _, n in lists.read_names(default_path(k.default_file("O1")))}
+        shipped = set(list_files.names(default_path(k.default_file("O1"))))
         assert set(in_force[k.name]) <= shipped | set().union(*(in_force[o.name] for o in kinds.KINDS if o is not k))
 
 

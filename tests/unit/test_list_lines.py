@@ -15,13 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp.binding import lists
+from hmp.binding import list_files, lists
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
 def _names(name):
-    return sorted({n for _, n in lists.read_names(hmp.list_path(name))})
+    return sorted(set(list_files.names(hmp.list_path(name))))
 
 
 def _defaults():
@@ -195,7 +195,7 @@ def test_an_empty_user_file_warns(tmp_path, kind):
 
 
 def test_the_readme_list_file_example_keeps_losses_in_float32(tmp_path):
-    readme = lists.list_dir().parent / "README.md"
+    readme = list_files.list_dir().parent / "README.md"
     if not readme.is_file():
         pytest.skip("an installed copy without README.md")
     text = readme.read_text()

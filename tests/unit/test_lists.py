@@ -11,7 +11,7 @@ import torch
 from helpers import assert_same, snapshot, write
 
 import hmp
-from hmp.binding.list_files import default_path, read_names
+from hmp.binding.list_files import default_path, names
 from hmp.binding.lists import effective
 from hmp.binding.module_entries import entry_key
 from hmp.binding.resolve import Resolver
@@ -33,7 +33,7 @@ DEFAULT_FP32 = sorted(
         "embedding_bag huber_loss log log2 log_softmax mse_loss multi_margin_loss multilabel_margin_loss nll_loss "
         "smooth_l1_loss softmax topk truediv".split()
     )
-    | {n for _, n in read_names(default_path("autocast_cpu_fp32.txt"))}
+    | set(names(default_path("autocast_cpu_fp32.txt")))
 )
 PROMOTE_AT_LEAST = set("add sub mul div truediv pow addcmul addcdiv cat stack where index_put scatter_add".split())
 # module entries of the default FP32 list, after its ops (resolved when their library is imported)
