@@ -8,10 +8,9 @@ from typing import NamedTuple
 
 import torch
 
-from hmp.binding import kinds, lists, module_entries
+from hmp.binding import kinds, lists, module_entries, uncast_list
 from hmp.binding.resolve import Resolver
 from hmp.core.dtypes import LOW
-from hmp.rules import uncast_calls
 
 
 class Options(NamedTuple):
@@ -28,7 +27,7 @@ class Conversion(NamedTuple):
     lists: dict  # list kind's name (hmp/binding/kinds.py) -> set of op names
     options: Options
     modules: dict  # kind name -> module classes and instances (hmp/binding/modules.py), for kinds that take them
-    uncast: tuple = ()  # uncast_calls.Entry: code that runs with casts off (building, averaging, merging)
+    uncast: tuple = ()  # uncast_list.Entry: code that runs with casts off (building, averaging, merging)
 
 
 def _looks_like_path(text):
@@ -97,7 +96,7 @@ def plan(options, resolver=None):
         for k in kinds.KINDS
         if k.takes_modules
     }
-    uncast = uncast_calls.load(given["uncast_file_path"])
+    uncast = uncast_list.load(given["uncast_file_path"])
     return Conversion(effective, checked, module_entries.merge(classes, targets), uncast)
 
 

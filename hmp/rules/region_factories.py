@@ -20,11 +20,12 @@ import sys
 import torch
 
 from hmp.binding import list_files
+from hmp.binding.uncast_list import entries
 from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import runtime, tls
 from hmp.core.wrap import script_as
 from hmp.rules.interface import Changes
-from hmp.rules.uncast_calls import entries, target
+from hmp.rules.uncast_calls import target
 
 FILE = "autocast_factories.txt"
 _is_compiling = torch.compiler.is_compiling

@@ -2,7 +2,8 @@
 averaging, merging and sampling with weights. Like ``optimizer.step()``,
 these run with casts off by themselves (docs/never-changes.md).
 
-Which code is data, not code here: a list file of entry points
+Which code is data, not code here: a list file of entry points (read by
+hmp/binding/uncast_list.py)
 (``op_lists/uncast_calls.txt``, ``hmp.list_path("uncast_calls")``; a user
 file given as ``uncast_file_path`` replaces or, with ``include default``,
 extends it). A line is the dotted path of a function, or of a method
@@ -34,11 +35,9 @@ import logging
 import sys
 import types
 import warnings
-from typing import NamedTuple
 
 import torch
 
-from hmp.binding import list_files, lists
 from hmp.binding.resolve import subclasses
 from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import OFF, enter, first_time, leave, tls, user_stacklevel
@@ -46,67 +45,6 @@ from hmp.core.switches import uncast
 from hmp.rules.interface import Changes
 
 log = logging.getLogger("hmp")
-
-DEFAULT_FILE = "uncast_calls.txt"
-TITLE = "uncast calls file"
-
-
-class Entry(NamedTuple):
-    """``module:qualname`` of one entry point; ``line`` for messages."""
-
-    module: str
-    qualname: str  # "Class.method" or "function"
-    path: str  # the dotted path as written
-    line: int
-
-
-def load(path=""):
-    """The entries of ``path`` (``""``/None: the shipped file), checked for
-    their form only: a module is resolved when the program imports it."""
-    default = list_files.default_path(DEFAULT_FILE)
-    return entries(path if lists.given(path) else default, default)
-
-
-def entries(source, default):
-    """The entries of the file ``source`` (``include default`` reads ``default``)."""
-    return tuple(_split(name, number) for number, name in _read(source, default))
-
-
-def _read(source, default):
-    lines, errors = list_files.read_lines(source, TITLE)
-    out, bad = [], [e for _, e in errors]
-    for line in lines:
-        number, text = line.number, line.name
-        if line.include:
-            if text != "default":
-                bad.append(f"line {number}: only 'include default' can be included here")
-                continue
-            out += _read(default, default)
-        elif line.remove:
-            out = [(n, name) for n, name in out if name != text]
-        elif "." not in text:
-            bad.append(
-                f"line {number}: {text!r} is no dotted path (package.module.function or package.module.Class.method)"
-            )
-        else:
-            out.append((number, text))
-    if bad:
-        raise ValueError(list_files.error_text(list_files.check_path(source, TITLE), TITLE, bad))
-    return out
-
-
-def _split(path, line):
-    """Which prefix of ``path`` is the module: the longest one already
-    imported; when none is, the one before the last part that starts with
-    an upper-case letter (a class), else all but the last part."""
-    parts = path.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        if ".".join(parts[:i]) in sys.modules:
-            break
-    else:
-        i = next((j for j, p in enumerate(parts) if p[:1].isupper()), len(parts) - 1)
-    return Entry(".".join(parts[:i]), ".".join(parts[i:]), path, line)
-
 
 # -- resolving: what to patch now --------------------------------------------------------------
 
