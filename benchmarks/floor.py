@@ -25,7 +25,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import hmp
-from hmp.core import dtypes, wrap
+from hmp.core import dtypes, policy, wrap
 from hmp.core.saturating_cast import to_finite as _to_finite
 from hmp.core.state import runtime
 
@@ -165,7 +165,7 @@ def _sites(convert_args):
                 else "fp32"
                 if src is dtypes.HALVES
                 else "promote"
-                if src is wrap.PROMOTE
+                if src is policy.PROMOTE
                 else None
             )
             if rule is not None:

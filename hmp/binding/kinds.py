@@ -6,10 +6,12 @@ A record says what a list is called (its public name, the key of
 ``effective_lists()`` and of its file parameter), where its file comes from
 (convert()'s parameter, the environment, the shipped default per
 ``opt_level``) and what hmp does with an entry of it: the policy factory
-(what a call casts, hmp/core/policy.py), the lean path's casts (a call
-without keywords, hmp/binding/sites.py), the module rule (a module entry's
-whole forward, hmp/binding/modules.py) and which entries are bound at all
-(hmp/binding/pays.py). Adding a kind is one record here, its policy, its list
+(what a call casts: the name of a factory of hmp/core/policy.py), the lean
+path's casts (a call without keywords, as data: ``Lean``), the module rule
+(a module entry's whole forward: a method of hmp/binding/modules.py) and which
+entries are bound at all (hmp/binding/pays.py). The record names what the call
+path does and imports none of it: hmp/binding/sites.py turns the names into
+a site's wrapper. Adding a kind is one record here, its policy, its list
 file and its convert() parameter.
 
 The lower list keeps Habana's public name "bf16", in files and parameters;
@@ -22,19 +24,34 @@ from typing import Callable, Mapping, NamedTuple, Optional
 import torch
 
 from hmp.binding import pays
-from hmp.core import cast_copies, dtypes, policy, wrap
+from hmp.core import dtypes
 
 
 class Fallback(NamedTuple):
     """An op in no list that gets this kind's rule only where it must
-    (lists.fallback_names): ``needs(args, kwargs)`` says when a call must
-    step in; ``policy`` replaces the kind's own (None: the kind's own);
-    ``retry``: the factory that puts every floating argument in one dtype
-    where the kernel rejects the mix (None: no retry)."""
+    (lists.fallback_names), each a name in hmp/core/policy.py: ``needs(args,
+    kwargs)`` says when a call must step in; ``policy`` replaces the kind's
+    own (None: the kind's own); ``retry``: the factory that puts every
+    floating argument in one dtype where the kernel rejects the mix (None: no
+    retry)."""
 
-    needs: Callable
-    policy: Optional[Callable] = None
-    retry: Optional[Callable] = None
+    needs: str
+    policy: Optional[str] = None
+    retry: Optional[str] = None
+
+
+class Lean(NamedTuple):
+    """The lean path's casts (a call without keywords skips the site's
+    prepare, hmp/binding/sites.py): tensors of a dtype in ``src`` are cast to
+    ``to`` (None: the lower dtype in use); ``numbers``: a Python number the
+    lower dtype cannot hold sends the call to the full rule. ``one_dtype``:
+    the promote rule's common case instead, a call whose floating tensors
+    share one dtype runs as given."""
+
+    src: frozenset = frozenset()
+    to: Optional[torch.dtype] = None
+    numbers: bool = False
+    one_dtype: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,8 +63,8 @@ class Kind:
     file_title: str  # its file in messages
     parameter: str  # convert()'s parameter naming its file
     defaults: Mapping[str, str]  # opt_level -> the shipped file of its default list
-    policy: Callable  # factory (low, casters, out=None) -> prepare: what a call of this kind casts
-    lean: Callable  # (low, casters) -> (src, cast, refuse): the lean path's casts (wrap.make's fields)
+    policy: str  # policy.py's factory (low, casters, out=None) -> prepare: what a call of this kind casts
+    lean: Lean  # the lean path's casts
     environ: tuple = ()  # variables naming its file when convert() gets none, in order of precedence
     dtype_titles: Mapping = field(default_factory=dict)  # lower dtype in use -> the list's title
     own_under: tuple = ()  # opt_levels whose own list replaces a file given for this kind (with a warning)
@@ -55,7 +72,7 @@ class Kind:
     module_rule: Optional[str] = None  # modules.Forwards' method for a module entry; None: entries are an error
     modules_parameter: Optional[str] = None  # convert()'s parameter naming module entries of this kind
     module_says: str = ""  # the module rule, in effective_lists(detail=True)
-    norms: Optional[Callable] = None  # factory for a normalisation entry (its input alone is cast)
+    norms: Optional[str] = None  # policy.py's factory for a normalisation entry (its input alone is cast)
     fallback: Optional[Fallback] = None  # the rule an op in no list gets through this kind
     unbound: Optional[Callable] = None  # (name, one_dtype) -> why an entry is not bound outside strict mode, or None
     # a user file that leaves out entries of the default list is warned about: the FP32 list keeps losses
@@ -81,26 +98,14 @@ class Kind:
         return self.module_rule is not None
 
 
-def _lower_lean(low, casters):
-    return dtypes.FP32_ONLY, casters[low], cast_copies.numbers_check(low)
-
-
-def _fp32_lean(low, casters):
-    return dtypes.HALVES, casters[dtypes.FP32], None
-
-
-def _promote_lean(low, casters):
-    return wrap.PROMOTE, None, None
-
-
 LOWER = Kind(
     name="bf16",
     title="lower-precision",
     file_title="BF16 list file",
     parameter="bf16_file_path",
     defaults={"O1": "bf16.txt", "O2": "o2_bf16.txt"},
-    policy=policy.lower,
-    lean=_lower_lean,
+    policy="lower",
+    lean=Lean(dtypes.FP32_ONLY, numbers=True),
     # the names Lightning's HPU docs use, then the names Habana's autocast reads
     environ=("LOWER_LIST", "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST"),
     dtype_titles={torch.bfloat16: "BF16", torch.float16: "FP16"},
@@ -112,7 +117,7 @@ LOWER = Kind(
     module_rule="in_lower",
     modules_parameter="bf16_modules",
     module_says="the whole forward in the lower dtype",
-    norms=policy.lower_input_only,
+    norms="lower_input_only",
     unbound=pays.unless_it_pays,
     guards_defaults=False,
 )
@@ -123,14 +128,14 @@ FP32 = Kind(
     file_title="FP32 list file",
     parameter="fp32_file_path",
     defaults={"O1": "fp32.txt", "O2": "o2_fp32.txt"},
-    policy=policy.fp32,
-    lean=_fp32_lean,
+    policy="fp32",
+    lean=Lean(dtypes.HALVES, dtypes.FP32),
     environ=("FP32_LIST", "PT_HPU_AUTOCAST_FP32_OPS_LIST"),
     own_under=("O2",),
     module_rule="in_float32",
     modules_parameter="fp32_modules",
     module_says="the whole forward in float32",
-    fallback=Fallback(policy.given_lower),
+    fallback=Fallback("given_lower"),
 )
 
 PROMOTE = Kind(
@@ -139,9 +144,9 @@ PROMOTE = Kind(
     file_title="promote list file",
     parameter="promote_file_path",
     defaults={"O1": "promote.txt", "O2": "promote.txt"},
-    policy=policy.promote,
-    lean=_promote_lean,
-    fallback=Fallback(policy.given_mixed, policy.as_given, policy.promote),
+    policy="promote",
+    lean=Lean(one_dtype=True),
+    fallback=Fallback("given_mixed", "as_given", "promote"),
     unbound=pays.unless_one_dtype,
 )
 

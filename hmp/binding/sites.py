@@ -12,6 +12,7 @@ from hmp.binding import kinds, picked
 from hmp.binding.pays import NORMALIZATIONS
 from hmp.binding.resolve import BUILTINS
 from hmp.core import dtypes, policy, wrapper_frames
+from hmp.core.cast_copies import numbers_check
 from hmp.core.rescue import About
 from hmp.core.wrap import NEVER, PAUSED, finish, make, op_of
 
@@ -139,13 +140,11 @@ class Wrappers:
         hidden = not isinstance(original, BUILTINS)
         op = self._op(op)
         # an op in no list steps in only for a call that needs it: otherwise the ops it calls cast as usual
-        needs = fallback_of(kind).needs if fallback else None
-        if not self._lean(site, kind, name, fallback):
+        needs = factory(fallback_of(kind).needs) if fallback else None
+        lean = self._lean(site, kind, name, fallback)
+        if lean is None:
             return make(op, self._prepare(prepare, site.label, name), about, original, hidden=hidden, needs=needs)
-        # lean for calls without keywords: the rule's casts without the prepare call
-        at = NEVER if site.inplace_param is None else site.inplace_param
-        src, cast, refuse = kind.lean(self.low, self.casters)
-        return make(op, prepare, about, original, src, cast, refuse, at, hidden)
+        return make(op, prepare, about, original, *lean, hidden=hidden)
 
     def _picked(self, binding, original):
         """The wrapper of an op whose call picks its kernel (hmp/binding/picked.py):
@@ -174,15 +173,23 @@ class Wrappers:
         )
 
     def _lean(self, site, kind, name, fallback):
-        """True when a call without keywords may skip ``prepare`` and apply the
-        list's rule to every argument directly: not a call that is logged or
-        recorded, writes a tensor (the in-place rule), is a strict norm (its
-        input alone is cast) or an op in no list (it steps in only where needed)."""
+        """The lean path of a site (the one place it is decided): ``(src, cast,
+        refuse, inplace_at)``, wrap.make's fields for a call without keywords,
+        which then skips ``prepare`` and applies the list's rule to every
+        argument directly (the kind's ``Lean``); None where every call goes
+        through ``prepare``: a call that is logged or recorded, writes a
+        tensor (the in-place rule), is a strict norm (its input alone is cast)
+        or an op in no list (it steps in only where needed)."""
         if self.passthrough or self.verbose or self.recorder is not None:
-            return False
-        if site.inplace or site.written or fallback:
-            return False
-        return not (kind.norms is not None and name in NORMALIZATIONS)
+            return None
+        if site.inplace or site.written or fallback or kind.norms is not None and name in NORMALIZATIONS:
+            return None
+        at = NEVER if site.inplace_param is None else site.inplace_param
+        lean = kind.lean
+        if lean.one_dtype:
+            return policy.PROMOTE, None, None, at
+        to = self.low if lean.to is None else lean.to
+        return lean.src, self.casters[to], numbers_check(self.low) if lean.numbers else None, at
 
     def user_prepare(self, kind, label):
         """The prepare of a user function (``@hmp.*_function``) of list ``kind``."""
@@ -205,9 +212,15 @@ def user_function(fn, kind):
 AFFINE_ONLY_NORMS = frozenset(("layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm"))
 
 
+def factory(name):
+    """The function of hmp/core/policy.py a kind's record names (kinds.Kind:
+    the record holds names, so it imports nothing of the call path)."""
+    return getattr(policy, name)
+
+
 def for_kind(kind, low, casters):
     """The rule of list ``kind`` (a kinds.Kind) for a whole call (user functions, registered ops)."""
-    return kind.policy(low, casters, policy.inplace_out(casters))
+    return factory(kind.policy)(low, casters, policy.inplace_out(casters))
 
 
 def for_site(kind, name, site, low, casters, strict=False, fallback=False):
@@ -219,12 +232,12 @@ def for_site(kind, name, site, low, casters, strict=False, fallback=False):
     if site.inplace:
         return policy.inplace_self(casters)
     out = policy.inplace_out(casters)
-    factory = kind.policy
+    chosen = kind.policy
     if kind.norms is not None and name in NORMALIZATIONS:
-        factory = kind.norms
+        chosen = kind.norms
     elif fallback:
-        factory = fallback_of(kind).policy or factory
-    main = factory(low, casters, out)
+        chosen = fallback_of(kind).policy or chosen
+    main = factory(chosen)(low, casters, out)
     if site.written:
         main = policy.written_into(site.written, main, casters)
     if site.inplace_param is None:
@@ -248,9 +261,9 @@ def one_dtype_rule(kind, name, site, low, casters, fallback):
     promotion gives; a call that writes a tensor runs in that tensor's dtype
     instead). See sites.one_dtype_on_reject."""
     if kind.norms is not None and name in AFFINE_ONLY_NORMS:
-        return kind.policy(low, casters)
+        return factory(kind.policy)(low, casters)
     retry = fallback_of(kind).retry if fallback else None
     if retry is not None and not site.inplace:
-        to_one = retry(low, casters)
+        to_one = factory(retry)(low, casters)
         return policy.written_into(site.written, to_one, casters) if site.written else to_one
     return None

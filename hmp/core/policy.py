@@ -22,6 +22,7 @@ Tensor = torch.Tensor
 _promote_types = torch.promote_types  # captured: listing promote_types cannot recurse
 
 SAME = object()  # cast_each: nothing was cast
+PROMOTE = object()  # a lean wrapper's src for the promote rule's common case (one floating dtype: as given)
 
 
 def cast_each(seq, src, cast, refuse=None):

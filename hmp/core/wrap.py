@@ -73,15 +73,15 @@ def make(
     ``inplace`` at position ``inplace_at``): tensors whose dtype is in
     ``src`` go through ``cast`` directly (policy.cast_each, a number
     ``refuse`` rejects sends the call to ``prepare``), or, with
-    ``src=PROMOTE``, a call whose floating tensors share one dtype runs as
+    ``src=policy.PROMOTE``, a call whose floating tensors share one dtype runs as
     given. ``prepare`` applies the same rule to every other call."""
     original = op if original is None else original
     return finish(_body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs), original)
 
 
-PROMOTE = object()  # make(src=PROMOTE): the promote rule's common case
 PAUSED = None  # a wrapper's prepare while paused or retired: the call is a plain call of its op
 _cast_each, _SAME, _one_dtype, _write_back = policy.cast_each, policy.SAME, policy.one_dtype, cast_copies.write_back
+_PROMOTE = policy.PROMOTE
 _eager_of = cast_copies.eager_of
 _graph_off = graph_off
 _call_state = torch_private.call_state
@@ -114,7 +114,7 @@ def _body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs):
         try:
             if src is None or kwargs or inplace and len(args) > inplace_at and args[inplace_at]:
                 a, k = rule(args, kwargs)
-            elif src is PROMOTE:
+            elif src is _PROMOTE:
                 a, k = (args, kwargs) if _one_dtype(args, None) is not False else rule(args, kwargs)
             else:
                 a, k = _cast_each(args, src, cast if running else eager, refuse), kwargs

@@ -15,7 +15,7 @@ from hmp.binding import kinds, list_files, lists, modules, pays, sites
 from hmp.binding.list_files import default_path
 from hmp.binding.resolve import Binding, Resolver, attribute_site
 from hmp.core import cast_copies, policy, wrap
-from hmp.core.dtypes import BF16, FP16, FP32, FP64
+from hmp.core.dtypes import BF16, FLOATS, FP16, FP32, FP64
 from hmp.driver import conversion, plan
 
 CASTS = dict(cast_copies.PLAIN_CASTS)
@@ -49,15 +49,15 @@ def test_every_kind_has_a_complete_record_that_matches_convert():
         for name in {*k.defaults.values(), *k.o1_defaults.values()}:
             # a shipped default loads as a file of its kind: module entries only where the kind takes them
             lists.load(default_path(name), Resolver(), k.file_title, modules=k.takes_modules)
-        prepare = k.policy(BF16, CASTS)
+        # the record names the call path's functions (it imports none of them): each name is one
+        prepare = sites.factory(k.policy)(BF16, CASTS)
         args, kwargs = prepare((x,), {})
         assert isinstance(args, tuple) and kwargs == {}
-        src, cast, refuse = k.lean(BF16, CASTS)
-        assert src is wrap.PROMOTE or (isinstance(src, frozenset) and cast in CASTS.values())
+        for named in (k.norms, *(k.fallback or ())):
+            assert named is None or callable(sites.factory(named)), named
+        assert k.lean.one_dtype or (k.lean.src and k.lean.src <= FLOATS)
         if k.takes_modules:
             assert callable(getattr(modules.Forwards, k.module_rule)) and k.module_says
-        if k.fallback is not None:
-            assert callable(k.fallback.needs)
     assert kinds.LOWER.title_in(BF16) == "BF16" and kinds.LOWER.title_in(FP16) == "FP16"
     assert kinds.LOWER.default_file("O1", FP16) == "fp16.txt"
     # the records are what convert() reads: the defaults in force are the records' files
@@ -114,14 +114,15 @@ def fp64_kind(tmp_path, monkeypatch):
         file_title="FP64 list file",
         parameter="fp64_file_path",
         defaults={level: str(shipped) for level in kinds.OPT_LEVELS},
-        policy=to_float64,
-        lean=lambda low, casters: (frozenset((BF16, FP16, FP32)), casters[FP64], None),
+        policy="to_float64",
+        lean=kinds.Lean(frozenset((BF16, FP16, FP32)), FP64),
         module_rule="in_float32",
         modules_parameter="fp64_modules",
         module_says="the whole forward in float32",
         guards_defaults=False,
     )
     monkeypatch.setattr(kinds, "KINDS", kinds.KINDS + (record,))
+    monkeypatch.setattr(policy, "to_float64", to_float64, raising=False)  # its policy, in policy.py's place
     parameters = dict(plan.PARAMETERS)
     for name in (record.parameter, record.modules_parameter):
         default = "" if name.endswith("_path") else None

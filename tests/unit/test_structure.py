@@ -104,6 +104,25 @@ def test_no_import_cycle_between_hmp_modules():
     assert cycles(graph()) == []
 
 
+def reached(edges, start):
+    """Every module ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for n in edges.get(todo.pop(), ()):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return seen
+
+
+def test_a_kind_record_reaches_nothing_of_the_call_path():
+    """A tool that wants a list's title or file loads the kinds' records, not
+    the wrapper body: kinds names policy factories and imports none of them."""
+    call_path = {"hmp.core.wrap", "hmp.core.policy", "hmp.core.cast_copies", "hmp.core.cache", "hmp.core.rescue"}
+    assert reached(graph(), "hmp.binding.kinds") & call_path == set()
+    assert reached({"a": {"b"}, "b": {"hmp.core.wrap"}}, "a") & call_path == {"hmp.core.wrap"}
+
+
 def test_state_is_a_leaf():
     # torch_private and torch_releases (the table of what each release has, over torch_private)
     # are the modules state may use: leaves too
