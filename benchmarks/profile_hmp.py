@@ -279,7 +279,7 @@ def cmd_lines(args):
         return linear(*args, **kwargs)
 
     with hmp.converted():
-        caster = hmp.core.cache.caster(bf)
+        caster = hmp.core.cache.caster(bf).any
         keep = caster(w)  # a live copy: the next casts of w are hits
         env = dict(
             torch=torch,

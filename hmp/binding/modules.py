@@ -185,7 +185,7 @@ class Forwards:
 
     def __init__(self, low, casters, fp32_names):
         self.live = True
-        to_fp32, lower = casters[torch.float32], dtypes.LOW
+        to_fp32, lower = casters[torch.float32].any, dtypes.LOW
 
         def up(t):
             return to_fp32(t) if t.dtype in lower else t

@@ -51,7 +51,7 @@ from typing import Iterator
 import torch
 
 from hmp.core import torch_private
-from hmp.core.cast_copies import CASTS, eager_of, shielded
+from hmp.core.cast_copies import CASTS, Cast, shielded
 from hmp.core.state import tls, weight_cache
 
 _grad_enabled = torch.is_grad_enabled
@@ -240,11 +240,11 @@ def caster(dtype):
     writes it (a frozen weight is written through ``.data`` or its storage
     by peft's merge, offloading, hand-written loaders: writes no counter
     shows). A hit is one dictionary lookup and a check of the entry's named
-    fields. ``cast.eager``: the same cast for a wrapper's call in eager
-    code, which has turned casts off and asked once whether anything traces
-    or compiles (hmp/core/wrap.py), so it asks nothing per tensor."""
-    plain = CASTS[dtype]
-    lowered = eager_of(plain)
+    fields. A cast_copies.Cast: its ``eager`` form is the same cast for a
+    wrapper's call in eager code, which has turned casts off and asked once
+    whether anything traces or compiles (hmp/core/wrap.py), so it asks
+    nothing per tensor."""
+    plain, lowered = CASTS[dtype]
     live = weight_cache.live[dtype]
 
     def kept_cast(t, kept, first_use):
@@ -300,8 +300,7 @@ def caster(dtype):
         return through(t)
 
     through = shielded(eager)  # a BF16 module's mode (modules.LowerMode) must not see the cast's own ops
-    cast.eager = eager
-    return cast
+    return Cast(cast, eager)
 
 
 def casters():

@@ -9,6 +9,7 @@ which arguments are cast; this module says what a cast is.
 
 import decimal
 import numbers
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -37,6 +38,17 @@ _transforms_active, _forward_ad = torch_private.functorch_transforms_active, tor
 _NAN = float("nan")
 
 
+class Cast(NamedTuple):
+    """A cast in its two forms, one object: ``any(t)`` wherever a call runs
+    (eager, traced, compiled); ``eager(t)``, the same cast for a wrapper's
+    call in eager code, which has turned casts off and asked once whether
+    anything traces or compiles (hmp/core/wrap.py), so it asks nothing per
+    tensor. A cast up is one function in both places."""
+
+    any: Callable
+    eager: Callable
+
+
 def _finite(dtype):
     """The cast to a lower dtype that keeps a finite value finite
     (docs/never-changes.md): torch's rounding, then a finite value beyond the
@@ -50,9 +62,9 @@ def _finite(dtype):
     three passes saturation takes. Off the CPU the cast is one op,
     ``hmp::to_finite`` (saturating_cast.py: one kernel on CUDA); a tensor
     subclass (DTensor), vmap and forward-mode AD take torch's ops, which
-    they know. ``cast_finite.eager`` is the cast for a
-    wrapper's call, which has turned casts off and checked once that nothing
-    traces or compiles (hmp/core/wrap.py): no per-cast state to read."""
+    they know. Its ``eager`` form is the cast for a wrapper's call, which
+    has turned casts off and checked once that nothing traces or compiles
+    (hmp/core/wrap.py): no per-cast state to read."""
     cast, top = PLAIN_CASTS[dtype], torch.finfo(dtype).max
 
     def eager(t):
@@ -108,8 +120,7 @@ def _finite(dtype):
 
     cast_finite.__name__ = cast_finite.__qualname__ = f"to_{dtype_name(dtype)}_finite"
     eager.__name__ = eager.__qualname__ = f"to_{dtype_name(dtype)}_finite_eager"
-    cast_finite.eager = eager
-    return cast_finite
+    return Cast(cast_finite, eager)
 
 
 def shielded(cast):
@@ -128,14 +139,10 @@ def shielded(cast):
     return run
 
 
-def eager_of(cast):
-    """The form of ``cast`` for a wrapper's call in eager code, casts off (``cast.eager``; a
-    cast without one, such as the plain cast up, is its own)."""
-    return getattr(cast, "eager", cast)
-
-
 # The casts hmp makes: to a lower dtype, finite values stay finite.
-CASTS = {FP16: _finite(FP16), BF16: _finite(BF16), FP32: _TB.float, FP64: _TB.double}
+CASTS = {FP16: _finite(FP16), BF16: _finite(BF16), FP32: Cast(_TB.float, _TB.float), FP64: Cast(_TB.double, _TB.double)}
+# torch's rounding as casters (a policy's argument): the rescue's cast up, tests
+PLAIN_CASTERS = {dtype: Cast(cast, cast) for dtype, cast in PLAIN_CASTS.items()}
 
 
 _NUMBER_TYPES = {bool: False, type(None): False, str: False}  # type -> a real number other than bool
@@ -217,7 +224,7 @@ def _write_into(original, copy):
     if copy.shape != original.shape:
         return  # resized by the op: nothing to map back element by element
     with _no_grad():
-        fresh = CASTS[copy.dtype](original)
+        fresh = CASTS[copy.dtype].any(original)
         changed = copy != fresh
         if changed.any():
             original.copy_(torch.where(changed, copy.to(original.dtype), original))

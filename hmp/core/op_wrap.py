@@ -9,7 +9,7 @@ from hmp.core import cast_copies
 from hmp.core.rescue import About
 from hmp.core.wrap import make
 
-_to_bf16 = cast_copies.CASTS[torch.bfloat16]
+_to_bf16 = cast_copies.CASTS[torch.bfloat16].any
 _to_fp32 = cast_copies.PLAIN_CASTS[torch.float32]
 
 

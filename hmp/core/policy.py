@@ -3,7 +3,7 @@
 Each policy is a small factory returning ``prepare(args, kwargs) ->
 (args, kwargs)``. ``prepare`` returns its inputs unchanged (the same
 objects) when nothing needs a cast, and never mutates them. ``casters`` maps a
-dtype to a one-argument cast function; it is chosen at convert time (plain,
+dtype to a cast (cast_copies.Cast, whose ``any`` form a prepare calls); it is chosen at convert time (plain,
 or through the weight cache). Which prepare a site's wrapper calls (the
 list's rule, with the in-place rule for calls that write a tensor checked
 inside it) is decided at convert time: hmp/binding/sites.py.
@@ -117,7 +117,7 @@ def lower(low, casters, out=None):
     as a finite value (``torch.finfo(torch.float32).min``, the usual
     attention-mask fill, is -inf in bfloat16) runs under the FP32 rule
     instead: a finite value never turns inf (docs/never-changes.md)."""
-    cast, refuse = casters[low], numbers_check(low)
+    cast, refuse = casters[low].any, numbers_check(low)
     up = fp32(low, casters, out)
 
     def prepare(args, kwargs):
@@ -141,18 +141,18 @@ def lower(low, casters, out=None):
 def lower_tensors(low, casters):
     """float32 tensors to the lower dtype, numbers unchecked: a module's
     inputs (a BF16 module's ops check their own numbers)."""
-    return to_dtype(FP32_ONLY, casters[low])
+    return to_dtype(FP32_ONLY, casters[low].any)
 
 
 def fp32(low, casters, out=None):
     """FP32 list: bfloat16 and float16 tensors go to float32."""
-    return to_dtype(HALVES, casters[FP32], out)
+    return to_dtype(HALVES, casters[FP32].any, out)
 
 
 def lower_input_only(low, casters, out=None):
     """Normalization ops: only the input is cast; weight, bias and running
     statistics keep their dtype (BatchNorm's running stats stay fp32)."""
-    cast = casters[low]
+    cast = casters[low].any
 
     def prepare(args, kwargs):
         if kwargs and out is not None and kwargs.get("out") is not None:
@@ -236,7 +236,7 @@ def promote(low, casters, out=None):
         dt = widest(args, kwargs)
         if dt is None:  # one floating dtype or none: the common case, one pass
             return args, kwargs
-        src, cast = OTHER_FLOATS[dt], casters[dt]
+        src, cast = OTHER_FLOATS[dt], casters[dt].any
         args = cast_seq(args, src, cast)
         if kwargs:
             kwargs = cast_kwargs(kwargs, src, cast)
@@ -261,7 +261,7 @@ def _into(target, args, kwargs, casters, keep=()):
     if target is None or target.dtype not in FLOATS:
         return args, kwargs
     dst = target.dtype
-    src, cast = OTHER_FLOATS[dst], casters[dst]
+    src, cast = OTHER_FLOATS[dst], casters[dst].any
     # target already has dtype dst, so it is never in src and never copied
     cast_args = cast_each(args, src, cast)
     if cast_args is SAME:

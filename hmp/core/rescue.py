@@ -25,7 +25,7 @@ import warnings
 from typing import NamedTuple, Optional
 
 from hmp.core import dtypes, state, torch_private, wrapper_frames
-from hmp.core.cast_copies import PLAIN_CASTS
+from hmp.core.cast_copies import PLAIN_CASTERS
 from hmp.core.dtypes import FP32
 from hmp.core.policy import fp32
 
@@ -72,7 +72,7 @@ class About(NamedTuple):
 
 
 _NO_KERNEL = re.compile(torch_private.NO_KERNEL_MESSAGE)
-_to_fp32 = fp32(None, PLAIN_CASTS)
+_to_fp32 = fp32(None, PLAIN_CASTERS)
 
 
 def rescue(exc, op, about, args, kwargs, cast_args, cast_kwargs):

@@ -18,7 +18,7 @@ from hmp.core import cast_copies, policy, wrap
 from hmp.core.dtypes import BF16, FLOATS, FP16, FP32, FP64
 from hmp.driver import conversion, plan
 
-CASTS = dict(cast_copies.PLAIN_CASTS)
+CASTS = dict(cast_copies.PLAIN_CASTERS)
 
 
 def test_every_kind_has_a_complete_record_that_matches_convert():
@@ -98,7 +98,7 @@ def test_a_kind_without_a_rule_says_so():
 
 def to_float64(low, casters, out=None):
     """A new kind's policy: every other floating tensor to float64."""
-    return policy.to_dtype(frozenset((BF16, FP16, FP32)), casters[FP64], out)
+    return policy.to_dtype(frozenset((BF16, FP16, FP32)), casters[FP64].any, out)
 
 
 @pytest.fixture
@@ -142,7 +142,7 @@ def test_a_kind_added_to_the_registry_is_picked_up(fp64_kind):
     wrappers = sites.Wrappers(BF16, CASTS)
     wrapper = wrappers.site(Binding(attribute_site(torch, "logaddexp"), "fp64", "logaddexp"), torch.logaddexp)
     fields = wrap.fields(wrapper)
-    assert fields["src"] == frozenset((BF16, FP16, FP32)) and fields["cast"] is CASTS[FP64]
+    assert fields["src"] == frozenset((BF16, FP16, FP32)) and fields["cast"] == CASTS[FP64]
     assert wrappers.user_prepare("fp64", "f")((x,), {})[0][0].dtype == FP64
     # the module rule
     forwards = modules.Forwards(BF16, CASTS, set())
