@@ -30,7 +30,6 @@ ran 2.5-3.4x slower than autocast with it.)
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import types
@@ -39,7 +38,7 @@ import weakref
 import torch
 
 from hmp.core import cast_copies, policy, rescue, torch_private, wrapper_frames
-from hmp.core.identity import ORIGINAL, mark, unwrap
+from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import OFF, graph_off, tls, weight_cache
 
 log = logging.getLogger("hmp")
@@ -82,7 +81,6 @@ def make(
 PAUSED = None  # a wrapper's prepare while paused or retired: the call is a plain call of its op
 _cast_each, _SAME, _one_dtype, _write_back = policy.cast_each, policy.SAME, policy.one_dtype, cast_copies.write_back
 _PROMOTE = policy.PROMOTE
-_eager_of = cast_copies.eager_of
 _graph_off = graph_off
 _call_state = torch_private.call_state
 _COMPILING, _DYNAMO, _LOWERING = torch_private.COMPILING, torch_private.DYNAMO, torch_private.LOWERING
@@ -94,7 +92,8 @@ def _body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs):
     # Python's operator, never as this wrapper, so the graph reaches it only while lowering.
     name = getattr(op, "__name__", "")
     lowers = not (name.startswith("__") and name.endswith("__"))
-    eager = _eager_of(cast)  # the lean path's cast in eager code: it asks nothing per tensor
+    # the lean path's cast (a cast_copies.Cast): in eager code its eager form, which asks nothing per tensor
+    general, eager = (None, None) if cast is None else cast
     inplace = inplace_at != NEVER  # the op has an ``inplace`` parameter
 
     def wrapper(*args, **kwargs):
@@ -117,7 +116,7 @@ def _body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs):
             elif src is _PROMOTE:
                 a, k = (args, kwargs) if _one_dtype(args, None) is not False else rule(args, kwargs)
             else:
-                a, k = _cast_each(args, src, cast if running else eager, refuse), kwargs
+                a, k = _cast_each(args, src, general if running else eager, refuse), kwargs
                 if a is _SAME:
                     a = args
                 elif a is None:  # a number the lower dtype cannot hold: prepare runs the FP32 rule
@@ -192,12 +191,15 @@ _BODY = _body(None, None, None, None, None, None, None, None, None).__code__
 wrapper_frames.register_wrapper(_BODY, op_of)
 
 
-_FIELDS = ("op", "prepare", "about", "src", "cast", "refuse", "inplace_at", "hidden", "needs")
+_FIELDS = ("op", "prepare", "about", "src", "refuse", "inplace_at", "hidden", "needs")  # and cast, in two forms
 
 
 def fields(wrapper):
     """What a wrapper does: ``make``'s arguments, by name."""
-    return {name: _cell(wrapper, name).cell_contents for name in _FIELDS}
+    found = {name: _cell(wrapper, name).cell_contents for name in _FIELDS}
+    general, eager = _cell(wrapper, "general").cell_contents, _cell(wrapper, "eager").cell_contents
+    found["cast"] = None if general is None else cast_copies.Cast(general, eager)
+    return found
 
 
 _ready_lock = threading.Lock()  # two threads' first convert() do it one after the other
@@ -219,13 +221,10 @@ def ready_for_compile():
 
 
 def finish(wrapper, op):
-    try:
-        functools.update_wrapper(wrapper, op)
-    except (AttributeError, TypeError):  # some builtins lack __dict__ or names
-        wrapper.__wrapped__ = op
-    original = unwrap(op)
-    mark(wrapper, original)
-    script_as(wrapper, original)
+    """``wrapper`` standing in for ``op`` (identity.stand_in), and compiled by
+    TorchScript as torch's own."""
+    stand_in(wrapper, op)
+    script_as(wrapper, unwrap(op))
     return wrapper
 
 
@@ -296,9 +295,9 @@ def retire(wrapper):
     the original: references captured while converted (``self.act =
     F.relu``) then behave as the original. Objects that are not hmp
     wrappers are left alone."""
-    original = getattr(wrapper, ORIGINAL, None)
-    if original is None or not is_wrapper(wrapper):
+    if not is_wrapper(wrapper):
         return
+    original = unwrap(wrapper)
     _set(wrapper, "op", original)
     pause(wrapper)
     # pickle saves a function by name and the name now finds the original:

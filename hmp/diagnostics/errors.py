@@ -40,7 +40,7 @@ _FP32_LIKE = re.compile(r"loss|entropy|softmax|norm|log|exp|sum|mean|var|std|pro
 def _low():
     """The lower dtype of the conversion in force, or None."""
     conversion = state.runtime.conversion
-    return conversion.options.low if conversion is not None else None
+    return conversion.options.low_precision_type if conversion is not None else None
 
 
 def _record(kind):

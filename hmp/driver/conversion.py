@@ -176,10 +176,12 @@ def _build(conversion, resolver, recorder, passthrough):
     effective, options, by_module, uncast = conversion
     casters = cache.casters() if options.cache else dict(CASTS)
     watch = imports.Watch()
-    wrappers = sites.Wrappers(options.low, casters, options.verbose, recorder, passthrough, options.strict)
+    wrappers = sites.Wrappers(
+        options.low_precision_type, casters, options.isVerbose, recorder, passthrough, options.strict
+    )
     # an op returning a view of its input is never wrapped (see aten.returns_view); ops in no list
     # that have no kernel for the lower dtype or need one dtype run as they would without hmp's casts
-    fallback = lists.fallback_names(options.low)
+    fallback = lists.fallback_names(options.low_precision_type)
     placed = _placed()
     # entries that gain nothing from their list's rule are not bound: torch runs them (hmp/binding/pays.py)
     one_dtype = lists.one_dtype_names()
@@ -196,7 +198,7 @@ def _build(conversion, resolver, recorder, passthrough):
     if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
         no_kernel = dict(fallback).get(FP32.name, ())
         fp32_names = set(effective[FP32.name]).union(n for n in no_kernel if not _listed(n, effective))
-        forwards = modules.Forwards(options.low, casters, fp32_names)
+        forwards = modules.Forwards(options.low_precision_type, casters, fp32_names)
         patches += modules.patches(by_module, forwards)
         modules.watch(by_module, watch, forwards, _later)
     ctx = rules.Context(effective, uncast, watch, not passthrough, bool(by_module.get(LOWER.name)), _later, _again)
@@ -236,7 +238,7 @@ def _install_built(conversion, built):
     effective, options, by_module, uncast = conversion
     runtime.conversion = Conversion({k: frozenset(v) for k, v in effective.items()}, options, by_module, uncast)
     runtime.wrappers = built.wrappers
-    if options.verbose:
+    if options.isVerbose:
         _log_conversion(log_)
 
 
@@ -326,7 +328,7 @@ def _listed(name, effective):
 def _log_conversion(patches):
     runtime.log_restore = _start_verbose_logging()
     options = runtime.conversion.options
-    log.info("hmp: convert opt_level=%s, lower dtype %s", options.opt_level, dtypes.name(options.low))
+    log.info("hmp: convert opt_level=%s, lower dtype %s", options.opt_level, dtypes.name(options.low_precision_type))
     for kind, entries in effective_lists(detail=True).items():
         cast = [n for n, why in entries.items() if why == pays.CAST]
         log.info("hmp: %s list, cast: %s", kind, ", ".join(cast) or "(none)")

@@ -14,11 +14,14 @@ from hmp.core.dtypes import LOW
 
 
 class Options(NamedTuple):
-    opt_level: str = "O1"
-    low: torch.dtype = torch.bfloat16  # the lower-precision dtype
-    verbose: bool = False
-    cache: bool = True  # the weight-cast cache (hmp/core/cache.py)
-    strict: bool = False  # Habana's literal rule: every listed op casts, pointwise ones too
+    """convert()'s options that are not files or module entries, checked, by
+    convert()'s names (its signature holds their one set of defaults)."""
+
+    opt_level: str
+    low_precision_type: torch.dtype  # the lower-precision dtype
+    isVerbose: bool
+    cache: bool  # the weight-cast cache (hmp/core/cache.py)
+    strict: bool  # Habana's literal rule: every listed op casts, pointwise ones too (None given: HMP_STRICT)
 
 
 class Conversion(NamedTuple):
@@ -51,7 +54,7 @@ def _strict(strict):
     return strict
 
 
-def check_options(opt_level="O1", isVerbose=False, low_precision_type=torch.bfloat16, cache=True, strict=False):
+def check_options(opt_level, isVerbose, low_precision_type, cache, strict):
     if isinstance(opt_level, torch.nn.Module):
         raise TypeError(
             f"hmp: convert() takes no model: it patches torch's ops process-wide, so every model runs under "

@@ -34,6 +34,9 @@ from hmp.binding.kinds import FP32, LOWER, OPT_LEVELS
 from hmp.binding.lists import Names
 from hmp.binding.resolve import NO_PYTHON, UNKNOWN, Resolver
 from hmp.driver.conversion import convert, revert
+from hmp.driver.plan import PARAMETERS
+
+_DEFAULT = {name: p.default for name, p in PARAMETERS.items()}  # convert()'s, from its signature
 
 log = logging.getLogger("hmp")
 
@@ -157,7 +160,7 @@ def plan_from_config(path_or_mapping, model=None):
     Returns None when it asks for no mixed precision, else a dict with
     ``opt_level``, ``bf16`` and ``fp32`` (op names, or None for hmp's
     default list), ``modules`` (kind -> module classes and instances; names
-    are matched against ``model``) and ``verbose``. Raises ValueError naming
+    are matched against ``model``) and ``isVerbose`` (convert()'s names). Raises ValueError naming
     the field. ``path_or_mapping`` itself is not changed.
     """
     config, source = read_config(path_or_mapping)
@@ -181,9 +184,9 @@ def plan_from_config(path_or_mapping, model=None):
         if field not in (bf16_field, fp32_field) and config.get(field) is not None:
             log.debug("hmp: gaudi config %s: ignoring %s (%s is true)", source, field, mode)
 
-    opt_level, filled = "O1", []
+    opt_level, filled = _DEFAULT["opt_level"], []
     if mode == "use_habana_mixed_precision":
-        opt_level = config.get("hmp_opt_level") or "O1"
+        opt_level = config.get("hmp_opt_level") or opt_level
         if opt_level == "O1":  # at O2 hmp uses its own lists, as Habana's HMP did
             for field, names in hmp_defaults().items():
                 if config.get(field) is None:
@@ -217,7 +220,7 @@ def plan_from_config(path_or_mapping, model=None):
         "opt_level": opt_level,
         LOWER.name: bf16,
         FP32.name: fp32,
-        "verbose": bool(config.get("hmp_is_verbose") or False),
+        "isVerbose": bool(config.get("hmp_is_verbose") or False),
         "modules": by_module,
         "source": source,
         "fields": (bf16_field, fp32_field),
@@ -228,8 +231,8 @@ def convert_from_config(
     path_or_mapping: str | os.PathLike[str] | Mapping[str, Any],
     *,
     model: torch.nn.Module | None = None,
-    low_precision_type: torch.dtype = torch.bfloat16,
-    cache: bool = True,
+    low_precision_type: torch.dtype = PARAMETERS["low_precision_type"].default,
+    cache: bool = PARAMETERS["cache"].default,
 ) -> None:
     """Apply an optimum-habana ``gaudi_config.json`` (a path or a mapping).
 
@@ -260,7 +263,7 @@ def convert_from_config(
     modules = {k.modules_parameter: wanted["modules"][k.name] for k in kinds.KINDS if k.takes_modules}
     convert(
         wanted["opt_level"],
-        isVerbose=wanted["verbose"],
+        isVerbose=wanted["isVerbose"],
         low_precision_type=low_precision_type,
         cache=cache,
         **{LOWER.parameter: given[0], FP32.parameter: given[1]},

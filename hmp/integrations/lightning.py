@@ -66,9 +66,13 @@ class HMPPrecision(Precision):
         self._setup(*args, **options)
 
     def _setup(self, *args, verbose=None, **options):
-        """Take convert()'s options (all of them, as convert() spells them; ``verbose`` stays the
-        plugin's earlier name for ``isVerbose``), checked now: a bad file fails here, not in ``fit``."""
+        """Take convert()'s options (all of them, as convert() spells them), checked now: a bad
+        file fails here, not in ``fit``. ``verbose=``, the plugin's earlier name for ``isVerbose``,
+        still works and says so once."""
         if verbose is not None:
+            warnings.warn(
+                "hmp: HMPPrecision(verbose=...) is isVerbose=..., as convert() names it", FutureWarning, stacklevel=3
+            )
             options["isVerbose"] = verbose
         self.options = requested(*args, **options)
         if "model" in self.options:
@@ -76,8 +80,7 @@ class HMPPrecision(Precision):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # convert() warns about O2 and files when the run starts
             plan({**self.options, "fp32_modules": None, "bf16_modules": None})  # names need the model
-        low = self.options.get("low_precision_type", torch.bfloat16)
-        self.precision = "bf16-mixed" if low is torch.bfloat16 else "16-mixed"
+        self.precision = "bf16-mixed" if self.low_precision_type is torch.bfloat16 else "16-mixed"
         self._active = False
         self._previous = None
         self._run_off = None  # the disable_casts() block a run's own code runs in
@@ -181,9 +184,8 @@ class HMPFSDPPrecision(HMPPrecision, FSDPPrecision):
 
     def __init__(self, *args, param_dtype=None, reduce_dtype=torch.float32, **options):
         self._setup(*args, **options)
-        low_precision_type = self.options.get("low_precision_type", torch.bfloat16)
         FSDPPrecision.__init__(self, self.precision)
-        self.param_dtype = low_precision_type if param_dtype is None else param_dtype
+        self.param_dtype = self.low_precision_type if param_dtype is None else param_dtype
         self.reduce_dtype = reduce_dtype
 
     @property

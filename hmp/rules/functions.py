@@ -56,7 +56,7 @@ from hmp.binding.resolve import subclasses
 from hmp.core import torch_private
 from hmp.core.cast_copies import PLAIN_CASTS
 from hmp.core.dtypes import FLOATS, FP64
-from hmp.core.identity import ORIGINAL, stand_in, unwrap
+from hmp.core.identity import mark, stand_in, unwrap
 from hmp.core.policy import cast_kwargs, cast_seq
 from hmp.core.state import OFF, current, enter, leave, tls
 from hmp.core.switches import run_as
@@ -119,8 +119,7 @@ def _apply(descriptor):
 
     apply.__name__ = apply.__qualname__ = "apply"
     apply.__doc__ = getattr(descriptor, "__doc__", None)
-    setattr(apply, ORIGINAL, descriptor)
-    return apply
+    return mark(apply, descriptor)  # not stand_in: a classmethod descriptor has no name to copy
 
 
 def _backward_apply(original):
@@ -140,7 +139,9 @@ def _torch_apply(cls):
     """The ``apply`` descriptor ``cls`` calls without hmp (a conversion still
     in place: the one hmp's wraps)."""
     found = inspect.getattr_static(cls, "apply")
-    return getattr(getattr(found, "__func__", None), ORIGINAL, found)
+    func = getattr(found, "__func__", None)
+    original = unwrap(func)
+    return found if original is func else original
 
 
 def class_patches(cls):

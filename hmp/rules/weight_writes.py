@@ -39,7 +39,7 @@ def _checked(load_state_dict):
     def checked_load_state_dict(self, state_dict, *args, **kwargs):
         conversion = runtime.conversion
         if conversion is not None and tls.off != OFF and hasattr(state_dict, "items"):
-            low = conversion.options.low
+            low = conversion.options.low_precision_type
             keys = _rounded_into_fp32(self, state_dict, low)
             if keys and first_time(("rounded into fp32", low)):
                 name = dtypes.name(low)

@@ -187,7 +187,7 @@ def binding(conversion, op, call, runtime):
         if spelling in call.names:  # another name of a listed op (hmp/binding/spellings.py)
             return Binding(kind, name, False)
     listed = set().union(*bound.values())
-    for kind, names in lists.fallback_names(conversion.options.low):
+    for kind, names in lists.fallback_names(conversion.options.low_precision_type):
         for name in names:
             if name not in listed and name in call.names:
                 return Binding(kind, name, True)
@@ -202,7 +202,7 @@ def picked_binding(conversion, call, args, kwargs):
     only views, copies or allocates."""
     bound = bound_names(conversion)
     listed_by_kind = tuple((k, tuple(v)) for k, v in bound.items())
-    fallback = frozenset(n for _, names in lists.fallback_names(conversion.options.low) for n in names)
+    fallback = frozenset(n for _, names in lists.fallback_names(conversion.options.low_precision_type) for n in names)
     picked = spellings.picked(listed_by_kind, aten.python_builtins(), resolve.RNN_KERNELS, fallback)
     if not call.names & set(picked):
         return None
@@ -245,7 +245,7 @@ def why_left(conversion, call):
         for name in sorted(call.names & names):
             casts, why = pays.decision(kinds.kind(kind), name, strict, one)
             if not casts:
-                return f"{kinds.kind(kind).title_in(conversion.options.low)} list entry {name}: {why}"
+                return f"{kinds.kind(kind).title_in(conversion.options.low_precision_type)} list entry {name}: {why}"
     return "in no list"
 
 

@@ -129,7 +129,9 @@ def follow(op, /, *args, **kwargs):
     except Exception as e:
         if plain_error is None:
             conversion = in_force()
-            raise AssertionError(_failed(e, conversion.options.low if conversion else torch.bfloat16)) from None
+            raise AssertionError(
+                _failed(e, conversion.options.low_precision_type if conversion else torch.bfloat16)
+            ) from None
         raise Rejected(f"torch rejects this call with and without hmp: {type(e).__name__}: {e}") from e
     if isinstance(expected, Exception):
         raise AssertionError(f"it ran, where hmp's rules say it raises: {type(expected).__name__}: {expected}")

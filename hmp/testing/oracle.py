@@ -88,7 +88,7 @@ def expected_call(op, /, *args, **kwargs):
     bound = entries.binding(conversion, op, call, runtime) or entries.picked_binding(conversion, call, args, kwargs)
     if bound is None:
         return Expected(None, f"left to torch: {entries.why_left(conversion, call)}")
-    return _Rules(conversion.options.low, bound, call, kwargs).expect()
+    return _Rules(conversion.options.low_precision_type, bound, call, kwargs).expect()
 
 
 # -- the arguments: tensors and numbers at any depth of list and tuple arguments ---------------

@@ -9,10 +9,13 @@ import importlib
 
 import torch
 
+from hmp.binding.kinds import OPT_LEVELS
+from hmp.core import dtypes
+from hmp.driver.plan import PARAMETERS
 from hmp.tools.arguments import fail, positive_int, said
 
 PROG = "python -m hmp check"
-LOWER = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+LOWER = {dtypes.name(d): d for d in dtypes.LOW}  # --lower's choices
 
 
 def add_parser(subparsers):
@@ -31,9 +34,13 @@ def add_parser(subparsers):
         "fp32_file", nargs="?", default="", metavar="FP32_FILE", help="the FP32 list file (default: shipped)"
     )
     p.add_argument("--promote-file", default="", metavar="PATH", help="the promote list file (default: shipped)")
-    p.add_argument("--opt-level", choices=("O1", "O2"), default="O1", help="the opt_level to convert with (default O1)")
+    level = PARAMETERS["opt_level"].default
+    p.add_argument(
+        "--opt-level", choices=OPT_LEVELS, default=level, help=f"the opt_level to convert with (default {level})"
+    )
     p.add_argument("--strict", action="store_true", help="Habana's literal rule: every listed op casts")
-    p.add_argument("--lower", choices=tuple(LOWER), default="bfloat16", help="the lower dtype (default bfloat16)")
+    lower = dtypes.name(PARAMETERS["low_precision_type"].default)
+    p.add_argument("--lower", choices=tuple(LOWER), default=lower, help=f"the lower dtype (default {lower})")
     p.add_argument("--examples", type=positive_int, default=20, help="drawn calls per entry (default 20)")
     p.add_argument("--only", nargs="+", metavar="NAME", help="check these entries alone")
     p.add_argument("--device", default="cpu", help="where the drawn calls run (default cpu)")

@@ -372,7 +372,7 @@ class _Tuner:
             self.samples,
             self.same_as,
             self.tolerance,
-            self.start.options.low,
+            self.start.options.low_precision_type,
             self.start.options.strict,
         )
         result.authored = self.authored  # large ops not tried: the author computes their input in float32

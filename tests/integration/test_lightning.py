@@ -107,7 +107,7 @@ def trainer(plugin, accelerator="cpu", **kwargs):
 @pytest.mark.parametrize("accelerator", ACCELERATORS)
 def test_trains_in_bf16_with_fp32_params(accelerator):
     model = MLP()
-    plugin = HMPPrecision(opt_level="O1", bf16_file_path=None, fp32_file_path=None, verbose=False)
+    plugin = HMPPrecision(opt_level="O1", bf16_file_path=None, fp32_file_path=None, isVerbose=False)
     trainer(plugin, accelerator).fit(model, loader())
     assert len(model.seen) == 3 * 8
     hidden, logits, _, converted, casting, _ = model.seen[0]
