@@ -1,7 +1,7 @@
 """Entries resolved when the program imports their module (uncast calls,
 module entries of libraries): hmp never imports a library for them. One
 import hook while converted calls back after a watched module has run;
-``revert()`` removes it (``runtime.hooks``)."""
+``revert()`` removes it (``runtime.handles``)."""
 
 import fnmatch
 import importlib.abc

@@ -28,7 +28,7 @@ module-level store and memo and checks it is named here):
   ``region_factories.load``, ``errors._shipped``, ``entries._table``
   (lru_caches), ``strategies._FOUND``, ``strategies._REMOVED`` (the testing kit's builder found for
   an op, probed once), ``cast_copies._NUMBER_TYPES`` (a type's answer), and
-  ``functions._plans`` (an autograd Function class's cast plan, weak),
+  ``functions._declarations`` (what an autograd Function class declares with custom_fwd/custom_bwd, weak),
   ``saturating_cast.kernel`` (the Triton kernel, imported once);
 - registrations made at import, by the floor above a core module that
   must not import it: ``rescue._annotators``, ``wrapper_frames._wrappers``;
@@ -158,7 +158,7 @@ class Runtime:
         self.conversion = None  # conversion.Conversion in force; None: not converted
         self.wrappers = None  # sites.Wrappers of this conversion, for register() while converted
         self.forwards = None  # modules.Forwards of this conversion: revert() makes what others captured plain
-        self.hooks = []  # handles of torch's global hooks hmp registered (optimizer steps, buffers)
+        self.handles = []  # what registering torch's global hooks returned (steps, buffers); revert() removes
         self.pickle_names = {}  # id(function) -> (function, "module:attr") (pickling.py)
         self.log_restore = None  # puts the "hmp" logger back after a verbose conversion
         self.blocks = []  # open converted() blocks, oldest first: [configuration to restore] each

@@ -224,12 +224,12 @@ def _install_built(conversion, built):
             log_.setattr(namespace, attr, value, if_unchanged=isinstance(namespace, torch.nn.Module))
         runtime.forwards = built.forwards
         runtime.pickle_names = pickling.names(log_.entries())
-        runtime.hooks = []  # filled one by one: revert() removes those registered before a failure
+        runtime.handles = []  # filled one by one: revert() removes those registered before a failure
         for change in built.changes:
             for register_hook in change.hooks:
-                runtime.hooks.append(register_hook())
+                runtime.handles.append(register_hook())
         if built.watch.patterns:
-            runtime.hooks.append(built.watch.hook())
+            runtime.handles.append(built.watch.hook())
     except BaseException:
         _revert_locked()
         raise
@@ -371,9 +371,9 @@ def _revert_locked():
     rt = runtime
     for w in list(rt.decorated):
         wrap.pause(w)
-    for handle in rt.hooks:
+    for handle in rt.handles:
         handle.remove()
-    rt.hooks = []
+    rt.handles = []
     if rt.forwards is not None:
         rt.forwards.live = False  # module entries another library still holds run their originals
         rt.forwards = None

@@ -67,19 +67,20 @@ _Meta = torch_private.FunctionMeta
 _FORWARD_STATE = "_hmp_forward_state"  # on a ctx: (cast state of its forward, undecorated backward)
 
 # Function class -> (dtypes cast_inputs casts, its cast; or None, None), custom_bwd's backward or None
-_plans = weakref.WeakKeyDictionary()
+_declarations = weakref.WeakKeyDictionary()
 
 
-def _plan(cls):
-    plan = _plans.get(cls)
-    if plan is None:
+def _declared(cls):
+    """What ``cls`` declares with custom_fwd/custom_bwd (memoized)."""
+    found = _declarations.get(cls)
+    if found is None:
         cast = torch_private.custom_fwd_cast(getattr(cls, "forward", None))
         if cast:
-            plan = (FLOATS - {cast, FP64}, PLAIN_CASTS[cast], None)
+            found = (FLOATS - {cast, FP64}, PLAIN_CASTS[cast], None)
         else:
-            plan = (None, None, torch_private.custom_bwd_inner(getattr(cls, "backward", None)))
-        _plans[cls] = plan
-    return plan
+            found = (None, None, torch_private.custom_bwd_inner(getattr(cls, "backward", None)))
+        _declarations[cls] = found
+    return found
 
 
 def _mark(out, state, backward):
@@ -102,7 +103,7 @@ def _apply(descriptor):
         st = tls
         if st.off:
             return original(cls, *args, **kwargs)
-        src, to, backward = _plan(cls)
+        src, to, backward = _declared(cls)
         if src is not None:
             args = cast_seq(args, src, to)
             if kwargs:
@@ -147,7 +148,7 @@ def _torch_apply(cls):
 def class_patches(cls):
     """``[(namespace, attr, value)]`` for one Function class: [] unless it
     carries ``custom_fwd(cast_inputs=...)`` or ``custom_bwd``."""
-    src, _, backward = _plan(cls)
+    src, _, backward = _declared(cls)
     if src is None and backward is None:
         return []
     out = [(cls, "apply", classmethod(_apply(_torch_apply(cls))))]
@@ -168,7 +169,7 @@ def _patch_new_class(cls, hook, later):
 def _class_created(original, later):
     def __init__(cls, *args, **kwargs):
         original(cls, *args, **kwargs)
-        if issubclass(cls, _Function) and _plan(cls) != (None, None, None):
+        if issubclass(cls, _Function) and _declared(cls) != (None, None, None):
             _patch_new_class(cls, __init__, later)
 
     return stand_in(__init__, original)
