@@ -17,6 +17,7 @@ import os
 import sys
 
 import hmp
+from hmp.binding.kinds import OPT_LEVELS
 from hmp.demo import data as data_mod
 from hmp.demo import report, sizing
 from hmp.demo.training import (
@@ -32,6 +33,7 @@ from hmp.demo.training import (
     resolve_device,
     train_interleaved,
 )
+from hmp.driver.plan import PARAMETERS
 from hmp.tools.arguments import list_file_problem, positive_int, seed
 from hmp.tools.progress import Progress
 
@@ -94,7 +96,8 @@ def add_parser(subparsers):
         default="auto",
         help="auto: cuda if available, then hpu when habana_frameworks is installed, else cpu",
     )
-    p.add_argument("--opt-level", choices=("O1", "O2"), default="O1", help="hmp opt_level (default O1)")
+    level = PARAMETERS["opt_level"].default  # convert()'s, from its signature
+    p.add_argument("--opt-level", choices=OPT_LEVELS, default=level, help=f"hmp opt_level (default {level})")
     p.add_argument("--bf16-file", default="", metavar="PATH", help="hmp BF16 list file (default: hmp's own)")
     p.add_argument("--fp32-file", default="", metavar="PATH", help="hmp FP32 list file (default: hmp's own)")
     p.add_argument("--seed", type=seed, default=DEFAULTS.seed, help=f"random seed (default {DEFAULTS.seed})")
