@@ -1,10 +1,12 @@
 """Every benchmark script imports and runs, so a rename in hmp cannot leave one broken unnoticed
 (benchmarks/mechanisms.py failed at import after one). Each script with a ``__main__`` block names its
-quickest run in ``QUICK`` (read from its source, not imported) and this test runs it (test_benchmarks.py
-checks what some of them report); a module file imports."""
+quickest run in ``QUICK`` (read from its source, not imported) and this test runs it, unless
+test_benchmarks.py runs the script already and checks what it reports (one run of each script in CI,
+not two); a module file imports."""
 
 import ast
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -30,8 +32,15 @@ def _quick(path):
     return None
 
 
+def _run_by(test_file):
+    """The scripts ``test_file`` runs (``BENCHMARKS / "name.py"`` in its source)."""
+    return set(re.findall(r'BENCHMARKS / "(\w+)\.py"', test_file.read_text()))
+
+
 SCRIPTS = [p for p in sorted(BENCHMARKS.glob("*.py")) if _is_script(p)]
 MODULES = [p for p in sorted(BENCHMARKS.glob("*.py")) if not _is_script(p)]
+CHECKED = _run_by(Path(__file__).with_name("test_benchmarks.py"))  # run there, with checks of their output
+QUICK_HERE = [p for p in SCRIPTS if p.stem not in CHECKED]
 
 
 def test_every_script_names_its_quickest_run():
@@ -39,8 +48,14 @@ def test_every_script_names_its_quickest_run():
     assert [p.name for p in SCRIPTS if _quick(p) is None] == []
 
 
+def test_every_script_runs_here_or_in_test_benchmarks():
+    assert CHECKED and CHECKED <= {p.stem for p in SCRIPTS}, CHECKED  # the reading finds real scripts
+    assert {p.stem for p in SCRIPTS} == CHECKED | {p.stem for p in QUICK_HERE}
+    assert QUICK_HERE, "every script would be left to test_benchmarks.py"
+
+
 @pytest.mark.slow  # each a few seconds to two minutes (tune_models tunes a small CNN)
-@pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
+@pytest.mark.parametrize("script", QUICK_HERE, ids=[p.stem for p in QUICK_HERE])
 def test_each_script_runs_its_quick_mode(script, tmp_path):
     args = [a.format(tmp=tmp_path) for a in _quick(script)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

@@ -142,7 +142,7 @@ def test_bit_identical_sees_a_sign_flip():
     assert bit_identical(torch.tensor([1.5]), torch.tensor([1.5]))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
 def test_audit_leaves_everything_reachable_bit_identical(data):
     program = Program(data.draw)
