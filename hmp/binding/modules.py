@@ -218,7 +218,7 @@ class Forwards:
         return _lower_forward(original, self._lower_in, self._mode, self)
 
 
-def watch(modules, watch, forwards, later):
+def on_import(modules, watch, forwards, later):
     """Have ``watch`` (imports.Watch) give the classes of a Pattern in a
     module imported later their entry (a class that already has one keeps it)."""
     taken = {c for targets in resolved(modules).values() for c in targets if isinstance(c, type)}

@@ -79,10 +79,10 @@ def called_name(text):
     return None
 
 
-def list_name(name):
-    """The list name for an attribute name: ``__rmul__`` -> mul, ``mul_`` -> mul."""
+def entry_name(attribute):
+    """The list entry that binds an attribute name: ``__rmul__`` -> mul, ``mul_`` -> mul."""
     resolver = Resolver()
-    return next((c for c in list_names(name) if resolver.exists(c)), None)
+    return next((c for c in list_names(attribute) if resolver.exists(c)), None)
 
 
 def callee(exc):
@@ -97,10 +97,10 @@ def callee(exc):
             return None
         # an inner wrapper that called its op uncast (disable_casts, or inside a wrapped op)
         name = getattr(wrapper_op(tb.tb_frame), "__name__", None)
-        return list_name(name) if isinstance(name, str) else None
+        return entry_name(name) if isinstance(name, str) else None
     text = _source(tb)
     name = called_name(text) if text else None
-    return list_name(name) if name else None
+    return entry_name(name) if name else None
 
 
 def raising_frame(exc):

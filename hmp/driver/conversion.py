@@ -200,7 +200,7 @@ def _build(conversion, resolver, recorder, passthrough):
         fp32_names = set(effective[FP32.name]).union(n for n in no_kernel if not _listed(n, effective))
         forwards = modules.Forwards(options.low_precision_type, casters, fp32_names)
         patches += modules.patches(by_module, forwards)
-        modules.watch(by_module, watch, forwards, _later)
+        modules.on_import(by_module, watch, forwards, _later)
     ctx = rules.Context(effective, uncast, watch, not passthrough, bool(by_module.get(LOWER.name)), _later, _again)
     changes = [rule.changes(ctx) for rule in rules.RULES]
     _say_lacks(changes)

@@ -236,12 +236,12 @@ def _uncast_until_return(outer):
         return False
     found = enter(OFF)
 
-    def watch(frame, event, arg):
+    def returned(frame, event, arg):
         if previous is not None:
             previous(frame, event, arg)
         if frame is outer and event == "return":
             sys.setprofile(previous)
             leave(found)
 
-    sys.setprofile(watch)
+    sys.setprofile(returned)
     return True

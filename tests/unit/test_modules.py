@@ -18,9 +18,6 @@ from hypothesis import strategies as st
 import hmp
 
 BF16, FP32 = torch.bfloat16, torch.float32
-transformers = pytest.importorskip("transformers")
-from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
-
 RMSNORM = "transformers.models.llama.modeling_llama.LlamaRMSNorm"
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -36,9 +33,16 @@ VOCAB, SEQ, BATCH, HIDDEN = 128, 32, 4, 64
 
 
 def llama():
+    """A tiny Llama; the test skips where transformers is not installed (only the tests that use it)."""
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = tiny_llama_config(VOCAB, HIDDEN, max_position_embeddings=64)
     return transformers.LlamaForCausalLM(cfg)
+
+
+def llama_rmsnorm():
+    """transformers' LlamaRMSNorm class; the test skips without transformers."""
+    return pytest.importorskip("transformers.models.llama.modeling_llama").LlamaRMSNorm
 
 
 IDS = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
@@ -56,7 +60,7 @@ def record(model, kind):
 
 def test_rmsnorm_in_the_fp32_list_computes_fp32_rmsnorm_bit_for_bit(tmp_path):
     model = llama()
-    seen, hooks = record(model, LlamaRMSNorm)
+    seen, hooks = record(model, llama_rmsnorm())
     gate = []
     model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda mod, args, out: gate.append(out.dtype))
     with hmp.converted(fp32_file_path=fp32_list_with(tmp_path, RMSNORM)):
@@ -76,7 +80,7 @@ def test_rmsnorm_in_the_fp32_list_computes_fp32_rmsnorm_bit_for_bit(tmp_path):
 
 def rmsnorm_error_under_o1(**kwargs):
     model = llama()
-    seen, hooks = record(model, LlamaRMSNorm)
+    seen, hooks = record(model, llama_rmsnorm())
     with hmp.converted(**kwargs):
         model(input_ids=IDS)
     for h in hooks:
@@ -114,13 +118,13 @@ def test_rmsnorm_entry_brings_the_loss_at_least_as_close_to_fp32(tmp_path):
 
 def test_the_same_from_python_by_class_and_by_name(tmp_path):
     model = llama()
-    seen, _ = record(model, LlamaRMSNorm)
+    seen, _ = record(model, llama_rmsnorm())
     # strict=True: Habana's rule runs RMSNorm's multiplies in bf16, so an entry shows
     with hmp.converted(fp32_modules=["*.post_attention_layernorm"], model=model, strict=True):
         model(input_ids=IDS)
     assert [out.dtype for _, _, out in seen] == [BF16, FP32, BF16, FP32, BF16]
     seen.clear()
-    with hmp.converted(fp32_modules=[LlamaRMSNorm, model.lm_head], strict=True):
+    with hmp.converted(fp32_modules=[llama_rmsnorm(), model.lm_head], strict=True):
         logits = model(input_ids=IDS).logits
     assert {out.dtype for _, _, out in seen} == {FP32} and logits.dtype == FP32
 
@@ -480,8 +484,8 @@ def test_hf_gradient_checkpointing_with_rmsnorm_in_fp32(reentrant):
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         model.train()
-        seen, _ = record(model, LlamaRMSNorm)
-        with hmp.converted(fp32_modules=[LlamaRMSNorm]):
+        seen, _ = record(model, llama_rmsnorm())
+        with hmp.converted(fp32_modules=[llama_rmsnorm()]):
             model(input_ids=IDS, labels=IDS).loss.backward()
         assert len(seen) == (9 if checkpointing else 5) and {out.dtype for _, _, out in seen} == {FP32}
         grads.append([p.grad for p in model.parameters()])
