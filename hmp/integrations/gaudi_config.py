@@ -36,8 +36,6 @@ from hmp.binding.resolve import NO_PYTHON, UNKNOWN, Resolver
 from hmp.driver.conversion import convert, revert
 from hmp.driver.plan import PARAMETERS
 
-_DEFAULT = {name: p.default for name, p in PARAMETERS.items()}  # convert()'s, from its signature
-
 log = logging.getLogger("hmp")
 
 # field -> what it holds
@@ -184,7 +182,7 @@ def plan_from_config(path_or_mapping, model=None):
         if field not in (bf16_field, fp32_field) and config.get(field) is not None:
             log.debug("hmp: gaudi config %s: ignoring %s (%s is true)", source, field, mode)
 
-    opt_level, filled = _DEFAULT["opt_level"], []
+    opt_level, filled = PARAMETERS["opt_level"].default, []  # convert()'s, from its signature
     if mode == "use_habana_mixed_precision":
         opt_level = config.get("hmp_opt_level") or opt_level
         if opt_level == "O1":  # at O2 hmp uses its own lists, as Habana's HMP did
