@@ -154,7 +154,7 @@ class Runtime:
 
     def __init__(self):
         self.lock = threading.RLock()
-        self.patches = None  # patch.PatchLog, made by the first convert(); kept for retries of a failed undo
+        self.undo_log = None  # patch.PatchLog, made by the first convert(); kept for retries of a failed undo
         self.conversion = None  # conversion.Conversion in force; None: not converted
         self.wrappers = None  # sites.Wrappers of this conversion, for register() while converted
         self.forwards = None  # modules.Forwards of this conversion: revert() makes what others captured plain
@@ -165,10 +165,10 @@ class Runtime:
         # kept across conversions
         self.registered = []  # (owner, name, kind) from hmp.register()
         self.decorated = weakref.WeakKeyDictionary()  # @hmp.*_function wrapper -> kind
-        # (id(namespace), attr) -> patch.Entry of an op site another library replaced after hmp's wrapper:
+        # (id(namespace), attr) -> patch.Record of an op site another library replaced after hmp's wrapper:
         # the site is that library's; the wrapper it holds follows the conversion in force (conversion.py)
         self.displaced = {}
-        self.adopted = []  # the displaced entries whose wrapper the conversion in force re-armed
+        self.adopted = []  # the displaced records whose wrapper the conversion in force re-armed
         self.ready_for_compile = False  # wrap.ready_for_compile has run in this process (conversion.apply)
 
 

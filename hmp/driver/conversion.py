@@ -37,8 +37,8 @@ from hmp.rules import pickling, regions, steps
 log = logging.getLogger("hmp")
 # every entry point convert() patched, one line each: isVerbose=True says how many; set this logger to
 # DEBUG for the list (hundreds of lines)
-patch_log = logging.getLogger("hmp.patches")
-patch_log.setLevel(logging.INFO)
+patch_logger = logging.getLogger("hmp.patches")
+patch_logger.setLevel(logging.INFO)
 
 
 @options_of
@@ -214,16 +214,16 @@ def _install_built(conversion, built):
     """Put ``built`` in place of the conversion in force, through the undo log;
     on any failure, nothing of it stays."""
     _revert_locked()
-    log_ = runtime.patches = runtime.patches or PatchLog()
+    undo_log = runtime.undo_log = runtime.undo_log or PatchLog()
     try:
         for namespace, attr, value in built.op_sites:
-            _install(log_, namespace, attr, value)
+            _install(undo_log, namespace, attr, value)
         for namespace, attr, value in built.patches:
             # an instance entry's forward: another library may wrap it while converted (accelerate's
             # hooks); revert() then leaves theirs, and the entry it holds runs the original
-            log_.setattr(namespace, attr, value, if_unchanged=isinstance(namespace, torch.nn.Module))
+            undo_log.setattr(namespace, attr, value, if_unchanged=isinstance(namespace, torch.nn.Module))
         runtime.forwards = built.forwards
-        runtime.pickle_names = pickling.names(log_.entries())
+        runtime.pickle_names = pickling.names(undo_log.records())
         runtime.handles = []  # filled one by one: revert() removes those registered before a failure
         for change in built.changes:
             for register_hook in change.hooks:
@@ -239,7 +239,7 @@ def _install_built(conversion, built):
     runtime.conversion = Conversion({k: frozenset(v) for k, v in effective.items()}, options, by_module, uncast)
     runtime.wrappers = built.wrappers
     if options.isVerbose:
-        _log_conversion(log_)
+        _log_conversion(undo_log)
 
 
 def _later(namespace, attr, value):
@@ -247,9 +247,9 @@ def _later(namespace, attr, value):
     module imported, a class created): through the conversion's undo log, the
     one writer of it, unless the conversion is gone meanwhile (then False)."""
     with runtime.lock:
-        if runtime.conversion is None or runtime.patches is None:
+        if runtime.conversion is None or runtime.undo_log is None:
             return False
-        runtime.patches.setattr(namespace, attr, value)
+        runtime.undo_log.setattr(namespace, attr, value)
         return True
 
 
@@ -278,8 +278,8 @@ def _say_lacks(changes):
 def _placed():
     """``(id(namespace), attr) -> wrapper`` hmp put at an op site, which another
     library may hold now: the current conversion's, and those displaced earlier."""
-    entries = runtime.patches.entries() if runtime.patches is not None else []
-    placed = {(id(e.namespace), e.attr): e.value for e in entries if wrap.is_wrapper(e.value)}
+    records = runtime.undo_log.records() if runtime.undo_log is not None else []
+    placed = {(id(e.namespace), e.attr): e.value for e in records if wrap.is_wrapper(e.value)}
     placed.update((key, e.value) for key, e in runtime.displaced.items())
     return placed
 
@@ -289,7 +289,7 @@ def _original(site, placed):
     return unwrap(wrapper) if wrapper is not None else site.original()
 
 
-def _install(log_, namespace, attr, value):
+def _install(undo_log, namespace, attr, value):
     """Put an op's wrapper at its site; where another library replaced hmp's
     wrapper there (wrapped it, or saved it to put back later), the site stays
     theirs and the wrapper they hold does what ``value`` would."""
@@ -298,26 +298,26 @@ def _install(log_, namespace, attr, value):
         wrap.take_over(displaced.value, value)
         runtime.adopted.append(displaced)
         return
-    log_.setattr(namespace, attr, value, if_unchanged=True)
+    undo_log.setattr(namespace, attr, value, if_unchanged=True)
 
 
 def _settle_displaced(rt, left):
     """After an undo: remember op sites another library took over (``left``),
     retire the wrappers they hold, and restore those whose wrapper came back."""
-    for entry in left:
-        if wrap.is_wrapper(entry.value):
-            rt.displaced[(id(entry.namespace), entry.attr)] = entry
-    for entry in rt.adopted:
-        wrap.retire(entry.value)
+    for record in left:
+        if wrap.is_wrapper(record.value):
+            rt.displaced[(id(record.namespace), record.attr)] = record
+    for record in rt.adopted:
+        wrap.retire(record.value)
     rt.adopted = []
-    for key, entry in list(rt.displaced.items()):
-        now = entry.namespace.__dict__.get(entry.attr, MISSING)
-        if now is entry.value:  # hmp's wrapper put back: undo it now
-            if entry.previous is MISSING:
-                delattr(entry.namespace, entry.attr)
+    for key, record in list(rt.displaced.items()):
+        now = record.namespace.__dict__.get(record.attr, MISSING)
+        if now is record.value:  # hmp's wrapper put back: undo it now
+            if record.previous is MISSING:
+                delattr(record.namespace, record.attr)
             else:
-                setattr(entry.namespace, entry.attr, entry.previous)
-        if now is entry.value or now is entry.previous:  # torch's own is there: the site is free again
+                setattr(record.namespace, record.attr, record.previous)
+        if now is record.value or now is record.previous:  # torch's own is there: the site is free again
             del rt.displaced[key]
 
 
@@ -325,7 +325,7 @@ def _listed(name, effective):
     return any(name in names for names in effective.values())
 
 
-def _log_conversion(patches):
+def _log_conversion(undo_log):
     runtime.log_restore = _start_verbose_logging()
     options = runtime.conversion.options
     log.info("hmp: convert opt_level=%s, lower dtype %s", options.opt_level, dtypes.name(options.low_precision_type))
@@ -341,13 +341,13 @@ def _log_conversion(patches):
     for kind, targets in runtime.conversion.modules.items():
         if targets:
             log.info("hmp: %s modules: %s", kind, ", ".join(module_entries.shown(t) for t in targets))
-    labels = patches.labels()
+    labels = undo_log.labels()
     log.info(
         "hmp: patched %d entry points (each one: logging.getLogger('hmp.patches').setLevel(logging.DEBUG))",
         len(labels),
     )
     for label in labels:
-        patch_log.debug("hmp: patched %s", label)
+        patch_logger.debug("hmp: patched %s", label)
 
 
 def _start_verbose_logging():
@@ -377,15 +377,15 @@ def _revert_locked():
     if rt.forwards is not None:
         rt.forwards.live = False  # module entries another library still holds run their originals
         rt.forwards = None
-    patches = rt.patches
-    installed = patches.values() if patches is not None else []
+    undo_log = rt.undo_log
+    installed = undo_log.values() if undo_log is not None else []
     left = []
     try:
-        if patches is not None:
-            left = patches.undo()
+        if undo_log is not None:
+            left = undo_log.undo()
     finally:
         _settle_displaced(rt, left)
-        left = {id(v) for v in patches.values()} if patches is not None else set()
+        left = {id(v) for v in undo_log.values()} if undo_log is not None else set()
         for value in installed:  # entries that could not be undone stay live
             if id(value) not in left:
                 wrap.retire(value)

@@ -7,10 +7,10 @@ owned is set back to the identical object, and one it only inherited (a
 
 from typing import Any, NamedTuple
 
-MISSING = object()  # Entry.previous of an attribute the namespace did not own
+MISSING = object()  # Record.previous of an attribute the namespace did not own
 
 
-class Entry(NamedTuple):
+class Record(NamedTuple):
     namespace: Any
     attr: str
     previous: Any  # the namespace's own value before, or MISSING
@@ -25,10 +25,10 @@ def _name(namespace):
 
 class PatchLog:
     def __init__(self):
-        self._entries = []
+        self._records = []
 
     def __len__(self):
-        return len(self._entries)
+        return len(self._records)
 
     def setattr(self, namespace, attr, value, if_unchanged=False):
         """Set ``namespace.attr``, logged for undo. ``if_unchanged``: undo
@@ -36,45 +36,45 @@ class PatchLog:
         (another library's wrapper on top of hmp's stays outermost)."""
         previous = namespace.__dict__.get(attr, MISSING)
         setattr(namespace, attr, value)
-        self._entries.append(Entry(namespace, attr, previous, value, if_unchanged))
+        self._records.append(Record(namespace, attr, previous, value, if_unchanged))
 
     def undo(self):
-        """Undo every change, newest first. Keeps going past a failing entry
-        and raises the first error at the end, so one bad entry cannot leave
-        the rest patched. Entries that could not be undone (and, after a
+        """Undo every change, newest first. Keeps going past a failing record
+        and raises the first error at the end, so one bad record cannot leave
+        the rest patched. Records that could not be undone (and, after a
         KeyboardInterrupt, those not reached) stay in the log, so the next
         undo() retries them: torch is never left patched with no way back.
-        Returns the ``if_unchanged`` entries left alone because someone
+        Returns the ``if_unchanged`` records left alone because someone
         replaced their value since."""
         first_error, failed, left = None, [], []
-        while self._entries:
-            entry = self._entries.pop()
-            namespace, attr, previous, value, if_unchanged = entry
+        while self._records:
+            record = self._records.pop()
+            namespace, attr, previous, value, if_unchanged = record
             try:
                 if if_unchanged and namespace.__dict__.get(attr, MISSING) is not value:
-                    left.append(entry)
+                    left.append(record)
                     continue
                 if previous is MISSING:
                     delattr(namespace, attr)
                 else:
                     setattr(namespace, attr, previous)
             except BaseException as e:  # only a hostile namespace or an interrupt gets here
-                failed.append(entry)
+                failed.append(record)
                 first_error = first_error or e
                 if not isinstance(e, Exception):
                     break
-        self._entries.extend(reversed(failed))
+        self._records.extend(reversed(failed))
         if first_error is not None:
             raise first_error
         return left
 
     def labels(self):
-        return [f"{_name(e.namespace)}.{e.attr}" for e in self._entries]
+        return [f"{_name(e.namespace)}.{e.attr}" for e in self._records]
 
-    def entries(self):
-        """Every Entry not undone yet, oldest first."""
-        return list(self._entries)
+    def records(self):
+        """Every Record not undone yet, oldest first."""
+        return list(self._records)
 
     def values(self):
         """Every value set and not undone yet, oldest first."""
-        return [e.value for e in self._entries]
+        return [e.value for e in self._records]

@@ -132,12 +132,12 @@ def _own_name(value):
         return False
 
 
-def names(entries):
+def names(records):
     """``{id: (function, path)}`` for the (namespace, attr, previous, value)
-    entries of the patch log whose value a path finds; the replaced
+    records of the undo log whose value a path finds; the replaced
     originals get the same path."""
     out = {}
-    for namespace, attr, previous, value, _ in entries:
+    for namespace, attr, previous, value, _ in records:
         path = _path(namespace, attr)
         if path is None or not callable(value):
             continue

@@ -19,7 +19,7 @@ def entries_patched_by_convert():
     hmp.convert()
     from hmp.core.state import runtime
 
-    n = len(runtime.patches)
+    n = len(runtime.undo_log)
     hmp.revert()
     return n
 

@@ -413,7 +413,7 @@ from hmp.core import wrap
 from hmp.core.state import runtime
 hmp.convert()
 out = []
-for e in runtime.patches.entries():
+for e in runtime.undo_log.records():
     if not wrap.is_wrapper(e.value):
         owner = e.namespace.__name__ if isinstance(e.namespace, type(json)) else e.namespace.__qualname__
         out.append([owner, e.attr])
@@ -488,10 +488,10 @@ def test_the_floor_check_finds_a_planted_upward_import():
 
 
 def _uses_the_undo_log(tree):
-    """True when the module reaches the undo log: ``runtime.patches`` (or
-    ``rt.patches``), or makes a PatchLog."""
+    """True when the module reaches the undo log: ``runtime.undo_log`` (or
+    ``rt.undo_log``), or makes a PatchLog."""
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr == "patches":
+        if isinstance(node, ast.Attribute) and node.attr == "undo_log":
             base = node.value
             if isinstance(base, ast.Name) and base.id in ("runtime", "rt"):
                 return True
@@ -509,8 +509,8 @@ def test_one_owner_writes_the_undo_log():
 
 
 def test_the_undo_log_check_finds_a_planted_writer():
-    assert _uses_the_undo_log(ast.parse("runtime.patches.setattr(a, 'b', c)"))
-    assert _uses_the_undo_log(ast.parse("log = state.runtime.patches"))
+    assert _uses_the_undo_log(ast.parse("runtime.undo_log.setattr(a, 'b', c)"))
+    assert _uses_the_undo_log(ast.parse("log = state.runtime.undo_log"))
     assert not _uses_the_undo_log(ast.parse("ctx.later(a, 'b', c)"))
 
 
