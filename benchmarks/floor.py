@@ -154,7 +154,7 @@ def sites(**convert_args):
 def _sites(convert_args):
     found = []
     with hmp.converted(**convert_args):
-        for e in runtime.patches.entries():
+        for e in runtime.undo_log.records():
             if not wrap.is_wrapper(e.value):
                 continue
             f = wrap.fields(e.value)
