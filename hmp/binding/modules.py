@@ -148,7 +148,7 @@ def _fp32_forward(original, cast_in, cast_out, forwards):
     def forward(self, *args, **kwargs):
         # casts are off for another reason than a module: it wins; reverted: what another library
         # captured of this forward (accelerate's hooks) runs the original
-        if tls.off == OFF or not forwards.live:
+        if tls.off == OFF or not forwards.in_force:
             return original(self, *args, **kwargs)
         cast_args, cast_kwargs = cast_in(args, kwargs)
         found = enter(MODULE)
@@ -165,7 +165,7 @@ def _fp32_forward(original, cast_in, cast_out, forwards):
 
 def _lower_forward(original, cast_in, mode, forwards):
     def forward(self, *args, **kwargs):
-        if tls.off == OFF or not forwards.live:
+        if tls.off == OFF or not forwards.in_force:
             return original(self, *args, **kwargs)
         args, kwargs = cast_in(args, kwargs)
         found = enter(0, mode)
@@ -181,10 +181,10 @@ def _lower_forward(original, cast_in, mode, forwards):
 
 
 class Forwards:
-    """The forward replacements of one conversion; ``live`` until its revert()."""
+    """The forward replacements of one conversion; ``in_force`` until its revert()."""
 
     def __init__(self, low, casters, fp32_names):
-        self.live = True
+        self.in_force = True
         to_fp32, lower = casters[torch.float32].any, dtypes.LOW
 
         def up(t):

@@ -65,7 +65,7 @@ _Fake = torch_private.FakeTensor
 
 class _Frozen:
     """One thread's no-grad stores for a frozen_weights() block, registered so
-    clear_cache() and refilled() reach them; the thread's ``tls.kept`` refers
+    clear_cache() and refilled() reach them; the thread's ``tls.keeper`` refers
     to them weakly, so they go with what owns them (the block)."""
 
     __slots__ = ("stores", "__weakref__")
@@ -159,10 +159,10 @@ def _keep(store, t, copy, weak):
 
 def size():
     """Usable entries: live grad-mode copies and this thread's kept ones."""
-    n = sum(1 for s in weight_cache.live.values() for e in list(s.values()) if e.copy() is not None)
-    kept = _kept()
-    if kept is not None:
-        n += sum(1 for s in kept.stores.values() for e in list(s.values()) if e.copy is not None)
+    n = sum(1 for s in weight_cache.grad_mode.values() for e in list(s.values()) if e.copy() is not None)
+    keeper = _keeper()
+    if keeper is not None:
+        n += sum(1 for s in keeper.stores.values() for e in list(s.values()) if e.copy is not None)
     return n
 
 
@@ -179,23 +179,23 @@ def cache_bytes() -> int:
             seen.add(id(c))
             n += c.nbytes
 
-    for kept in weight_cache.frozen.live():
-        if type(kept) is _Steps:
-            for c in kept.copies:
+    for keeper in weight_cache.keepers.alive():
+        if type(keeper) is _Steps:
+            for c in keeper.copies:
                 count(c)
             continue
-        for store in kept.stores.values():
+        for store in keeper.stores.values():
             for e in list(store.values()):
                 count(e.copy)
-    for held in weight_cache.held.live():
+    for held in weight_cache.held.alive():
         for c in held.copies or ():
             count(c)
     return n
 
 
-def _kept():
+def _keeper():
     """The calling thread's no-grad stores in use, or None."""
-    ref = tls.kept
+    ref = tls.keeper
     return ref() if ref is not None else None
 
 
@@ -208,10 +208,10 @@ def release() -> None:
     if weight_cache.held:  # (empty after the backward pass's own release, at the step's)
         for h in weight_cache.held.take():
             h.copies = None
-    if weight_cache.frozen:  # (an empty set: no list made at every backward)
-        for kept in weight_cache.frozen.live():
-            if type(kept) is _Region:
-                kept.clear()
+    if weight_cache.keepers:  # (an empty set: no list made at every backward)
+        for keeper in weight_cache.keepers.alive():
+            if type(keeper) is _Region:
+                keeper.clear()
 
 
 def clear_cache() -> None:
@@ -226,10 +226,10 @@ def refilled() -> None:
     at each refill (FSDP2 refills every module's parameters at every forward);
     each store is emptied at C speed, and what went is cast again at its next
     use, so the work is at most one drop per cast."""
-    for store in weight_cache.live.values():
+    for store in weight_cache.grad_mode.values():
         store.clear()
-    for kept in weight_cache.frozen.live():
-        kept.clear()  # accumulation() blocks' copies too: the optimizer step rewrote their weights
+    for keeper in weight_cache.keepers.alive():
+        keeper.clear()  # accumulation() blocks' copies too: the optimizer step rewrote their weights
 
 
 def caster(dtype):
@@ -245,10 +245,10 @@ def caster(dtype):
     whether anything traces or compiles (hmp/core/wrap.py), so it asks
     nothing per tensor."""
     plain, lowered = CASTS[dtype]
-    live = weight_cache.live[dtype]
+    grad_mode = weight_cache.grad_mode[dtype]
 
-    def kept_cast(t, kept, first_use):
-        store = kept.stores[dtype]
+    def keeper_cast(t, keeper, first_use):
+        store = keeper.stores[dtype]
         e = store.get(id(t))
         if e is not None:
             copy = e.copy
@@ -265,32 +265,32 @@ def caster(dtype):
         if not t.requires_grad:
             if type(t) is not _Parameter:
                 return lowered(t)
-            ref = tls.kept  # a frozen parameter: kept inside frozen_weights() only
-            kept = ref() if ref is not None else None
-            if kept is None or type(kept) is not _Frozen:
+            ref = tls.keeper  # a frozen parameter: kept inside frozen_weights() only
+            keeper = ref() if ref is not None else None
+            if keeper is None or type(keeper) is not _Frozen:
                 return lowered(t)
-            return kept_cast(t, kept, True)
+            return keeper_cast(t, keeper, True)
         if not t.is_leaf:
             return lowered(t)
         if _grad_enabled():
-            e = live.get(id(t))
+            e = grad_mode.get(id(t))
             if e is not None:
                 copy = e.copy()
                 if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr():
                     return copy
             copy = lowered(t)
-            if _keep(live, t, copy, True):
+            if _keep(grad_mode, t, copy, True):
                 st = tls
                 st.fresh.append(copy)  # the wrapper hands it to its output's graph (wrap.hold)
                 steps = st.accumulating
                 if steps is not None:  # inside accumulation(): held until the optimizer step
                     steps.copies.append(copy)
             return copy
-        ref = tls.kept  # a no-grad region's or frozen_weights()'s stores
-        kept = ref() if ref is not None else None
-        if kept is None:
+        ref = tls.keeper  # a no-grad region's or frozen_weights()'s stores
+        keeper = ref() if ref is not None else None
+        if keeper is None:
             return lowered(t)
-        return kept_cast(t, kept, type(kept) is _Frozen)
+        return keeper_cast(t, keeper, type(keeper) is _Frozen)
 
     def cast(t):
         if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
@@ -327,19 +327,19 @@ def frozen_weights() -> Iterator[None]:
     server that enters ``torch.no_grad()`` per request)."""
     st = tls
     if st.frozen_depth == 0:
-        kept = _Frozen()  # owned here: tls.kept refers to it weakly
-        weight_cache.frozen.add(kept)
-        found, ref = st.kept, weakref.ref(kept)
-        st.kept = ref
+        keeper = _Frozen()  # owned here: tls.keeper refers to it weakly
+        weight_cache.keepers.add(keeper)
+        found, ref = st.keeper, weakref.ref(keeper)
+        st.keeper = ref
     st.frozen_depth += 1
     try:
         yield
     finally:
         st.frozen_depth -= 1
         if st.frozen_depth == 0:
-            kept.clear()
-            if st.kept is ref:
-                st.kept = found
+            keeper.clear()
+            if st.keeper is ref:
+                st.keeper = found
 
 
 @contextlib.contextmanager
@@ -360,7 +360,7 @@ def accumulation() -> Iterator[None]:
         yield
         return
     steps = _Steps()
-    weight_cache.frozen.add(steps)
+    weight_cache.keepers.add(steps)
     st.accumulating = steps
     try:
         yield
@@ -377,17 +377,17 @@ def open_region():
     st = tls
     if st.frozen_depth:
         return None
-    kept = _Region()
-    weight_cache.frozen.add(kept)
-    found, ref = st.kept, weakref.ref(kept)
-    st.kept = ref
-    return kept, ref, found
+    keeper = _Region()
+    weight_cache.keepers.add(keeper)
+    found, ref = st.keeper, weakref.ref(keeper)
+    st.keeper = ref
+    return keeper, ref, found
 
 
 def close_region(region):
     """The region ``open_region`` returned ``region`` for exits: its copies go."""
-    kept, ref, found = region
-    kept.clear()
+    keeper, ref, found = region
+    keeper.clear()
     st = tls
-    if st.kept is ref:
-        st.kept = found
+    if st.keeper is ref:
+        st.keeper = found

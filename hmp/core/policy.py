@@ -255,20 +255,20 @@ def _first_tensor(value):
     return None
 
 
-def _into(target, args, kwargs, casters, keep=()):
-    """Cast every floating argument except ``target`` (and the written ones
-    at the positions in ``keep``) to ``target``'s dtype."""
-    if target is None or target.dtype not in FLOATS:
+def _into(leader, args, kwargs, casters, unmoved=()):
+    """Cast every floating argument except ``leader`` (and the written ones
+    at the positions in ``unmoved``) to ``leader``'s dtype."""
+    if leader is None or leader.dtype not in FLOATS:
         return args, kwargs
-    dst = target.dtype
+    dst = leader.dtype
     src, cast = OTHER_FLOATS[dst], casters[dst].any
-    # target already has dtype dst, so it is never in src and never copied
+    # leader already has dtype dst, so it is never in src and never copied
     cast_args = cast_each(args, src, cast)
     if cast_args is SAME:
         cast_args = args
-    elif keep:
+    elif unmoved:
         cast_args = list(cast_args)
-        for i in keep:
+        for i in unmoved:
             if i < len(args):
                 cast_args[i] = args[i]
         cast_args = tuple(cast_args)
@@ -287,8 +287,8 @@ def inplace_self(casters):
     """``X_`` and ``__iX__``: the first argument is written."""
 
     def prepare(args, kwargs):
-        target = args[0] if args else None
-        return _into(target if isinstance(target, Tensor) else None, args, kwargs, casters)
+        leader = args[0] if args else None
+        return _into(leader if isinstance(leader, Tensor) else None, args, kwargs, casters)
 
     return prepare
 
@@ -306,8 +306,8 @@ def inplace_input(casters):
     """A call with ``inplace=True``: the input (first argument) is written."""
 
     def prepare(args, kwargs):
-        target = args[0] if args else kwargs.get("input")
-        return _into(target if isinstance(target, Tensor) else None, args, kwargs, casters)
+        leader = args[0] if args else kwargs.get("input")
+        return _into(leader if isinstance(leader, Tensor) else None, args, kwargs, casters)
 
     return prepare
 
@@ -338,24 +338,24 @@ def written_into(written, main, casters):
         a, k = main(args, kwargs)
         for i, name in written:  # (no `a is args` shortcut: dynamo cannot compare two tuples' identity)
             if i < len(args):
-                target, copy = args[i], a[i]
+                leader, copy = args[i], a[i]
             elif name in kwargs:
-                target, copy = kwargs[name], k.get(name)
+                leader, copy = kwargs[name], k.get(name)
             else:
                 continue
-            if copy is not target and isinstance(target, Tensor):
-                return _into_written(target, args, kwargs, casters, written, positions)
+            if copy is not leader and isinstance(leader, Tensor):
+                return _into_written(leader, args, kwargs, casters, written, positions)
         return a, k
 
     return prepare
 
 
-def _into_written(target, args, kwargs, casters, written, positions):
-    kept = {name: kwargs[name] for i, name in written if i >= len(args) and name in kwargs}
+def _into_written(leader, args, kwargs, casters, written, positions):
+    apart = {name: kwargs[name] for i, name in written if i >= len(args) and name in kwargs}
     a, k = _into(
-        target, args, {n: v for n, v in kwargs.items() if n not in kept} if kept else kwargs, casters, positions
+        leader, args, {n: v for n, v in kwargs.items() if n not in apart} if apart else kwargs, casters, positions
     )
-    return a, (dict(k, **kept) if kept else k)
+    return a, (dict(k, **apart) if apart else k)
 
 
 def given_lower(args, kwargs):

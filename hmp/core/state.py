@@ -71,7 +71,7 @@ class ThreadState(threading.local):
         self.autocast_regions = []  # [(id(autocast region), what enter() returned)] entered under hmp (regions.py)
         self.steps = []  # per step in progress: (what enter() returned, the frame calling its hooks) (steps.py)
         self.frozen_depth = 0  # frozen_weights() nesting (cache.py)
-        self.kept = None  # weak reference to the no-grad stores in use: a frozen_weights() block's or a region's
+        self.keeper = None  # weak reference to the no-grad stores in use: a frozen_weights() block's or a region's
         self.accumulating = None  # the accumulation() block's copies (cache.py), or None
         self.fresh = []  # grad-mode copies the call in progress made, for its output's graph to hold (cache.py)
 
@@ -199,7 +199,7 @@ class SharedWeakSet:
     def __len__(self):
         return len(self._refs)
 
-    def live(self):
+    def alive(self):
         """What is alive now, in a list this thread owns."""
         return [obj for obj in (ref() for ref in list(self._refs.values())) if obj is not None]
 
@@ -221,8 +221,9 @@ class WeightCache:
 
     def __init__(self):
         dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-        self.live = {d: {} for d in dtypes}  # grad mode: dtype -> {id(tensor): entry}
-        self.frozen = SharedWeakSet()  # every thread's no-grad stores: frozen_weights() blocks, no-grad regions
+        self.grad_mode = {d: {} for d in dtypes}  # grad mode: dtype -> {id(tensor): entry}
+        # what keeps copies past one call, in every thread: frozen_weights() blocks, no-grad regions, accumulation()
+        self.keepers = SharedWeakSet()
         self.held = SharedWeakSet()  # what graphs hold (wrap.hold), until the next backward pass
         self.dtypes = dtypes
 

@@ -84,16 +84,16 @@ class _Switch(contextlib.ContextDecorator):
             @functools.wraps(func)
             async def switched(*args, **kwargs):
                 switch, agen = self._recreate_cm(), func(*args, **kwargs)
-                step, arg = agen.asend, None
+                resume, arg = agen.asend, None
                 while True:
                     try:
-                        value = await _steps(switch, step(arg))
+                        value = await _steps(switch, resume(arg))
                     except StopAsyncIteration:
                         return
                     try:
-                        arg, step = (yield value), agen.asend
+                        arg, resume = (yield value), agen.asend
                     except BaseException as exc:  # athrow(), aclose(): into the body
-                        arg, step = exc, agen.athrow
+                        arg, resume = exc, agen.athrow
 
         elif inspect.isgeneratorfunction(func):
 
@@ -136,17 +136,17 @@ def _steps(switch, gen):
     """Runs ``gen`` (a generator, or a coroutine's ``__await__()``) to its
     end, each resumption (send, throw, close) inside ``switch``; what it
     yields and returns passes through unchanged."""
-    step, arg = gen.send, None
+    resume, arg = gen.send, None
     while True:
         try:
             with switch:
-                value = step(arg)
+                value = resume(arg)
         except StopIteration as stop:
             return stop.value
         try:
-            arg, step = (yield value), gen.send
+            arg, resume = (yield value), gen.send
         except BaseException as exc:  # throw(), close() (GeneratorExit): into the body
-            arg, step = exc, gen.throw
+            arg, resume = exc, gen.throw
 
 
 class disable_casts(_Switch):

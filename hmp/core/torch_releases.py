@@ -29,12 +29,14 @@ class Boundary(NamedTuple):
     what: str  # the private name or behaviour hmp relies on
     first: str  # the first release that has it ("2.4": the floor and every release since)
     without: str  # what hmp does on a release without it
-    kept: bool  # whether hmp keeps its promise without it; False: convert() says what it cannot keep
+    promise_kept: bool  # whether hmp keeps its promise without it; False: convert() says what it cannot keep
     present: bool  # on the running torch
 
 
-def _boundary(what, first, without, kept=True, present=None):
-    return Boundary(what, first, without, kept, release(VERSION) >= release(first) if present is None else present)
+def _boundary(what, first, without, promise_kept=True, present=None):
+    return Boundary(
+        what, first, without, promise_kept, release(VERSION) >= release(first) if present is None else present
+    )
 
 
 PRESENT = torch_private.PRESENT
@@ -56,7 +58,7 @@ BOUNDARIES = {
         "2.6",
         "a compiled graph breaks where hmp's thread state changes (module entries, @hmp.fp32_function, "
         "disable_casts() inside compiled code) and is not compiled again when it changes: compile after convert()",
-        kept=False,
+        promise_kept=False,
     ),
     "dynamo_traces_wrappers_fully": _boundary(
         "dynamo traces a disable_casts() block and a wrapper's call of a Tensor method (torch 2.6's does not)",
@@ -64,28 +66,28 @@ BOUNDARIES = {
         "disable_casts() inside compiled code breaks the graph, inductor can fail on a converted model "
         "(\"'method_descriptor' object has no attribute '__module__'\"), and a compile that fails may leave "
         'casts off in its thread: on 2.6 use backend="aot_eager", or torch 2.7 or newer',
-        kept=False,
+        promise_kept=False,
     ),
     "dynamo_forgets_wrappers": _boundary(
         "dynamo forgets the wrappers it met while converted once revert() puts torch's functions back",
         "2.6",
         "after a second convert() in one process, a compiled graph breaks where the first conversion's wrappers "
         "stood, and the op there may run uncast: compile in the process's first conversion",
-        kept=False,
+        promise_kept=False,
     ),
     "inline_nn_modules": _boundary(
         "dynamo traces torch.nn modules' forwards (torch._dynamo.config.inline_inbuilt_nn_modules by default)",
         "2.5",
         "a module's forward first runs when the captured graph is lowered, and hmp casts there: what a module "
         "entry, @hmp.fp32_function or disable_casts() declares inside a compiled model may compute in bf16",
-        kept=False,
+        promise_kept=False,
     ),
     "export_without_dynamo": _boundary(
         "torch.export.export traces the program without dynamo by default (strict=False)",
         "2.8",
         "export's default traces through dynamo, which keeps an FP32 entry or disable_casts() inside the program "
         "only in part: export with strict=False, which hmp follows on every release",
-        kept=False,
+        promise_kept=False,
     ),
     "autograd_cache": _boundary(
         "torch._functorch.config.enable_autograd_cache: AOTAutograd's cache, keyed without hmp's state",
@@ -121,28 +123,28 @@ BOUNDARIES = {
         "torch._C._autograd._unsafe_set_version_counter: the one way torch writes and keeps a version",
         FLOOR,
         "a refill that keeps the version counter is not seen by the weight-cast cache",
-        kept=False,
+        promise_kept=False,
         present=PRESENT["version_counter_reset"],
     ),
     "checkpoint_generator": _boundary(
         "torch.utils.checkpoint's non-reentrant generator (renamed ..._impl in 2.14)",
         FLOOR,
         "non-reentrant checkpoint recomputes are not kept cast (checkpoint_lacks)",
-        kept=False,
+        promise_kept=False,
         present=PRESENT["checkpoint_generator"],
     ),
     "record_function_exit": _boundary(
         "torch.ops.profiler._record_function_exit: where record_function blocks close",
         FLOOR,
         "an optimizer step that raises leaves casts off in its thread until revert() (step_lacks)",
-        kept=False,
+        promise_kept=False,
         present=PRESENT["record_function_exit"],
     ),
     "jit_builtins": _boundary(
         "torch.jit._builtins' table: a wrapper scripts as the builtin it wraps",
         FLOOR,
         "none: torch.jit.script of a converted model would fail",
-        kept=False,
+        promise_kept=False,
         present=PRESENT["jit_builtins"],
     ),
 }
@@ -158,13 +160,13 @@ def release_lacks():
     return [
         f"hmp: torch {VERSION} predates {b.first} ({b.what}), so {b.without}"
         for key, b in BOUNDARIES.items()
-        if not b.present and not b.kept and key not in _SAID_BY_RULES
+        if not b.present and not b.promise_kept and key not in _SAID_BY_RULES
     ]
 
 
 def table_rows():
     """The table as docs/torch-releases.md shows it, one Markdown row per boundary."""
     return [
-        f"| `{key}` | {b.what} | {b.first} | {b.without} | {'yes' if b.kept else 'no: convert() warns'} |"
+        f"| `{key}` | {b.what} | {b.first} | {b.without} | {'yes' if b.promise_kept else 'no: convert() warns'} |"
         for key, b in BOUNDARIES.items()
     ]

@@ -174,12 +174,12 @@ def hold(result, fresh):
     if node is not None:
         meta = node.metadata
         held = meta.get(_METADATA_KEY)
-        kept = held.copies if held is not None else None  # read once: another thread's backward may release it
-        if kept is None:
+        copies_held = held.copies if held is not None else None  # read once: another thread's backward may release it
+        if copies_held is None:
             held = meta[_METADATA_KEY] = _Held()
-            kept = held.copies = []
+            copies_held = held.copies = []
             weight_cache.held.add(held)
-        kept.extend(fresh)
+        copies_held.extend(fresh)
     fresh.clear()
 
 

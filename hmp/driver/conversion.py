@@ -375,7 +375,7 @@ def _revert_locked():
         handle.remove()
     rt.handles = []
     if rt.forwards is not None:
-        rt.forwards.live = False  # module entries another library still holds run their originals
+        rt.forwards.in_force = False  # module entries another library still holds run their originals
         rt.forwards = None
     undo_log = rt.undo_log
     installed = undo_log.values() if undo_log is not None else []

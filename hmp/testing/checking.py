@@ -112,7 +112,7 @@ def check_lists(
     force before, and the random stream, are as they were afterwards."""
     low = low_precision_type
     device = _device(device)
-    kept = autocast_fp32()
+    autocast_keeps_fp32 = autocast_fp32()
     kwargs = dict(
         opt_level=opt_level,
         bf16_file_path=bf16_file_path,
@@ -136,8 +136,8 @@ def check_lists(
                     verdicts.append(Verdict(kind, name, MODULE, f"{why} (module entries are not checked here)"))
                     continue
                 verdict = _check_entry(kind, name, why, low, examples, device)
-                if verdict.status == OK and kind == "bf16" and name in kept:
-                    verdict = _flag(verdict, low, kept[name])
+                if verdict.status == OK and kind == "bf16" and name in autocast_keeps_fp32:
+                    verdict = _flag(verdict, low, autocast_keeps_fp32[name])
                 verdicts.append(verdict)
         options = in_force().options
     title = kinds.LOWER.title_in(low)

@@ -187,17 +187,17 @@ class _Rules:
             return args, dict(kwargs, input=self.lower((kwargs["input"],), {})[0][0])
         return args, kwargs
 
-    def into(self, target, args, kwargs, keep=()):
-        """Every floating argument but ``target``, the written ones (positions
-        ``keep``) and ``out=`` in ``target``'s dtype."""
-        if not isinstance(target, torch.Tensor) or target.dtype not in FLOATING:
+    def into(self, leader, args, kwargs, unmoved=()):
+        """Every floating argument but ``leader``, the written ones (positions
+        ``unmoved``) and ``out=`` in ``leader``'s dtype."""
+        if not isinstance(leader, torch.Tensor) or leader.dtype not in FLOATING:
             return args, kwargs
-        dst = target.dtype
+        dst = leader.dtype
 
         def to(t):
-            return t if t is target or t.dtype not in FLOATING else _cast(t, dst)
+            return t if t is leader or t.dtype not in FLOATING else _cast(t, dst)
 
-        args = tuple(a if i in keep else _map(a, to) for i, a in enumerate(args))
+        args = tuple(a if i in unmoved else _map(a, to) for i, a in enumerate(args))
         return args, {k: v if k == "out" else _map(v, to) for k, v in kwargs.items()}
 
     # the rule of this call
@@ -237,19 +237,19 @@ class _Rules:
     def rule(self):
         """``(args, kwargs, words)``: what the op receives, and why."""
         args, kwargs = self.args, self.kwargs
-        target = self.writes()
-        if target is not None:
-            a, k = self.into(target, args, kwargs)
+        leader = self.writes()
+        if leader is not None:
+            a, k = self.into(leader, args, kwargs)
             return a, k, "a written tensor: the call runs in its dtype"
         a, k = self.main(args, kwargs)
         written = () if self.bound.whole_call else self.call.written
         for i, key in written:  # a written argument is never replaced by a copy
             given, now = (args[i], a[i]) if i < len(args) else (kwargs.get(key), k.get(key))
             if isinstance(given, torch.Tensor) and now is not given:
-                keep = {j for j, _ in self.call.written}
-                kept = {n: kwargs[n] for j, n in self.call.written if j >= len(args) and n in kwargs}
-                a, k = self.into(given, args, {n: v for n, v in kwargs.items() if n not in kept}, keep)
-                return a, dict(k, **kept), "a written tensor: the call runs in its dtype"
+                unmoved = {j for j, _ in self.call.written}
+                apart = {n: kwargs[n] for j, n in self.call.written if j >= len(args) and n in kwargs}
+                a, k = self.into(given, args, {n: v for n, v in kwargs.items() if n not in apart}, unmoved)
+                return a, dict(k, **apart), "a written tensor: the call runs in its dtype"
         return a, k, f"{self.bound.kind} rule of {self.bound.name}"
 
     def retry(self):

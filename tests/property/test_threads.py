@@ -291,6 +291,6 @@ def test_the_shared_weak_set_keeps_what_lives_and_hands_it_over_once():
     for o in objs:
         s.add(o)
     del objs[1], objs[2]  # two of them go
-    assert len(s) == 3 and sorted(map(id, s.live())) == sorted(map(id, objs))
+    assert len(s) == 3 and sorted(map(id, s.alive())) == sorted(map(id, objs))
     assert sorted(map(id, s.take())) == sorted(map(id, objs))
-    assert not s and s.live() == [] and s.take() == []
+    assert not s and s.alive() == [] and s.take() == []

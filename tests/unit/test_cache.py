@@ -385,7 +385,7 @@ def test_entries_die_with_their_tensor_and_copies_do_not_share():
     assert not torch.equal(ya, yb)
     del ya, yb, a, b, x
     gc.collect()
-    assert cache.size() == 0 and all(len(s) == 0 for s in weight_cache.live.values())
+    assert cache.size() == 0 and all(len(s) == 0 for s in weight_cache.grad_mode.values())
 
 
 def test_a_bias_copy_lives_as_long_as_the_graph_that_used_it():
@@ -395,10 +395,10 @@ def test_a_bias_copy_lives_as_long_as_the_graph_that_used_it():
     hmp.convert()
     lin = torch.nn.Linear(8, 8)
     x = torch.randn(2, 8)
-    live = weight_cache.live[BF16]
+    grad_mode = weight_cache.grad_mode[BF16]
 
     def bias_copy():
-        entry = live.get(id(lin.bias))
+        entry = grad_mode.get(id(lin.bias))
         return entry.copy() if entry is not None else None
 
     out = lin(x)
