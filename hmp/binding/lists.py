@@ -64,13 +64,13 @@ ONE_DTYPE_FILE = "one_dtype.txt"
 
 @functools.lru_cache(maxsize=None)
 def fallback_names(low):
-    """``((FP32's name, names), (PROMOTE's name, names))``: the ops that get
+    """``((FP32, names), (PROMOTE, names))`` (kinds.Kind records): the ops that get
     the FP32 rule (no kernel for ``low``) and the promote rule (they need one
     dtype) when they are in no list. Shipped and checked by the test suite,
     so read without checking each name again."""
     return (
-        (FP32.name, tuple(names(default_path(NO_KERNEL_FILES[low])))),
-        (kinds.PROMOTE.name, tuple(sorted(one_dtype_names()))),
+        (FP32, tuple(names(default_path(NO_KERNEL_FILES[low])))),
+        (kinds.PROMOTE, tuple(sorted(one_dtype_names()))),
     )
 
 

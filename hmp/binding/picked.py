@@ -7,7 +7,7 @@ holds (CPU autocast computes it in float32), ``mode="constant"`` runs
 constant_pad_nd, which no list holds. No probe at convert time knows the
 strings a program will pass, so such an op, when no list names it, is bound
 and decided per call: what the call dispatches, traced once on meta tensors
-for each *kind* of call (its non-tensor arguments, its tensors' ranks and
+for each *key* of a call (its non-tensor arguments, its tensors' ranks and
 dtypes: ``key``), is matched against the listed ops' computations as a
 spelling's is. A match follows that entry's rule; any other call runs as
 torch's, untouched, its inner ops cast as usual (wrap.make's ``needs``).
@@ -91,9 +91,11 @@ def _size(k):
 
 
 def chooser(fn, targets):
-    """``choose(args, kwargs)``: ``(kind, listed name)`` whose rule a call of
-    ``fn`` follows, or None. ``targets``: spellings.computations' answer. Each
-    kind of call is traced once (kept while the wrapper lives: what a call
+    """``choose(args, kwargs)``: the position in ``targets``
+    (spellings.computations' answer) of the entry whose rule a call of ``fn``
+    follows, or None: a plain int, a constant torch.compile and torch.export
+    carry into the graph (a kinds.Kind record is no constant to them). Each
+    key of a call is traced once (kept while the wrapper lives: what a call
     of torch's composite dispatches never changes within a process)."""
 
     @functools.lru_cache(maxsize=256)
@@ -108,7 +110,7 @@ def chooser(fn, targets):
             ops = spellings.traced(fn, args, kwargs)
         if not ops:  # did not run, or computes nothing (a view)
             return None
-        return next(((kind, name) for computed, kind, name in targets if ops in computed), None)
+        return next((i for i, (computed, _, _) in enumerate(targets) if ops in computed), None)
 
     @torch.compiler.assume_constant_result
     def decide(k):

@@ -114,7 +114,7 @@ class Binding(NamedTuple):
     """A site and the list entry that binds it."""
 
     site: Site
-    kind: str  # "bf16", "fp32" or "promote"
+    kind: object  # its list's kinds.Kind (None: an op whose call picks its kernel, ``picks``)
     name: str  # the list name
     fallback: bool = False  # an op in no list, bound so a lower-precision input cannot break it
     picks: tuple = ()  # an op in no list whose call picks its kernel: spellings.computations' answer (picked.py)
@@ -313,7 +313,8 @@ class Resolver:
         then the fused kernels of listed ops (FUSED), the spellings of listed
         ops (spellings.py); then ``fallback`` (``(kind, names)`` pairs: ops in
         no list that get a rule anyway); then the ops whose call picks the
-        kernel it reaches (picked.py), with an empty kind."""
+        kernel it reaches (picked.py), with no kind. ``effective``'s keys and
+        ``fallback``'s kinds are kinds.Kind records, and so is each Binding's."""
         named = [(kind, name) for kind, names in effective.items() for name in sorted(names)]
         fused = [(kind, f) for kind, name in named for f in FUSED.get(name, ())]
         listed = {name for _, name in named}
@@ -327,7 +328,7 @@ class Resolver:
         first_extra = len(named) + len(fused) + len(spelled)
         # a spelling binds its own name's sites under the entry it follows (spellings.py)
         todo = [(k, n, n, ()) for k, n in named + fused] + [(*s, ()) for s in spelled]
-        todo += [(k, n, n, ()) for k, n in extra] + [("", n, n, targets) for n in picks]
+        todo += [(k, n, n, ()) for k, n in extra] + [(None, n, n, targets) for n in picks]
         for i, (kind, name, spelling, chosen_from) in enumerate(todo):
             for site in self.sites(spelling):
                 if chosen_from and not isinstance(site.original(), types.BuiltinFunctionType):

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from hmp.binding import kinds, picked
+from hmp.binding import picked
 from hmp.binding.pays import NORMALIZATIONS
 from hmp.binding.resolve import BUILTINS
 from hmp.core import dtypes, policy, wrapper_frames
@@ -130,7 +130,7 @@ class Wrappers:
         site, name, fallback = binding.site, binding.name, binding.fallback
         if binding.picks:
             return self._picked(binding, original)
-        kind = kinds.kind(binding.kind)  # an unknown kind raises here, before anything is built
+        kind = binding.kind
         prepare = for_site(kind, name, site, self.low, self.casters, self.strict, fallback)
         op = original
         to_one = one_dtype_rule(kind, name, site, self.low, self.casters, fallback)
@@ -153,15 +153,15 @@ class Wrappers:
         site, name = binding.site, binding.name
         choose = picked.chooser(original, binding.picks)
         # an entry's name changes its rule only for a normalisation (for_site): one rule per list else
-        rules = {}
+        made, rules = {}, []
         for _, kind, target in binding.picks:
             shown = target if target in NORMALIZATIONS else ""
-            if (kind, shown) not in rules:
-                rules[kind, shown] = for_site(kinds.kind(kind), shown, site, self.low, self.casters, self.strict)
+            if (kind, shown) not in made:
+                made[kind, shown] = for_site(kind, shown, site, self.low, self.casters, self.strict)
+            rules.append(made[kind, shown])
 
         def prepare(args, kwargs):
-            kind, target = choose(args, kwargs)
-            return rules[kind, target if target in NORMALIZATIONS else ""](args, kwargs)
+            return rules[choose(args, kwargs)](args, kwargs)
 
         def needs(args, kwargs):
             return choose(args, kwargs) is not None
@@ -192,9 +192,9 @@ class Wrappers:
         return lean.src, self.casters[to], numbers_check(self.low) if lean.numbers else None, at
 
     def user_prepare(self, kind, label):
-        """The prepare of a user function (``@hmp.*_function``) of list ``kind``."""
-        rule = for_kind(kinds.kind(kind), self.low, self.casters)
-        return self._prepare(rule, label, f"user_{kind}_function")
+        """The prepare of a user function (``@hmp.*_function``) of list ``kind`` (a kinds.Kind)."""
+        rule = for_kind(kind, self.low, self.casters)
+        return self._prepare(rule, label, f"user_{kind.name}_function")
 
 
 def user_function(fn, kind):

@@ -47,20 +47,20 @@ _NO_COMPUTE = _ALLOCATES | {"_unsafe_view", "clone", "copy_"}
 
 def _argument(arg, shape):
     """A probe value for one schema argument, or raise LookupError."""
-    kind = str(arg.type)  # the schema's JIT type: Tensor, List[Tensor], List[int], Optional[...], int, ...
-    if kind == "Tensor":
+    jit_type = str(arg.type)  # the schema's JIT type: Tensor, List[Tensor], List[int], Optional[...], int, ...
+    if jit_type == "Tensor":
         return torch.empty(shape, device="meta")
-    if kind == "List[Tensor]":
+    if jit_type == "List[Tensor]":
         return [torch.empty(shape, device="meta"), torch.empty(shape, device="meta")]
-    if kind in _SCALARS:
-        return _SCALARS[kind]
-    if kind == "List[int]":  # sizes, strides, dims: 2, not 1, where 1 takes a shortcut (a pool to 1 is a mean)
+    if jit_type in _SCALARS:
+        return _SCALARS[jit_type]
+    if jit_type == "List[int]":  # sizes, strides, dims: 2, not 1, where 1 takes a shortcut (a pool to 1 is a mean)
         return [2] * (getattr(arg, "N", None) or 1)
-    if kind.startswith("Optional["):
+    if jit_type.startswith("Optional["):
         return None
-    if kind == "str" and len(shape) in _STRINGS.get(arg.name, {}):
+    if jit_type == "str" and len(shape) in _STRINGS.get(arg.name, {}):
         return _STRINGS[arg.name][len(shape)]
-    raise LookupError(kind)
+    raise LookupError(jit_type)
 
 
 def _needs_out(schema):

@@ -49,7 +49,7 @@ class About(NamedTuple):
 
     label: str  # torch.nn.functional.layer_norm
     name: Optional[str] = None  # the list name, layer_norm (None for op_wrap and user functions)
-    kind: Optional[str] = None  # "bf16", "fp32" or "promote" (None for op_wrap)
+    kind: object = None  # the list's kinds.Kind (None for op_wrap and an op whose call picks its kernel)
     inplace: bool = False  # X_ / __iX__: the first argument is written
     inplace_param: Optional[int] = None  # position of an inplace= parameter
     written: tuple = ()  # (position, name) of other arguments the op's schema marks written (resolve.writes)

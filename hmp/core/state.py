@@ -24,7 +24,7 @@ module-level store and memo and checks it is named here):
   ``spellings.composite``, ``spellings._first``, ``spellings.computations``,
   ``spellings.picked`` (what torch's registry says an op computes, traced
   once on meta tensors; each picked op's wrapper keeps its own memo of the
-  kinds of call it has traced, picked.chooser, gone with the wrapper),
+  calls' keys it has traced, picked.chooser, gone with the wrapper),
   ``region_factories.load``, ``errors._shipped``, ``entries._table``
   (lru_caches), ``strategies._FOUND``, ``strategies._REMOVED`` (the testing kit's builder found for
   an op, probed once), ``cast_copies._NUMBER_TYPES`` (a type's answer), and

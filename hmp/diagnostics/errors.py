@@ -44,7 +44,10 @@ def _low():
 
 
 def _record(kind):
-    """The record of list kind ``kind``, or None (a note never raises)."""
+    """The record of ``kind``: a wrapper's (a kinds.Kind already), or a list
+    lookup's name; None for neither (a note never raises)."""
+    if isinstance(kind, kinds.Kind):
+        return kind
     return next((k for k in kinds.KINDS if k.name == kind), None)
 
 
@@ -167,7 +170,7 @@ def _explain(exc, about, in_backward=False):
                 f"{_title(probable_list(callee))} list)"
             )
         elif kind:
-            where, fix = f"{label} (@hmp.{kind}_function)", "cast their inputs inside it"
+            where, fix = f"{label} (@hmp.{kind.name}_function)", "cast their inputs inside it"
         else:
             where, fix = f"{label} (wrapped by hmp.op_wrap)", "cast their inputs inside it"
         return (
@@ -205,7 +208,7 @@ def _explain(exc, about, in_backward=False):
         )
     if label is not None and kind:
         return (
-            f"hmp: {label} (@hmp.{kind}_function) got lower-precision and float32 tensors after hmp's casts; "
+            f"hmp: {label} (@hmp.{kind.name}_function) got lower-precision and float32 tensors after hmp's casts; "
             f"cast inside it what it makes itself."
         )
     if label is not None:  # op_wrap

@@ -186,7 +186,8 @@ def _build(conversion, resolver, recorder, passthrough):
     # entries that gain nothing from their list's rule are not bound: torch runs them (hmp/binding/pays.py)
     one_dtype = lists.one_dtype_names()
     bound = {
-        k: {n for n in v if pays.decision(kinds.kind(k), n, options.strict, one_dtype)[0]} for k, v in effective.items()
+        k: {n for n in v if pays.decision(k, n, options.strict, one_dtype)[0]}
+        for k, v in ((kinds.kind(name), names) for name, names in effective.items())
     }
     op_sites = [
         (b.site.namespace, b.site.attr, wrappers.site(b, _original(b.site, placed)))
@@ -196,7 +197,7 @@ def _build(conversion, resolver, recorder, passthrough):
     op_sites += [_registration(wrappers, *entry) for entry in runtime.registered]
     patches, forwards = [], None
     if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
-        no_kernel = dict(fallback).get(FP32.name, ())
+        no_kernel = dict(fallback).get(FP32, ())
         fp32_names = set(effective[FP32.name]).union(n for n in no_kernel if not _listed(n, effective))
         forwards = modules.Forwards(options.low_precision_type, casters, fp32_names)
         patches += modules.patches(by_module, forwards)

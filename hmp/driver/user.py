@@ -26,22 +26,20 @@ def _check_kind(kind):
 def _decorator(kind):
     def decorate(fn: F) -> F:
         if not callable(fn):
-            raise TypeError(f"hmp: {kind}_function needs a callable, got {fn!r}")
+            raise TypeError(f"hmp: {kind.name}_function needs a callable, got {fn!r}")
         wrapper = sites.user_function(fn, kind)
         conversion.track_decorated(wrapper, kind)
         return wrapper
 
-    decorate.__name__ = decorate.__qualname__ = f"{kind}_function"
-    decorate.__doc__ = (
-        f"Run the decorated function under the {kinds.kind(kind).title} list's rule while hmp is converted."
-    )
+    decorate.__name__ = decorate.__qualname__ = f"{kind.name}_function"
+    decorate.__doc__ = f"Run the decorated function under the {kind.title} list's rule while hmp is converted."
     return decorate
 
 
 # one per kind, by its public name; a static name each, so that type checkers and IDEs see them
-bf16_function = _decorator(kinds.LOWER.name)
-fp32_function = _decorator(kinds.FP32.name)
-promote_function = _decorator(kinds.PROMOTE.name)
+bf16_function = _decorator(kinds.LOWER)
+fp32_function = _decorator(kinds.FP32)
+promote_function = _decorator(kinds.PROMOTE)
 
 
 def register(owner: object, name: str, kind: str) -> None:
@@ -51,7 +49,7 @@ def register(owner: object, name: str, kind: str) -> None:
     _check_kind(kind)
     if not callable(getattr(owner, name, None)):
         raise ValueError(f"hmp: {owner!r} has no callable attribute {name!r}")
-    conversion.register(owner, name, kind)
+    conversion.register(owner, name, kinds.kind(kind))
 
 
 def unregister(owner: object, name: str) -> None:

@@ -168,10 +168,10 @@ def binding(conversion, op, call, runtime):
     to torch."""
     decorated = runtime.decorated.get(op) if isinstance(op, types.FunctionType) else None
     if decorated is not None:
-        return Binding(decorated, op.__qualname__, False, whole_call=True)
-    for owner, attr, kind in runtime.registered:
+        return Binding(decorated.name, op.__qualname__, False, whole_call=True)
+    for owner, attr, kind in runtime.registered:  # hmp's own records; this kit's Binding names the kind
         if unwrap(getattr(owner, attr, None)) is call.fn:
-            return Binding(kind, attr, False)
+            return Binding(kind.name, attr, False)
     bound = bound_names(conversion)
     for kind, names in bound.items():  # listed names first, each kind's names in order
         for name in names:
@@ -187,10 +187,10 @@ def binding(conversion, op, call, runtime):
         if spelling in call.names:  # another name of a listed op (hmp/binding/spellings.py)
             return Binding(kind, name, False)
     listed = set().union(*bound.values())
-    for kind, names in lists.fallback_names(conversion.options.low_precision_type):
+    for record, names in lists.fallback_names(conversion.options.low_precision_type):
         for name in names:
             if name not in listed and name in call.names:
-                return Binding(kind, name, True)
+                return Binding(record.name, name, True)
     return None
 
 

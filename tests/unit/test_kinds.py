@@ -76,11 +76,6 @@ def test_every_kind_has_a_complete_record_that_matches_convert():
 def test_an_unknown_kind_raises_where_a_kind_is_looked_up(unknown):
     with pytest.raises(ValueError, match="unknown list kind"):
         kinds.kind(unknown)
-    wrappers = sites.Wrappers(BF16, CASTS)
-    with pytest.raises(ValueError, match="unknown list kind"):  # the lean path's rule: no fall-through to promote's
-        wrappers.site(Binding(attribute_site(torch, "mm"), unknown, "mm"), torch.mm)
-    with pytest.raises(ValueError, match="unknown list kind"):  # the policy
-        wrappers.user_prepare(unknown, "f")
     forwards = modules.Forwards(BF16, CASTS, set())
     with pytest.raises(ValueError, match="unknown list kind"):  # the module rule: no fall-through to BF16's
         forwards.replacing(unknown, torch.nn.Linear.forward)
@@ -140,10 +135,10 @@ def test_a_kind_added_to_the_registry_is_picked_up(fp64_kind):
     assert cast.dtype == FP64
     # the lean path's rule, and the wrapper's prepare
     wrappers = sites.Wrappers(BF16, CASTS)
-    wrapper = wrappers.site(Binding(attribute_site(torch, "logaddexp"), "fp64", "logaddexp"), torch.logaddexp)
+    wrapper = wrappers.site(Binding(attribute_site(torch, "logaddexp"), fp64_kind, "logaddexp"), torch.logaddexp)
     fields = wrap.fields(wrapper)
     assert fields["src"] == frozenset((BF16, FP16, FP32)) and fields["cast"] == CASTS[FP64]
-    assert wrappers.user_prepare("fp64", "f")((x,), {})[0][0].dtype == FP64
+    assert wrappers.user_prepare(fp64_kind, "f")((x,), {})[0][0].dtype == FP64
     # the module rule
     forwards = modules.Forwards(BF16, CASTS, set())
     original = torch.nn.Linear.forward
@@ -180,3 +175,13 @@ def _raised(fn, *args):
 def test_records_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         kinds.LOWER.name = "lower"
+
+
+def test_a_binding_carries_its_kinds_record():
+    # a name becomes a record once, where lists' names enter (convert(), register()); sites read the record
+    bound = Resolver().bind({kinds.LOWER: {"mm"}, kinds.FP32: {"softmax"}})
+    by_name = {b.name: b.kind for b in bound}
+    assert by_name["mm"] is kinds.LOWER and by_name["softmax"] is kinds.FP32
+    wrapper = sites.Wrappers(BF16, CASTS).site(next(b for b in bound if b.name == "mm"), torch.mm)
+    with hmp.converted():
+        assert wrapper(torch.randn(2, 2), torch.randn(2, 2)).dtype == BF16
