@@ -127,14 +127,14 @@ class _Reading:
         self.errors, self.unreachable, self.skipped = [], [], []
         self.names, self.classes, self.explicit, self.removed = {}, {}, set(), {}
 
-    def include(self, number, target, modules, default):
+    def include(self, number, included, modules, default):
         try:
-            source = default if target == "default" else list_path(target)
+            source = default if included == "default" else list_path(included)
             if source is None:
                 raise ValueError("no default list here")
-            included = load(source, self.known, f"list {target!r}", modules)
+            included = load(source, self.known, f"list {included!r}", modules)
         except ValueError as e:
-            self.errors.append((number, f"line {number}: 'include {target}': {str(e).replace('hmp: ', '')}"))
+            self.errors.append((number, f"line {number}: 'include {included}': {str(e).replace('hmp: ', '')}"))
             return
         for op in included.ops:
             self.names.setdefault(op, number)

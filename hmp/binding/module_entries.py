@@ -120,18 +120,18 @@ def from_line(name, shipped):
 
 
 def resolved(modules):
-    """``modules`` (kind -> targets) with each Pattern replaced by the classes
+    """``modules`` (kind -> module entries) with each Pattern replaced by the classes
     it names now."""
     return {
-        kind: tuple(dict.fromkeys(c for t in targets for c in (t.classes() if isinstance(t, Pattern) else [t])))
-        for kind, targets in modules.items()
+        kind: tuple(dict.fromkeys(c for t in entries for c in (t.classes() if isinstance(t, Pattern) else [t])))
+        for kind, entries in modules.items()
     }
 
 
 # -- what convert() was given: classes, instances and names matched against the model ---------------------
 
 
-def targets(given, model, what):
+def from_parameter(given, model, what):
     """The classes and instances named by ``given`` (an iterable of classes,
     module instances, or strings: name patterns matched against
     ``model.named_modules()``, else a class's import path). ``what``
@@ -196,9 +196,9 @@ def _did_you_mean(pattern, names):
 
 
 def merge(from_files, given):
-    """kind name -> tuple of targets: the list files' classes (``from_files``),
+    """kind name -> tuple of module entries: the list files' classes (``from_files``),
     then those given to convert() (``given``), for each kind that takes module
-    entries; one target under two kinds' rules is an error."""
+    entries; one entry under two kinds' rules is an error."""
     merged = {k: list(from_files.get(k, ())) + list(given.get(k, ())) for k in dict.fromkeys((*from_files, *given))}
     named = list(merged)
     for i, a in enumerate(named):
@@ -216,11 +216,11 @@ def _title(kind):
     return kinds.kind(kind).title_in(torch.bfloat16)  # Habana's name for the lower list's rule
 
 
-def shown(target):
+def shown(entry):
     """A module entry as messages show it: a class's import path, a pattern,
     or an instance by its class and address (no list file can name one)."""
-    if isinstance(target, type):
-        return class_path(target)
-    if isinstance(target, Pattern):
-        return target.path
-    return f"{type(target).__qualname__} instance at {id(target):#x}"
+    if isinstance(entry, type):
+        return class_path(entry)
+    if isinstance(entry, Pattern):
+        return entry.path
+    return f"{type(entry).__qualname__} instance at {id(entry):#x}"

@@ -221,11 +221,11 @@ class Forwards:
 def on_import(modules, watch, forwards, later):
     """Have ``watch`` (imports.Watch) give the classes of a Pattern in a
     module imported later their entry (a class that already has one keeps it)."""
-    taken = {c for targets in resolved(modules).values() for c in targets if isinstance(c, type)}
-    for kind, targets in modules.items():
-        for target in targets:
-            if isinstance(target, Pattern):
-                watch.add(target.module, _late(target, kind, forwards, taken, later))
+    taken = {c for entries in resolved(modules).values() for c in entries if isinstance(c, type)}
+    for kind, entries in modules.items():
+        for entry in entries:
+            if isinstance(entry, Pattern):
+                watch.add(entry.module, _late(entry, kind, forwards, taken, later))
 
 
 def _late(pattern, kind, forwards, taken, later):
@@ -242,25 +242,25 @@ def patches(modules, forwards):
     """``[(namespace, "forward", replacement)]`` for ``modules`` (kind ->
     classes, instances and Patterns); builds everything, changes nothing."""
     modules = resolved(modules)
-    listed = {t for targets in modules.values() for t in targets if isinstance(t, type)}
+    listed = {t for entries in modules.values() for t in entries if isinstance(t, type)}
     out, seen = [], set()
-    for kind, targets in modules.items():
-        for target in targets:
-            if isinstance(target, type):
+    for kind, entries in modules.items():
+        for entry in entries:
+            if isinstance(entry, type):
                 # a class's rule wraps its __call__: forward stays the class's own, so what the class's
                 # machinery checks of it holds (transformers' GradientCheckpointingLayer checkpoints only
                 # while type(self).forward is its own wrapper)
-                for cls in _classes_under(target, listed, CALL):
+                for cls in _classes_under(entry, listed, CALL):
                     if cls not in seen:
                         seen.add(cls)
                         original = unwrap(inspect.getattr_static(cls, CALL))
                         out.append((cls, CALL, forwards.replacing(kind, original, CALL)))
             else:
-                fn = forwards.replacing(kind, _instance_forward(target))
-                setattr(fn, _OWN, _instance_own(target, "forward"))
-                out.append((target, "forward", types.MethodType(fn, target)))
+                fn = forwards.replacing(kind, _instance_forward(entry))
+                setattr(fn, _OWN, _instance_own(entry, "forward"))
+                out.append((entry, "forward", types.MethodType(fn, entry)))
                 out.append(
-                    (target, "__getstate__", types.MethodType(_getstate(_instance_own(target, "__getstate__")), target))
+                    (entry, "__getstate__", types.MethodType(_getstate(_instance_own(entry, "__getstate__")), entry))
                 )
     return out
 

@@ -90,8 +90,8 @@ def _size(k):
     return min(max(_MIN_SIZE, 2 * largest + 2), _MAX_SIZE)
 
 
-def chooser(fn, targets):
-    """``choose(args, kwargs)``: the position in ``targets``
+def chooser(fn, computations):
+    """``choose(args, kwargs)``: the position in ``computations``
     (spellings.computations' answer) of the entry whose rule a call of ``fn``
     follows, or None: a plain int, a constant torch.compile and torch.export
     carry into the graph (a kinds.Kind record is no constant to them). Each
@@ -110,7 +110,7 @@ def chooser(fn, targets):
             ops = spellings.traced(fn, args, kwargs)
         if not ops:  # did not run, or computes nothing (a view)
             return None
-        return next((i for i, (computed, _, _) in enumerate(targets) if ops in computed), None)
+        return next((i for i, (computed, _, _) in enumerate(computations) if ops in computed), None)
 
     @torch.compiler.assume_constant_result
     def decide(k):

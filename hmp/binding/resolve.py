@@ -322,13 +322,13 @@ class Resolver:
         spelled = spellings.spellings(by_kind, python_builtins(), RNN_KERNELS)
         extra = [(kind, name) for kind, names in fallback for name in names if name not in listed]
         # an op whose call picks its kernel by a string (picked.py); one with a rule of its own keeps it
-        targets = spellings.computations(by_kind, python_builtins(), RNN_KERNELS)
+        computations = spellings.computations(by_kind, python_builtins(), RNN_KERNELS)
         picks = spellings.picked(by_kind, python_builtins(), RNN_KERNELS, frozenset(n for _, n in extra))
         out, seen = [], set()
         first_extra = len(named) + len(fused) + len(spelled)
         # a spelling binds its own name's sites under the entry it follows (spellings.py)
         todo = [(k, n, n, ()) for k, n in named + fused] + [(*s, ()) for s in spelled]
-        todo += [(k, n, n, ()) for k, n in extra] + [(None, n, n, targets) for n in picks]
+        todo += [(k, n, n, ()) for k, n in extra] + [(None, n, n, computations) for n in picks]
         for i, (kind, name, spelling, chosen_from) in enumerate(todo):
             for site in self.sites(spelling):
                 if chosen_from and not isinstance(site.original(), types.BuiltinFunctionType):

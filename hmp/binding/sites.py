@@ -154,8 +154,8 @@ class Wrappers:
         choose = picked.chooser(original, binding.picks)
         # an entry's name changes its rule only for a normalisation (for_site): one rule per list else
         made, rules = {}, []
-        for _, kind, target in binding.picks:
-            shown = target if target in NORMALIZATIONS else ""
+        for _, kind, listed in binding.picks:
+            shown = listed if listed in NORMALIZATIONS else ""
             if (kind, shown) not in made:
                 made[kind, shown] = for_site(kind, shown, site, self.low, self.casters, self.strict)
             rules.append(made[kind, shown])

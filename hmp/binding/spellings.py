@@ -208,12 +208,12 @@ def spellings(listed, builtins, unprobed=frozenset()):
     ``unprobed``: ops never run with made-up arguments (the recurrent kernels:
     torch 2.4's gru_cell crashes the process on a shape it should refuse),
     neither spellings nor spelled."""
-    found_targets = computations(listed, builtins, unprobed)
-    if not found_targets:
+    theirs = computations(listed, builtins, unprobed)
+    if not theirs:
         return ()
     taken = {n for _, names in listed for n in names}
     out = []
-    computed = set().union(*(ops for ops, _, _ in found_targets))
+    computed = set().union(*(ops for ops, _, _ in theirs))
     for name, builtin in builtins:
         if name in taken or name in unprobed or not isinstance(builtin, types.BuiltinFunctionType):
             continue
@@ -224,7 +224,7 @@ def spellings(listed, builtins, unprobed=frozenset()):
             continue
         # every computation of the spelling is one of the entry's: matmul (mm, bmm, dot) is no spelling
         # of mm, linear (addmm with a bias) none of matmul; torch.linalg.matmul is matmul's
-        matches = [(kind, target) for ops, kind, target in found_targets if found <= ops]
+        matches = [(kind, entry) for ops, kind, entry in theirs if found <= ops]
         if matches:
             # named after the entry with its very schema (linalg_matmul: matmul), else the kernel's own (einsum: bmm)
             same = [m for m in matches if _signatures(m[1]) & _signatures(name)]

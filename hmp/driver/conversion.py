@@ -339,9 +339,9 @@ def _log_conversion(undo_log):
                 by_why.setdefault(why, []).append(name)
         for why, names in by_why.items():
             log.info("hmp: %s list, %s: %s", kind, why, ", ".join(names))
-    for kind, targets in runtime.conversion.modules.items():
-        if targets:
-            log.info("hmp: %s modules: %s", kind, ", ".join(module_entries.shown(t) for t in targets))
+    for kind, entries in runtime.conversion.modules.items():
+        if entries:
+            log.info("hmp: %s modules: %s", kind, ", ".join(module_entries.shown(e) for e in entries))
     labels = undo_log.labels()
     log.info(
         "hmp: patched %d entry points (each one: logging.getLogger('hmp.patches').setLevel(logging.DEBUG))",

@@ -94,13 +94,13 @@ def plan(options, resolver=None):
         low=low,
         strict=checked.strict,
     )
-    targets = {
-        k.name: module_entries.targets(given[k.modules_parameter], given["model"], k.modules_parameter)
+    given_entries = {
+        k.name: module_entries.from_parameter(given[k.modules_parameter], given["model"], k.modules_parameter)
         for k in kinds.KINDS
         if k.takes_modules
     }
     uncast = uncast_list.load(given["uncast_file_path"])
-    return Conversion(effective, checked, module_entries.merge(classes, targets), uncast)
+    return Conversion(effective, checked, module_entries.merge(classes, given_entries), uncast)
 
 
 PARAMETERS = {}  # convert()'s parameters by name (inspect.Parameter), read from its signature (options_of)

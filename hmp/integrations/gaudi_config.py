@@ -117,7 +117,7 @@ def _check_modules(config, model, errors):
     out = {}
     for kind, field in MODULE_FIELDS.items():
         try:
-            out[kind] = module_entries.targets(config.get(field), model, field)
+            out[kind] = module_entries.from_parameter(config.get(field), model, field)
         except (ValueError, TypeError) as e:
             errors.append(str(e).removeprefix("hmp: "))
     return out

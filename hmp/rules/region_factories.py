@@ -25,7 +25,7 @@ from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import runtime, tls
 from hmp.core.wrap import script_as
 from hmp.rules.interface import Changes
-from hmp.rules.uncast_calls import target
+from hmp.rules.uncast_calls import place_of
 
 FILE = "autocast_factories.txt"
 _is_compiling = torch.compiler.is_compiling
@@ -58,7 +58,7 @@ class Factories:
         """Take in the code of every entry resolvable now (``module``: the
         one just imported, as imports.Watch calls back; all are looked at)."""
         for entry in self.entries:
-            found = target(entry)
+            found = place_of(entry)
             if found is not None and found[0] is None:  # a function
                 code = getattr(getattr(found[1], found[2], None), "__code__", None)
                 if code is not None:

@@ -49,7 +49,7 @@ log = logging.getLogger("hmp")
 # -- resolving: what to patch now --------------------------------------------------------------
 
 
-def target(entry):
+def place_of(entry):
     """``(class or None, attribute owner, name)`` for an entry whose module is
     imported, or None. A module imported but lacking the attribute is a
     version of the library without it: left alone."""
@@ -114,7 +114,7 @@ class Calls:
         for entry in self.entries:
             if entry in self.done:
                 continue
-            found = target(entry)
+            found = place_of(entry)
             if found is None:
                 continue
             cls, owner, name = found
