@@ -247,10 +247,10 @@ def _vf_sites(name):
 
 class Resolver:
     def __init__(self):
-        self.modules = [("torch", torch), ("torch.nn.functional", F)]
+        self.namespaces = [("torch", torch), ("torch.nn.functional", F)]
         tv = _torchvision_ops()
         if tv is not None:
-            self.modules.append(("torchvision.ops", tv))
+            self.namespaces.append(("torchvision.ops", tv))
         self._cache = {}
         self._universe = None
         self._attrs = None  # every attribute name a lookup could find
@@ -261,7 +261,7 @@ class Resolver:
         100k unknown names is checked in well under a second."""
         if self._attrs is None:
             attrs = set()
-            for _, module in self.modules:
+            for _, module in self.namespaces:
                 attrs.update(module.__dict__)
             for klass in torch.Tensor.__mro__:
                 attrs.update(vars(klass))
@@ -289,7 +289,7 @@ class Resolver:
             self._cache[name] = found
             return found
         plain, on_tensor = entry_forms(name, lambda attr: self._lookup(T, attr, in_class=True) is not None)
-        for owner, module in self.modules:
+        for owner, module in self.namespaces:
             for attr, inplace in plain:
                 fn = self._lookup(module, attr, in_class=False)
                 if fn is not None:
@@ -390,7 +390,7 @@ class Resolver:
     def suggest(self, name):
         if self._universe is None:
             names = set()
-            for _, module in self.modules:
+            for _, module in self.namespaces:
                 names.update(a for a in dir(module) if not a.startswith("__"))
             for a in dir(torch.Tensor):
                 names.add(a[2:-2] if a.startswith("__") and a.endswith("__") else a)

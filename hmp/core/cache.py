@@ -28,7 +28,7 @@ nothing writes the weights.
   version counter back (hmp/rules/refills.py: FSDP2's all-gathers) and
   ``clear_cache()`` drop every copy.
 
-An entry (``_Entry``) is checked at every hit against the source's version
+An entry (``_CacheEntry``) is checked at every hit against the source's version
 counter, data pointer and, for no-grad stores, shape. Nothing of hmp's sits
 on the user's tensor (``torch.utils.swap_tensors`` refuses one with a weak
 reference): an entry holds the source's storage weakly, and goes when that
@@ -102,7 +102,7 @@ class _Steps:
         self.copies = []
 
 
-class _Entry:
+class _CacheEntry:
     """A cached copy and what it was cast from. ``copy``: a weak reference to
     the copy (grad mode) or the copy itself (no-grad stores);
     ``version``, ``ptr``, ``shape``: the source's version counter, data
@@ -131,7 +131,7 @@ class _Drop:
             self.store.pop(self.key, None)
 
 
-_SEEN = _Entry()  # a region's first sight of a weight: no copy kept, nothing held
+_SEEN = _CacheEntry()  # a region's first sight of a weight: no copy kept, nothing held
 _SEEN.copy = None
 
 
@@ -148,7 +148,7 @@ def _keep(store, t, copy, weak):
         return False
     key = id(t)
     drop = _Drop(store, key)
-    e = _Entry()  # a new entry, stored in one step: a thread reading the old one never sees a mix
+    e = _CacheEntry()  # a new entry, stored in one step: a thread reading the old one never sees a mix
     # in grad mode the copy's graph holds the weight (its AccumulateGrad node) while the copy lives
     e.copy = weakref.ref(copy, drop) if weak else copy
     e.version, e.ptr, e.shape = version, ptr, t.shape

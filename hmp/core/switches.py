@@ -55,16 +55,16 @@ class _Switch(contextlib.ContextDecorator):
         self._unused_at = (caller.f_code.co_filename, caller.f_lineno, caller.f_globals.get("__name__"))
 
     def __del__(self):
-        site = getattr(self, "_unused_at", None)
-        if site is not None:
+        made_at = getattr(self, "_unused_at", None)
+        if made_at is not None:
             name = type(self).__name__
             warnings.warn_explicit(
                 f"hmp.{name}() was called but never entered, so it changed nothing: write "
                 f"`with hmp.{name}():` around the block, or use it as a decorator",
                 UserWarning,
-                site[0],
-                site[1],
-                module=site[2],
+                made_at[0],
+                made_at[1],
+                module=made_at[2],
             )
 
     def _recreate_cm(self):

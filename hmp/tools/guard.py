@@ -112,19 +112,19 @@ class StateGuard:
 
     def _add(self, obj, loose):
         if isinstance(obj, torch.nn.Module):
-            target = self.modules
+            bucket = self.modules
         elif isinstance(obj, torch.optim.Optimizer):
-            target = self.optimizers
+            bucket = self.optimizers
         elif isinstance(obj, torch.Tensor):
-            target = loose
+            bucket = loose
         elif stateful(obj):
-            target = self.others
+            bucket = self.others
         else:
             return False
-        if not any(o is obj for o in target):
-            target.append(obj)
+        if not any(o is obj for o in bucket):
+            bucket.append(obj)
         for name in ("optimizer", "_optimizer"):  # a wrapper (accelerate, Lightning) steps the optimizer it wraps
-            inner = getattr(obj, name, None) if target is self.optimizers else None
+            inner = getattr(obj, name, None) if bucket is self.optimizers else None
             if isinstance(inner, torch.optim.Optimizer) and inner is not obj:
                 self._add(inner, loose)
         return True
