@@ -42,7 +42,7 @@ def changes(ctx):
     """The rule's changes (hmp/rules/interface.py); ``ctx.watch`` takes in the
     factories of modules the program imports later."""
     factories = Factories(load())
-    factories.watch(ctx.watch)
+    factories.on_import(ctx.watch)
     return Changes(tuple(factories.patches()))
 
 
@@ -64,7 +64,7 @@ class Factories:
                 if code is not None:
                     self.codes.add(code)
 
-    def watch(self, watch):
+    def on_import(self, watch):
         for module in sorted({e.module for e in self.entries}):
             if module not in sys.modules:
                 watch.add(module, self.resolve)

@@ -95,7 +95,7 @@ def changes(ctx):
     ``ctx.watch`` resolves the others when the program imports their module."""
     calls = Calls(ctx.uncast, ctx.later)
     out = calls.patches()
-    calls.watch(ctx.watch)
+    calls.on_import(ctx.watch)
     return Changes(tuple(out))
 
 
@@ -129,7 +129,7 @@ class Calls:
             out.append((cls, "__init_subclass__", _subclass_hook(cls, name, self.later)))
         return out
 
-    def watch(self, watch):
+    def on_import(self, watch):
         """Have ``watch`` (imports.Watch) resolve the entries whose module the
         program imports later."""
         for module in sorted({e.module for e in self.entries if e not in self.done}):

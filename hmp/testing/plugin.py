@@ -7,7 +7,7 @@ no hmp wrapper left in torch's namespaces. What stayed fails that test, and
 is undone so the next test starts as this one did.
 
 Every other test is watched too, once it or its fixtures have imported hmp
-(``Watch``): after its fixtures' teardown, a conversion in force that was not
+(``LeakCheck``): after its fixtures' teardown, a conversion in force that was not
 before the test (nor after its setup), a ``disable_casts()`` block left open
 or a wrapper left in torch is that test's error, and is undone.
 
@@ -101,7 +101,7 @@ class Block:
         return [f"hmp: the test {p}" for p in problems]
 
 
-class Watch:
+class LeakCheck:
     """What a test without the marker or the fixture left of hmp: the state
     before its setup (``imported=False``: hmp was not imported yet, so not
     converted), after its setup (``set_up()``), and after its fixtures'

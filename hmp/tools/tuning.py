@@ -208,10 +208,10 @@ class _Tuner:
         ]
         self.authored = [] if self.override_fp32 else sorted(op for op in large if op in costs.authored)
         self.candidates = [op for op in large if op not in self.authored]
-        watch = {**_empty_lists(), LOWER.name: set(self.candidates) | set(self.confined)}
+        audited = {**_empty_lists(), LOWER.name: set(self.candidates) | set(self.confined)}
         self.runs.expect(1, "a reference step in fp32")
         self.ref_final, self.ref = self.run_step(
-            self.under(watch), passthrough=True, keep_outputs=True, module_outputs=True
+            self.under(audited), passthrough=True, keep_outputs=True, module_outputs=True
         )
         self.ref_outputs = by_op(self.ref.outputs)
         self.classes = [row for row in self.report.module_classes if row["made_max_rel"] > self.threshold]

@@ -14,7 +14,7 @@ hmp.testing.plugin, which converts and checks.
 
 Any other test that leaves hmp converted (a ``converted()`` block never
 exited, ``convert()`` without ``revert()``), casts off or a wrapper in torch
-errors at its teardown (hmp.testing.plugin.Watch), once hmp is imported: this
+errors at its teardown (hmp.testing.plugin.LeakCheck), once hmp is imported: this
 module looks for it in sys.modules and imports nothing before.
 """
 
@@ -26,7 +26,7 @@ import pytest
 MARKER = "hmp"
 FIXTURE = "hmp_converted"
 _BLOCK = pytest.StashKey()
-_WATCH = pytest.StashKey()
+_LEAK_CHECK = pytest.StashKey()
 
 
 def pytest_configure(config):
@@ -88,23 +88,23 @@ def _fail(outcome, problems):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     plugin = _plugin()
-    watch = plugin.Watch() if plugin is not None else None
+    leak_check = plugin.LeakCheck() if plugin is not None else None
     yield
-    if watch is None:
+    if leak_check is None:
         plugin = _plugin()
-        watch = plugin.Watch(imported=False) if plugin is not None else None
-    if watch is not None:
-        watch.set_up()
-        item.stash[_WATCH] = watch
+        leak_check = plugin.LeakCheck(imported=False) if plugin is not None else None
+    if leak_check is not None:
+        leak_check.set_up()
+        item.stash[_LEAK_CHECK] = leak_check
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item):
     outcome = yield
-    watch = item.stash.get(_WATCH, None)
-    if watch is None:
+    leak_check = item.stash.get(_LEAK_CHECK, None)
+    if leak_check is None:
         plugin = _plugin()
-        watch = plugin.Watch(imported=False) if plugin is not None else None
-    problems = watch.close() if watch is not None else []
+        leak_check = plugin.LeakCheck(imported=False) if plugin is not None else None
+    problems = leak_check.close() if leak_check is not None else []
     if problems and outcome.excinfo is None:
         _fail(outcome, problems)
