@@ -222,21 +222,21 @@ def _sized(cfg, options, facts):
     """``cfg`` with the steps that fit BUDGET_S here, from a measured step of each configuration."""
     _note(f"timing {SIZING_STEPS + 1} training steps of each configuration to size the run")
     fp32_s, hmp_s = sizing.step_seconds(cfg, [None, options], steps=SIZING_STEPS)
-    plan = sizing.plan_steps(fp32_s + hmp_s, BUDGET_S, STEPS)
+    budget = sizing.plan_steps(fp32_s + hmp_s, BUDGET_S, STEPS)
     over = (
         f" (over the {BUDGET_S:.0f} s aimed at: the model stays the same on every run, so a slow machine trains longer)"
-        if plan.over_budget
+        if budget.over_budget
         else ""
     )
     _note(
         f"sized to this machine: a step takes {fp32_s * 1e3:.0f} ms in fp32 and {hmp_s * 1e3:.0f} ms under hmp "
-        f"(measured now); {plan.steps} steps per configuration, about {plan.seconds:.0f} s of training for "
+        f"(measured now); {budget.steps} steps per configuration, about {budget.seconds:.0f} s of training for "
         f"both{over}, more or less as this machine's load changes (the time left is updated as it trains); "
         "--steps N or --long to choose"
     )
     facts["measured_step_s"] = {"fp32": fp32_s, "hmp": hmp_s}
-    facts["planned_training_s"] = plan.seconds
-    return dataclasses.replace(cfg, steps=plan.steps)
+    facts["planned_training_s"] = budget.seconds
+    return dataclasses.replace(cfg, steps=budget.steps)
 
 
 def _train_both(cfg, corpus, options, opt_level):
