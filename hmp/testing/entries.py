@@ -44,7 +44,7 @@ class Call(NamedTuple):
     inplace_param: Optional[int]  # position of an ``inplace=`` parameter
 
 
-class Binding(NamedTuple):
+class Bound(NamedTuple):
     kind: str  # "bf16", "fp32" or "promote"
     name: str  # the list name whose rule applies
     fallback: bool  # an op in no list, under its rule only where a call needs it
@@ -163,39 +163,39 @@ def bound_names(conversion):
 
 
 def binding(conversion, op, call, runtime):
-    """The Binding of ``call`` (of ``op``) under ``conversion`` (``runtime``:
+    """The Bound of ``call`` (of ``op``) under ``conversion`` (``runtime``:
     hmp's state, for registrations and decorated functions), or None: left
     to torch."""
     decorated = runtime.decorated.get(op) if isinstance(op, types.FunctionType) else None
     if decorated is not None:
-        return Binding(decorated.name, op.__qualname__, False, whole_call=True)
-    for owner, attr, kind in runtime.registered:  # hmp's own records; this kit's Binding names the kind
+        return Bound(decorated.name, op.__qualname__, False, whole_call=True)
+    for owner, attr, kind in runtime.registered:  # hmp's own records; this kit's Bound names the kind
         if unwrap(getattr(owner, attr, None)) is call.fn:
-            return Binding(kind.name, attr, False)
+            return Bound(kind.name, attr, False)
     bound = bound_names(conversion)
     for kind, names in bound.items():  # listed names first, each kind's names in order
         for name in names:
             if name in call.names:
-                return Binding(kind, name, False)
+                return Bound(kind, name, False)
     for kind, names in bound.items():  # then the fused kernels of listed ops
         for name in names:
             for fused in FUSED.get(name, ()):
                 if fused in call.names:
-                    return Binding(kind, fused, False)
+                    return Bound(kind, fused, False)
     listed_by_kind = tuple((k, tuple(v)) for k, v in bound.items())
     for kind, name, spelling in spellings.spellings(listed_by_kind, aten.python_builtins(), resolve.RNN_KERNELS):
         if spelling in call.names:  # another name of a listed op (hmp/binding/spellings.py)
-            return Binding(kind, name, False)
+            return Bound(kind, name, False)
     listed = set().union(*bound.values())
     for record, names in lists.fallback_names(conversion.options.low_precision_type):
         for name in names:
             if name not in listed and name in call.names:
-                return Binding(record.name, name, True)
+                return Bound(record.name, name, True)
     return None
 
 
 def picked_binding(conversion, call, args, kwargs):
-    """The Binding of a call of an op whose call picks its kernel (a string
+    """The Bound of a call of an op whose call picks its kernel (a string
     argument; hmp/binding/picked.py), or None: the listed op among the kernels
     torch's own op dispatches when run on copies of these very arguments
     (not hmp's trace on meta tensors), when every other op it dispatches
@@ -221,7 +221,7 @@ def picked_binding(conversion, call, args, kwargs):
             listed.append((kind_of[name], name))
         elif not _moves_values(o):
             others.append(name)
-    return Binding(*listed[0], False) if len(listed) == 1 and not others else None
+    return Bound(*listed[0], False) if len(listed) == 1 and not others else None
 
 
 def _moves_values(overload):

@@ -148,7 +148,7 @@ def _widest(args, kwargs):
 
 
 class _Rules:
-    """One call under one Binding."""
+    """One call under one entries.Bound."""
 
     def __init__(self, low, bound, call, kwargs):
         self.low, self.bound, self.call = low, bound, call

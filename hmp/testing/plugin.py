@@ -68,7 +68,7 @@ def wrappers_left():
     return left
 
 
-class Block:
+class ConversionUnderTest:
     """One test's conversion: made at the fixture's setup, closed when the
     test returns (``close()``: the problems it found, once)."""
 

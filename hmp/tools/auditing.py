@@ -11,7 +11,7 @@ arguments (hmp/tools/record.py): each module's outputs are paired by call order
 too, and each op call is attributed to the innermost module it ran in, so
 the ops' own errors add up per module and per module class. One more run
 per module class measures the error its instances' own code makes: only
-the ops called directly in them cast (record.Boundary). The last runs,
+the ops called directly in them cast (record.Confinement). The last runs,
 warm by then, time each op: in fp32 and under the lists, interleaved, a few
 times each (op_times()).
 """
@@ -33,7 +33,7 @@ from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
 from hmp.tools.op_costs import NOT_TIMED, TIMED_PAIRS, op_times
 from hmp.tools.progress import StepRuns
-from hmp.tools.record import Boundary, ModuleHooks, Recorder, module_paths, ran_in
+from hmp.tools.record import Confinement, ModuleHooks, Recorder, module_paths, ran_in
 from hmp.tools.report import write as write_html
 from hmp.tools.target import user_name
 
@@ -277,11 +277,11 @@ def run_step(
     """One run of ``fn`` from the guarded state under ``conversion`` (None:
     plain torch), recorded (see record.Recorder for the options), with the
     guarded modules hooked when outputs are kept (and, with ``cast_only_in``,
-    a record.Boundary around those modules); the configuration in force is
+    a record.Confinement around those modules); the configuration in force is
     back afterwards."""
     recorder = Recorder(keep_outputs, restore_dtype, forced, module_outputs, cast_only_in)
     paths = module_paths(guard.modules) if keep_outputs else {}
-    boundary = Boundary(paths, cast_only_in or ())
+    boundary = Confinement(paths, cast_only_in or ())
     with (
         guard.running(),
         applied(conversion, recorder=recorder, passthrough=passthrough),
@@ -296,7 +296,7 @@ def made_in(fn, args, kwargs, guard, conversion, ref, inside):
     """The errors of the modules at ``inside`` (paths) made by their own code:
     ``{path: (max_rel, mean_rel, nonfinite)}`` of their outputs against the
     fp32 run ``ref``, from a run in which only ops called directly in them
-    cast, and only what they round leaves them (record.Boundary)."""
+    cast, and only what they round leaves them (record.Confinement)."""
     _, run = run_step(
         fn, args, kwargs, guard, conversion, keep_outputs=True, module_outputs=True, cast_only_in=set(inside)
     )

@@ -94,7 +94,7 @@ class Recorder:
         # call's error reaches the next: each call's error is its own.
         # module_outputs: keep each hooked module call's output too
         # cast_only_in: module paths; an op called directly in another (or in
-        # none) casts nothing, as in the fp32 run (see Boundary)
+        # none) casts nothing, as in the fp32 run (see Confinement)
         self.cast_only_in = cast_only_in
         self.keep_outputs, self.restore_dtype, self.forced = keep_outputs, restore_dtype, forced
         self.keep_module_outputs = module_outputs
@@ -307,7 +307,7 @@ def within(path, outer):
     return outer == "" or path == outer or path.startswith(outer + ".")
 
 
-class Boundary:
+class Confinement:
     """For one run with ``Recorder(cast_only_in=inside)``: the modules at
     ``inside`` pass their outputs on in float32, and the hooked modules
     within them that are not themselves inside take their inputs in

@@ -21,7 +21,7 @@ HOMES = {
         "entry_key",
         "class_path",
         "from_line",
-        "targets",
+        "from_parameter",
         "merge",
         "shown",
         "resolved",
@@ -195,3 +195,26 @@ def test_a_planted_store_outside_state_is_caught(tmp_path):
         "import functools\nseen = {}\nTABLE = {1: 2}\nLATER = []\n\n@functools.lru_cache\ndef f(x):\n    return x\n"
     )
     assert module_stores(tmp_path) == {"cache.seen", "cache.LATER", "cache.f"}
+
+
+def classes_named_twice(root):
+    """``{class name: [modules]}`` for every class name defined in more than one module under ``root``:
+    a class is a concept, and one name for two of them is read as the wrong one (issue 58)."""
+    where = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(path.relative_to(root).as_posix())
+    return {name: modules for name, modules in where.items() if len(set(modules)) > 1}
+
+
+def test_each_class_name_means_one_thing():
+    assert classes_named_twice(PACKAGE) == {}
+
+
+def test_a_planted_second_class_of_a_name_is_caught(tmp_path):
+    (tmp_path / "binding").mkdir()
+    (tmp_path / "testing").mkdir()
+    (tmp_path / "binding" / "imports.py").write_text("class Watch:\n    pass\n")
+    (tmp_path / "testing" / "plugin.py").write_text("class Watch:\n    pass\n")
+    assert classes_named_twice(tmp_path) == {"Watch": ["binding/imports.py", "testing/plugin.py"]}

@@ -53,7 +53,7 @@ def hmp_converted(request):
     ``hmp.effective_lists(detail=True)``. When the test returns, the
     conversion in force before it is back, and a test that left hmp
     converted, casts off or a wrapper in torch fails (and is cleaned up)."""
-    block = importlib.import_module("hmp.testing.plugin").Block(request.node)
+    block = importlib.import_module("hmp.testing.plugin").ConversionUnderTest(request.node)
     request.node.stash[_BLOCK] = block
     try:
         yield block.lists
