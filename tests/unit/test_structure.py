@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import tokenize
 import types
 from pathlib import Path
 
@@ -656,3 +657,24 @@ def test_architecture_names_each_packages_modules_in_its_row():
         modules = {p.stem for p in (PACKAGE / folder).glob("*.py") if p.stem != "__init__"}
         assert modules - named == set(), f"hmp/{folder}/ modules missing from docs/architecture.md"
         assert {n for n in named if n in stems} - modules == set(), f"hmp/{folder}/'s row names another's"
+
+
+def _identifiers(root):
+    """Every name token in the Python files under ``root``."""
+    names = set()
+    for path in root.rglob("*.py"):
+        with open(path, "rb") as f:
+            names |= {t.string for t in tokenize.tokenize(f.readline) if t.type == tokenize.NAME}
+    return names
+
+
+def test_the_names_table_names_what_the_code_defines():
+    """docs/architecture.md's table of names with one meaning: every identifier
+    it cites (`runtime.undo_log`, `cache._CacheEntry`, `on_import`) is a name in
+    hmp's code, so a rename that leaves the table behind fails here."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    table = page.split("## Names with one meaning", 1)[1].split("\n## ", 1)[0]
+    cited = {m.rstrip("()").split(".")[-1] for m in re.findall(r"`([A-Za-z_][\w.]*(?:\(\))?)`", table)}
+    cited -= {"binding", "kinds", "py"}  # parts of paths the table cites
+    assert len(cited) > 20
+    assert sorted(cited - _identifiers(PACKAGE)) == []
