@@ -1,4 +1,5 @@
-"""Step times relative to fp32, with the spread that says when they are noise.
+"""Step times relative to fp32, with the spread that says when they are noise;
+and the one way the benchmarks take their samples.
 
 One unit everywhere: a configuration's time divided by fp32's, so below 1
 is faster. Samples come interleaved (an fp32 run, a run under the lists, an
@@ -12,6 +13,15 @@ pairs' ratios (25th to 75th percentile). When it lies wholly on one side of
 (``0.62x fp32's time (middle half of 10 pairs: 0.58x to 0.66x)``); when it
 covers 1.0, or there are fewer than MIN_PAIRS pairs, no difference was
 measured, and that is said with the range too.
+
+And one way of taking the samples, the only one benchmarks/*.py use (a test
+reads their source for any other clock): ``per_call`` times back-to-back
+calls between two device synchronisations, ``interleaved`` takes one sample
+of every configuration per round, the order rotated round by round so none
+always runs first (after another's allocations, in its caches), and a
+``Stopwatch`` gives the seconds a progress line or a one-shot duration says.
+``quartiles`` and ``iqr_rel`` state the spread of raw samples (not of
+ratios: that is Ratio's).
 """
 
 from __future__ import annotations
@@ -20,7 +30,8 @@ import contextlib
 import gc
 import math
 import statistics
-from typing import NamedTuple, Sequence
+import time
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 MIN_PAIRS = 3  # fewer pairs have no middle half worth the name
 UNCLEAR = "no measurable difference"
@@ -123,3 +134,88 @@ def collector_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+def _nothing():
+    pass
+
+
+def per_call(fn, calls=1, sync=None, clock=time.perf_counter):
+    """Seconds per call of ``calls`` back-to-back calls of ``fn()``. ``sync`` (a device's
+    synchronise; None: nothing, as on a CPU) runs before the clock starts, so kernels queued
+    earlier are not counted, and before it stops, so the calls' own are.
+
+    The collector is left as the caller has it: a step's collections are part of what a step
+    costs (a caller that wants a sample to pay for its own garbage only collects before it), and
+    the benchmarks' numbers were all taken so; a caller timing calls too small to own a
+    collection wraps them in collector_paused()."""
+    sync = sync or _nothing
+    sync()
+    start = clock()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (clock() - start) / calls
+
+
+def rotated(names: Sequence, i: int) -> list:
+    """``names`` started at its ``i``-th (modulo its length): round i's order (A B C, B C A, ...)."""
+    k = i % len(names) if names else 0
+    return list(names[k:]) + list(names[:k])
+
+
+def interleaved(
+    samplers: dict[str, Callable[[], object]],
+    rounds: int,
+    rotate: bool = True,
+    warmup: int = 0,
+    after_round: Callable[[int, dict], None] | None = None,
+) -> dict[str, list]:
+    """``name -> [its sample per round]``: ``rounds`` rounds, each calling every sampler once (a
+    sampler returns one sample). With ``rotate`` round i starts at the i-th name (rotated()), so
+    load from elsewhere and what one configuration leaves behind fall on each in turn; without,
+    every round runs in the given order. ``warmup`` rounds run first, in the given order, and are
+    not kept. ``after_round(i, samples)``: called after timed round i (0-based), for progress."""
+    names = list(samplers)
+    samples = {name: [] for name in names}
+    for _ in range(warmup):
+        for name in names:
+            samplers[name]()
+    for i in range(rounds):
+        for name in rotated(names, i) if rotate else names:
+            samples[name].append(samplers[name]())
+        if after_round is not None:
+            after_round(i, samples)
+    return samples
+
+
+class Stopwatch:
+    """Seconds since it was started (``elapsed``): what a progress line (``(123 s)``) or a one-shot
+    duration says. Not for samples: those are per_call's, between device synchronisations."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.start = clock()
+
+    @property
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """(25th, 75th percentile) of raw samples (statistics.quantiles' default method); one value is
+    both."""
+    if len(values) < 2:
+        return values[0], values[0]
+    low, _, high = statistics.quantiles(values, n=4)
+    return low, high
+
+
+def iqr_rel(values: Iterable[float]) -> float:
+    """Interquartile range over the median: how noisy raw samples were (0.05: 5 %); nan for fewer
+    than 4, which have no quartiles worth the name."""
+    values = list(values)
+    if len(values) < 4:
+        return float("nan")
+    low, high = quartiles(values)
+    return (high - low) / statistics.median(values)

@@ -2,7 +2,9 @@
 answer is known, not recomputed the way the module computes it. One
 statement of noise: a middle half of the pairs' ratios wholly on one side of
 1.0 is a measured difference, said with its size and range; one that covers
-1.0 is none, said with its range too."""
+1.0 is none, said with its range too. And the harness every benchmark times
+with (per_call, interleaved, Stopwatch): what it calls, in which order, and
+what it keeps, on a fake clock where it takes one (no speed is asserted)."""
 
 import math
 import re
@@ -114,3 +116,120 @@ def test_what_tune_asks_of_a_gain_in_ten_pairs():
     assert nine.surely_faster and eight.faster and not eight.surely_faster
     few = timing.ratio([1.0] * 5, [0.5] * 5)  # all five faster: 1 in 32 by chance
     assert few.faster and not few.surely_faster
+
+
+# -- the harness the benchmarks time with: what it calls, in which order, and what it keeps
+
+
+class FakeClock:
+    """A clock that moves only when told, logging each read into ``log``."""
+
+    def __init__(self, log):
+        self.now, self.log = 100.0, log
+
+    def __call__(self):
+        self.log.append("clock")
+        return self.now
+
+
+def test_per_call_reads_the_clock_between_the_syncs_and_divides_by_the_calls():
+    log = []
+    clock = FakeClock(log)
+
+    def fn():
+        log.append("call")
+        clock.now += 2.0
+
+    took = timing.per_call(fn, calls=5, sync=lambda: log.append("sync"), clock=clock)
+    assert took == pytest.approx(2.0)
+    # queued work is drained before the clock starts, and the calls' own before it stops
+    assert log == ["sync", "clock"] + ["call"] * 5 + ["sync", "clock"]
+
+
+def test_per_call_without_a_sync_calls_fn_as_often_as_asked():
+    calls = []
+    took = timing.per_call(lambda: calls.append(1), calls=7)
+    assert len(calls) == 7 and took >= 0.0  # no hidden warm-up call
+
+
+def test_per_call_of_a_sleep_is_at_least_the_sleep():
+    import time
+
+    assert timing.per_call(lambda: time.sleep(0.002), calls=3) >= 0.002
+
+
+def test_per_call_leaves_the_collector_as_the_caller_has_it():
+    import gc
+
+    seen = []
+    timing.per_call(lambda: seen.append(gc.isenabled()))
+    with timing.collector_paused():
+        timing.per_call(lambda: seen.append(gc.isenabled()))
+    assert seen == [gc.isenabled(), False]
+
+
+def test_rotated_starts_each_round_one_further():
+    assert [timing.rotated("ABC", i) for i in range(4)] == [list("ABC"), list("BCA"), list("CAB"), list("ABC")]
+    assert timing.rotated([], 3) == []
+
+
+def _recording(names, log):
+    """Samplers that log their name and return how many samples were taken so far."""
+    return {n: (lambda n=n: log.append(n) or len(log)) for n in names}
+
+
+def test_interleaved_rotates_the_order_round_by_round():
+    log = []
+    samples = timing.interleaved(_recording("ABC", log), rounds=4)
+    assert "".join(log) == "ABC" + "BCA" + "CAB" + "ABC"
+    assert list(samples) == ["A", "B", "C"]  # in the given order, whatever ran first
+    assert samples == {"A": [1, 6, 8, 10], "B": [2, 4, 9, 11], "C": [3, 5, 7, 12]}
+
+
+def test_interleaved_without_rotation_keeps_the_given_order():
+    log = []
+    samples = timing.interleaved(_recording("ABC", log), rounds=3, rotate=False)
+    assert "".join(log) == "ABC" * 3 and all(len(v) == 3 for v in samples.values())
+
+
+def test_warm_up_rounds_run_in_the_given_order_and_are_not_kept():
+    log = []
+    samples = timing.interleaved(_recording("AB", log), rounds=2, warmup=2)
+    # two untimed rounds, then the timed rounds' rotation from its start
+    assert "".join(log) == "ABAB" + "AB" + "BA"
+    assert samples == {"A": [5, 8], "B": [6, 7]}
+
+
+def test_after_round_sees_each_timed_round_once_it_is_complete():
+    seen = []
+    timing.interleaved(
+        _recording("AB", []), rounds=3, warmup=1, after_round=lambda i, s: seen.append((i, len(s["A"]), len(s["B"])))
+    )
+    assert seen == [(0, 1, 1), (1, 2, 2), (2, 3, 3)]
+
+
+def test_a_stopwatch_says_the_seconds_since_it_started():
+    log = []
+    clock = FakeClock(log)
+    watch = timing.Stopwatch(clock)
+    clock.now += 12.5
+    assert watch.elapsed == pytest.approx(12.5)
+    clock.now += 1.0
+    assert watch.elapsed == pytest.approx(13.5)  # it keeps running
+
+
+def test_a_stopwatch_on_the_real_clock_counts_a_sleep():
+    import time
+
+    watch = timing.Stopwatch()
+    time.sleep(0.002)
+    assert watch.elapsed >= 0.002
+
+
+def test_the_spread_of_raw_samples():
+    assert timing.quartiles([3.0]) == (3.0, 3.0)
+    low, high = timing.quartiles([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    assert (low, high) == (2.0, 6.0)
+    assert timing.iqr_rel([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]) == pytest.approx(4.0 / 4.0)
+    assert math.isnan(timing.iqr_rel([1.0, 2.0, 3.0]))  # too few for quartiles worth the name
+    assert timing.iqr_rel([5.0] * 6) == 0.0
