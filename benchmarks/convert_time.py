@@ -9,28 +9,28 @@ Interleaved, medians, ratios within this process; prints a small table.
 
 import argparse
 import statistics
-import time
 
 import hmp
 from hmp.binding.resolve import Resolver
 from hmp.driver import conversion
 from hmp.driver.plan import plan
+from hmp.tools.timing import interleaved, per_call
 
 
 def once():
-    start = time.perf_counter()
-    hmp.convert()
-    took = time.perf_counter() - start
+    took = per_call(hmp.convert)
     hmp.revert()
     return took
 
 
-def twice():
-    start = time.perf_counter()
+def _resolve_twice():
     with conversion.runtime.lock:
         wanted = plan({}, Resolver())
         conversion.apply(wanted, Resolver())
-    took = time.perf_counter() - start
+
+
+def twice():
+    took = per_call(_resolve_twice)
     hmp.revert()
     return took
 
@@ -39,11 +39,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args(argv)
-    once(), twice()  # warm: torch's lazy imports, the list files' caches
-    times = {"once": [], "twice": []}
-    for i in range(args.rounds):
-        for name, fn in (("once", once), ("twice", twice))[:: 1 - 2 * (i % 2)]:
-            times[name].append(fn())
+    # the warm-up round: torch's lazy imports, the list files' caches; then once, twice / twice, once / ...
+    times = interleaved({"once": once, "twice": twice}, args.rounds, warmup=1)
     median = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     print("| convert() | median ms |")
     print("|---|---:|")

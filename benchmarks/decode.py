@@ -39,13 +39,13 @@ import argparse
 import contextlib
 import copy
 import cProfile
+import functools
 import gc
 import inspect
 import json
 import pstats
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -57,10 +57,12 @@ for p in (str(HERE), str(HERE.parent)):  # the sibling modules, and this checkou
         sys.path.insert(0, p)
 
 import floor  # noqa: E402
+import workloads  # noqa: E402
 import wrapped_calls  # noqa: E402
 
 import hmp  # noqa: E402
 from hmp.tools.launches import count  # noqa: E402
+from hmp.tools.timing import interleaved, iqr_rel, per_call  # noqa: E402
 
 CONFIGS = ("fp32", "autocast", "floor", "hmp-O1", "hmp-O1-frozen", "bf16")
 COMPILED = ("fp32", "autocast", "hmp-O1", "bf16")
@@ -71,19 +73,6 @@ TARGETS = (
     ("hmp-O1-frozen", "hmp-O1", 1.00),  # frozen_weights() never slower than without it
 )
 COMPILED_TARGETS = (("hmp-O1", "autocast", 1.05),)
-# model sizes: the CPU proxy, and TinyLlama's shape (1.1B parameters) for a GPU
-SIZES = {
-    "proxy": dict(wrapped_calls.TINY_LLAMA, max_position_embeddings=512),
-    "tinyllama": dict(
-        vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-    ),
-}
 PROMPT = 8
 
 
@@ -94,14 +83,10 @@ def sync(device):
 
 
 def build(size, device):
-    """fp32 and pure-bf16 copies of one randomly initialised Llama, in eval()."""
-    import transformers
-
-    cfg = transformers.LlamaConfig(**SIZES[size]) if isinstance(size, str) else transformers.LlamaConfig(**size)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        fp32 = transformers.LlamaForCausalLM(cfg).eval()
+    """fp32 and pure-bf16 copies of one randomly initialised Llama (workloads.llama: ``size`` a
+    workloads.LLAMA key, "proxy" or "tinyllama", or a dict of its fields), in eval()."""
+    fp32, cfg = workloads.llama(size, device)
+    fp32.eval()
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)  # same weights, rounded
     return {"fp32": fp32, "bf16": bf16}, cfg
 
@@ -200,11 +185,7 @@ def sample(models, name, prompt, new, device):
     model = model_for(models, name)
     gc.collect()
     with active(name, device):
-        sync(device)
-        t0 = time.perf_counter()
-        generate(model, prompt, new)
-        sync(device)
-        dt = time.perf_counter() - t0
+        dt = per_call(lambda: generate(model, prompt, new), sync=functools.partial(sync, device))
     return dt / new * 1e3
 
 
@@ -233,16 +214,20 @@ def measure(models, vocab, device, new, rounds, names=CONFIGS, progress=None):
     for name in names:
         sample(models, name, prompt, new, device)  # warm-up: lazy imports, first casts, allocator
         info[name] = describe(models, name, prompt, new, device)
-    times = {n: [] for n in names}
-    for r in range(rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            times[name].append(sample(models, name, prompt, new, device))
-        if progress:
-            progress(f"round {r + 1}/{rounds}: " + "  ".join(f"{n} {t[-1]:.3f}" for n, t in times.items()))
+    samplers = {name: functools.partial(sample, models, name, prompt, new, device) for name in names}
+    times = interleaved(samplers, rounds, after_round=_each_round(progress, "round", rounds))
     for name in names:  # after the timed rounds: counting before them slowed them (a meta copy, a dispatch mode)
         info[name]["kernels_added_per_token"] = kernels_added_per_token(models, name, prompt, device)
     return summarize(times, info, new)
+
+
+def _each_round(progress, what, rounds):
+    """interleaved()'s after_round: ``{what} r/rounds: name ms ...`` to ``progress`` (None: nothing)."""
+    if progress is None:
+        return None
+    return lambda r, times: progress(
+        f"{what} {r + 1}/{rounds}: " + "  ".join(f"{n} {t[-1]:.3f}" for n, t in times.items())
+    )
 
 
 def summarize(times, info, new):
@@ -252,7 +237,7 @@ def summarize(times, info, new):
         "rounds": len(next(iter(times.values()))),
         "ms_per_token": med,
         "samples_ms": times,
-        "iqr_rel": {n: _iqr_rel(t) for n, t in times.items()},
+        "iqr_rel": {n: iqr_rel(t) for n, t in times.items()},
         "vs_autocast": {n: med[n] / med["autocast"] for n in med} if "autocast" in med else {},
         "configs": info,
     }
@@ -309,18 +294,21 @@ def measure_compiled(models, vocab, device, new, rounds, names=COMPILED, progres
             setattr(torch._dynamo.config, key, 64)
     prompt = torch.randint(0, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(2)).to(device)
     mode = compile_mode(device)
-    info, times, recompiles = {}, {n: [] for n in names}, dict.fromkeys(names, 0)
+    info, recompiles = {}, dict.fromkeys(names, 0)
     with hmp.converted(opt_level="O1"):
         compiled = {n: torch.compile(model_for(models, n), mode=mode) for n in names}
 
         def sample(name):
             gc.collect()
             with compiled_active(name, device):
-                sync(device)
-                t0 = time.perf_counter()
-                generate(compiled[name], prompt, new)
-                sync(device)
-                return (time.perf_counter() - t0) / new * 1e3
+                dt = per_call(lambda: generate(compiled[name], prompt, new), sync=functools.partial(sync, device))
+            return dt / new * 1e3
+
+        def timed(name):
+            before = _graphs()
+            ms = sample(name)
+            recompiles[name] += _graphs() - before
+            return ms
 
         for name in names:
             for _ in range(4):  # the prefill, the first decode step, then dynamic shapes
@@ -331,21 +319,15 @@ def measure_compiled(models, vocab, device, new, rounds, names=COMPILED, progres
             with compiled_active(name, device):
                 tokens, dtype = generate(compiled[name], prompt, new)
             info[name] = {"tokens": tokens, "logits_dtype": str(dtype).replace("torch.", "")}
-        for r in range(rounds):
-            k = r % len(names)
-            for name in names[k:] + names[:k]:
-                before = _graphs()
-                times[name].append(sample(name))
-                recompiles[name] += _graphs() - before
-            if progress:
-                progress(f"compiled round {r + 1}/{rounds}: " + "  ".join(f"{n} {t[-1]:.3f}" for n, t in times.items()))
+        samplers = {name: functools.partial(timed, name) for name in names}
+        times = interleaved(samplers, rounds, after_round=_each_round(progress, "compiled round", rounds))
     med = {n: statistics.median(t) for n, t in times.items()}
     return {
         "mode": mode or "default",
         "rounds": rounds,
         "ms_per_token": med,
         "samples_ms": times,
-        "iqr_rel": {n: _iqr_rel(t) for n, t in times.items()},
+        "iqr_rel": {n: iqr_rel(t) for n, t in times.items()},
         "vs_autocast": {n: med[n] / med["autocast"] for n in med} if "autocast" in med else {},
         "graphs_compiled_while_timed": recompiles,
         "configs": info,
@@ -371,13 +353,6 @@ def report_compiled(res):
     for t in res["targets"]:
         lines.append(f"- target {t['ratio']} <= {t['limit']:.2f}: {t['value']:.3f} {'PASS' if t['pass'] else 'FAIL'}")
     return "\n".join(lines)
-
-
-def _iqr_rel(s):
-    if len(s) < 4:
-        return float("nan")
-    q = statistics.quantiles(s, n=4)
-    return (q[2] - q[0]) / statistics.median(s)
 
 
 def profile(models, name, vocab, device, new, top=15):
@@ -450,7 +425,7 @@ def main(argv=None):
     new, rounds = (4, 2) if args.quick else (args.tokens, args.rounds)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed cache argument
-    size = dict(SIZES["proxy"], **({"num_hidden_layers": args.layers} if args.layers else {}))
+    size = dict(workloads.LLAMA["proxy"], **({"num_hidden_layers": args.layers} if args.layers else {}))
     models, cfg = build(size, args.device)
     if args.profile:
         for name in args.profile:

@@ -22,10 +22,10 @@ compiled part then uses the aot_eager backend, which needs no compiler).
 import argparse
 import contextlib
 import copy
+import functools
 import platform
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -38,18 +38,14 @@ for p in (str(HERE), str(HERE.parent)):  # the sibling modules, and this checkou
 
 import decode  # noqa: E402
 import percall  # noqa: E402
+import workloads  # noqa: E402
 
 import hmp  # noqa: E402
+from hmp.tools.timing import Stopwatch, interleaved, per_call  # noqa: E402
 
 TRAIN_CONFIGS = ("fp32", "autocast", "hmp-O1", "bf16")
-GPT2 = {
-    "full": dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257),
-    "dry": dict(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=1000),
-    # issue 40's compiled-step check on a CPU: small enough to compile in minutes, big enough that
-    # a step is more than overhead
-    "cpu": dict(n_layer=2, n_embd=256, n_head=4, n_positions=128, vocab_size=2000),
-}
-LLAMA_DRY = dict(decode.SIZES["proxy"], num_hidden_layers=2, max_position_embeddings=128)
+# GPT-2 sizes: workloads.GPT2 ("full", "dry", "cpu")
+LLAMA_DRY = dict(workloads.LLAMA["proxy"], num_hidden_layers=2, max_position_embeddings=128)
 # per part: the full run's sizes and rounds, then the dry run's
 PLAN = {
     "full": dict(batch=(8, 1024), rounds=8, steps=3, c_rounds=3, c_steps=3, new=32, d_rounds=5, reps=5, calls=200),
@@ -108,15 +104,9 @@ def converted_for(name):
 
 def train(device, plan, size, compiled, backend):
     """ms per GPT-2 training step per configuration (AdamW; autocast around forward and loss)."""
-    import transformers
-
-    cfg = transformers.GPT2Config(**GPT2[size])
     # before torch 2.5 transformers builds sdpa's mask with an in-place write torch.compile refuses
     old = torch.torch_version.TorchVersion(torch.__version__) < "2.5"
-    cfg._attn_implementation = "eager" if compiled and old else "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        base = transformers.GPT2LMHeadModel(cfg)
+    base, cfg = workloads.gpt2(size, device, attn="eager" if compiled and old else "sdpa")
     b, t = plan["batch"]
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, cfg.vocab_size, (b, t), generator=gen).to(device) for _ in range(2)]
@@ -142,35 +132,36 @@ def train(device, plan, size, compiled, backend):
         s["opt"].step()
         s["opt"].zero_grad(set_to_none=True)
         s["dtypes"].add(str(out.logits.dtype).replace("torch.", ""))
-        return out.loss
+        s["loss"] = out.loss  # the last step's, read after the clock stops
 
-    times, peaks, losses = {n: [] for n in TRAIN_CONFIGS}, {}, {}
+    peaks, losses = {}, {}
     memory = {n: [] for n in TRAIN_CONFIGS}  # per round: what the allocator holds, to name a growth's cause
     recompiles = dict.fromkeys(TRAIN_CONFIGS, 0)  # graphs compiled in timed steps: those samples time the compiler
     for name in TRAIN_CONFIGS:  # warm-up (the compile, for torch.compile)
-        t0 = time.perf_counter()
+        watch = Stopwatch()
         with converted_for(name):
             step(name)
             step(name)
-        log(f"  {'compiled' if compiled else 'eager'} {name}: warm-up {time.perf_counter() - t0:.1f} s")
-    for r in range(rounds):
-        k = r % len(TRAIN_CONFIGS)
-        for name in TRAIN_CONFIGS[k:] + TRAIN_CONFIGS[:k]:
-            with converted_for(name):
-                step(name)  # untimed: a fresh conversion's first step
-                base_mem = peak_start(device)
-                decode.sync(device)
-                t0 = time.perf_counter()
-                graphs = _graphs()
-                for _ in range(steps):
-                    loss = step(name)
-                decode.sync(device)
-                times[name].append((time.perf_counter() - t0) / steps * 1e3)
-                recompiles[name] += _graphs() - graphs
-                peaks[name] = peak_mib(device, base_mem)
-                losses[name] = float(loss.detach())
-                memory[name].append(allocator_state(device))
+        log(f"  {'compiled' if compiled else 'eager'} {name}: warm-up {watch.elapsed:.1f} s")
+
+    def sample(name):
+        """ms per step of ``steps`` steps, hmp converted for its own, outside the clock."""
+        with converted_for(name):
+            step(name)  # untimed: a fresh conversion's first step
+            base_mem = peak_start(device)
+            graphs = _graphs()
+            ms = per_call(functools.partial(step, name), steps, functools.partial(decode.sync, device))
+            recompiles[name] += _graphs() - graphs
+            peaks[name] = peak_mib(device, base_mem)
+            losses[name] = float(state[name].pop("loss").detach())
+            memory[name].append(allocator_state(device))
+        return ms * 1e3
+
+    def each_round(r, times):
         log(f"  round {r + 1}/{rounds}: " + "  ".join(f"{n} {v[-1]:.2f}" for n, v in times.items()))
+
+    samplers = {name: functools.partial(sample, name) for name in TRAIN_CONFIGS}
+    times = interleaved(samplers, rounds, after_round=each_round)
     med = {n: statistics.median(v) for n, v in times.items()}
     rounds_ms = {n: [round(x, 2) for x in v] for n, v in times.items()}
     return {
@@ -290,7 +281,7 @@ def main(argv=None):
 
     import transformers
 
-    t_start = time.perf_counter()
+    wall = Stopwatch()
     meta = {
         "device_name": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "CPU",
         "torch": torch.__version__,
@@ -304,8 +295,8 @@ def main(argv=None):
     }
     parts, seconds = {}, {}
     for part in parts_wanted:
-        log(f"[{part}] ({time.perf_counter() - t_start:.0f} s)")
-        t_part = time.perf_counter()
+        log(f"[{part}] ({wall.elapsed:.0f} s)")
+        in_part = Stopwatch()
         if part == "train":
             parts["train_eager"] = train(device, plan, size, False, backend)
         elif part == "compile":
@@ -320,9 +311,9 @@ def main(argv=None):
             raise SystemExit(f"unknown part {part!r}: train, compile, decode, percall")
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
-        seconds[part] = time.perf_counter() - t_part
+        seconds[part] = in_part.elapsed
     meta["part_s"] = ", ".join(f"{p} {s:.0f} s" for p, s in seconds.items())
-    meta["wall_s"] = time.perf_counter() - t_start
+    meta["wall_s"] = wall.elapsed
     md = markdown(meta, parts)
     print(md)
     if out:

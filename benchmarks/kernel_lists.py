@@ -53,7 +53,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -68,10 +67,12 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling script, also when imported by path
 from autocast_lists import wrap_comment  # noqa: E402
 
+from hmp.binding import kinds  # noqa: E402
 from hmp.binding import lists as hmp_lists  # noqa: E402
 from hmp.binding.aten import returns_view  # noqa: E402
 from hmp.binding.resolve import BOUND, Resolver  # noqa: E402
 from hmp.core.identity import unwrap  # noqa: E402
+from hmp.tools.timing import Stopwatch  # noqa: E402
 
 LIST_DIR = ROOT / "op_lists"
 LOWER = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -255,7 +256,7 @@ def collect_probes(op_db=None, cap=SAMPLES_PER_OP, only=None):
     not converted), at most ``cap`` per OpInfo. ``only``: OpInfo keys to restrict to."""
     op_db = load_op_db() if op_db is None else op_db
     sweep = Sweep()
-    t0 = time.perf_counter()
+    watch = Stopwatch()
     for op in op_db:
         key = op_key(op)
         if only is not None and key not in only:
@@ -301,7 +302,7 @@ def collect_probes(op_db=None, cap=SAMPLES_PER_OP, only=None):
             continue
         sweep.ops[key] = op
         sweep.probes += kept
-    sweep.seconds = time.perf_counter() - t0
+    sweep.seconds = watch.elapsed
     return sweep
 
 
@@ -551,11 +552,11 @@ def run_sweep(cap=SAMPLES_PER_OP, verbose=False, log=print):
     """``{kind: (names, dropped)}`` for this torch, printing what was excluded."""
     with one_thread():
         sweep = collect_probes(cap=cap)
-        t0 = time.perf_counter()
+        watch = Stopwatch()
         findings = probe_errors(sweep.probes)
     log(
         f"torch {torch.__version__}: {len(sweep.ops)} OpInfos probed with {len(sweep.probes)} float32 samples "
-        f"({sweep.seconds:.0f} s), lower-precision calls {time.perf_counter() - t0:.0f} s; "
+        f"({sweep.seconds:.0f} s), lower-precision calls {watch.elapsed:.0f} s; "
         f"{len(sweep.not_probed)} not probed"
     )
     for key, why in sorted(sweep.not_probed.items()):
@@ -638,8 +639,8 @@ def _raises_under_hmp(probes, low, which, name, out):
             files[f"{kind}_file_path"] = path
         saved = hmp_lists.fallback_names
         hmp_lists.fallback_names = lambda lower: (
-            ("fp32", others[f"no_kernel_{'bf16' if lower == torch.bfloat16 else 'fp16'}"]),
-            ("promote", others["one_dtype"]),
+            (kinds.FP32, others[f"no_kernel_{'bf16' if lower == torch.bfloat16 else 'fp16'}"]),
+            (kinds.PROMOTE, others["one_dtype"]),
         )
         try:
             with warnings.catch_warnings():

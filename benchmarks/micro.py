@@ -10,7 +10,6 @@ inside one region, hmp is converted around it).
 import contextlib
 import gc
 import statistics
-import time
 
 import torch
 import torch.nn as nn
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from configs import autocast_list_args
 
 import hmp
+from hmp.tools.timing import per_call
 
 SIZE = 8
 OPS = ("linear", "mul", "cat")
@@ -52,15 +52,6 @@ def _callables(device):
     }
 
 
-def _sample(fn, calls, sync):
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / calls
-
-
 def run(device, reps, calls, sync, progress=print):
     fns = _callables(device)
     ms = modes(device)
@@ -77,7 +68,7 @@ def run(device, reps, calls, sync, progress=print):
             for m, (_, ctx) in ms.items():
                 gc.collect()
                 with ctx():
-                    out[op][m].append(_sample(fns[op], calls, sync) * 1e6)
+                    out[op][m].append(per_call(fns[op], calls, sync) * 1e6)
         progress(f"  percall rep {rep + 1}/{reps}")
     result = {
         "calls_per_sample": calls,

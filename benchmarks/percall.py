@@ -40,11 +40,11 @@ inference (inside ``frozen_weights()`` and under plain ``no_grad``), within
 import argparse
 import contextlib
 import cProfile
+import functools
 import gc
 import json
 import pstats
 import statistics
-import time
 import warnings
 from pathlib import Path
 
@@ -56,6 +56,7 @@ import torch.nn.functional as F
 import hmp
 from hmp.tools.launches import count
 from hmp.tools.progress import Progress
+from hmp.tools.timing import per_call, quartiles, rotated
 
 SIZE = 8
 # case -> (grad enabled, inside frozen_weights(), hmp's limit over the floor in us)
@@ -193,14 +194,9 @@ def sync(device):
 
 def sample(fn, calls, device="cpu"):
     keep = fn()  # in training, a live graph holding the weight's cast copy
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync(device)
-    elapsed = time.perf_counter() - start
+    seconds = per_call(fn, calls, functools.partial(sync, device))
     del keep
-    return elapsed / calls * 1e6
+    return seconds * 1e6
 
 
 def _impl(impls, case, mode):
@@ -224,8 +220,7 @@ def run(reps, calls, progress=print, device="cpu"):
                 dtypes.setdefault(case, {})[mode] = str(out.dtype).replace("torch.", "")
         for rep in range(reps):
             for case, (ns, attr, fn) in table.items():
-                order = MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]
-                for mode in order:
+                for mode in rotated(MODES, rep):
                     gc.collect()
                     with installed(ns, attr, _impl(impls, case, mode)), mode_context(mode, case, device):
                         samples[case][mode].append(sample(fn, calls, device))
@@ -276,11 +271,6 @@ def kernels():
     finally:
         hmp.revert()
     return out
-
-
-def quartiles(values):
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return q[0], q[2]
 
 
 def report(result):

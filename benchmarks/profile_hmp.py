@@ -20,7 +20,6 @@ import io
 import pstats
 import statistics
 import sys
-import time
 import timeit
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from workloads import all_workloads  # noqa: E402
 
 import hmp  # noqa: E402
+from hmp.tools.timing import Stopwatch, per_call  # noqa: E402
 
 COMPUTE = {
     "mm",
@@ -164,12 +164,12 @@ def cmd_trace(args):
 def cmd_cprofile(args):
     def measure(w, c, st):
         prof = cProfile.Profile()
-        t0 = time.perf_counter()
+        watch = Stopwatch()
         prof.enable()
         for _ in range(args.steps):
             w.step(st, c, "cpu")
         prof.disable()
-        return prof, time.perf_counter() - t0
+        return prof, watch.elapsed
 
     for w, c, (prof, dt) in _each_config(args, 5, measure):
         s = io.StringIO()
@@ -200,21 +200,15 @@ def cmd_loop(args):
     c = _configs(args)[0]
     st = w.build(c, "cpu", args.quick)
     with c.active():
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < args.seconds:
+        n, watch = 0, Stopwatch()
+        while watch.elapsed < args.seconds:
             w.step(st, c, "cpu")
             n += 1
-    print(f"{w.name} / {c.name}: {n} steps, {(time.perf_counter() - t0) / n * 1e3:.3f} ms/step")
+    print(f"{w.name} / {c.name}: {n} steps, {watch.elapsed / n * 1e3:.3f} ms/step")
 
 
 def _t(fn, calls=2000, reps=15):
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(out)
+    return statistics.median(per_call(fn, calls) * 1e6 for _ in range(reps))
 
 
 def cmd_percall(args):
@@ -294,7 +288,7 @@ def cmd_lines(args):
             st=state.tls,
             cast=caster,
             plain=torch.Tensor.bfloat16,
-            live=state.weight_cache.live[bf],
+            live=state.weight_cache.grad_mode[bf],
             cache=cache,
             Tensor=torch.Tensor,
             FP32=torch.float32,

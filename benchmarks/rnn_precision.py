@@ -8,18 +8,21 @@ forward + backward time, fp32 and bf16 samples interleaved, medians.
 """
 
 import argparse
+import functools
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
-import torch.nn as nn
 
-KINDS = {
-    "lstm": lambda h: nn.LSTM(h, h, 2),
-    "gru": lambda h: nn.GRU(h, h, 2),
-    "rnn_tanh": lambda h: nn.RNN(h, h, 2),
-    "rnn_relu": lambda h: nn.RNN(h, h, 2, nonlinearity="relu"),
-}
+HERE = Path(__file__).resolve().parent
+for p in (str(HERE), str(HERE.parent)):  # the sibling modules, and this checkout's hmp
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from workloads import RNN_KINDS as KINDS  # noqa: E402
+
+from hmp.tools.timing import interleaved, per_call  # noqa: E402
 
 
 def rel_error(out, ref):
@@ -29,6 +32,11 @@ def rel_error(out, ref):
 def step(module, x):
     out, _ = module(x)
     out.float().sum().backward()
+
+
+def _sample(module, x, dtype):
+    xd = x.to(dtype)  # outside the clock
+    return per_call(lambda: step(module, xd))
 
 
 def measure(kind, hidden, seq, batch, reps):
@@ -44,14 +52,9 @@ def measure(kind, hidden, seq, batch, reps):
         m = m.to(dtype)
         errors[dtype] = rel_error(m(x.to(dtype))[0], ref)
         models[dtype] = m
-    times = {d: [] for d in models}
-    for _ in range(reps + 1):  # the first round warms up
-        for dtype, m in models.items():
-            xd = x.to(dtype)
-            t = time.perf_counter()
-            step(m, xd)
-            times[dtype].append(time.perf_counter() - t)
-    med = {d: statistics.median(v[1:]) for d, v in times.items()}
+    samplers = {d: functools.partial(_sample, m, x, d) for d, m in models.items()}
+    times = interleaved(samplers, reps, rotate=False, warmup=1)  # fp32, bf16 every round
+    med = {d: statistics.median(v) for d, v in times.items()}
     return errors, med
 
 

@@ -14,6 +14,7 @@ percall (per-call overhead micro-benchmark). Peak memory of every
 """
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -39,6 +40,7 @@ from workloads import all_workloads  # noqa: E402
 
 import hmp  # noqa: E402
 from hmp.demo.procmem import start_peak  # noqa: E402
+from hmp.tools.timing import Stopwatch, interleaved, iqr_rel, per_call  # noqa: E402
 
 ALIASES = {"transformer_train": "transformer", "mlp_train": "mlp", "cnn_train": "cnn", "micro": "percall"}
 HMP = "hmp-O1"  # the configuration the targets are stated for
@@ -90,21 +92,19 @@ def measure_workload(w, configs, device, quick, reps):
             sync()
             expected[c.name] = w.expected_dtype(c, device)
         out_dtype[c.name] = str(out.dtype).replace("torch.", "")
-    samples = {c.name: [] for c in configs}
-    for rep in range(reps):
-        for c in configs:  # interleaved: A B C D ... per repetition
-            st = states[c.name]
-            gc.collect()
-            with c.active():  # hmp.convert / revert stay outside the timed region
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    w.step(st, c, device)
-                sync()
-                dt = time.perf_counter() - t0
-            samples[c.name].append(dt / iters * 1e3)
+
+    def sample(c):
+        gc.collect()
+        with c.active():  # hmp.convert / revert stay outside the timed region
+            return per_call(functools.partial(w.step, states[c.name], c, device), iters, sync) * 1e3
+
+    def each_rep(rep, samples):
         log(f"  {w.name} rep {rep + 1}/{reps}: " + "  ".join(f"{n} {s[-1]:.2f}" for n, s in samples.items()))
-    del states
+
+    # interleaved: A B C D ... per repetition, in the same order every time
+    samplers = {c.name: functools.partial(sample, c) for c in configs}
+    samples = interleaved(samplers, reps, rotate=False, after_round=each_rep)
+    states.clear()  # the models go before the next workload's are built
     gc.collect()
     return {
         "description": w.description,
@@ -112,19 +112,11 @@ def measure_workload(w, configs, device, quick, reps):
         "reps": reps,
         "median_ms": {n: statistics.median(s) for n, s in samples.items()},
         "min_ms": {n: min(s) for n, s in samples.items()},
-        "iqr_rel": {n: _iqr_rel(s) for n, s in samples.items()},
+        "iqr_rel": {n: iqr_rel(s) for n, s in samples.items()},
         "samples_ms": samples,
         "out_dtype": out_dtype,
         "expected_dtype": expected,
     }
-
-
-def _iqr_rel(s):
-    """Interquartile range over median: how noisy the samples were."""
-    if len(s) < 4:
-        return float("nan")
-    q = statistics.quantiles(s, n=4)
-    return (q[2] - q[0]) / statistics.median(s)
 
 
 def convert_cost(configs, n=7):
@@ -135,13 +127,8 @@ def convert_cost(configs, n=7):
             continue
         conv, rev = [], []
         for _ in range(n):
-            t0 = time.perf_counter()
-            hmp.convert(**c.hmp_args)
-            t1 = time.perf_counter()
-            hmp.revert()
-            t2 = time.perf_counter()
-            conv.append((t1 - t0) * 1e3)
-            rev.append((t2 - t1) * 1e3)
+            conv.append(per_call(functools.partial(hmp.convert, **c.hmp_args)) * 1e3)
+            rev.append(per_call(hmp.revert) * 1e3)
         out[c.name] = {"convert_ms": statistics.median(conv), "revert_ms": statistics.median(rev)}
     return out
 
@@ -586,7 +573,7 @@ def main(argv=None):
         print(json.dumps(memory_child(workloads.split(","), config, args.device, args.quick, mem_steps)))
         return 0
 
-    t_start = time.perf_counter()
+    wall = Stopwatch()
     names = [ALIASES.get(n, n) for n in _split(args.workload)]
     all_w = {w.name: w for w in all_workloads()}
     known = list(all_w) + ["percall"]
@@ -623,27 +610,24 @@ def main(argv=None):
 
     for w in workloads:
         reps = args.reps or (3 if args.quick else w.reps)
-        log(f"[{w.name}] {w.description} ({time.perf_counter() - t_start:.0f} s)")
+        log(f"[{w.name}] {w.description} ({wall.elapsed:.0f} s)")
         res["workloads"][w.name] = measure_workload(w, configs, args.device, args.quick, reps)
 
     if "percall" in names:
         reps = args.reps or (3 if args.quick else 21)
         calls = args.percall_calls or (200 if args.quick else 2000)
-        log(f"[percall] {calls} calls per sample, {reps} samples ({time.perf_counter() - t_start:.0f} s)")
+        log(f"[percall] {calls} calls per sample, {reps} samples ({wall.elapsed:.0f} s)")
         res["percall"] = micro.run(args.device, reps, calls, sync_fn(args.device), progress=log)
 
     if not args.no_memory and workloads:
-        log(
-            f"[memory] {len(workloads) * len(configs)} measurements, {mem_steps} step(s) each "
-            f"({time.perf_counter() - t_start:.0f} s)"
-        )
+        log(f"[memory] {len(workloads) * len(configs)} measurements, {mem_steps} step(s) each ({wall.elapsed:.0f} s)")
         res["memory"] = measure_memory(workloads, configs, args.device, args.quick, mem_steps)
 
     res["targets"] = evaluate_targets(res, [c.name for c in configs if c.is_hmp])
     problems = check_results(res, configs)
     if problems:
         raise SystemExit("benchmarks/run.py: its results fail its own checks:\n  " + "\n  ".join(problems))
-    meta["wall_s"] = time.perf_counter() - t_start
+    meta["wall_s"] = wall.elapsed
     meta["loadavg_end"] = _loadavg()
     md = markdown(res)
     print(md)

@@ -10,13 +10,21 @@ import contextlib
 import functools
 import json
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-import hmp
+HERE = Path(__file__).resolve().parent
+for p in (str(HERE), str(HERE.parent)):  # the sibling modules, and this checkout's hmp
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from workloads import grating_cnn  # noqa: E402
+
+import hmp  # noqa: E402
+from hmp.tools.timing import interleaved, per_call  # noqa: E402
 
 
 def cnn_problem(seed=0, n=256, size=16, classes=4):
@@ -31,22 +39,7 @@ def cnn_problem(seed=0, n=256, size=16, classes=4):
         + phase[:, None, None]
     )
     x = (x + 2.5 * torch.randn(n, size, size, generator=g)).unsqueeze(1)
-    torch.manual_seed(seed)
-    model = nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1),
-        nn.BatchNorm2d(64),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(64 * (size // 4) ** 2, 128),
-        nn.ReLU(),
-        nn.Dropout(0.1),
-        nn.Linear(128, classes),
-    )
+    model = grating_cnn(size, classes, seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step(x, y):
@@ -84,13 +77,10 @@ def final_loss(problem, lists, steps):
     """Train ``steps`` steps from the problem's fresh state with the given list files (None: fp32)."""
     hmp.revert()
     state, step, batch = problem()
+    losses = []
     with hmp.converted(**lists) if lists is not None else contextlib.nullcontext():
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            loss = step(*batch)
-            times.append(time.perf_counter() - start)
-    return float(loss.detach()), times
+        times = [per_call(lambda: losses.append(step(*batch))) for _ in range(steps)]
+    return float(losses[-1].detach()), times
 
 
 def main(argv=None):
@@ -115,11 +105,10 @@ def main(argv=None):
 
     configs = {"fp32": None, "default lists": {}, "tuned lists": {"bf16_file_path": bf16, "fp32_file_path": fp32}}
     losses = {name: final_loss(problem, lists, args.steps)[0] for name, lists in configs.items()}
-    samples = {name: [] for name in configs}
-    for _ in range(args.rounds):
-        for name, lists in configs.items():
-            samples[name] += final_loss(problem, lists, 4)[1][1:]
-    ms = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
+    # per round, each in the given order: 4 steps from a fresh state, the first (warm-up) not kept
+    samplers = {name: functools.partial(final_loss, problem, lists, 4) for name, lists in configs.items()}
+    rounds = interleaved(samplers, args.rounds, rotate=False)
+    ms = {name: statistics.median(t for _, times in r for t in times[1:]) * 1e3 for name, r in rounds.items()}
     print(f"\n## {args.model}: {args.steps} steps from the same state; step time median of interleaved runs\n")
     print("| lists | final loss | vs fp32 | step ms | speed vs default lists |")
     print("|---|---:|---:|---:|---:|")

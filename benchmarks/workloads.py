@@ -1,5 +1,7 @@
 """Model workloads: how to build one (same seed, same weights for every
-configuration) and what one timed step is."""
+configuration) and what one timed step is; and the models the other scripts
+build by name (a Llama, GPT-2, tune_models.py's CNN, the recurrent kinds), in
+one place so scripts that share a model build the same one."""
 
 from dataclasses import dataclass
 
@@ -249,3 +251,96 @@ class Accumulate(Workload):
 
 def all_workloads():
     return [TransformerTrain(), MLPTrain(), TransformerInfer(1), TransformerInfer(16), CNNTrain(), Accumulate()]
+
+
+# ---------------------------------------------------------------- models the scripts build by name
+# Random init from a fixed seed, nothing downloaded: the same weights, so the same numbers, every run.
+
+# Llama shapes (transformers.LlamaConfig fields): wrapped_calls.py's small Llama, decode.py's CPU proxy
+# (the same at 512 positions) and TinyLlama's shape (1.1B parameters) for a GPU
+LLAMA = {
+    "tiny": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    ),
+    "tinyllama": dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    ),
+}
+LLAMA["proxy"] = dict(LLAMA["tiny"], max_position_embeddings=512)
+
+# GPT-2 shapes (transformers.GPT2Config fields) for gpu.py: 124M, a dry run's, and a CPU's compiled step
+GPT2 = {
+    "full": dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257),
+    "dry": dict(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=1000),
+    # issue 40's compiled-step check on a CPU: small enough to compile in minutes, big enough that
+    # a step is more than overhead
+    "cpu": dict(n_layer=2, n_embd=256, n_head=4, n_positions=128, vocab_size=2000),
+}
+
+# rnn_precision.py's recurrent kinds, 2 layers of width h
+RNN_KINDS = {
+    "lstm": lambda h: nn.LSTM(h, h, 2),
+    "gru": lambda h: nn.GRU(h, h, 2),
+    "rnn_tanh": lambda h: nn.RNN(h, h, 2),
+    "rnn_relu": lambda h: nn.RNN(h, h, 2, nonlinearity="relu"),
+}
+
+
+def llama(size, device="cpu", attn="sdpa", seed=0):
+    """``(model, config)``: a transformers LlamaForCausalLM of ``size`` (a LLAMA key, or a dict of
+    LlamaConfig fields), initialised from ``seed`` on ``device``, in train mode. ``attn``: the
+    attention implementation (None: transformers' default)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**(LLAMA[size] if isinstance(size, str) else size))
+    if attn is not None:
+        cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(cfg), cfg
+
+
+def gpt2(size, device="cpu", attn="sdpa", seed=0):
+    """``(model, config)``: a transformers GPT2LMHeadModel of ``size`` (a GPT2 key), initialised from
+    ``seed`` on ``device``; ``attn``: the attention implementation."""
+    import transformers
+
+    cfg = transformers.GPT2Config(**GPT2[size])
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return transformers.GPT2LMHeadModel(cfg), cfg
+
+
+def grating_cnn(size=16, classes=4, seed=0):
+    """tune_models.py's CNN for one-channel ``size`` x ``size`` images: two conv+BatchNorm+ReLU+maxpool
+    blocks (32, 64 channels), a 128-wide hidden layer with dropout. Not CNNTrain's (three RGB blocks,
+    average pool, no dropout): the RESULTS of each were measured on its own."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * (size // 4) ** 2, 128),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(128, classes),
+    )

@@ -15,23 +15,20 @@ import collections
 import json
 import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
 
-import hmp
-from hmp.core import wrap
+HERE = Path(__file__).resolve().parent
+for p in (str(HERE), str(HERE.parent)):  # the sibling modules, and this checkout's hmp
+    if p not in sys.path:
+        sys.path.insert(0, p)
 
-# the small Llama counted here, and decode.py's CPU proxy (hidden 64, 4 layers)
-TINY_LLAMA = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
+import workloads  # noqa: E402
+
+import hmp  # noqa: E402
+from hmp.core import wrap  # noqa: E402
+from hmp.tools.timing import per_call  # noqa: E402
 
 
 def count(step):
@@ -80,11 +77,8 @@ def demo_step():
 
 
 def llama_step():
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**TINY_LLAMA)
-    model = transformers.LlamaForCausalLM(cfg)
+    # decode.py's CPU proxy at 128 positions, in transformers' default attention (the counts were taken so)
+    model, _ = workloads.llama("tiny", attn=None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
 
@@ -97,14 +91,13 @@ def llama_step():
     return step
 
 
+def _convert_revert():
+    hmp.convert()
+    hmp.revert()
+
+
 def convert_ms(reps=9):
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        hmp.convert()
-        hmp.revert()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(per_call(_convert_revert) * 1e3 for _ in range(reps))
 
 
 def main(argv=None):
