@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hmp  # noqa: E402
 from hmp.core import cast_copies, dtypes, policy, wrap  # noqa: E402
 from hmp.core.rescue import About  # noqa: E402
+from hmp.tools.timing import quartiles  # noqa: E402
 
 
 def pairs(a, b, n_pairs, calls):
@@ -47,7 +48,7 @@ def pairs(a, b, n_pairs, calls):
         t = {name: timeit.timeit(fn, number=calls) for name, fn in order}
         diffs.append((t["a"] - t["b"]) / calls * 1e6)
         ratios.append(t["a"] / t["b"])
-    return statistics.median(diffs), statistics.median(ratios), statistics.quantiles(ratios, n=4)
+    return statistics.median(diffs), statistics.median(ratios), quartiles(ratios)
 
 
 def cases():
@@ -105,7 +106,7 @@ def main(argv=None):
         rows += list(converted_cases())
         for name, (a, b) in rows:
             a(), b()
-            diff, ratio, (q1, _, q3) = pairs(a, b, args.pairs, args.calls)
+            diff, ratio, (q1, q3) = pairs(a, b, args.pairs, args.calls)
             print(f"| {name} | {diff:+.2f} | {ratio:.3f} | {q1:.3f} - {q3:.3f} |")
     finally:
         hmp.revert()

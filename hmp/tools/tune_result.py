@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 from datetime import datetime, timezone
 
 import torch
@@ -74,11 +73,8 @@ class TuneResult:
         """The relative spread of ``name``'s step times: (75th - 25th
         percentile) / median; what two medians must differ by to mean more
         than noise on this machine now. None with fewer than 4 samples."""
-        times = sorted(self.samples.get(name, ()))
-        if len(times) < 4:
-            return None
-        q1, _, q3 = statistics.quantiles(times, n=4)
-        return (q3 - q1) / statistics.median(times)
+        times = self.samples.get(name, ())
+        return timing.iqr_rel(times) if len(times) >= 4 else None
 
     def loss_gap(self, name):
         """``name``'s final loss relative to fp32's: (loss - fp32) / |fp32|;
