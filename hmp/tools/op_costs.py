@@ -241,7 +241,7 @@ def op_times(stats_of, repeats=TIMED_PAIRS, walls=None):
     (``stats_of(True)``: a recorded run casting nothing, its
     record.OpStats by op) and under the lists (``stats_of(False)``), the
     latter with the casts hmp makes for them (``cast_ms`` of it): medians
-    of ``repeats`` runs each, interleaved, after a warm-up run of each and
+    of ``repeats`` runs each, in adjacent pairs (timing.paired), after a warm-up run of each and
     with Python's garbage collector paused, and the time under the lists
     relative to fp32 (timing.ratio), for the ops recorded in every run on
     both sides (both_sides()); ``total``: that ratio for those same ops'
@@ -252,16 +252,18 @@ def op_times(stats_of, repeats=TIMED_PAIRS, walls=None):
     side's median wall time of those same runs in ms (``{"fp32", "lists"}``):
     the steps the ops' times are parts of, never less than any op's (a
     run's op time is inside its wall time, so their medians keep the order)."""
-    runs = {"fp32": [], "lists": []}
-    seconds = {"fp32": [], "lists": []}
-    stats_of(True)  # warm-up: first calls fill caches
-    stats_of(False)
+
+    def sample(fp32):
+        start = time.perf_counter()
+        stats = stats_of(fp32)
+        return time.perf_counter() - start, stats
+
+    # adjacent pairs in alternating order after a warm-up pair (first calls fill caches): timing.paired
     with collector_paused():
-        for _ in range(repeats):
-            for kind, fp32 in (("fp32", True), ("lists", False)):
-                start = time.perf_counter()
-                runs[kind].append(stats_of(fp32))
-                seconds[kind].append(time.perf_counter() - start)
+        got = timing.paired({"fp32": lambda: sample(True), "lists": lambda: sample(False)}, "fp32", repeats, warmup=1)
+    taken = {"fp32": got.reference, "lists": got.samples("lists")}
+    runs = {kind: [stats for _, stats in taken[kind]] for kind in taken}
+    seconds = {kind: [s for s, _ in taken[kind]] for kind in taken}
     if walls is not None:
         walls.update({kind: statistics.median(s) * 1e3 for kind, s in seconds.items()})
 

@@ -185,9 +185,16 @@ def op_section(audit, tune):
         "inputs already arrive in its dtype casts nothing and has no own error. Time: the op's forward calls in a "
         f"step, the median of {_pairs(audit)} runs in fp32 and as many under the lists, interleaved, casts included; "
         "under the lists relative to fp32 (below 1 is faster), or no measurable difference when the runs' spread "
-        f"says so.{esc(step_words(audit))}</p>",
+        f"says so.{esc(step_words(audit) if tune is None else ONE_STEP)}</p>",
         boxed(op_chart(audit, tune)),
     ]
+
+
+# on a tune page the step time is stated once per configuration, from the paired timing (validation)
+ONE_STEP = (
+    " Each op's time is a part of a step recorded op by op; the step time of each configuration is stated "
+    "once, under Validation, from the paired timing."
+)
 
 
 def step_words(audit):
@@ -311,13 +318,16 @@ def tune_sections(tune):
         "<h2>Ops tried in bf16</h2>",
         '<p class="caption">Expensive ops still computing in fp32, each tried alone in bf16 and kept when its '
         "own error and the error it passes to the loss stay under the thresholds with no inf/NaN, and a step with "
-        "it in bf16 is faster than without beyond chance (interleaved step pairs; hover a row for why).</p>",
+        "it in bf16 is faster than without beyond chance (adjacent step pairs; hover a row for why).</p>",
         boxed(trial_chart(tune)),
         *proposal_sections(tune),
         "<h2>Validation</h2>",
         f'<p class="caption">Final loss after training the same steps from the same state. Step time: each '
-        f"configuration's steps paired with fp32's, taken interleaved; the median of the pairs' ratios and the "
-        f"spread of their middle half (below 1 is faster). {esc(tune.fp32_step() if 'fp32' in tune.timings else '')}"
+        f"configuration's steps paired with fp32's, the two steps of a pair adjacent (in alternating order), so "
+        f"load on this machine that lasts a pair falls on both; the median of the pairs' ratios and the spread "
+        f"of their middle half (below 1 is faster), a difference stated only outside the {timing.MARGIN:.0%} "
+        f"margin and where both halves of the pairs say the same. "
+        f"{esc(tune.fp32_step() if 'fp32' in tune.timings else '')}"
         "</p>",
         boxed(validation_table(tune)),
     ]

@@ -5,8 +5,11 @@ A verdict is given only where its interval lies wholly on one side of
 the threshold it is judged against; otherwise the sentence says that it
 cannot tell yet and how much longer to run:
 
-- speed: the middle half of the interleaved pairs' ratios (timing.Ratio)
-  against 1.0; covering 1.0, "cannot tell yet", with the ``--rounds`` to try;
+- speed: the middle half of the adjacent pairs' ratios (timing.Ratio)
+  against the margin around 1.0, both halves of the pairs agreeing; else
+  "cannot tell yet", with the ``--rounds`` to try;
+- the hardware: what a bf16 matrix product timed in the same run against
+  fp32's (paired too, timing.matmul_ratio) says, never a guess;
 - loss: the tuned lists' loss relative to fp32's over the last half of the
   validation steps (``loss_gaps``) against the tolerance: every step within
   it, within; every step outside it, outside; some of each, "cannot tell
@@ -34,15 +37,16 @@ WITHIN, OUTSIDE, UNKNOWN = "within", "outside", "cannot tell yet"
 
 def speed_sentence(ratio, what, longer=None):
     """``what``'s time relative to fp32 as a sentence: faster or slower where the middle half of the
-    pairs lies wholly on one side of 1.0; else no measurable difference, cannot tell yet (``longer``:
-    what to run to tell, ``--rounds 10``)."""
+    pairs lies wholly outside the margin around 1.0 and both halves of the pairs say so (Ratio.measurable);
+    else no measurable difference, cannot tell yet (``longer``: what to run to tell, ``--rounds 10``)."""
     if ratio is None:
         return f"Speed: {what} was not timed."
     if ratio.measurable:
         return f"{ratio.direction().capitalize()}: {what} takes {ratio.words()}."
     more = f"; run longer ({longer}) to tell" if longer else ""
     return (
-        f"Speed: {timing.UNCLEAR} between {what} and fp32 ({ratio.middle_half()}, interleaved): "
+        f"Speed: {timing.UNCLEAR} between {what} and fp32 ({ratio.middle_half()}{ratio.why_not()}, "
+        "adjacent pairs): "
         f"it cannot tell yet whether it is faster or slower{more}."
     )
 
@@ -223,14 +227,31 @@ def tune_todo(tune):
 
 
 def slower_words(tune):
-    """Where a step under the tuned lists is measurably slower than fp32, that said with its numbers."""
+    """Where a step under the tuned lists is measurably slower than fp32, that said with its numbers, and
+    what the matrix product timed in the same run (``tune.matmul``) says of this machine's arithmetic."""
     ratio = tune.ratio("tuned lists")
     if ratio is None or not ratio.slower:
         return ""
     return (
-        f"On this machine a step under these lists takes {ratio.words()}: fp32 without hmp is faster here; "
-        "the lower dtype pays where the hardware computes it natively."
-    )
+        f"On this machine a step under these lists takes {ratio.words()}: fp32 without hmp is faster here. "
+        + hardware_words(getattr(tune, "matmul", None))
+    ).strip()
+
+
+def hardware_words(matmul):
+    """What this machine's arithmetic in the lower dtype does, from the matrix product timed in the run
+    (a timing.Ratio, or None when none was timed: then nothing is said of the hardware)."""
+    if matmul is None:
+        return ""
+    said = f"A matrix product in the lower dtype, timed in this run against fp32's, takes {matmul.words()}"
+    if matmul.faster:
+        return (
+            f"{said}: this machine computes it faster, so what costs here is the rest of the step (hmp's casts "
+            "and its wrappers' time per call; the op rows below show where)."
+        )
+    if matmul.slower:
+        return f"{said}: this machine computes the lower dtype slower than fp32, so no list gains here."
+    return f"{said}: the lower dtype's arithmetic gains nothing measurable here."
 
 
 # --- audit ----------------------------------------------------------------------------------------------------------

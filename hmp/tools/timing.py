@@ -8,11 +8,18 @@ moment; a ratio per pair cancels load from elsewhere that lasts longer than
 a pair, and the median of the pairs' ratios is the time relative to fp32.
 
 One statement of noise, the same in every tool: the middle half of the
-pairs' ratios (25th to 75th percentile). When it lies wholly on one side of
-1.0 the difference is measured, and said with its size and that range
-(``0.62x fp32's time (middle half of 10 pairs: 0.58x to 0.66x)``); when it
-covers 1.0, or there are fewer than MIN_PAIRS pairs, no difference was
-measured, and that is said with the range too.
+pairs' ratios (25th to 75th percentile). A difference is measured only when
+that middle half lies wholly outside the band of MARGIN around 1.0 (the
+tools' own margin: 2 % of fp32's time is not told from none) AND the run
+says the same twice: the first half of the pairs and the second half, each
+judged alone by its median, lie outside the band on the same side. Then it
+is said with its size and that range (``0.62x fp32's time (middle half of
+10 pairs: 0.58x to 0.66x)``); otherwise, or with fewer than MIN_PAIRS
+pairs, no difference was measured, and that is said with the range and
+why. Pairs are taken adjacent (``paired``): the two members of a pair run
+one after the other, in alternating order, so load that lasts a pair
+multiplies both and cancels in its ratio; a burst that starts or ends
+inside a pair spoils that one pair, which the middle half leaves out.
 
 And one way of taking the samples, the only one benchmarks/*.py use (a test
 reads their source for any other clock): ``per_call`` times back-to-back
@@ -35,6 +42,8 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 MIN_PAIRS = 3  # fewer pairs have no middle half worth the name
 UNCLEAR = "no measurable difference"
+# the tools' own margin: a step within 2 % of fp32's time (0.98x to 1.02x) is not told from fp32's
+MARGIN = 0.02
 # a change tune keeps for its speed must beat chance this clearly: the share of pairs faster with it would
 # come up by chance, with no difference at all, less than once in fifty (a one-sided sign test)
 SURE = 0.02
@@ -49,6 +58,31 @@ class Ratio(NamedTuple):
     high: float
     pairs: int
     below: int = 0  # pairs whose ratio is below 1
+    # the medians of the first and of the second half of the pairs, in the order taken: the run said twice
+    # (None: not known, as for a Ratio written by hand)
+    first: float | None = None
+    second: float | None = None
+    margin: float = MARGIN
+
+    def side(self, value):
+        """-1 below the band of ``margin`` around 1.0, +1 above it, 0 inside it."""
+        return -1 if value < 1.0 - self.margin else 1 if value > 1.0 + self.margin else 0
+
+    @property
+    def outside_band(self):
+        """-1 or +1 when the middle half lies wholly on one side outside the band, else 0."""
+        if self.pairs < MIN_PAIRS:
+            return 0
+        low, high = self.side(self.low), self.side(self.high)
+        return low if low == high else 0
+
+    @property
+    def halves_agree(self):
+        """The first and the second half of the pairs, each alone, say the same as the whole: what a run
+        repeated would say (True when the halves are not known)."""
+        if self.first is None or self.second is None:
+            return True
+        return self.side(self.first) == self.side(self.second) == self.outside_band
 
     def chance(self):
         """How likely as many pairs below 1 would be with no difference at all: each pair then below
@@ -68,16 +102,30 @@ class Ratio(NamedTuple):
 
     @property
     def measurable(self):
-        """Enough pairs, and a middle half that lies wholly on one side of 1.0."""
-        return self.pairs >= MIN_PAIRS and (self.high < 1.0 or self.low > 1.0)
+        """Enough pairs, a middle half wholly outside the band of ``margin`` around 1.0, and both halves of
+        the run on that side too."""
+        return self.outside_band != 0 and self.halves_agree
 
     @property
     def faster(self):
-        return self.measurable and self.high < 1.0
+        return self.measurable and self.outside_band < 0
 
     @property
     def slower(self):
-        return self.measurable and self.low > 1.0
+        return self.measurable and self.outside_band > 0
+
+    def why_not(self):
+        """Why no difference was measured, for the sentence (empty when one was, or the range says it)."""
+        if self.pairs < MIN_PAIRS or self.measurable:
+            return ""
+        if self.outside_band == 0:
+            if self.high < 1.0 or self.low > 1.0:
+                return f"; within the {self.margin:.0%} margin of 1.0"
+            return ""
+        return (
+            f"; the first half of the pairs says {self.first:.2f}x and the second {self.second:.2f}x, "
+            "not the same when repeated"
+        )
 
     def middle_half(self):
         """``middle half of 10 pairs: 0.58x to 0.66x`` (or why there is none)."""
@@ -90,7 +138,7 @@ class Ratio(NamedTuple):
         ``no measurable difference (middle half of 10 pairs: 0.95x to 1.04x)``;
         ``of``: what the ratio is relative to."""
         if not self.measurable:
-            return f"{UNCLEAR} ({self.middle_half()})"
+            return f"{UNCLEAR} ({self.middle_half()}{self.why_not()})"
         return f"{self.median:.2f}x {of} ({self.middle_half()})"
 
     def short(self):
@@ -103,19 +151,23 @@ class Ratio(NamedTuple):
         return "faster" if self.faster else "slower" if self.slower else UNCLEAR
 
 
-def ratio(fp32: Sequence[float], other: Sequence[float]) -> Ratio | None:
+def ratio(fp32: Sequence[float], other: Sequence[float], margin: float = MARGIN) -> Ratio | None:
     """The Ratio of ``other``'s times to ``fp32``'s, paired by position
-    (both taken interleaved); None when there is no pair or an fp32 time is
-    not positive."""
+    (both taken in pairs, paired(), in the order taken: the first half of
+    the pairs and the second are judged apart too); None when there is no
+    pair or an fp32 time is not positive."""
     pairs = list(zip(fp32, other))
     if not pairs or any(a <= 0 for a, _ in pairs):
         return None
-    ratios = sorted(b / a for a, b in pairs)
+    taken = [b / a for a, b in pairs]
+    ratios = sorted(taken)
     below = sum(r < 1.0 for r in ratios)
     if len(ratios) == 1:
-        return Ratio(ratios[0], ratios[0], ratios[0], 1, below)
+        return Ratio(ratios[0], ratios[0], ratios[0], 1, below, margin=margin)
     low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
-    return Ratio(statistics.median(ratios), low, high, len(ratios), below)
+    half = len(taken) // 2
+    first, second = statistics.median(taken[:half]), statistics.median(taken[half:])
+    return Ratio(statistics.median(ratios), low, high, len(ratios), below, first, second, margin)
 
 
 def words(ratio_or_none):
@@ -187,6 +239,81 @@ def interleaved(
         if after_round is not None:
             after_round(i, samples)
     return samples
+
+
+class Paired(NamedTuple):
+    """What paired() took: ``pairs``, name -> [(reference sample, its sample)] in the order taken, and
+    ``reference``, every reference sample once (one reference sample may be in two names' pairs)."""
+
+    pairs: dict
+    reference: list
+
+    def samples(self, name):
+        """``name``'s own samples, in the order taken."""
+        return [b for _, b in self.pairs[name]]
+
+    def ratio(self, name, margin=MARGIN):
+        """``name``'s Ratio to the reference, from its pairs."""
+        got = self.pairs[name]
+        return ratio([a for a, _ in got], [b for _, b in got], margin)
+
+
+def paired(
+    samplers: dict[str, Callable[[], float]],
+    reference: str,
+    rounds: int,
+    warmup: int = 0,
+    after_round: Callable[[int], None] | None = None,
+) -> Paired:
+    """Samples of every configuration in adjacent pairs with ``reference`` (fp32): each round takes, for
+    the others two at a time, the reference between them (``A ref B``, the next round ``B ref A``: the
+    reference sample is adjacent to both), or for one left over, the pair in alternating order (``ref C``,
+    then ``C ref``), so neither member always runs first. Load that lasts a pair multiplies both of its
+    members and cancels in the pair's ratio. ``warmup`` rounds run first and are not kept;
+    ``after_round(i)`` is called after timed round i (0-based), for progress."""
+    others = [name for name in samplers if name != reference]
+    groups = [others[j : j + 2] for j in range(0, len(others), 2)] or [[]]
+    pairs = {name: [] for name in others}
+    kept = []
+    for i in range(warmup + rounds):
+        for group in groups:
+            group = group if i % 2 == 0 else group[::-1]
+            order = [group[0], reference, *group[1:]] if len(group) == 2 else [reference, *group]
+            if len(group) == 1 and i % 2:
+                order = order[::-1]
+            got = {name: samplers[name]() for name in order}
+            if i < warmup:
+                continue
+            kept.append(got[reference])
+            for name in group:
+                pairs[name].append((got[reference], got[name]))
+        if i >= warmup and after_round is not None:
+            after_round(i - warmup)
+    return Paired(pairs, kept)
+
+
+def matmul_ratio(low=None, device="cpu", shape=(512, 512, 1024), rounds=8, clock=time.perf_counter):
+    """A matrix product of ``shape`` (rows, inner, columns) in ``low`` (bfloat16 by default) relative to
+    float32 on ``device``, timed in adjacent pairs (paired(), one warm-up round): what this machine's
+    arithmetic in the lower dtype gains or loses, measured now rather than read from its name."""
+    import torch
+
+    low = low or torch.bfloat16
+    rows, inner, cols = shape
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(rows, inner, generator=gen), torch.randn(inner, cols, generator=gen)
+    operands = {
+        name: (a.to(device, dtype), b.to(device, dtype)) for name, dtype in (("fp32", torch.float32), ("low", low))
+    }
+    sync = None
+    if device != "cpu":
+        accelerator = getattr(torch, str(device).split(":")[0], None)
+        sync = getattr(accelerator, "synchronize", None)
+    samplers = {
+        name: (lambda x=x, w=w: per_call(lambda: torch.mm(x, w), sync=sync, clock=clock))
+        for name, (x, w) in operands.items()
+    }
+    return paired(samplers, "fp32", rounds, warmup=1).ratio("low")
 
 
 class Stopwatch:

@@ -17,10 +17,11 @@ from hmp.tools.target import user_name
 
 
 def op_time(trial):
-    """A trial's op time with the step it is a part of: ``1.234 (of 5.678 ms)``; the step is the same
-    runs' (op_costs.Costs.step_seconds), so the op's time is never more than it."""
+    """A trial's op time with its share of the step it is a part of: ``1.234 (41.1% of its step)``; the step
+    is the same runs' (op_costs.Costs.step_seconds), so the share is never above 100 %. A share, not the
+    step's milliseconds: the page states one step time per configuration, the paired timing's."""
     step = trial.get("step_seconds")
-    return f"{trial['seconds'] * 1e3:.3f}" + (f" (of {step * 1e3:.3f} ms)" if step else "")
+    return f"{trial['seconds'] * 1e3:.3f}" + (f" ({trial['seconds'] / step:.1%} of its step)" if step else "")
 
 
 class TuneResult:
@@ -68,6 +69,11 @@ class TuneResult:
         self.steps = None  # validation steps, rounds of timing: what "run longer" doubles
         self.rounds = None
         self.start_modules = None  # the starting conversion's module entries: whose lines the files keep
+        # name -> [(fp32 step seconds, its step seconds)]: adjacent pairs in the order taken (timing.paired)
+        self.pairs = {}
+        # a matrix product in the lower dtype relative to fp32, timed in pairs in the same run
+        # (timing.matmul_ratio): what the page says of this machine's arithmetic; None: not measured
+        self.matmul = None
 
     def spread(self, name):
         """The relative spread of ``name``'s step times: (75th - 25th
@@ -86,8 +92,11 @@ class TuneResult:
 
     def ratio(self, name):
         """``name``'s step time relative to fp32's (timing.Ratio: below 1 is
-        faster), from the interleaved samples paired by position; None when
-        either was not timed."""
+        faster), from its adjacent pairs with fp32's steps (else the samples
+        paired by position); None when either was not timed."""
+        if name in self.pairs:
+            got = self.pairs[name]
+            return timing.ratio([a for a, _ in got], [b for _, b in got])
         if name not in self.samples or "fp32" not in self.samples:
             return None
         return timing.ratio(self.samples["fp32"], self.samples[name])
@@ -164,7 +173,7 @@ class TuneResult:
         """What the ratios are relative to: fp32's median step and how many steps it is the median of."""
         return (
             f"fp32 step: {self.timings['fp32'] * 1e3:.3g} ms (median of {len(self.samples.get('fp32', ()))} steps, "
-            f"each configuration's interleaved with fp32's)"
+            f"each taken adjacent to a step of each other configuration: the pairs the ratios come from)"
         )
 
     def class_proposals(self):
@@ -213,7 +222,8 @@ class TuneResult:
             "",
             "## ops tried in bf16",
             "",
-            "| op | was in | fp32 time ms (of a step) | own max rel err | error passed to loss | inf/NaN | outcome |",
+            "| op | was in | fp32 time ms (share of its step) | own max rel err | error passed to loss | inf/NaN "
+            "| outcome |",
             "|---|---|---:|---:|---:|---:|---|",
         ]
         for op, t in sorted(self.trials.items(), key=lambda kv: -kv[1]["seconds"]):

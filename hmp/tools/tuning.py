@@ -10,13 +10,15 @@
    those whose input the model's author computes in float32 on purpose;
    try each alone in bf16, and keep one only when its own error and the
    error it passes on to the loss stay under the bounds AND a step with it
-   in bf16 is measurably faster than without (interleaved step times,
-   timing.py: the middle half of the pairs' ratios below 1), so no op is
-   moved on timing noise;
+   in bf16 is measurably faster than without (step times in adjacent
+   pairs, timing.py: the middle half of the pairs' ratios below the margin,
+   both halves of the run agreeing), so no op is moved on timing noise;
 3. validate: train a few steps from the same state in fp32, with the current
    lists and with the candidate, each step's loss recorded (the verdict's
    interval, TuneResult.loss_gaps); if the candidate's loss strays from
-   fp32's, drop the additions and module proposals; time a step of each.
+   fp32's, drop the additions and module proposals; time a step of each,
+   each in adjacent pairs with fp32's, and a bf16 matrix product against
+   fp32's (what the page says of this machine's arithmetic).
 
 Every phase counts in runs of the user's step (progress.StepRuns), shown on
 stderr or handed to ``progress``.
@@ -58,17 +60,15 @@ def _as_float(value):
 
 def _train(fn, args, kwargs, guard, steps, conversion, losses=None):
     """fn's value after ``steps`` calls from the guarded state under
-    ``conversion`` (None: plain torch), and the step times; with a list for
-    ``losses``, each step's loss appended to it (after the timing)."""
-    times, value = [], None
+    ``conversion`` (None: plain torch); with a list for ``losses``, each
+    step's loss appended to it. Untimed: step times are paired()'s."""
+    value = None
     with guard.running(), applied(conversion):
         for _ in range(steps):
-            start = time.perf_counter()
             value = fn(*args, **kwargs)
-            times.append(time.perf_counter() - start)
             if losses is not None:
                 losses.append(_as_float(value))
-    return _as_float(value), times
+    return _as_float(value)
 
 
 class StepDoesNotTrain(ValueError):
@@ -89,22 +89,26 @@ def check_trains(fn, args, kwargs, guard, steps=3):
         )
 
 
-ROUND_STEPS = 3  # steps per configuration in a timing round; the first is left out
+def _step_time(fn, args, kwargs, guard, conversion, clock=time.perf_counter):
+    """One step's seconds under ``conversion`` (None: plain torch) from the guarded state, after one
+    untimed step (the first after convert pays its first calls): one sample of paired()."""
+    with guard.running(), applied(conversion):
+        fn(*args, **kwargs)
+        return timing.per_call(lambda: fn(*args, **kwargs), clock=clock)
 
 
-def _interleaved_times(fn, args, kwargs, guard, configs, rounds):
-    """Every step time per configuration (the first of each round left out:
-    it pays convert's first calls), configurations interleaved so load from
-    elsewhere falls on each alike, in reversed order every other round (so
-    neither is always the one after the other), with Python's garbage
-    collector paused."""
-    samples = {name: [] for name in configs}
-    order = list(configs.items())
+PAIR_STEPS = 2  # steps a configuration runs per sample: one untimed, one timed
+
+
+def _paired_times(fn, args, kwargs, guard, configs, pairs, reference):
+    """Step times of every configuration in ``pairs`` adjacent pairs with ``reference``'s
+    (timing.paired: a pair's two steps run one after the other, in alternating order, so load on this
+    machine that lasts a pair falls on both), with Python's garbage collector paused."""
+    samplers = {
+        name: (lambda c=conversion: _step_time(fn, args, kwargs, guard, c)) for name, conversion in configs.items()
+    }
     with timing.collector_paused():
-        for i in range(rounds):
-            for name, conversion in order if i % 2 == 0 else order[::-1]:
-                samples[name] += _train(fn, args, kwargs, guard, ROUND_STEPS, conversion)[1][1:]
-    return samples
+        return timing.paired(samplers, reference, pairs)
 
 
 def confined_to(report, op, roots):
@@ -134,6 +138,7 @@ class _Tuner:
         self.fn, self.args, self.kwargs, self.runs = step_fn, args, kwargs, runs
         self.threshold, self.loss_threshold, self.tolerance, self.min_share, self.steps, self.rounds = bounds
         self.override_fp32 = override_fp32
+        self.pairs = 2 * self.rounds  # adjacent pairs per comparison: with the default 5 rounds, 10
         self.start = in_force_or_default()
         self.start_lists = _as_sets(self.start.lists)
 
@@ -260,13 +265,13 @@ class _Tuner:
 
     def step_ratio_with(self, op):
         """A step's time with ``op`` added to the BF16 list, relative to the lists so far
-        (timing.Ratio): ``rounds`` rounds, the two interleaved."""
+        (timing.Ratio): 2 x ``rounds`` adjacent pairs."""
         lists = {k: v - {op} for k, v in self.lists.items()}
         lists["bf16"].add(op)
         configs = {"without": self.under(self.lists), "with": self.under(lists)}
-        self.runs.expect(len(configs) * self.rounds * ROUND_STEPS, f"timing a step with {op} in bf16")
-        samples = _interleaved_times(self.run, self.args, self.kwargs, self.guard, configs, self.rounds)
-        return timing.ratio(samples["without"], samples["with"])
+        self.runs.expect(len(configs) * self.pairs * PAIR_STEPS, f"timing a step with {op} in bf16")
+        got = _paired_times(self.run, self.args, self.kwargs, self.guard, configs, self.pairs, "without")
+        return got.ratio("with")
 
     def try_class_instead(self, op, cls):
         """The flagged ``op`` cast where its starting list says, with ``cls`` in FP32."""
@@ -324,7 +329,7 @@ class _Tuner:
         self.runs.expect(len(self.configs) * self.steps, "validation: training in each configuration")
         for name, conversion in self.configs.items():
             self.trajectories[name] = []
-            self.validation[name] = self.train(conversion, losses=self.trajectories[name])[0]
+            self.validation[name] = self.train(conversion, losses=self.trajectories[name])
         if not self.acceptable("tuned lists") and (self.candidate != self.lists or to_fp32):
             everything = [*self.trials.values(), *self.proposals.values(), *self.module_proposals.values()]
             for t in everything:
@@ -336,7 +341,7 @@ class _Tuner:
             self.configs["tuned lists"] = self.under(self.candidate)
             self.trajectories["tuned lists"] = []
             tuned = self.configs["tuned lists"]
-            self.validation["tuned lists"] = self.train(tuned, losses=self.trajectories["tuned lists"])[0]
+            self.validation["tuned lists"] = self.train(tuned, losses=self.trajectories["tuned lists"])
 
     def acceptable(self, name):
         """Within ``tolerance`` of fp32, or no further from it than the starting lists."""
@@ -345,10 +350,15 @@ class _Tuner:
         return gap <= self.tolerance * abs(v["fp32"]) or gap <= abs(v["starting lists"] - v["fp32"])
 
     def time(self):
-        """Step times of every configuration, interleaved; which configurations are the same lists."""
-        self.runs.expect(len(self.configs) * self.rounds * ROUND_STEPS, "timing a step of each configuration")
-        self.samples = _interleaved_times(self.run, self.args, self.kwargs, self.guard, self.configs, self.rounds)
+        """Step times of every configuration in adjacent pairs with fp32's (one fp32 sample between the
+        two others each round: adjacent to both); which configurations are the same lists; a bf16 matrix
+        product against fp32's, paired too (what the page says of this machine's arithmetic)."""
+        self.runs.expect(len(self.configs) * self.pairs * PAIR_STEPS, "timing a step of each configuration")
+        got = _paired_times(self.run, self.args, self.kwargs, self.guard, self.configs, self.pairs, "fp32")
+        self.pairs_taken = got.pairs
+        self.samples = {"fp32": got.reference, **{name: got.samples(name) for name in got.pairs}}
         self.timings = {name: statistics.median(s) for name, s in self.samples.items()}
+        self.matmul = timing.matmul_ratio(self.start.options.low_precision_type, _device(self.guard.modules))
         names = list(self.configs)
         self.same_as = {}
         for i, name in enumerate(names):
@@ -379,6 +389,7 @@ class _Tuner:
         result.runs = self.runs.done
         result.trajectories, result.steps, result.rounds = self.trajectories, self.steps, self.rounds
         result.start_modules = self.start.modules
+        result.pairs, result.matmul = self.pairs_taken, self.matmul
         return result
 
 
@@ -470,6 +481,15 @@ def trial_outcome(trial, threshold, loss_threshold):
             f"pairs were faster, as often as chance alone gives it (p = {ratio.chance():.2g}); more --rounds narrow it",
         )
     return "no measurable gain", f"not kept: no measurable gain; a step with it in bf16: {ratio.words(than)}"
+
+
+def _device(modules):
+    """The device the step's first parameter lives on (``cpu`` without one): where the matrix product
+    is timed."""
+    for module in modules:
+        for parameter in module.parameters():
+            return parameter.device.type
+    return "cpu"
 
 
 def _same(a, b):
