@@ -207,7 +207,8 @@ def _plan(args, device, options):
     facts = {
         "params": params,
         "opt_level": args.opt_level,
-        "bf16_matmul_time_vs_fp32": ratio,
+        "bf16_matmul_time_vs_fp32": ratio.median if ratio is not None else None,
+        "bf16_matmul_ratio": ratio._asdict() if ratio is not None else None,  # the pairs' judgement (timing.Ratio)
         "native_bf16": native[0],
         "native_bf16_why": native[1],
         "measured_step_s": None,

@@ -99,6 +99,13 @@ def _ratio(fields):
     return None if fields is None else timing.Ratio(**fields)
 
 
+def _matmul_words(meta):
+    ratio = _ratio(meta.get("bf16_matmul_ratio"))
+    if ratio is None:
+        return f"{meta['bf16_matmul_time_vs_fp32']:.2f}x float32's time"
+    return ratio.words("float32's time")
+
+
 def _time_cell(fields):
     ratio = _ratio(fields)
     return "not timed" if ratio is None else f"{ratio.median:.2f}x" if ratio.measurable else "no difference"
@@ -110,7 +117,8 @@ def time_line(res):
     ratio = _ratio(r["time_ratio"])
     how = (
         f"time vs fp32: the median of the step pairs' ratios, fp32 and hmp trained interleaved ({BLOCK} steps of each "
-        f"in turn, after {m['timing_warmup']} warm-up steps), so load on this machine falls on both alike; "
+        f"in turn, which first alternating, after {m['timing_warmup']} warm-up steps), so load on this machine "
+        "falls on both alike; "
     )
     if ratio is None:
         return how + "not timed"
@@ -119,7 +127,12 @@ def time_line(res):
         if ratio.measurable
         else f"{ratio.words()} between hmp and fp32 here (more --steps narrow it)"
     )
-    return how + said + "; train time: each configuration's steps added up, from the same interleaved run"
+    return (
+        how
+        + said
+        + "; this column and this line are the comparison: tokens/s (each configuration's median step) and train "
+        "time (its steps added up) are each configuration's own steps, which load on this machine can move apart"
+    )
 
 
 def _table(res, mem_title):
@@ -162,8 +175,8 @@ def format_report(res):
         "",
         f"val loss: hmp {res['val_loss_change_pct']:+.2f}% vs fp32; unigram baseline {m['unigram_baseline']:.4f} "
         f"(losses are cross-entropy in nats/char)",
-        f"this {m['device']}: a bfloat16 matmul of the model's size takes {m['bf16_matmul_time_vs_fp32']:.2f}x "
-        f"float32's time (measured now; below 1 is faster); no bf16 scheme gains more than that on the matmuls",
+        f"this {m['device']}: a bfloat16 matmul of the model's size takes {_matmul_words(m)} (measured now, "
+        "in adjacent pairs; below 1 is faster); no bf16 scheme gains more than that on the matmuls",
         f"casts hmp made per training step (forward; {c['total_per_step']:g} casts in {c['op_calls_per_step']:g} "
         f"op calls): {_casts_line(c['per_op'])}",
         f"tokens/s: median step after {m['timing_warmup']} warm-up steps; train loss: mean of the last "

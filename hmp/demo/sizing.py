@@ -18,6 +18,7 @@ import torch
 
 import hmp
 from hmp.demo.training import build, random_batch, train_step
+from hmp.tools import timing
 
 # the shortest run the demo sizes itself to: fewer steps and the val loss says little
 MIN_STEPS = 40
@@ -78,22 +79,28 @@ def native_bf16(device="cpu", cpuinfo=None, machine=None):
 
 
 def expectation(matmul_ratio, native, device="cpu"):
-    """One line: what the hmp run's speed will be against fp32, and why. On
-    an accelerator it also says what the matmul alone cannot: hmp's host
-    time per call, which only a large enough model hides."""
+    """One line: what the hmp run's speed will be against fp32, and why, from the bf16 matmul timed
+    now (a timing.Ratio from adjacent pairs: faster or slower only where its pairs say so, outside the
+    margin; a plain number is read against 0.9 and 1.1). On an accelerator it also says what the
+    matmul alone cannot: hmp's host time per call, which only a large enough model hides."""
     has, why = native
-    if matmul_ratio < 0.9:
-        line = f"expect hmp to train faster than fp32 here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time ({why})"
-    elif matmul_ratio <= 1.1:
+    if isinstance(matmul_ratio, timing.Ratio):
+        median, faster, slower = matmul_ratio.median, matmul_ratio.faster, matmul_ratio.slower
+        spread = f" ({matmul_ratio.middle_half()})"
+    else:
+        median, faster, slower, spread = matmul_ratio, matmul_ratio < 0.9, matmul_ratio > 1.1, ""
+    takes = f"a bf16 matmul takes {median:.2f}x fp32's time{spread} ({why})"
+    if faster:
+        line = f"expect hmp to train faster than fp32 here: {takes}"
+    elif not slower:
         line = (
-            f"expect about fp32's speed here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time ({why}); "
+            f"expect about fp32's speed here: {takes}, no measurable difference; "
             "hmp's numbers (losses, casts) are what this run shows"
         )
     else:
         line = (
-            f"expect hmp to train SLOWER than fp32 here: a bf16 matmul takes {matmul_ratio:.2f}x fp32's time "
-            f"({why}); no bf16 scheme gains on this machine. The losses and casts are still hmp's; the speed-up "
-            "comes on CPUs with native bf16 (AVX512-BF16, AMX, ARM bf16) and on GPUs"
+            f"expect hmp to train SLOWER than fp32 here: {takes}; no bf16 scheme gains on this machine. The losses "
+            "and casts are still hmp's; the speed-up comes where the matmul measures faster in bf16"
         )
     if device == "cpu":
         return line

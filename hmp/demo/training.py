@@ -19,6 +19,7 @@ import hmp
 from hmp.demo import data as data_mod
 from hmp.demo.model import CharTransformer, n_params
 from hmp.demo.procmem import start_peak
+from hmp.tools import timing
 
 
 @dataclass
@@ -252,16 +253,20 @@ def train_interleaved(cfg, corpus, configurations, on_step=None):
     arguments for ``hmp.convert()``) from ``cfg.seed``, BLOCK steps of each
     in turn, each with its own batches and its own random stream, so each
     trains as it would alone while load from elsewhere falls on all alike.
-    ``on_step(i, step, loss)`` after every step of configuration ``i``.
+    ``on_step(i, step, loss)`` after every step of configuration ``i``. The
+    order of the blocks in a round is rotated round by round.
 
     Returns train()'s dict per configuration, with ``wall_s`` the sum of its
     step times and ``step_s`` every step's time; hmp is reverted after each
-    block, also on error. The i-th steps of two configurations were taken at
-    most 2 x BLOCK steps apart: timing.ratio pairs them."""
+    block, also on error. The i-th steps of two configurations were taken
+    BLOCK steps apart, in adjacent blocks: timing.ratio pairs them and judges
+    the pairs' ratios."""
     runs = [_Run(cfg, corpus, options) for options in configurations]
     on_step = on_step or (lambda i, step, loss: None)
-    for first in range(0, cfg.steps, BLOCK):
-        for i, run in enumerate(runs):
+    for round_, first in enumerate(range(0, cfg.steps, BLOCK)):
+        # the order rotated round by round (timing.rotated): neither configuration always trains first
+        for i in timing.rotated(range(len(runs)), round_):
+            run = runs[i]
             run.block(
                 cfg, min(BLOCK, cfg.steps - first), lambda loss, i=i, run=run: on_step(i, len(run.losses) - 1, loss)
             )
@@ -401,21 +406,11 @@ def model_summary(cfg):
     return n_params(model)
 
 
-def matmul_time_vs_fp32(cfg, reps=9):
+def matmul_time_vs_fp32(cfg, rounds=8):
     """The time this device takes to multiply the model's largest matrices
     (the MLP's ``batch*seq x d_model x 4*d_model``) in bfloat16, relative to
-    float32 (below 1 is faster): medians of interleaved timings. It bounds
-    what any bf16 scheme can gain here; on some CPUs it is above 1."""
-    rows, d = cfg.batch_size * cfg.seq_len, cfg.d_model
-    gen = torch.Generator().manual_seed(cfg.seed)
-    a, b = torch.randn(rows, d, generator=gen), torch.randn(d, 4 * d, generator=gen)
-    pairs = {dtype: (a.to(cfg.device, dtype), b.to(cfg.device, dtype)) for dtype in (torch.float32, torch.bfloat16)}
-    times = {dtype: [] for dtype in pairs}
-    for _ in range(reps + 1):  # the first round warms up
-        for dtype, (x, w) in pairs.items():
-            _sync(cfg.device)
-            start = time.perf_counter()
-            torch.mm(x, w)
-            _sync(cfg.device)
-            times[dtype].append(time.perf_counter() - start)
-    return statistics.median(times[torch.bfloat16][1:]) / statistics.median(times[torch.float32][1:])
+    float32 (a timing.Ratio, below 1 is faster): adjacent pairs in
+    alternating order (timing.matmul_ratio). It bounds what any bf16 scheme
+    can gain here; on some CPUs it is above 1."""
+    shape = (cfg.batch_size * cfg.seq_len, cfg.d_model, 4 * cfg.d_model)
+    return timing.matmul_ratio(torch.bfloat16, cfg.device, shape, rounds)
