@@ -45,7 +45,7 @@ def speed_sentence(ratio, what, longer=None):
         return f"{ratio.direction().capitalize()}: {what} takes {ratio.words()}."
     more = f"; run longer ({longer}) to tell" if longer else ""
     return (
-        f"Speed: {timing.UNCLEAR} between {what} and fp32 ({ratio.middle_half()}{ratio.why_not()}, "
+        f"Speed: {timing.UNCLEAR} between {what} and fp32 ({ratio.middle_half()}{ratio.unmeasured_because()}, "
         "adjacent pairs): "
         f"it cannot tell yet whether it is faster or slower{more}."
     )

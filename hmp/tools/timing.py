@@ -40,6 +40,8 @@ import statistics
 import time
 from typing import Callable, Iterable, NamedTuple, Sequence
 
+import torch
+
 MIN_PAIRS = 3  # fewer pairs have no middle half worth the name
 UNCLEAR = "no measurable difference"
 # the tools' own margin: a step within 2 % of fp32's time (0.98x to 1.02x) is not told from fp32's
@@ -114,7 +116,7 @@ class Ratio(NamedTuple):
     def slower(self):
         return self.measurable and self.outside_band > 0
 
-    def why_not(self):
+    def unmeasured_because(self):
         """Why no difference was measured, for the sentence (empty when one was, or the range says it)."""
         if self.pairs < MIN_PAIRS or self.measurable:
             return ""
@@ -138,7 +140,7 @@ class Ratio(NamedTuple):
         ``no measurable difference (middle half of 10 pairs: 0.95x to 1.04x)``;
         ``of``: what the ratio is relative to."""
         if not self.measurable:
-            return f"{UNCLEAR} ({self.middle_half()}{self.why_not()})"
+            return f"{UNCLEAR} ({self.middle_half()}{self.unmeasured_because()})"
         return f"{self.median:.2f}x {of} ({self.middle_half()})"
 
     def short(self):
@@ -296,8 +298,6 @@ def matmul_ratio(low=None, device="cpu", shape=(512, 512, 1024), rounds=8, clock
     """A matrix product of ``shape`` (rows, inner, columns) in ``low`` (bfloat16 by default) relative to
     float32 on ``device``, timed in adjacent pairs (paired(), one warm-up round): what this machine's
     arithmetic in the lower dtype gains or loses, measured now rather than read from its name."""
-    import torch
-
     low = low or torch.bfloat16
     rows, inner, cols = shape
     gen = torch.Generator().manual_seed(0)
