@@ -126,6 +126,7 @@ class _Reading:
         self.path, self.known, self.what = path, known, what
         self.errors, self.unreachable, self.skipped = [], [], []
         self.names, self.classes, self.explicit, self.removed = {}, {}, set(), {}
+        self.removals = {}  # line number -> the name its '-name' line takes out, as written
 
     def include(self, number, included, modules, default):
         try:
@@ -150,6 +151,7 @@ class _Reading:
             entry = from_line(name, _shipped(self.path) or remove)
             if remove:  # as written (how an included pattern is known) and as the class it names
                 self.removed[name] = self.removed[entry_key(entry)] = number
+                self.removals[number] = name
             else:
                 self.classes[name] = entry
         except ValueError as e:
@@ -182,6 +184,7 @@ class _Reading:
             )
         if remove:
             self.removed[op] = number
+            self.removals[number] = name
             return
         if status == NO_PYTHON:
             if op not in (o for _, o in self.unreachable):
@@ -206,6 +209,11 @@ class _Reading:
             refusals.warn_skipped(f"{what} {str(path)!r}: {'; '.join(self.skipped)}")
         ops = [op for op in names if op not in removed]
         found = [e for key, e in self.classes.items() if key not in removed and entry_key(e) not in removed]
+        took = {removed[op] for op in names if op in removed}
+        took |= {removed[k] for key, e in self.classes.items() for k in (key, entry_key(e)) if k in removed}
+        inert = [f"line {n}: '-{name}'" for n, name in sorted(self.removals.items()) if n not in took]
+        if inert:
+            warn_takes_out_nothing(f"{what} {str(path)!r}: {'; '.join(inert)}", len(inert))
         return Entries(ops, list(dict.fromkeys(found)), frozenset(explicit))
 
 
@@ -228,6 +236,19 @@ def warn_unreachable(where):
     warnings.warn(
         f"hmp: {where}: nothing to bind in Python; calls reach it from C++, so hmp skips it "
         f"(list the Python-level op that calls it instead, such as conv2d for convolutions)",
+        UserWarning,
+        stacklevel=state.user_stacklevel(),
+    )
+
+
+def warn_takes_out_nothing(where, count=1):
+    """The one warning for a file's '-name' lines that take nothing out: the list they are in holds
+    no such entry (a typo, or the entry is in another list)."""
+    warnings.warn(
+        f"hmp: {where}: {'takes' if count == 1 else 'each take'} out nothing: this file's list holds no "
+        f"such entry, so {'the line changes' if count == 1 else 'the lines change'} nothing. A '-name' "
+        f"line takes out an entry its own file holds (through 'include'); to take an op out of another "
+        f"list, put the '-name' line in that list's file (hmp.effective_lists() shows which list holds it)",
         UserWarning,
         stacklevel=state.user_stacklevel(),
     )

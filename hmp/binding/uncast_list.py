@@ -35,7 +35,7 @@ def entries(source, default):
 
 def _read(source, default):
     lines, errors = list_files.read_lines(source, TITLE)
-    out, bad = [], [e for _, e in errors]
+    out, bad, inert = [], [e for _, e in errors], []
     for line in lines:
         number, text = line.number, line.name
         if line.include:
@@ -44,7 +44,10 @@ def _read(source, default):
                 continue
             out += _read(default, default)
         elif line.remove:
-            out = [(n, name) for n, name in out if name != text]
+            kept = [(n, name) for n, name in out if name != text]
+            if len(kept) == len(out):
+                inert.append(f"line {number}: '-{text}'")
+            out = kept
         elif "." not in text:
             bad.append(
                 f"line {number}: {text!r} is no dotted path (package.module.function or package.module.Class.method)"
@@ -53,6 +56,8 @@ def _read(source, default):
             out.append((number, text))
     if bad:
         raise ValueError(list_files.error_text(list_files.check_path(source, TITLE), TITLE, bad))
+    if inert:
+        lists.warn_takes_out_nothing(f"{TITLE} {str(source)!r}: {'; '.join(inert)}", len(inert))
     return out
 
 

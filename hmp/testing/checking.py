@@ -14,6 +14,7 @@ machine does not have is bad input (ValueError), not a failure of every entry.
 """
 
 import contextlib
+import difflib
 import warnings
 from collections import Counter
 from typing import List, NamedTuple
@@ -106,11 +107,15 @@ def check_lists(
 ):
     """Check every entry of the lists ``hmp.convert`` would load from these
     arguments (``""``: the environment's list, else the shipped one) on
-    ``examples`` drawn calls each (``only``: these names alone) on
-    ``device``. Returns a Report (``str()`` prints one line per entry,
-    ``.ok``); a bad list file raises hmp.convert's error. The conversion in
-    force before, and the random stream, are as they were afterwards."""
+    ``examples`` drawn calls each (``only``: these names alone, a name or an
+    iterable of names, each of which must be an entry: a name the lists do
+    not hold raises ValueError naming it, so a typo cannot check nothing and
+    pass) on ``device``. Returns a Report (``str()`` prints one line per
+    entry, ``.ok``); a bad list file raises hmp.convert's error. The
+    conversion in force before, and the random stream, are as they were
+    afterwards."""
     low = low_precision_type
+    only = _only(only)
     device = _device(device)
     autocast_keeps_fp32 = autocast_fp32()
     kwargs = dict(
@@ -128,6 +133,7 @@ def check_lists(
         warnings.simplefilter("ignore")
         stack.enter_context(converted(**kwargs))
         detail = effective_lists(detail=True)
+        _check_only(only, detail, low)
         for kind, entries in detail.items():
             for name, why in entries.items():
                 if only is not None and name not in only:
@@ -147,6 +153,42 @@ def check_lists(
         f"FP32 list {fp32_file_path or 'default'}; {examples} drawn calls per entry"
     )
     return Report(header, verdicts)
+
+
+def _only(only):
+    """``only`` as a set of names (None: every entry); a bad value raises before anything runs."""
+    if only is None:
+        return None
+    given = [only] if isinstance(only, str) else only
+    try:
+        names = list(given)
+    except TypeError:
+        raise TypeError(f"hmp: only must be an entry's name or an iterable of names, got {only!r}") from None
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"hmp: only must hold entries' names (str), got {bad[0]!r}")
+    if not names:
+        raise ValueError("hmp: only names no entry, so nothing would be checked; pass None to check every entry")
+    return set(names)
+
+
+def _check_only(only, detail, low):
+    """ValueError naming each name of ``only`` that no list in ``detail`` holds, with close matches."""
+    if only is None:
+        return
+    held = sorted({name for entries in detail.values() for name in entries})
+    missing = sorted(only.difference(held))
+    if not missing:
+        return
+    said = []
+    for name in missing:
+        close = difflib.get_close_matches(name, held, n=3)
+        said.append(f"{name!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    lists = ", ".join(f"{kinds.kind(k).title_in(low)} ({len(v)} entries)" for k, v in detail.items())
+    raise ValueError(
+        f"hmp: no entry of the lists is named {' or '.join(said)}, so nothing would be checked for "
+        f"{'it' if len(missing) == 1 else 'them'}; the lists checked: {lists} (hmp.effective_lists() shows them)"
+    )
 
 
 def _inputs(kind, low):

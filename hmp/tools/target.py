@@ -8,6 +8,7 @@ back as they were after each of their runs)."""
 import difflib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 
@@ -46,12 +47,16 @@ def load_target(spec):
         module = importlib.util.module_from_spec(spec_)
         sys.modules[module_name] = module  # dataclasses and pickling look a module up by name
         sys.path.insert(0, os.path.dirname(os.path.abspath(where)))  # its own imports, as `python file.py`
-        spec_.loader.exec_module(module)
+        try:
+            _run_module(spec_.loader.exec_module, module, spec)
+        except TargetError:
+            sys.modules.pop(module_name, None)  # no half-made module left behind
+            raise
     else:
         if "" not in sys.path and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
         try:
-            module = importlib.import_module(where)
+            module = _run_module(importlib.import_module, where, spec)
         except ModuleNotFoundError as e:
             if e.name != where and not where.startswith(f"{e.name}."):
                 raise
@@ -66,6 +71,17 @@ def load_target(spec):
         hint = f"; did you mean {' or '.join(f'{where}:{c}' for c in close)}?" if close else ""
         raise TargetError(f"TARGET {spec!r}: {getattr(module, '__file__', where)!r} has no function {name!r}{hint}")
     return fn
+
+
+def _run_module(load, what, spec):
+    """``load(what)``, where a file that is not valid Python (its own or one it imports) is a
+    TargetError naming the file and line; any other exception its code raises is its own and
+    keeps its traceback."""
+    try:
+        return load(what)
+    except SyntaxError as e:
+        where = f"{e.filename}, line {e.lineno}" if e.filename else "its source"
+        raise TargetError(f"TARGET {spec!r}: {where}: {type(e).__name__}: {e.msg}") from None
 
 
 def _module_name(path):
@@ -86,8 +102,32 @@ def _module_name(path):
     return PREFIX + name  # a module of that name is installed or imported: keep clear of it
 
 
+def _takes_no_arguments(fn, spec):
+    """TargetError where ``fn`` cannot be called with no arguments, as TARGET is (checked on its
+    signature, before it runs: a TypeError from inside ``fn`` is the user's own and keeps its traceback)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call itself tells
+        return
+    try:
+        signature.bind()
+    except TypeError:
+        needed = [
+            p.name
+            for p in signature.parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        where, _, name = spec.rpartition(":")
+        raise TargetError(
+            f"TARGET {spec!r}: {name}() needs arguments ({', '.join(needed) or 'keyword-only ones'}), and TARGET "
+            f"is called with none: write a function that takes none and returns (step, state) (it may call "
+            f"{name} with the arguments you want), and give that as TARGET ({where}:FUNCTION)"
+        ) from None
+
+
 def make_target(fn, spec):
-    """``(step, state)`` from ``fn()``, checked."""
+    """``(step, state)`` from ``fn()``, checked: ``fn`` must take no arguments."""
+    _takes_no_arguments(fn, spec)
     made = fn()
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
         raise TargetError(
