@@ -5,6 +5,7 @@ configuration's memory in a process of its own. It checks no speed."""
 
 import importlib.util
 import json
+import math
 import re
 from pathlib import Path
 
@@ -139,6 +140,43 @@ def test_decode_quick_converts_hmp_only_for_its_own_configurations(tmp_path):
         "hmp-O1-frozen / hmp-O1",
     ]
     assert sum(line.startswith("- target ") for line in p.stdout.splitlines()) == 3
+
+
+@pytest.mark.slow  # about 15 s: a tiny Llama built twice, two rounds on two devices
+def test_hostcost_quick_reports_every_configuration_on_both_devices(tmp_path):
+    """benchmarks/hostcost.py --quick on fastmeta and cpu: every case and configuration reported with a
+    finite time (autocast's decode token on meta, which it does not emulate, excepted), each
+    configuration computing in its own dtype. It checks no speed."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "hostcost.json"
+    args = ["--quick", "--devices", "fastmeta,cpu", "--json", str(out)]
+    p = run_python(str(BENCHMARKS / "hostcost.py"), *args, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    configs = ["torch", "autocast", "floor", "hmp", "hmp frozen"]
+    cases = ["linear (grad)", "linear (no_grad)", "mm (no_grad)", "matmul (no_grad)", "softmax (no_grad, FP32 list)"]
+    assert list(res["results"]) == ["fastmeta", "cpu"]
+    assert res["meta"]["fastmeta"]["cpp"] > 0  # torch's C++ meta kernels were put back
+    for device, rows in res["results"].items():
+        assert list(rows) == [*cases, "decode token"], device
+        for case, row in rows.items():
+            timed = [c for c in configs if not (c == "hmp frozen" and case == "linear (grad)")]
+            if device == "fastmeta" and case == "decode token":
+                timed.remove("autocast")
+            assert all(math.isfinite(row["us"][c]) and row["us"][c] > 0 for c in timed), (device, case, row["us"])
+            assert all(math.isfinite(row["added_us"][c]) for c in timed if c != "torch"), (device, case)
+            assert row["hmp_over_floor"] is None or math.isfinite(row["hmp_over_floor"])
+            assert set(row["dtype"]) == set(timed), (device, case, row["dtype"])
+            cast = case != "softmax (no_grad, FP32 list)"
+            want = {c: "bfloat16" if cast and c != "torch" else "float32" for c in timed}
+            assert row["dtype"] == want, (device, case)
+    assert {(t["device"], t["case"], t["ratio"]) for t in res["targets"]} >= {
+        ("fastmeta", "linear (grad)", "hmp / floor"),
+        ("fastmeta", "linear (no_grad)", "hmp / floor"),
+        ("fastmeta", "decode token", "hmp / floor"),
+        ("fastmeta", "decode token", "hmp frozen / hmp"),
+    }
+    assert "| linear (grad) |" in p.stdout and "| decode token |" in p.stdout
 
 
 @pytest.mark.slow  # two compiles of a one-layer Llama's decode
