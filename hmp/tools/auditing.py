@@ -109,20 +109,15 @@ class AuditReport:
             "| error passed to loss | flagged |",
             "|---|---|---:|---:|---:|---:|---:|---:|---|",
         ]
-        for r in sorted(self.rows, key=lambda r: -r["loss_error"]):
-            # an op that casts nothing is never run cast alone: its own error and what it passes to the loss
-            # are not measured (the HTML says "casts nothing: no own error")
-            cast = r.get("casts", 1)
-            own, passed = (f"{r['own_max_rel']:.3g}", f"{r['loss_error']:.3g}") if cast else ("-", "-")
+        for r in sorted(self.rows, key=lambda r: -r["loss_error"]):  # "-": casts nothing, never run cast alone
+            own, passed = (f"{r['own_max_rel']:.3g}", f"{r['loss_error']:.3g}") if r.get("casts", 1) else ("-", "-")
+            lower = "/".join(d for d in r.get("ran_in", "").split(",") if d in ("bfloat16", "float16"))
+            kind = r["list"] or (f"none, ran in {lower}" if lower else "none")  # as the HTML's badge says
             lines.append(
-                f"| {r['op']} | {_list_cell(r)} | {r['calls']} | {r['max_rel']:.3g} | {r['mean_rel']:.3g} | "
+                f"| {r['op']} | {kind} | {r['calls']} | {r['max_rel']:.3g} | {r['mean_rel']:.3g} | "
                 f"{own} | {r['nonfinite']} | {passed} | {r['reason'] or ''} |"
             )
-        if any(not r.get("casts", 1) for r in self.rows):
-            lines += [
-                "",
-                "-: the op casts nothing (its inputs arrive in the dtype it runs in): no own error to measure",
-            ]
+        lines += [] if all(r.get("casts", 1) for r in self.rows) else ["", "-: the op casts nothing: no own error"]
         for what, rows, columns in (
             ("modules", self.modules, MODULE_COLUMNS),
             ("module classes", self.module_classes, CLASS_COLUMNS),
@@ -155,15 +150,6 @@ class AuditReport:
 
     def __str__(self):
         return self.table()
-
-
-def _list_cell(row):
-    """The list an op is in; an op whose entry does not cast (or in no list) says "none", and the
-    lower dtype it ran in when its inputs came in one."""
-    if row["list"]:
-        return row["list"]
-    lower = [d for d in row.get("ran_in", "").split(",") if d in ("bfloat16", "float16")]
-    return f"none, ran in {'/'.join(lower)}" if lower else "none"
 
 
 def _own_error_cell(row):
