@@ -85,6 +85,8 @@ if not torch_releases.BOUNDARIES["traced_state_writes"].present:
 tls = ThreadState()
 _KEEP = object()
 _dynamo_tracing = torch.compiler.is_dynamo_compiling
+_example_code = torch_private.dynamo_example_code
+_FOUND = (0, OFF, MODULE)  # off -> itself, as a constant of the code dynamo traces
 
 
 def graph_off(off):
@@ -94,33 +96,57 @@ def graph_off(off):
     that graph replays each change in program order. A Python operator
     (``a @ b``), which dynamo records as Python's operator and hmp decides only
     at lowering, is then decided in the state it was traced in: inside an
-    FP32 module, ``disable_casts()`` or an ``@hmp.fp32_function`` too."""
-    tls.off = off
+    FP32 module, ``disable_casts()`` or an ``@hmp.fp32_function`` too.
+    dynamo itself runs the node once while it traces, for its example value:
+    that run changes nothing (its trace keeps the state it traced, and a
+    trace restarted after a graph break must read the thread as it was)."""
+    if not _example_run():
+        tls.off = off
 
 
-def enter(off, lower_mode=_KEEP):
+def _example_run():
+    """Whether dynamo runs graph_off's node for its example value (only while something compiles)."""
+    if not torch.compiler.is_compiling():
+        return False
+    code, frame = _example_code(), sys._getframe(2)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    return frame is not None
+
+
+def enter(off, lower_mode=_KEEP, graph=True):
     """Set the calling thread's cast state where a region starts: ``off``
     (0, OFF or MODULE) and, for a BF16 module, its mode. Returns the
     region's frame (the state it found), for ``leave()`` where it ends.
     (The per-call wrappers inline the pair: they run only where ``off`` is
-    0, and nothing they call outlives them.)"""
+    0, and nothing they call outlives them.) ``graph=False`` (with the
+    same to ``leave()``): no graph_off node while dynamo traces, for a region
+    that may span a graph break (an optimizer step: torch.optim breaks the
+    graph inside every step). The lowering of a graph that holds its start
+    but not its end would leave the change in the thread, where dynamo's
+    guards then read it; dynamo replays the region's writes of the thread
+    after each run of the graph, and code traced after them reads them."""
     st = tls
     frame = [st.off, st.lower_mode]
+    if _dynamo_tracing():
+        # the state found, as the value traced (guarded on), not a read of the thread that dynamo
+        # replays after the graph, whose graph_off has changed it by then
+        frame[0] = _FOUND[frame[0]]
     st.frames.append(frame)
     st.off = off
-    if _dynamo_tracing():
+    if graph and _dynamo_tracing():
         graph_off(off)
     if lower_mode is not _KEEP:
         st.lower_mode = lower_mode
     return frame
 
 
-def leave(frame):
+def leave(frame, graph=True):
     """End the region ``enter()`` returned ``frame`` for (``close_block``'s
     rule). A frame already left (by revert()'s unwinding) is ignored."""
     if close_block(tls.frames, frame):
         tls.off, tls.lower_mode = frame
-        if _dynamo_tracing():
+        if graph and _dynamo_tracing():
             graph_off(frame[0])
 
 

@@ -352,17 +352,14 @@ def single_process_fetch():
 
 
 def record_function_exit_call():
-    """``(overload, name)``: the operator overload record_function's
-    ``__exit__`` closes its block with,
-    ``torch.ops.profiler._record_function_exit._RecordFunction`` (also when
-    the block ends by an exception), and the name of its own attribute that
-    holds the C++ operator its ``__call__`` calls (2.4 to 2.13). Setting
-    that attribute runs code at every block's close while the overload
-    object stays torch's: torch.compile, fx and inductor know it by identity.
-    The name is found as the attribute holding the overload's public
-    ``.op``, not spelled; where two hold it (2.15 keeps a second for the
-    overload's hash), the one that ``.op``'s getter reads. None on a torch
-    where any of this differs."""
+    """``(overload, name)``: the operator overload record_function's ``__exit__`` closes its block
+    with, ``torch.ops.profiler._record_function_exit._RecordFunction`` (also when the block ends by
+    an exception), and the name of its own attribute that holds the C++ operator its ``__call__``
+    calls (2.4 to 2.13). Setting that attribute runs code at every block's close while the overload
+    object stays torch's: torch.compile, fx and inductor know it by identity. The name is found as
+    the attribute holding the overload's public ``.op``, not spelled; where two hold it (2.15 keeps
+    a second for the overload's hash), the one that ``.op``'s getter reads. None on a torch where
+    any of this differs."""
     packet = getattr(torch.ops.profiler, "_record_function_exit", None)
     overload = getattr(packet, "_RecordFunction", None)
     op = getattr(overload, "op", None)
@@ -374,6 +371,10 @@ def record_function_exit_call():
         read = getattr(getattr(getter, "__code__", None), "co_names", ())
         names = [k for k in names if k in read]
     return (overload, names[0]) if len(names) == 1 else None
+
+
+def dynamo_example_code():  # dynamo's get_fake_value: it runs a graph node for its example value (2.4 to 2.15)
+    return getattr(getattr(sys.modules.get("torch._dynamo.utils"), "get_fake_value", None), "__code__", None)
 
 
 # -- gradient checkpointing (checkpoint.py) ---------------------------------------------------

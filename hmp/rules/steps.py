@@ -78,7 +78,7 @@ def _pre_hook(optimizer, args, kwargs):
     # the frame calling the hooks holds the step's record_function block; torch.compile
     # cannot trace frame access, and a compiled step runs no block
     owner = None if _is_compiling() else sys._getframe(1)
-    tls.steps.append((enter(OFF), owner))
+    tls.steps.append((enter(OFF, graph=False), owner))
     # the closure (LBFGS) passes its arguments on, for optimizers that give any
     if kwargs and kwargs.get("closure") is not None:
         return args, dict(kwargs, closure=run_as(kwargs["closure"], caller))
@@ -90,7 +90,7 @@ def _pre_hook(optimizer, args, kwargs):
 def _post_hook(optimizer, args, kwargs):
     steps = tls.steps
     if steps:
-        leave(steps.pop()[0])
+        leave(steps.pop()[0], graph=False)
     clear_cache()
 
 
@@ -99,7 +99,7 @@ def _unwind(depth):
     steps = tls.steps
     if len(steps) > depth:
         for frame, _ in reversed(steps[depth:]):
-            leave(frame)
+            leave(frame, graph=False)
         del steps[depth:]
         clear_cache()  # the step may have written some weights before it failed
 
