@@ -33,8 +33,9 @@ _isinf, _clamp, _where, _nan_to_num_ = torch.isinf, torch.clamp, torch.where, _T
 _aminmax, _item, _copy_ = torch.aminmax, _TB.item, _TB.copy_
 _set_grad, _tracing = torch_private.set_grad_enabled, torch_private.tracing_state
 _compiling = torch_private.compiling
-_to_finite, _Parameter = saturating_cast.to_finite, torch.nn.Parameter
-_transforms_active, _forward_ad = torch_private.functorch_transforms_active, torch_private.forward_ad_active
+_apply_finite, _run_finite, _Parameter = saturating_cast.apply, saturating_cast.run, torch.nn.Parameter
+_transforms_active, _forward_ad_level = torch_private.functorch_transforms_active, torch_private.forward_ad_level
+_grad_enabled = torch.is_grad_enabled
 _NAN = float("nan")
 
 
@@ -68,10 +69,13 @@ def _finite(dtype):
     cast, top = PLAIN_CASTS[dtype], torch.finfo(dtype).max
 
     def eager(t):
+        # one frame (the lean eager path): the op's autograd and kernel calls are C calls or inlined
         if not t.is_cpu:
             tt = type(t)
-            if (tt is Tensor or tt is _Parameter) and not _transforms_active() and not _forward_ad():
-                return _to_finite(t, dtype)
+            if (tt is Tensor or tt is _Parameter) and not _transforms_active() and _forward_ad_level() < 0:
+                if t.requires_grad and _grad_enabled():
+                    return _apply_finite(t, dtype)
+                return _run_finite(t, dtype)
         y = cast(t)
         grad = y.requires_grad  # grad mode on and t requires grad: the checks run outside autograd
         if grad:

@@ -100,11 +100,14 @@ def _cast(t, dtype):
     return y
 
 
+_current_device = torch_private.cuda_device or torch.cuda.current_device
+
+
 def _cuda(t, dtype):
     if t.dtype is not _F32 or t.numel() == 0 or kernel() is None:
         return stock(t, dtype)
     index = t.get_device()
-    if index == torch.cuda.current_device():
+    if index == _current_device():
         return _cast(t, dtype)
     with torch.cuda.device(index):  # Triton launches on the current device
         return _cast(t, dtype)
@@ -119,19 +122,32 @@ _lib.impl("to_finite", _meta, "Meta")
 _lib.impl("to_finite", stock, "CompositeExplicitAutograd")
 
 op = torch.ops.hmp.to_finite.default
+# the device kernels an eager cast calls directly where no dispatch mode is in force (``run``): the op's
+# dispatch into a Python kernel costs a GPU's host several microseconds; other devices take the op
+_DIRECT = {"cuda": _cuda, "meta": _meta}
+_modes, _grad_enabled = torch_private.dispatch_modes, torch.is_grad_enabled
+
+
+def run(t, dtype):
+    """The op on a plain tensor in eager code, outside autograd: where a dispatch mode is in force it
+    sees the one op, ``hmp::to_finite``; else the device's kernel is called directly."""
+    if _modes():
+        return op(t, dtype)
+    return _DIRECT.get(t.device.type, op)(t, dtype)
 
 
 class _ToFinite(torch.autograd.Function):
-    """The op with a gradient: the plain cast's (the gradient cast back to the source's dtype),
-    forward mode too."""
+    """The op with the plain cast's gradient (the gradient cast back to the source's dtype), forward
+    mode too. Old-style (``forward(ctx, ...)``, no ``setup_context``) and applied through torch's C
+    ``apply`` (torch_private.function_apply): one Python frame per cast, no signature bound per call.
+    Its body is ``run``'s, inlined."""
 
     @staticmethod
-    def forward(t, dtype):
-        return op(t, dtype)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.src, ctx.dst = inputs[0].dtype, inputs[1]
+    def forward(ctx, t, dtype):
+        ctx.src, ctx.dst = t.dtype, dtype
+        if _modes():
+            return op(t, dtype)
+        return _DIRECT.get(t.device.type, op)(t, dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -142,8 +158,12 @@ class _ToFinite(torch.autograd.Function):
         return tangent.to(ctx.dst)
 
 
+apply = torch_private.function_apply(_ToFinite)
+
+
 def to_finite(t, dtype):
-    """The saturating cast of ``t`` as one op, with the plain cast's gradient where one is wanted."""
-    if t.requires_grad and torch.is_grad_enabled():
-        return _ToFinite.apply(t, dtype)
-    return op(t, dtype)
+    """The saturating cast of a plain tensor (no functorch transform, no forward-mode AD: those take
+    torch's ops, cast_copies.py) as one op, with the plain cast's gradient where one is wanted."""
+    if t.requires_grad and _grad_enabled():
+        return apply(t, dtype)
+    return run(t, dtype)

@@ -17,6 +17,7 @@ holds the table of those names and behaviours, the first release that has
 each and what hmp does without it.
 """
 
+import functools
 import importlib
 import inspect
 import operator
@@ -166,6 +167,18 @@ functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_activ
 
 def forward_ad_active():  # -1 outside dual_level(): tangents take torch's ops (saturating_cast.py)
     return _forward_ad._current_level >= 0
+
+
+# The per-tensor casts' reads, each a C call (no Python frame): the forward-AD level (>= 0 inside
+# dual_level()); dispatch modes in force (none: the cast calls its op's device kernel directly); the
+# current CUDA device without torch.cuda's lazy init (None in a build without CUDA).
+forward_ad_level = functools.partial(getattr, _forward_ad, "_current_level")
+dispatch_modes = torch._C._len_torch_dispatch_stack
+cuda_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def function_apply(cls):  # Function.apply without its Python (a signature bound per call): for casts no transform sees
+    return torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)
 
 
 # Parameters made under FakeTensorMode: they have no real storage, and
