@@ -1,20 +1,16 @@
 """Every private torch name hmp reaches, in one module.
 
-torch's private names change between releases without notice; keeping them
-here means one file to read when a new release breaks something, and
-tests/unit/test_structure.py fails if another module reaches one directly.
+torch's private names change between releases without notice; keeping them here means one file to read when a new
+release breaks something, and tests/unit/test_structure.py fails if another module reaches one directly.
 tests/unit/test_torch_private.py checks each of them on the running torch.
 
-Each entry says why hmp needs it and the releases it is known for (hmp/tested.py).
-A name a release lacks gets a fallback here, never an AttributeError at ``import
-hmp``; where none keeps hmp's promise, convert() says what is missing
-(``checkpoint_lacks()``, ``step_lacks()``, through the rules' ``Changes.lacks``;
-torch_releases.py's ``release_lacks()`` for what a release between the floor and
-the newest cannot give).
+Each entry says why hmp needs it and the releases it is known for (hmp/tested.py). A name a release lacks gets a
+fallback here, never an AttributeError at ``import hmp``; where none keeps hmp's promise, convert() says what is
+missing (``checkpoint_lacks()``, ``step_lacks()``, through the rules' ``Changes.lacks``; torch_releases.py's
+``release_lacks()`` for what a release between the floor and the newest cannot give).
 
-``PRESENT`` says which of them the running torch has; hmp/core/torch_releases.py
-holds the table of those names and behaviours, the first release that has
-each and what hmp does without it.
+``PRESENT`` says which of them the running torch has; hmp/core/torch_releases.py holds the table of those names and
+behaviours, the first release that has each and what hmp does without it.
 """
 
 import functools
@@ -64,17 +60,14 @@ def _false():
 # also asks about scripting; the cache asks on every call.
 tracing_state = getattr(torch._C, "_get_tracing_state", None) or _none
 
-# torch.compile after dynamo's capture: AOTAutograd, decompositions and
-# inductor run torch's own Python code, which calls torch's public functions
-# by name (an addmm decomposition calls torch.mm); hmp decided every cast
-# when dynamo traced the program, so its wrappers must then be torch's ops.
-# Releases that hold _is_compiling_flag for the whole compile session say
-# so (_compile_session_context); there, the flag while dynamo is not tracing
-# and nothing is exported (export's default traces the user's own code
-# without dynamo, where hmp decides) is that phase. Older releases set the
-# flag only while dynamo traces; their session is dynamo's CompileContext,
-# which it holds from capture to the compiled graph (every release from the
-# floor on: torch_releases.BOUNDARIES) and export does not open.
+# torch.compile after dynamo's capture: AOTAutograd, decompositions and inductor run torch's own Python code, which
+# calls torch's public functions by name (an addmm decomposition calls torch.mm); hmp decided every cast when dynamo
+# traced the program, so its wrappers must then be torch's ops. Releases that hold _is_compiling_flag for the whole
+# compile session say so (_compile_session_context); there, the flag while dynamo is not tracing and nothing is
+# exported (export's default traces the user's own code without dynamo, where hmp decides) is that phase. Older
+# releases set the flag only while dynamo traces; their session is dynamo's CompileContext, which it holds from
+# capture to the compiled graph (every release from the floor on: torch_releases.BOUNDARIES) and export does not
+# open.
 _compiler = torch.compiler
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 KNOWS_COMPILE_SESSION = hasattr(_compiler, "_compile_session_context")
@@ -90,11 +83,10 @@ def _exporting():
     return getattr(_compiler, "_is_exporting_flag", False)
 
 
-# What a wrapper call runs under, asked once per call (the casts then ask nothing):
-# EAGER, the weight-cast cache and the CPU range check apply; JIT_TRACE (torch.jit.trace
-# records the ops: a cached copy would become a constant); COMPILING (export, AOT
-# tracing: fake tensors); DYNAMO (dynamo traces: folded, nothing else read or guarded
-# on); LOWERING (torch.compile's session after dynamo's capture, see above).
+# What a wrapper call runs under, asked once per call (the casts then ask nothing): EAGER, the weight-cast cache and
+# the CPU range check apply; JIT_TRACE (torch.jit.trace records the ops: a cached copy would become a constant);
+# COMPILING (export, AOT tracing: fake tensors); DYNAMO (dynamo traces: folded, nothing else read or guarded on);
+# LOWERING (torch.compile's session after dynamo's capture, see above).
 EAGER, JIT_TRACE, COMPILING, DYNAMO, LOWERING = range(5)
 
 if KNOWS_COMPILE_SESSION:
@@ -165,13 +157,9 @@ def import_dynamo():
 functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None) or _false
 
 
-def forward_ad_active():  # -1 outside dual_level(): tangents take torch's ops (saturating_cast.py)
-    return _forward_ad._current_level >= 0
-
-
-# The per-tensor casts' reads, each a C call (no Python frame): the forward-AD level (>= 0 inside
-# dual_level()); dispatch modes in force (none: the cast calls its op's device kernel directly); the
-# current CUDA device without torch.cuda's lazy init (None in a build without CUDA).
+# The per-tensor casts' reads, each a C call (no Python frame): the forward-AD level (>= 0 inside dual_level());
+# dispatch modes in force (none: the cast calls its op's device kernel directly); the current CUDA device without
+# torch.cuda's lazy init (None in a build without CUDA).
 forward_ad_level = functools.partial(getattr, _forward_ad, "_current_level")
 dispatch_modes = torch._C._len_torch_dispatch_stack
 cuda_device = getattr(torch._C, "_cuda_getDevice", None)
@@ -181,17 +169,15 @@ def function_apply(cls):  # Function.apply without its Python (a signature bound
     return torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)
 
 
-# Parameters made under FakeTensorMode: they have no real storage, and
-# torch warns (later: raises) when asked for their data pointer. torch
-# imports this module itself (2.4 to 2.14).
+# Parameters made under FakeTensorMode: they have no real storage, and torch warns (later: raises) when asked for
+# their data pointer. torch imports this module itself (2.4 to 2.14).
 FakeTensor = _fake_tensor.FakeTensor
 
 # -- custom autograd Functions ----------------------------------------------------------------
 
-# torch.amp.custom_fwd / custom_bwd mark nothing on what they decorate: a
-# decorated forward or backward is told by its code object (one per
-# decorator), and custom_fwd's ``cast_inputs`` is read from its closure.
-# 2.4 to 2.14: torch.cuda.amp's deprecated decorators call torch.amp's.
+# torch.amp.custom_fwd / custom_bwd mark nothing on what they decorate: a decorated forward or backward is told by
+# its code object (one per decorator), and custom_fwd's ``cast_inputs`` is read from its closure. 2.4 to 2.14:
+# torch.cuda.amp's deprecated decorators call torch.amp's.
 
 
 def _decorated_code(decorator, **kwargs):
@@ -231,10 +217,9 @@ def custom_bwd_inner(fn):
 # gets the Function's ctx (the outputs' grad_fn) as ``self``.
 BackwardCFunction = torch.autograd.function.BackwardCFunction
 
-# Every Function class is built by this metaclass: its ``__init__`` gives the
-# class a BackwardCFunction subclass of its own (``_backward_cls``, the type
-# of the grad_fn its ``apply`` records), so a class-creation hook placed on
-# it sees that class too. 2.4 to 2.13 (read), checked on the running torch.
+# Every Function class is built by this metaclass: its ``__init__`` gives the class a BackwardCFunction subclass of
+# its own (``_backward_cls``, the type of the grad_fn its ``apply`` records), so a class-creation hook placed on it
+# sees that class too. 2.4 to 2.13 (read), checked on the running torch.
 FunctionMeta = torch.autograd.function.FunctionMeta
 
 
@@ -326,10 +311,9 @@ def engine_run_backward_homes():
     return [(torch.autograd.graph, ENGINE_RUN_BACKWARD), (torch.autograd, ENGINE_RUN_BACKWARD)]
 
 
-# torch's one way to write a tensor and keep its version counter: it puts the
-# counter back afterwards (torch.autograd._unsafe_preserve_version_counter, FSDP2's
-# all-gather copy-out, DDP's buffer broadcast, AOTAutograd's input mutations all
-# call it by this name at call time). 2.4 takes (tensor, version), later releases
+# torch's one way to write a tensor and keep its version counter: it puts the counter back afterwards
+# (torch.autograd._unsafe_preserve_version_counter, FSDP2's all-gather copy-out, DDP's buffer broadcast,
+# AOTAutograd's input mutations all call it by this name at call time). 2.4 takes (tensor, version), later releases
 # (tensors, versions).
 VERSION_COUNTER_RESET = (torch._C._autograd, "_unsafe_set_version_counter")
 

@@ -314,13 +314,30 @@ def test_convert_says_once_what_this_release_cannot_keep():
         assert res.stderr.count(line) == 1, res.stderr[-2000:]
 
 
-def test_forward_ad_active_only_inside_a_dual_level():
+def test_the_forward_ad_level_is_nonnegative_only_inside_a_dual_level():
     import torch.autograd.forward_ad as fwAD
 
-    assert not tp.forward_ad_active()
+    assert tp.forward_ad_level() < 0
     with fwAD.dual_level():
-        assert tp.forward_ad_active()
-    assert not tp.forward_ad_active()
+        assert tp.forward_ad_level() >= 0
+    assert tp.forward_ad_level() < 0
+
+
+def test_the_c_apply_of_a_function_runs_its_forward_and_backward():
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    t = torch.ones(3, requires_grad=True)
+    y = tp.function_apply(Double)(t)
+    y.sum().backward()
+    assert torch.equal(y, torch.full((3,), 2.0)) and torch.equal(t.grad, torch.full((3,), 2.0))
+    assert tp.dispatch_modes() == 0
 
 
 def test_dispatched_tells_each_op_and_overload_schema_reads_it():
