@@ -38,10 +38,11 @@ def _one_dtype_on_reject(op, to_one):
     rejected = set()  # _mix keys whose kernel rejected the mix
 
     def call(*args, **kwargs):
-        mix = _mix(args, kwargs)
-        if mix in rejected:
-            args, kwargs = to_one(args, kwargs)
-            return op(*args, **kwargs)
+        if rejected:  # (the key only once a kernel has rejected a mix: most sites never see one)
+            mix = _mix(args, kwargs)
+            if mix in rejected:
+                args, kwargs = to_one(args, kwargs)
+                return op(*args, **kwargs)
         try:
             return op(*args, **kwargs)
         except RuntimeError as e:
@@ -55,6 +56,7 @@ def _one_dtype_on_reject(op, to_one):
             result = op(*one_args, **one_kwargs)
         except Exception:
             raise rejected_error from None
+        mix = _mix(args, kwargs)
         rejected.add(mix)
         name = getattr(op, "__name__", op)
         log.info("hmp: %s rejects mixed dtypes on %s; putting them in one dtype", name, mix[0])

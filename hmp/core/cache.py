@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from functools import partial as _partial
 from typing import Iterator
 
 import torch
@@ -61,6 +62,7 @@ _transforms_active = torch_private.functorch_transforms_active
 _version = torch_private.version_of
 _Parameter = torch.nn.Parameter
 _Fake = torch_private.FakeTensor
+Tensor, _strided, _ref = torch.Tensor, torch.strided, weakref.ref
 
 
 class _Frozen:
@@ -104,7 +106,7 @@ class _Steps:
 
 class _CacheEntry:
     """A cached copy and what it was cast from. ``copy``: a weak reference to
-    the copy (grad mode) or the copy itself (no-grad stores);
+    the copy (grad mode; dead once no graph holds it) or the copy itself (no-grad stores);
     ``version``, ``ptr``, ``shape``: the source's version counter, data
     pointer and shape at the cast; ``storage``: a weak reference to the
     source's storage, whose death drops the entry (so its address cannot be
@@ -115,20 +117,14 @@ class _CacheEntry:
     __slots__ = ("copy", "version", "ptr", "shape", "storage")
 
 
-class _Drop:
-    """The callback of an entry's weak references: the copy (grad mode) or
-    the source's storage died, so the entry goes, unless a newer one took its
-    key."""
-
-    __slots__ = ("store", "key")
-
-    def __init__(self, store, key):
-        self.store, self.key = store, key
-
-    def __call__(self, ref):
-        e = self.store.get(self.key)
-        if e is not None and (e.storage is ref or e.copy is ref):
-            self.store.pop(self.key, None)
+def _drop(store, key, ref):
+    """The callback of an entry's weak reference to its source's storage (bound with
+    ``functools.partial``, made in C): the storage died, so the entry goes, unless a newer one took
+    its key. A grad-mode entry whose copy died stays until then: its next lookup misses and
+    replaces it (no callback per copy, whose call would cost every training step's casts a frame)."""
+    e = store.get(key)
+    if e is not None and e.storage is ref:
+        store.pop(key, None)
 
 
 _SEEN = _CacheEntry()  # a region's first sight of a weight: no copy kept, nothing held
@@ -147,12 +143,11 @@ def _keep(store, t, copy, weak):
     if _transforms_active():  # the copy is wrapped at the transform's level: it must not escape
         return False
     key = id(t)
-    drop = _Drop(store, key)
     e = _CacheEntry()  # a new entry, stored in one step: a thread reading the old one never sees a mix
     # in grad mode the copy's graph holds the weight (its AccumulateGrad node) while the copy lives
-    e.copy = weakref.ref(copy, drop) if weak else copy
+    e.copy = weakref.ref(copy) if weak else copy
     e.version, e.ptr, e.shape = version, ptr, t.shape
-    e.storage = weakref.ref(t.untyped_storage(), drop)
+    e.storage = weakref.ref(t.untyped_storage(), _partial(_drop, store, key))
     store[key] = e
     return True
 
@@ -205,6 +200,7 @@ def release() -> None:
     written after it through ``p.data`` (a hand-written update) are cast
     again in an enclosing region. A copy autograd saves lives on as long as
     its graph does."""
+    tls.shared = None
     if weight_cache.held:  # (empty after the backward pass's own release, at the step's)
         for h in weight_cache.held.take():
             h.copies = None
@@ -226,10 +222,19 @@ def refilled() -> None:
     at each refill (FSDP2 refills every module's parameters at every forward);
     each store is emptied at C speed, and what went is cast again at its next
     use, so the work is at most one drop per cast."""
+    tls.shared = None
     for store in weight_cache.grad_mode.values():
         store.clear()
     for keeper in weight_cache.keepers.alive():
         keeper.clear()  # accumulation() blocks' copies too: the optimizer step rewrote their weights
+
+
+def _forget(ref):
+    """The source of the thread's shared activation copy died: the copy goes with it (tls.shared)."""
+    st = tls
+    s = st.shared
+    if s is not None and s[0] is ref:
+        st.shared = None
 
 
 def caster(dtype):
@@ -263,8 +268,15 @@ def caster(dtype):
 
     def eager(t):
         if not t.requires_grad:
-            if type(t) is not _Parameter:
-                return lowered(t)
+            if type(t) is not _Parameter:  # an activation (no graph): shared by the listed ops it feeds
+                st = tls
+                s = st.shared
+                if s is not None and s[0]() is t and s[1] is dtype and s[2] == _version(t) and s[3] == t.data_ptr():
+                    return s[4]
+                copy = lowered(t)
+                if type(t) is Tensor and t.layout is _strided and not t.is_inference() and not _transforms_active():
+                    st.shared = (_ref(t, _forget), dtype, _version(t), t.data_ptr(), copy)
+                return copy
             ref = tls.keeper  # a frozen parameter: kept inside frozen_weights() only
             keeper = ref() if ref is not None else None
             if keeper is None or type(keeper) is not _Frozen:
@@ -293,11 +305,10 @@ def caster(dtype):
         return keeper_cast(t, keeper, type(keeper) is _Frozen)
 
     def cast(t):
-        if type(t) is not _Parameter and not (t.requires_grad and t.is_leaf):
-            return plain(t)
         if _compiling() or _tracing_state() is not None:
             return plain(t)  # compile: fake tensors; jit.trace: a cached copy would become a constant
-        return through(t)
+        # eager: inside a wrapper's call casts are off already, and the shield has nothing to do
+        return eager(t) if tls.off else through(t)
 
     through = shielded(eager)  # a BF16 module's mode (modules.LowerMode) must not see the cast's own ops
     return Cast(cast, eager)

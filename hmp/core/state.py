@@ -74,6 +74,9 @@ class ThreadState(threading.local):
         self.keeper = None  # weak reference to the no-grad stores in use: a frozen_weights() block's or a region's
         self.accumulating = None  # the accumulation() block's copies (cache.py), or None
         self.fresh = []  # grad-mode copies the call in progress made, for its output's graph to hold (cache.py)
+        # the last activation (no graph) cast in eager code: (weak reference, dtype, version, data pointer, copy),
+        # served to the next listed op given the same unchanged tensor (q, k, v projections; cache.py)
+        self.shared = None
 
 
 if not torch_releases.BOUNDARIES["traced_state_writes"].present:

@@ -44,6 +44,10 @@ class Casts(TorchDispatchMode):
 
 
 def casts(fn, *args):
+    """The conversions one call of ``fn`` dispatches, given fresh copies of its tensor arguments: the
+    weights' copies are what is counted here (an unchanged activation's copy is shared by the calls
+    given it: tests/unit/test_shared_activations.py)."""
+    args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     with Casts() as counted:
         fn(*args)
     return counted.n

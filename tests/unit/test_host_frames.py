@@ -1,0 +1,161 @@
+"""What a converted call costs a GPU's host, counted on any CPU: Python frames per call.
+
+On a GPU at batch 1 the device waits for the host's Python, so every frame hmp runs per call is time.
+The count is deterministic (``sys.setprofile``), so it gates where a timing could not: the frames
+whose code lives in hmp, ``torch/autograd/function.py``, ``inspect``, ``torch/_functorch/utils.py``,
+``torch/_ops.py`` or Triton, from the user's call to torch's kernel. ``meta`` tensors stand for the
+device path (CUDA, HPU): the saturating cast is hmp's op there, with its gradient; the CPU path reads
+the range instead. The ceilings are today's counts: a change that adds a frame per call says so here.
+"""
+
+import collections
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hmp
+
+WATCHED = ("/hmp/", "autograd/function.py", "/inspect.py", "_functorch/utils.py", "torch/_ops.py", "/triton/")
+# torch's own kernels written in Python (stock meta tensors run many: a GPU runs C++ there): frames
+# they call are the kernel's, not the path to it
+KERNELS = ("torch/_prims_common/", "torch/_refs/", "torch/_decomp/", "torch/_prims/", "torch/_meta_registrations.py")
+
+
+def _in_kernel(frame):
+    frame = frame.f_back
+    while frame is not None:
+        if any(k in frame.f_code.co_filename for k in KERNELS):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def frames(fn):
+    """Watched Python frames one call of ``fn`` runs (after two warm-up calls) on its way to torch's
+    kernels, by file and function."""
+    fn()
+    fn()
+    seen = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            name = frame.f_code.co_filename
+            if any(w in name for w in WATCHED) and not _in_kernel(frame):
+                seen[f"{name.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"] += 1
+
+    old = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(old)
+    return seen
+
+
+@pytest.fixture
+def converted():
+    hmp.convert()
+    try:
+        yield
+    finally:
+        hmp.revert()
+
+
+def _leaf(*shape, device):
+    return torch.randn(*shape, device=device, requires_grad=True)
+
+
+def _activation(*shape, device):
+    return _leaf(*shape, device=device) * 1.0  # a non-leaf that requires grad
+
+
+# name -> (device, grad mode, a builder of the call, ceiling): the forms a model calls
+def _cases():
+    def linear(device):
+        a, w = _activation(8, 64, device=device), _leaf(64, 64, device=device)
+        return lambda: F.linear(a, w)
+
+    def linear_bias_keyword(device):
+        a, w, b = _activation(8, 64, device=device), _leaf(64, 64, device=device), _leaf(64, device=device)
+        return lambda: F.linear(a, w, bias=b)
+
+    def mm(device):
+        a, w = _activation(8, 64, device=device), _leaf(64, 64, device=device)
+        return lambda: torch.mm(a, w)
+
+    def matmul(device):
+        a, w = _activation(8, 64, device=device), _leaf(64, 64, device=device)
+        return lambda: a @ w
+
+    def bmm(device):
+        a, b = _activation(2, 8, 16, device=device), _activation(2, 16, 8, device=device)
+        return lambda: torch.bmm(a, b)
+
+    def conv(device):
+        x, w = _activation(1, 3, 8, 8, device=device), _leaf(4, 3, 3, 3, device=device)
+        return lambda: F.conv2d(x, w)
+
+    def inplace(device):  # a promote op written in place: hmp's in-place rule, every call
+        x = torch.randn(8, 64, device=device)
+        y = torch.randn(8, 64, device=device, dtype=torch.bfloat16)
+        return lambda: x.add_(y)
+
+    def fp32_list(device):  # an FP32-list op given a bf16 activation: cast up
+        x = torch.randn(8, 64, device=device).bfloat16()
+        labels = torch.zeros(8, dtype=torch.long, device=device)
+        return lambda: F.cross_entropy(x, labels)
+
+    def promote(device):  # a promote-list op given two dtypes
+        x = torch.randn(8, 64, device=device)
+        y = torch.randn(8, 64, device=device, dtype=torch.bfloat16)
+        return lambda: torch.cat([x, y])
+
+    return {
+        # the training case: activation and trainable weight; off the CPU (meta) and on it
+        "linear, meta, grad": ("meta", True, linear, 15),
+        "linear, meta, no_grad": ("meta", False, linear, 10),
+        "linear, cpu, grad": ("cpu", True, linear, 12),
+        "linear bias=, meta, grad": ("meta", True, linear_bias_keyword, 27),
+        "mm, meta, grad": ("meta", True, mm, 15),
+        "matmul, meta, grad": ("meta", True, matmul, 15),
+        "bmm, meta, grad": ("meta", True, bmm, 12),
+        "conv2d, meta, grad": ("meta", True, conv, 15),
+        "add_ in place, cpu": ("cpu", True, inplace, 12),
+        "cross_entropy (FP32 list), cpu": ("cpu", True, fp32_list, 14),
+        "cat (promote list), cpu": ("cpu", True, promote, 12),
+    }
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_converted_call_runs_few_python_frames(converted, name):
+    device, grad, build, ceiling = CASES[name]
+    call = build(device)
+    with torch.set_grad_enabled(grad):
+        seen = frames(call)
+    total = sum(seen.values())
+    assert total <= ceiling, (total, dict(seen))
+    assert not [f for f in seen if f.startswith("inspect.py")], dict(seen)  # no signature bound per call
+
+
+def test_the_frames_counted_are_hmps_and_a_plain_call_runs_none(converted):
+    """The counter sees hmp's frames (a converted linear runs some), and a call hmp does not wrap runs none."""
+    a, w = _activation(8, 64, device="meta"), _leaf(64, 64, device="meta")
+    assert sum(frames(lambda: F.linear(a, w)).values()) > 0
+    assert sum(frames(lambda: torch.relu(a)).values()) == 0  # a pointwise op is torch's own object
+    hmp.revert()
+    assert sum(frames(lambda: F.linear(a, w)).values()) == 0
+
+
+def test_a_differentiable_cast_binds_no_signature(converted):
+    """The saturating cast's autograd Function is applied through torch's C apply: ``inspect`` never
+    runs, and neither does Function.apply's Python, in grad mode on the device path."""
+    a, w = _activation(8, 64, device="meta"), _leaf(64, 64, device="meta")
+    seen = frames(lambda: F.linear(a, w))
+    assert not [f for f in seen if f.startswith(("inspect.py", "function.py", "utils.py"))], dict(seen)
+    out = F.linear(a, w)
+    assert out.dtype == torch.bfloat16 and out.grad_fn is not None
