@@ -353,10 +353,8 @@ def record_function_exit_call():
     with, ``torch.ops.profiler._record_function_exit._RecordFunction`` (also when the block ends by
     an exception), and the name of its own attribute that holds the C++ operator its ``__call__``
     calls (2.4 to 2.13). Setting that attribute runs code at every block's close while the overload
-    object stays torch's: torch.compile, fx and inductor know it by identity. The name is found as
-    the attribute holding the overload's public ``.op``, not spelled; where two hold it (2.15 keeps
-    a second for the overload's hash), the one that ``.op``'s getter reads. None on a torch where
-    any of this differs."""
+    object stays torch's: torch.compile, fx and inductor know it by identity. The name: the attribute
+    holding the public ``.op``; where two do (2.15's second is for the hash), the one ``.op`` reads."""
     packet = getattr(torch.ops.profiler, "_record_function_exit", None)
     overload = getattr(packet, "_RecordFunction", None)
     op = getattr(overload, "op", None)
