@@ -53,6 +53,7 @@ class About(NamedTuple):
     inplace: bool = False  # X_ / __iX__: the first argument is written
     inplace_param: Optional[int] = None  # position of an inplace= parameter
     written: tuple = ()  # (position, name) of other arguments the op's schema marks written (resolve.writes)
+    uncast: bool = False  # the call ran with casts off for a block (uncast_error)
 
     @classmethod
     def of(cls, binding):
@@ -100,6 +101,21 @@ def rescue(exc, op, about, args, kwargs, cast_args, cast_kwargs):
     for annotate in _annotators:
         annotate(exc, about)
     return RAISE
+
+
+def uncast_error(exc, about):
+    """An op a wrapper called with casts off raised ``exc``. Where no other wrapper encloses the call
+    (casts are off for a block: ``disable_casts()``, an FP32 module entry), the error gets the note a
+    cast call's would, told the call ran uncast (About ``uncast``); inside another wrapper's op,
+    that wrapper notes it."""
+    tb = exc.__traceback__  # its first entry is the wrapper's own frame
+    frame = tb.tb_frame.f_back if tb is not None else None
+    while frame is not None:
+        if frame.f_code in wrapper_frames.WRAPPER_CODES:
+            return
+        frame = frame.f_back
+    for annotate in _annotators:
+        annotate(exc, about._replace(uncast=True) if about is not None else None)
 
 
 def _may_run_again(exc, about):

@@ -101,8 +101,14 @@ def _body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs):
         # read once: another thread's revert() may retire this wrapper (its prepare set to PAUSED)
         # while a call is inside it; the call then finishes under the configuration it started in
         rule = prepare
-        if st.off or rule is PAUSED:
+        if rule is PAUSED:
             return op(*args, **kwargs)
+        if st.off:
+            try:
+                return op(*args, **kwargs)
+            except Exception as e:  # costs nothing unless something raises
+                rescue.uncast_error(e, about)
+                raise
         running = _call_state()  # once per call: compiled, traced or eager (torch_private.call_state)
         if running == _LOWERING and lowers or needs is not None and not needs(args, kwargs):
             return op(*args, **kwargs)

@@ -5,6 +5,7 @@ Python ran). The error path's search for the code that raised is
 hmp/diagnostics/culprit.py's."""
 
 _wrappers = {}  # code object of an hmp wrapper -> op_of(frame), the op that frame calls
+WRAPPER_CODES = _wrappers.keys()  # a live view: the code objects of hmp's wrappers
 
 
 def register_wrapper(code, op_of):

@@ -162,6 +162,14 @@ def _explain(exc, about, in_backward=False):
         return _explain_backward(exc)
     callee = culprit.callee(exc)
     label, name, kind = about[:3] if about is not None else (None, None, None)
+    if about is not None and about.uncast:
+        where = f"{label} ({_title(kind)} list)" if kind is not None else label
+        inner = f" ({callee} inside it)" if callee is not None and callee != name else ""
+        return (
+            f"hmp: {where} ran uncast, with hmp's casts off for this block (hmp.disable_casts(), or an FP32 "
+            f"module entry), and got lower-precision and float32 tensors{inner}: cast the input in the block "
+            f"(`x.float()`), or widen the block to take in the op that made it lower-precision."
+        )
     if callee is not None and label is not None and callee != name:
         if name:
             where = f"{label} ({_title(kind)} list)"

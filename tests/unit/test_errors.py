@@ -263,11 +263,41 @@ def test_op_removed_from_the_lists_is_named_with_its_list(tmp_path, no_fallback)
 
 @needs_notes
 def test_listed_op_not_cast_says_why():
+    """A listed op called with casts off for a block: its wrapper notes the error in every process
+    (not only under ``python -m hmp run``), naming the block and the fix."""
     hmp.convert()
     a, b = torch.randn(2, 2), torch.randn(2, 2).bfloat16()
     with hmp.disable_casts():
-        note = _unwrapped_note(lambda: torch.mm(a, b))
-    assert "'mm' is in the BF16 list but this call was not cast" in note and "disable_casts" in note
+        with pytest.raises(RuntimeError) as info:
+            torch.mm(a, b)
+    (note,) = notes(info.value)
+    assert note.startswith("hmp: torch.mm (BF16 list) ran uncast") and "disable_casts" in note
+    assert "cast the input in the block" in note and "widen the block" in note
+
+
+@needs_notes
+def test_a_layer_inside_disable_casts_given_a_bf16_activation_is_explained():
+    """The natural mistake: an activation made bf16 before the block reaches a layer inside it."""
+    hmp.convert()
+    lin1, lin2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+    h = lin1(torch.randn(2, 8))
+    with hmp.disable_casts(), pytest.raises(RuntimeError) as info:
+        lin2(h)
+    assert [n for n in notes(info.value) if "linear (BF16 list) ran uncast" in n]
+
+
+@needs_notes
+def test_a_call_inside_a_wrapped_op_is_noted_by_that_op_not_as_uncast():
+    """Casts are off inside a wrapped op too: there the enclosing wrapper's note says what happened."""
+    hmp.convert()
+
+    @hmp.bf16_function
+    def mixed(a):
+        return torch.mm(a, torch.randn(2, 2))  # a bf16 (cast by the function's rule) and a float32 tensor
+
+    with pytest.raises(RuntimeError) as info:
+        mixed(torch.randn(2, 2))
+    assert not [n for n in notes(info.value) if "ran uncast" in n]
 
 
 @needs_notes
@@ -445,12 +475,15 @@ def test_a_switch_called_without_with_warns_at_the_callers_line(switch):
 def test_the_lower_list_is_named_by_the_dtype_it_runs_in():
     """The list files and parameters keep Habana's "bf16" names; a message names
     the lower list by the dtype in force, so float16 runs never read "BF16 list"."""
+    mm = torch.mm  # a reference taken before convert(): its calls pass through nothing of hmp's
     for low, title in ((torch.bfloat16, "BF16"), (torch.float16, "FP16")):
         hmp.convert(low_precision_type=low)
         a, b = torch.randn(2, 2), torch.randn(2, 2).to(low)
-        with hmp.disable_casts():
-            note = _unwrapped_note(lambda a=a, b=b: torch.mm(a, b))
+        note = _unwrapped_note(lambda a=a, b=b: mm(a, b))
         assert f"'mm' is in the {title} list but this call was not cast" in note, note
+        with hmp.disable_casts(), pytest.raises(RuntimeError) as info:
+            torch.mm(a, b)
+        assert notes(info.value)[0].startswith(f"hmp: torch.mm ({title} list) ran uncast"), notes(info.value)
         hmp.revert()
 
 
