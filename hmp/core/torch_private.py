@@ -92,11 +92,9 @@ EAGER, JIT_TRACE, COMPILING, DYNAMO, LOWERING = range(5)
 if KNOWS_COMPILE_SESSION:
 
     def compiling():
-        """Anything compiles: dynamo traces, export or AOT traces, or the
-        compile session lowers. torch.compiler.is_compiling() without its
-        torch.jit.is_scripting() call, for the per-tensor checks: dynamo
-        folds is_dynamo_compiling() to True while it traces, and export,
-        AOT tracing and the session set the flag."""
+        """Anything compiles: dynamo traces, export or AOT traces, or the compile session lowers.
+        torch.compiler.is_compiling() without its torch.jit.is_scripting() call, for the per-tensor checks:
+        dynamo folds is_dynamo_compiling() to True while it traces; export, AOT and the session set the flag."""
         return _dynamo_compiling() or _compiler._is_compiling_flag
 
     def call_state():
@@ -117,23 +115,29 @@ else:
         if _compiler._is_compiling_flag:  # export or AOT tracing outside torch.compile
             return COMPILING
         # _in_session(), inlined: this runs once per eager call
-        if _guards_tls.__dict__.get("compile_context") is not None or _EXPORT_STRICT_BY_DEFAULT and _fake_mode():
+        if (
+            _guards_tls.__dict__.get("compile_context") is not None
+            or _EXPORT_STRICT_BY_DEFAULT
+            and _fake_mode() is not None
+        ):
             return LOWERING if _inlines_modules() else COMPILING
         return EAGER if tracing_state() is None else JIT_TRACE
 
 
 def _in_session():
     """Dynamo's compile context is open, or strict export traces what dynamo captured."""
-    return _guards_tls.__dict__.get("compile_context") is not None or _EXPORT_STRICT_BY_DEFAULT and _fake_mode()
+    return (
+        _guards_tls.__dict__.get("compile_context") is not None
+        or _EXPORT_STRICT_BY_DEFAULT
+        and _fake_mode() is not None
+    )
 
 
 _FAKE = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
 
 
-def _fake_mode():
-    """Whether a FakeTensorMode is in force: the tensors of the call are
-    fake, and nothing of theirs can be read."""
-    return _FAKE is not None and torch._C._get_dispatch_mode(_FAKE) is not None
+# The FakeTensorMode in force, or None (a C call): the tensors of the call are fake, nothing of theirs can be read
+_fake_mode = functools.partial(torch._C._get_dispatch_mode, _FAKE) if _FAKE is not None else _none
 
 
 def _inlines_modules():
@@ -465,12 +469,12 @@ class _Reached(_python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.seen(func, args, kwargs)  # told, not kept: a kept argument would outlive the call
+        args, kwargs = self.seen(func, args, kwargs) or (args, kwargs)  # told (seen may cast), not kept
         return func(*args, **kwargs)
 
 
 def dispatched(fn, seen, *args, **kwargs):
-    """``fn(*args, **kwargs)``'s result; ``seen(overload, args, kwargs)`` is called for each op it dispatches."""
+    """``fn(*args, **kwargs)``'s result; ``seen(overload, args, kwargs)``, told each op, may return its new args."""
     with _Reached(seen):
         return fn(*args, **kwargs)
 

@@ -72,7 +72,9 @@ def _warn_without_master_weights(optimizer):
 
 
 def _pre_hook(optimizer, args, kwargs):
-    if optimizer not in _checked:
+    # a compiled step skips the once-per-optimizer look (dynamo before 2.5 cannot trace a WeakSet):
+    # the optimizer's first eager step takes it
+    if not _is_compiling() and optimizer not in _checked:
         _warn_without_master_weights(optimizer)
     caller = current()
     # the frame calling the hooks holds the step's record_function block; torch.compile

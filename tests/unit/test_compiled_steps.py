@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from helpers import COMPILE_BACKENDS
 
 import hmp
+import hmp.core.torch_releases
 
 pytestmark = [
     pytest.mark.skipif(not hasattr(torch, "compile"), reason="no torch.compile"),
@@ -81,9 +82,12 @@ def _train(backend, make_opt, whole=False):
 
 def _same_update(backend, compiled, eager, bitwise=True, tol=None):
     """Bitwise where the compiled step computes as the eager one; inductor fuses the update's
-    arithmetic, and torch's compiled Adam takes its own path (a tensor step count)."""
+    arithmetic, torch's compiled Adam takes its own path (a tensor step count), and before 2.5
+    torch's compiled SGD takes another path than its eager one (seen on 2.4.1, without hmp's casts
+    in the update)."""
+    old_torch = not hmp.core.torch_releases.BOUNDARIES["traced_state_writes"].present
     for a, b in zip(compiled.parameters(), eager.parameters()):
-        if backend == "inductor" or not bitwise:
+        if backend == "inductor" or not bitwise or old_torch:
             torch.testing.assert_close(a, b, **(tol or dict(atol=1e-6, rtol=1e-5)))
         else:
             assert torch.equal(a, b)
@@ -129,6 +133,11 @@ class _PlainSGD(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"])
 
 
+@pytest.mark.skipif(
+    not hmp.core.torch_releases.BOUNDARIES["traced_state_writes"].present,
+    reason="dynamo before 2.6 breaks the graph at a write to a threading.local (hmp's step rule): "
+    "no fullgraph step holds it (docs/torch-releases.md)",
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_casts_come_back_after_a_fullgraph_step(backend):
     hmp.convert()
