@@ -4,17 +4,37 @@ A composite operator (no kernel of its own: hmp/binding/spellings.py) that
 takes a string reaches a different kernel for each value of it:
 ``F.pad(x, p, mode="reflect")`` runs reflection_pad2d, which the FP32 list
 holds (CPU autocast computes it in float32), ``mode="constant"`` runs
-constant_pad_nd, which no list holds. No probe at convert time knows the
-strings a program will pass, so such an op, when no list names it, is bound
-and decided per call: what the call dispatches, traced once on meta tensors
-for each *key* of a call (its non-tensor arguments, its tensors' ranks and
-dtypes: ``key``), is matched against the listed ops' computations as a
-spelling's is. A match follows that entry's rule; any other call runs as
-torch's, untouched, its inner ops cast as usual (wrap.make's ``needs``).
+constant_pad_nd, which no list holds. A spelling with a decomposition of its
+own (spellings.per_call) is steered the same way by its arguments:
+``einsum("ij,jk->ik")`` runs bmm, ``einsum("ij->ji")`` nothing, ``"i->"`` a
+sum. No probe at convert time knows the arguments a program will pass, so such
+an op is bound and decided per call: what the call dispatches, traced once on
+meta tensors for each *key* of a call (its non-tensor arguments, its tensors'
+ranks and dtypes, and of each size only whether it is 0, 1 or more: ``key``),
+decides it (``chooser``), as torch.autocast, which casts at the dispatcher,
+decides at each kernel it reaches:
+
+- the trace is run again with every kernel a list names cast by that list's
+  rule, as autocast casts at each listed kernel: its result's dtype is what
+  the call puts out;
+- a call whose whole trace is a listed op's computation follows that entry
+  (``torch._convolution_mode`` runs convolution, conv1d's); else it follows
+  the first entry the trace reaches by name whose rule, applied to the call's
+  inputs, gives that dtype: ``einsum("ij,jk,k->ij")`` (bmm, then a mul with a
+  float32 operand) puts out float32 under autocast, and runs as torch's.
+
+Any other call runs as torch's, untouched, its inner ops cast as usual
+(wrap.make's ``needs``).
 
 The decision is a function of the call's constants alone, so torch.compile
 and torch.export take it while they trace (torch.compiler.assume_constant_result):
-compiled and exported code cast what eager code casts.
+compiled and exported code cast what eager code casts. A size enters the key
+only as 0, 1 or "large"; a large one is traced at the threshold, one more than
+the largest integer the call names (at least ``_MIN_SIZE``), so a call that
+runs is traced as one that runs: a reflect pad of 2048 is traced on a dimension
+of 2049, whatever the call's own (a pad the dimension cannot hold raises in the
+call as in torch). The trace's tensors must fit 64-bit sizes (the threshold to
+the power of the rank): beyond, the call runs as torch's.
 """
 
 import functools
@@ -22,95 +42,182 @@ import functools
 import torch
 
 from hmp.binding import spellings
+from hmp.core import torch_private
+from hmp.core.dtypes import FLOATS, first_floating
 
 _TENSOR, _LIST, _TUPLE, _OTHER = "hmp:tensor", "hmp:list", "hmp:tuple", "hmp:other"
+_LARGE = "hmp:large"  # a size of 2 or more: traced at the key's threshold
 _PLAIN = (str, bool, int, float, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _EXACT = frozenset(_PLAIN)
 # What stands for a symbolic number in the trace (a compiled graph's size passed on).
 _SYMBOLIC = {"SymInt": 1, "SymFloat": 1.0, "SymBool": False}
-# The trace's tensors are one size in every dimension, larger than every integer the call names (a pad
-# must be smaller than the dimension it pads; stft's window fits its input): no list of shapes can
-# know a call's sizes. Capped so that a 6-d tensor's element count still fits in 64 bits.
-_MIN_SIZE, _MAX_SIZE = 4, 1024
+# The least size a large dimension is traced at (2 or 3 may take a shortcut no larger size takes).
+_MIN_SIZE = 4
 
 
 def key(args, kwargs):
     """What of a call can pick its kernel: every non-tensor argument, each
-    tensor's rank and dtype (not its sizes: a compiled graph's may be
-    symbolic). ``(args' keys, ((keyword, key), ...) or None)``; every tuple
-    inside an argument's key is tagged, so no argument reads as a tag."""
+    tensor's dtype and rank, and each of its sizes as 0, 1 (a broadcast) or
+    ``_LARGE`` (never a size a compiled graph keeps symbolic: dynamo
+    specialises 0 and 1 itself), a large one traced at the threshold
+    (``_threshold``). ``(args' keys, ((keyword, key), ...) or None)``; every
+    tuple inside an argument's key is tagged, so no argument reads as a
+    tag."""
     exact = _EXACT
-    got = tuple([v if type(v) in exact else _key(v) for v in args])
+    if all(type(v) in exact for v in args) and not kwargs:
+        return tuple(args), None
+    at = _threshold(args, kwargs)
+    got = tuple([v if type(v) in exact else _key(v, at) for v in args])
     if not kwargs:
         return got, None
-    return got, tuple([(n, v if type(v) in exact else _key(v)) for n, v in kwargs.items()])
+    return got, tuple([(n, v if type(v) in exact else _key(v, at)) for n, v in kwargs.items()])
 
 
-def _key(v):
+def _threshold(args, kwargs):
+    """One more than the largest integer the call names (at least ``_MIN_SIZE``): a size at or
+    above it is larger than any pad, window or index the call names."""
+    at = _MIN_SIZE
+    for v in (*args, *(kwargs or {}).values()):
+        at = _ints(v, at)
+    return at
+
+
+def _ints(v, at):
+    """``at``, raised past every integer in ``v`` (plain loops: torch.compile traces this)."""
+    t = type(v)
+    if t is int:
+        return max(at, abs(v) + 1)
+    if t is tuple or t is list:
+        for x in v:
+            at = _ints(x, at)
+    return at
+
+
+def _key(v, at):
     t = type(v)
     if t in _EXACT:
         return v
     if t is tuple or t is list:
-        items = tuple(v) if _EXACT.issuperset(map(type, v)) else tuple([_key(x) for x in v])
+        items = tuple(v) if _EXACT.issuperset(map(type, v)) else tuple([_key(x, at) for x in v])
         return (_TUPLE if t is tuple else _LIST, items)
     if isinstance(v, torch.Tensor):
-        return (_TENSOR, v.dim(), v.dtype)
+        return (_TENSOR, v.dtype, tuple([0 if n == 0 else 1 if n == 1 else _LARGE for n in v.shape]), at)
     if isinstance(v, _PLAIN):
         return v
     return (_OTHER, t.__name__)  # a SymInt, an object: what it is, not its value
 
 
-def _value(k, size):
+def _value(k):
     """The trace's argument for ``_key``'s ``k``; LookupError for an object it cannot make."""
     if type(k) is not tuple:
         return k
     tag, what = k[0], k[1:]
     if tag == _TENSOR:
-        return torch.empty((size,) * what[0], dtype=what[1], device="meta")
+        dtype, sizes, at = what
+        return torch.empty([at if n == _LARGE else n for n in sizes], dtype=dtype, device="meta")
     if tag == _OTHER:
         if what[0] not in _SYMBOLIC:
             raise LookupError(what[0])
         return _SYMBOLIC[what[0]]
-    items = [_value(x, size) for x in what[0]]
+    items = [_value(x) for x in what[0]]
     return items if tag == _LIST else tuple(items)
 
 
-def _ints(k):
-    if type(k) is int:
-        yield abs(k)
-    elif type(k) is tuple and k[0] in (_LIST, _TUPLE):
-        for x in k[1]:
-            yield from _ints(x)
+def _flat(values):
+    for v in values:
+        if type(v) is list or type(v) is tuple:
+            yield from _flat(v)
+        else:
+            yield v
 
 
-def _size(k):
-    given, keywords = k
-    values = (*given, *(v for _, v in keywords or ()))
-    largest = max((i for v in values for i in _ints(v)), default=0)
-    return min(max(_MIN_SIZE, 2 * largest + 2), _MAX_SIZE)
+def _map(value, fn):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if type(value) is list or type(value) is tuple:
+        return type(value)([_map(v, fn) for v in value])
+    return value
 
 
-def chooser(fn, computations):
+def _rule(kind, low):
+    """What list ``kind``'s rule does to a call's floating tensors, as dtypes (its lean record:
+    hmp/binding/kinds.py): ``(args, kwargs) -> (args, kwargs)``, on the trace's meta tensors."""
+    lean = kind.lean
+
+    def cast(args, kwargs):
+        floating = [t for t in _flat((*args, *kwargs.values())) if isinstance(t, torch.Tensor) and t.dtype in FLOATS]
+        if lean.one_dtype:  # promote: all to the widest, tensors with dimensions first (torch's ranking)
+            ranked = [t.dtype for t in floating if t.dim()] or [t.dtype for t in floating]
+            to = functools.reduce(torch.promote_types, ranked) if ranked else None
+            src = FLOATS
+        else:
+            to, src = low if lean.to is None else lean.to, lean.src
+
+        def one(t):
+            return t.to(to) if to is not None and t.dtype in src and t.dtype != to else t
+
+        return _map(tuple(args), one), {n: _map(v, one) for n, v in kwargs.items()}
+
+    return cast
+
+
+def _simulated(fn, args, kwargs, by_name, rules):
+    """``(result, reached)``: ``fn`` run with every kernel a list names cast by its list's rule, as
+    autocast casts at the dispatcher; ``reached``: those entries' positions, in the order reached."""
+    reached = []
+
+    def cast(overload, a, k):
+        i = by_name.get(overload.__name__.partition(".")[0])
+        if i is None:
+            return None
+        reached.append(i)
+        return rules[i](a, k)
+
+    try:
+        return torch_private.dispatched(fn, cast, *args, **kwargs), reached
+    except Exception:
+        return None, reached
+
+
+def chooser(fn, computations, low):
     """``choose(args, kwargs)``: the position in ``computations``
-    (spellings.computations' answer) of the entry whose rule a call of ``fn``
-    follows, or None: a plain int, a constant torch.compile and torch.export
-    carry into the graph (a kinds.Kind record is no constant to them). Each
-    key of a call is traced once (kept while the wrapper lives: what a call
-    of torch's composite dispatches never changes within a process)."""
+    (spellings.computations' answer, or its kernel entries' for a spelling)
+    of the entry whose rule a call of ``fn`` follows, or None: a plain int, a
+    constant torch.compile and torch.export carry into the graph (a kinds.Kind
+    record is no constant to them). ``low``: the lower dtype in use. Each key
+    of a call is traced once, and kept in a bounded cache while the wrapper
+    lives (what a call of torch's composite dispatches never changes within a
+    process)."""
+    rules = [_rule(kind, low) for _, kind, _ in computations]
+    by_name = {}
+    for i, (_, _, name) in enumerate(computations):
+        by_name.setdefault(name, i)  # an operator a list names by its own name: where autocast casts
 
     @functools.lru_cache(maxsize=256)
     def decided(k):
-        size = _size(k)
         try:
-            args = [_value(v, size) for v in k[0]]
-            kwargs = {n: _value(v, size) for n, v in k[1] or ()}
+            args = [_value(v) for v in k[0]]
+            kwargs = {n: _value(v) for n, v in k[1] or ()}
         except LookupError:  # an argument the trace cannot stand in for: torch's call, as without hmp
             return None
         with spellings.probing():
             ops = spellings.traced(fn, args, kwargs)
-        if not ops:  # did not run, or computes nothing (a view)
-            return None
-        return next((i for i, (computed, _, _) in enumerate(computations) if ops in computed), None)
+            if not ops:  # did not run, or computes nothing (a view, a copy)
+                return None
+            whole = next((i for i, (computed, _, _) in enumerate(computations) if ops in computed), None)
+            if whole is not None:  # the call is a listed computation, all of it
+                return whole
+            result, reached = _simulated(fn, args, kwargs, by_name, rules)
+            wanted = first_floating(result)
+            for i in dict.fromkeys(reached):
+                cast_args, cast_kwargs = rules[i](args, kwargs)
+                try:
+                    got = first_floating(fn(*cast_args, **cast_kwargs))
+                except Exception:
+                    continue
+                if got == wanted:
+                    return i
+        return None
 
     @torch.compiler.assume_constant_result
     def decide(k):

@@ -324,14 +324,20 @@ class Resolver:
         # an op whose call picks its kernel by a string (picked.py); one with a rule of its own keeps it
         computations = spellings.computations(by_kind, python_builtins(), RNN_KERNELS)
         picks = spellings.picked(by_kind, python_builtins(), RNN_KERNELS, frozenset(n for _, n in extra))
+        # a spelling with a decomposition of its own is decided per call, by the kernels it reaches
+        per_call = spellings.per_call(by_kind, python_builtins(), RNN_KERNELS)
+        kernels = spellings.kernels(computations)
         out, seen = [], set()
         first_extra = len(named) + len(fused) + len(spelled)
         # a spelling binds its own name's sites under the entry it follows (spellings.py)
-        todo = [(k, n, n, ()) for k, n in named + fused] + [(*s, ()) for s in spelled]
+        todo = [(k, n, n, ()) for k, n in named + fused]
+        todo += [(None, s, s, kernels) if s in per_call else (k, n, s, ()) for k, n, s in spelled]
         todo += [(k, n, n, ()) for k, n in extra] + [(None, n, n, computations) for n in picks]
         for i, (kind, name, spelling, chosen_from) in enumerate(todo):
-            for site in self.sites(spelling):
-                if chosen_from and not isinstance(site.original(), types.BuiltinFunctionType):
+            found = self.sites(spelling)
+            builtin = any(isinstance(s.original(), types.BuiltinFunctionType) for s in found)
+            for site in found:
+                if chosen_from and builtin and isinstance(site.original(), types.FunctionType):
                     continue  # a Python function (F.pad) reaches the kernel through the builtin, decided there
                 key = (id(site.namespace), site.attr)
                 if key not in seen:

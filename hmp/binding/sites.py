@@ -153,7 +153,7 @@ class Wrappers:
         a call that reaches a listed op's computation gets that entry's rule,
         built here for each list; any other runs as torch's."""
         site, name = binding.site, binding.name
-        choose = picked.chooser(original, binding.picks)
+        choose = picked.chooser(original, binding.picks, self.low)
         # an entry's name changes its rule only for a normalisation (for_site): one rule per list else
         made, rules = {}, []
         for _, kind, listed in binding.picks:

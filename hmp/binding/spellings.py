@@ -233,6 +233,31 @@ def spellings(listed, builtins, unprobed=frozenset()):
     return tuple(out)
 
 
+def per_call(listed, builtins, unprobed=frozenset()):
+    """The spellings (``spellings``' answer, same arguments) decided call by call
+    (hmp/binding/picked.py). A spelling that takes its entry's very arguments
+    and computes over every probe exactly what its entry computes is the entry
+    under another name (``torch.linalg.matmul`` calls matmul, ``true_divide``
+    div): every call follows the entry. Any other has a decomposition of its own,
+    which the call's arguments steer past what the probes saw: ``einsum``'s
+    equation (``"ij->ji"`` computes nothing, ``"i->"`` a sum), ``tensordot``'s
+    dims, the count of ``chain_matmul``'s matrices, the ranks ``inner`` gets
+    (1-d: dot, 0-d: mul). Each of its calls follows what it reaches."""
+    theirs = {name: ops for ops, _, name in computations(listed, builtins, unprobed)}
+    through = dict(builtins)
+    return frozenset(
+        s
+        for _, entry, s in spellings(listed, builtins, unprobed)
+        if not (_signatures(entry) & _signatures(s) and computation(s, through.get(s)) == theirs.get(entry))
+    )
+
+
+def kernels(computations):
+    """The entries of ``computations`` (its answer) that are operators with kernels of their own,
+    what a per-call spelling's trace can reach by name (it never dispatches a composite entry)."""
+    return tuple(c for c in computations if c[0] == frozenset({(c[2],)}))
+
+
 @functools.lru_cache(maxsize=8)
 def picked(listed, builtins, unprobed=frozenset(), skip=frozenset()):
     """The composite operators among ``builtins`` that take a string (the

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from hmp.binding import aten, kinds, lists, pays, resolve, spellings
 from hmp.binding.resolve import FUSED
 from hmp.core import torch_private
+from hmp.core.dtypes import FP32, LOW
 from hmp.core.identity import unwrap
 from hmp.core.switches import disable_casts
 
@@ -183,45 +184,120 @@ def binding(conversion, op, call, runtime):
                 if fused in call.names:
                     return Bound(kind, fused, False)
     listed_by_kind = tuple((k, tuple(v)) for k, v in bound.items())
+    per_call = spellings.per_call(listed_by_kind, aten.python_builtins(), resolve.RNN_KERNELS)
     for kind, name, spelling in spellings.spellings(listed_by_kind, aten.python_builtins(), resolve.RNN_KERNELS):
-        if spelling in call.names:  # another name of a listed op (hmp/binding/spellings.py)
+        if spelling in call.names and spelling not in per_call:  # another name of a listed op (spellings.py)
             return Bound(kind, name, False)
     listed = set().union(*bound.values())
     for record, names in lists.fallback_names(conversion.options.low_precision_type):
-        for name in names:
-            if name not in listed and name in call.names:
+        for name in names:  # a spelling decided per call is bound as one, not by its fallback rule
+            if name not in listed and name in call.names and name not in per_call:
                 return Bound(record.name, name, True)
     return None
 
 
 def picked_binding(conversion, call, args, kwargs):
     """The Bound of a call of an op whose call picks its kernel (a string
-    argument; hmp/binding/picked.py), or None: the listed op among the kernels
-    torch's own op dispatches when run on copies of these very arguments
-    (not hmp's trace on meta tensors), when every other op it dispatches
-    only views, copies or allocates."""
+    argument; hmp/binding/picked.py) or of a spelling decided per call
+    (spellings.per_call), or None, found by running torch's own op on copies
+    of these very arguments (not hmp's trace on meta tensors): a picked op
+    whose only computing kernel is a listed op follows that op; else the call
+    is run as torch.autocast runs it, each listed kernel it dispatches given
+    its list's rule, and it follows the first listed kernel it reached whose
+    rule, given to the call's own inputs, puts out what that run put out."""
     bound = bound_names(conversion)
     listed_by_kind = tuple((k, tuple(v)) for k, v in bound.items())
     fallback = frozenset(n for _, names in lists.fallback_names(conversion.options.low_precision_type) for n in names)
-    picked = spellings.picked(listed_by_kind, aten.python_builtins(), resolve.RNN_KERNELS, fallback)
-    if not call.names & set(picked):
+    builtins = aten.python_builtins()
+    picked = set(spellings.picked(listed_by_kind, builtins, resolve.RNN_KERNELS, fallback))
+    per_call = spellings.per_call(listed_by_kind, builtins, resolve.RNN_KERNELS)
+    if not call.names & (picked | per_call):
         return None
-    reached = []
-    copies = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
-    with spellings.probing(), disable_casts():
-        torch_private.dispatched(unwrap(call.fn), lambda overload, a, k: reached.append(overload), *copies, **kwargs)
     kind_of = {}
     for kind, names in bound.items():  # the first kind in binding order, as hmp binds
         for name in names:
             kind_of.setdefault(name, kind)
-    listed, others = [], []
+    fn, low = unwrap(call.fn), conversion.options.low_precision_type
+    reached, listed, others = [], [], []
+    with spellings.probing(), disable_casts():
+        torch_private.dispatched(fn, lambda overload, a, k: reached.append(overload), *_copies(args), **kwargs)
     for o in reached:
         name = o.__name__.partition(".")[0]  # mm.default: the operator's name
         if name in kind_of:
             listed.append((kind_of[name], name))
         elif not _moves_values(o):
             others.append(name)
-    return Bound(*listed[0], False) if len(listed) == 1 and not others else None
+    if call.names & picked and len(listed) == 1 and not others:
+        return Bound(*listed[0], False)
+    if not listed:
+        return None
+
+    def as_autocast(overload, a, k):  # each listed kernel casts its own inputs, as autocast does at the dispatcher
+        kind = kind_of.get(overload.__name__.partition(".")[0])
+        return None if kind is None else _given(kind, low, a, k)
+
+    with spellings.probing(), disable_casts():
+        wanted = _first_floating(torch_private.dispatched(fn, as_autocast, *_copies(args), **kwargs))
+        for kind, name in dict.fromkeys(listed):
+            given_args, given_kwargs = _given(kind, low, _copies(args), kwargs)
+            try:
+                got = _first_floating(fn(*given_args, **given_kwargs))
+            except Exception:
+                continue
+            if got == wanted:
+                return Bound(kind, name, False)
+    return None
+
+
+def _copies(args):
+    return [_copy_all(a) for a in args]
+
+
+def _copy_all(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    if type(v) is list or type(v) is tuple:
+        return type(v)(_copy_all(x) for x in v)
+    return v
+
+
+def _first_floating(result):
+    if isinstance(result, torch.Tensor):
+        return result.dtype if result.is_floating_point() else None
+    if type(result) is list or type(result) is tuple:
+        return next((d for d in map(_first_floating, result) if d is not None), None)
+    return None
+
+
+def _given(kind, low, args, kwargs):
+    """``(args, kwargs)`` as list ``kind``'s rule gives them, dtypes only: the lower rule takes
+    float32 to ``low``, the FP32 rule the lower dtypes to float32, the promote rule every floating
+    tensor to the widest (those with dimensions first)."""
+    tensors = [t for t in _every((*args, *kwargs.values())) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if kind == "bf16":
+        to, src = low, (FP32,)
+    elif kind == "fp32":
+        to, src = FP32, LOW
+    else:
+        ranked = [t.dtype for t in tensors if t.dim()] or [t.dtype for t in tensors]
+        to, src = (functools.reduce(torch.promote_types, ranked) if ranked else None), tuple({t.dtype for t in tensors})
+
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(to) if to is not None and v.dtype in src and v.dtype != to else v
+        if type(v) is list or type(v) is tuple:
+            return type(v)(one(x) for x in v)
+        return v
+
+    return tuple(one(a) for a in args), {n: one(v) for n, v in kwargs.items()}
+
+
+def _every(values):
+    for v in values:
+        if type(v) is list or type(v) is tuple:
+            yield from _every(v)
+        else:
+            yield v
 
 
 def _moves_values(overload):

@@ -21,7 +21,8 @@ CALLED_BELOW = ("tensordot",)
 
 
 class _Kernels(TorchDispatchMode):
-    """The dtypes each computing kernel received (views aside)."""
+    """The dtypes each computing kernel received (views aside; not the trace on meta tensors that
+    decides a spelling's call: hmp/binding/picked.py)."""
 
     def __init__(self):
         super().__init__()
@@ -29,6 +30,8 @@ class _Kernels(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._overloadpacket.__name__
+        if any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+            return func(*args, **(kwargs or {}))
         dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())
         self.seen.append((name, dtypes))
         return func(*args, **(kwargs or {}))
