@@ -331,7 +331,12 @@ class Resolver:
         first_extra = len(named) + len(fused) + len(spelled)
         # a spelling binds its own name's sites under the entry it follows (spellings.py)
         todo = [(k, n, n, ()) for k, n in named + fused]
-        todo += [(None, s, s, kernels) if s in per_call else (k, n, s, ()) for k, n, s in spelled]
+        # (with no kernel entry to reach, such a spelling runs as torch's: nothing to bind)
+        todo += [
+            (None, s, s, kernels) if s in per_call else (k, n, s, ())
+            for k, n, s in spelled
+            if kernels or s not in per_call
+        ]
         todo += [(k, n, n, ()) for k, n in extra] + [(None, n, n, computations) for n in picks]
         for i, (kind, name, spelling, chosen_from) in enumerate(todo):
             found = self.sites(spelling)

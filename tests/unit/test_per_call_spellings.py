@@ -143,3 +143,18 @@ def test_compiled_einsum_decides_as_eager(dynamic):
         t, p = torch.compile(f, fullgraph=whole, backend="aot_eager", dynamic=dynamic)(x, w)
     assert t.dtype == torch.float32 and torch.equal(t, x.t())
     assert p.dtype == LOW
+
+
+def test_a_per_call_spelling_with_no_kernel_entry_to_reach_runs_as_torchs(tmp_path):
+    """Lists whose entries include no kernel a per-call spelling may reach (a BF16 list of ``matmul``
+    alone: a composite, whose spellings chain_matmul and einsum would be decided per call): the
+    spelling is not bound, and convert() succeeds (it raised on such lists: the audit's trials)."""
+    bf16 = tmp_path / "bf16.txt"
+    bf16.write_text("matmul\n")
+    fp32 = tmp_path / "fp32.txt"
+    fp32.write_text("softmax\n")
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    with hmp.converted(bf16_file_path=str(bf16), fp32_file_path=str(fp32), promote_file_path=str(fp32)):
+        out = torch.chain_matmul(a, b)
+        assert torch.matmul(a, b).dtype == torch.bfloat16
+    assert out.dtype == torch.float32 and torch.equal(out, torch.chain_matmul(a, b))
