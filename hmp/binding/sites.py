@@ -12,7 +12,7 @@ from hmp.binding import picked
 from hmp.binding.pays import NORMALIZATIONS
 from hmp.binding.resolve import BUILTINS
 from hmp.core import dtypes, policy, wrapper_frames
-from hmp.core.cast_copies import numbers_check
+from hmp.core.cast_copies import Cast, numbers_check
 from hmp.core.rescue import About
 from hmp.core.wrap import NEVER, PAUSED, finish, make, op_of
 
@@ -114,6 +114,8 @@ class Wrappers:
             passthrough,
             strict,
         )
+        # the casters' eager forms as casters: the rules a wrapper takes in eager code (wrap.make's eager_prepare)
+        self.eager_casters = {dtype: Cast(c.eager, c.eager) for dtype, c in casters.items()}
 
     def _prepare(self, prepare, label, name):
         if self.passthrough:
@@ -134,6 +136,8 @@ class Wrappers:
             return self._picked(binding, original)
         kind = binding.kind
         prepare = for_site(kind, name, site, self.low, self.casters, self.strict, fallback)
+        plain = not (self.passthrough or self.verbose or self.recorder is not None)  # else every call alike
+        eager = for_site(kind, name, site, self.low, self.eager_casters, self.strict, fallback) if plain else None
         op = original
         to_one = one_dtype_rule(kind, name, site, self.low, self.casters, fallback)
         if to_one is not None and not self.passthrough:
@@ -145,8 +149,9 @@ class Wrappers:
         needs = factory(fallback_of(kind).needs) if fallback else None
         lean = self._lean(site, kind, name, fallback)
         if lean is None:
-            return make(op, self._prepare(prepare, site.label, name), about, original, hidden=hidden, needs=needs)
-        return make(op, prepare, about, original, *lean, hidden=hidden)
+            prepare = self._prepare(prepare, site.label, name)
+            return make(op, prepare, about, original, hidden=hidden, needs=needs, eager_prepare=eager)
+        return make(op, prepare, about, original, *lean, hidden=hidden, eager_prepare=eager)
 
     def _picked(self, binding, original):
         """The wrapper of an op whose call picks its kernel (hmp/binding/picked.py):

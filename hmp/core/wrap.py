@@ -57,6 +57,7 @@ def make(
     inplace_at=NEVER,
     hidden=True,
     needs=None,
+    eager_prepare=None,
 ):
     """The wrapper of ``op``: casts through ``prepare``; ``about`` (an
     rescue.About) describes it for the error path. ``original``: what
@@ -67,6 +68,9 @@ def make(
     back to the caller's tensors (cast_copies.write_back). ``needs(args,
     kwargs)``: False for a call the wrapper leaves entirely alone, casts
     staying on for the ops it calls (an op in no list, see kinds.Fallback).
+    ``eager_prepare``: ``prepare``'s rule built on the casters' eager forms,
+    for calls in eager code (keyword and in-place calls then cast as the lean
+    path does, asking nothing per tensor); None: ``prepare`` serves.
 
     ``src`` makes it lean for calls without keywords (and without a true
     ``inplace`` at position ``inplace_at``): tensors whose dtype is in
@@ -75,7 +79,8 @@ def make(
     ``src=policy.PROMOTE``, a call whose floating tensors share one dtype runs as
     given. ``prepare`` applies the same rule to every other call."""
     original = op if original is None else original
-    return finish(_body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs), original)
+    eager_prepare = prepare if eager_prepare is None else eager_prepare
+    return finish(_body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs, eager_prepare), original)
 
 
 PAUSED = None  # a wrapper's prepare while paused or retired: the call is a plain call of its op
@@ -86,7 +91,7 @@ _call_state = torch_private.call_state
 _COMPILING, _DYNAMO, _LOWERING = torch_private.COMPILING, torch_private.DYNAMO, torch_private.LOWERING
 
 
-def _body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs):
+def _body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs, eager_prepare):
     # While torch.compile lowers a captured graph, torch's own code calls this op by name: it runs
     # as torch's (torch_private.call_state: LOWERING). Not an operator (``a @ b``): dynamo records those as
     # Python's operator, never as this wrapper, so the graph reaches it only while lowering.
@@ -112,6 +117,8 @@ def _body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs):
         running = _call_state()  # once per call: compiled, traced or eager (torch_private.call_state)
         if running == _LOWERING and lowers or needs is not None and not needs(args, kwargs):
             return op(*args, **kwargs)
+        if not running:  # eager: the rule on the casters' eager forms
+            rule = eager_prepare
         # casts off from here: for the casts' own ops (a BF16 module's mode must not see them) and for
         # the ops this one calls (the outermost op decides: state.enter/leave, inlined)
         st.off = OFF
@@ -193,11 +200,11 @@ def op_of(frame):
     return frame.f_locals.get("op")
 
 
-_BODY = _body(None, None, None, None, None, None, None, None, None).__code__
+_BODY = _body(None, None, None, None, None, None, None, None, None, None).__code__
 wrapper_frames.register_wrapper(_BODY, op_of)
 
 
-_FIELDS = ("op", "prepare", "about", "src", "refuse", "inplace_at", "hidden", "needs")  # and cast, in two forms
+_FIELDS = ("op", "prepare", "about", "src", "refuse", "inplace_at", "hidden", "needs", "eager_prepare")  # and cast
 
 
 def fields(wrapper):
@@ -282,8 +289,9 @@ def pause(wrapper):
     _set(wrapper, "prepare", PAUSED)
 
 
-def resume(wrapper, prepare):
-    """Make a paused wrapper cast again, through ``prepare``."""
+def resume(wrapper, prepare, eager_prepare=None):
+    """Make a paused wrapper cast again, through ``prepare`` (and ``eager_prepare`` in eager code)."""
+    _set(wrapper, "eager_prepare", prepare if eager_prepare is None else eager_prepare)
     _set(wrapper, "prepare", prepare)
 
 
