@@ -90,18 +90,37 @@ class _Region(_Frozen):
 
 
 class _Steps:
-    """An ``accumulation()`` block's copies of trainable weights, held strongly (so their grad-mode
-    entries stay valid across micro-batches and their backward passes) until an optimizer step or
-    ``clear_cache()`` (``clear``, through ``refilled``) or the block's exit. Registered with the
-    no-grad stores so those reach it; a backward pass (``release``) leaves it alone."""
+    """An ``accumulation()`` block's copies of trainable weights, one per weight (a recast replaces
+    the copy it supersedes), held strongly (so their grad-mode entries stay valid across
+    micro-batches and their backward passes) until an optimizer step or ``clear_cache()``
+    (``clear``, through ``refilled``) or the block's exit. Registered with the no-grad stores so
+    those reach it. ``backwards``: the backward passes started in the block (``release``), which
+    tell a step boundary a hand-written loop shows (``_same_step``)."""
 
-    __slots__ = ("copies", "__weakref__")
+    __slots__ = ("copies", "backwards", "__weakref__")
 
     def __init__(self):
-        self.copies = []
+        self.copies = {}  # id(weight) -> its copy
+        self.backwards = 0
 
     def clear(self):
-        self.copies = []
+        self.copies = {}
+
+
+def _same_step(e, t, steps):
+    """Whether an accumulation() copy still belongs to its weight's step: a step boundary is seen
+    where the weight's gradient was reset (set to None after a backward pass, or replaced by another
+    tensor), as a hand-written update's loop does (``p.grad = None``); a write through ``.data``
+    moves neither the version counter nor the data pointer. A gradient zeroed in place is not seen
+    (the documented limit: docs/performance.md)."""
+    g = t.grad
+    seen = e.grad
+    if g is None:
+        return steps.backwards == e.backwards  # no backward since the cast: the same step's forwards
+    if seen is None:  # cast before the step's first backward: its gradient is this step's
+        e.grad = _ref(g)
+        return True
+    return seen() is g
 
 
 class _CacheEntry:
@@ -114,7 +133,7 @@ class _CacheEntry:
     tensor: ``torch.utils.swap_tensors`` refuses a tensor with a weak
     reference)."""
 
-    __slots__ = ("copy", "version", "ptr", "shape", "storage")
+    __slots__ = ("copy", "version", "ptr", "shape", "storage", "steps", "grad", "backwards")
 
 
 def _drop(store, key, ref):
@@ -148,8 +167,9 @@ def _keep(store, t, copy, weak):
     e.copy = weakref.ref(copy) if weak else copy
     e.version, e.ptr, e.shape = version, ptr, t.shape
     e.storage = weakref.ref(t.untyped_storage(), _partial(_drop, store, key))
+    e.steps = None  # an accumulation() block whose step the copy belongs to (_same_step)
     store[key] = e
-    return True
+    return e
 
 
 def size():
@@ -176,7 +196,7 @@ def cache_bytes() -> int:
 
     for keeper in weight_cache.keepers.alive():
         if type(keeper) is _Steps:
-            for c in keeper.copies:
+            for c in list(keeper.copies.values()):
                 count(c)
             continue
         for store in keeper.stores.values():
@@ -208,6 +228,8 @@ def release() -> None:
         for keeper in weight_cache.keepers.alive():
             if type(keeper) is _Region:
                 keeper.clear()
+            elif type(keeper) is _Steps:
+                keeper.backwards += 1
 
 
 def clear_cache() -> None:
@@ -289,14 +311,20 @@ def caster(dtype):
             if e is not None:
                 copy = e.copy()
                 if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr():
-                    return copy
+                    steps = e.steps
+                    if steps is None or _same_step(e, t, steps):
+                        return copy
             copy = lowered(t)
-            if _keep(grad_mode, t, copy, True):
+            e = _keep(grad_mode, t, copy, True)
+            if e:
                 st = tls
                 st.fresh.append(copy)  # the wrapper hands it to its output's graph (wrap.hold)
                 steps = st.accumulating
                 if steps is not None:  # inside accumulation(): held until the optimizer step
-                    steps.copies.append(copy)
+                    steps.copies[id(t)] = copy
+                    e.steps, e.backwards = steps, steps.backwards
+                    g = t.grad
+                    e.grad = None if g is None else _ref(g)
             return copy
         ref = tls.keeper  # a no-grad region's or frozen_weights()'s stores
         keeper = ref() if ref is not None else None
@@ -362,10 +390,14 @@ def accumulation() -> Iterator[None]:
     lower-precision copy of every trainable weight, held across the step's micro-batches.
 
     hmp still checks each use against the weight's version counter and data pointer, so in-place
-    ops and ``p.data = ...`` are seen; what it cannot see is a write through another tensor on the
-    weight's memory (``p.data.copy_()``, a hand-written update through ``.data``, a broadcast into
-    a parameter) between two micro-batches of one step: that is what you promise not to make here.
-    Thread-local; nestable (the outermost block owns the copies)."""
+    ops and ``p.data = ...`` are seen, and a step boundary a hand-written loop shows: the weight's
+    gradient reset after a backward pass (``p.grad = None``, ``zero_grad()``) or replaced, so an
+    update through ``.data`` at the end of a step is seen too. What it cannot see is a write through
+    another tensor on the weight's memory (``p.data.copy_()``, a broadcast into a parameter) between
+    two micro-batches of one step, or a hand-written ``.data`` update whose loop zeroes gradients in
+    place (``zero_grad(set_to_none=False)``): that is what you promise not to make here (or call
+    ``hmp.clear_cache()`` after such an update). A recast replaces the copy it supersedes: one copy
+    per weight. Thread-local; nestable (the outermost block owns the copies)."""
     st = tls
     if st.accumulating is not None:
         yield

@@ -108,6 +108,80 @@ def test_a_write_hmp_sees_between_micro_batches_is_cast_again():
     assert torch.equal(third, want)
 
 
+def _hand_written_steps(model, xs, steps, update, reset):
+    """``steps`` optimizer steps written by hand: K micro-batches, then ``update`` and ``reset``."""
+    sizes = []
+    for _ in range(steps):
+        _micro_batches(model, xs)
+        for p in model.parameters():
+            update(p)
+            reset(p)
+        sizes.append(hmp.cache_bytes())
+    return sizes
+
+
+def _data_update(p):
+    p.data.add_(p.grad, alpha=-0.1)  # moves neither the version counter nor the data pointer
+
+
+def _no_grad_update(p):
+    with torch.no_grad():
+        p -= 0.1 * p.grad
+
+
+def _set_to_none(p):
+    p.grad = None
+
+
+def _zeroed_in_place(p):
+    p.grad.zero_()
+
+
+def _weights_after(update, reset, scoped, steps=3):
+    model, _, xs = _setup()
+    with hmp.converted():
+        if scoped:
+            with hmp.accumulation():
+                sizes = _hand_written_steps(model, xs, steps, update, reset)
+        else:
+            sizes = _hand_written_steps(model, xs, steps, update, reset)
+    return [p.detach().clone() for p in model.parameters()], sizes
+
+
+def test_a_hand_written_data_update_is_seen_at_the_gradient_reset():
+    """A loop that updates through ``.data`` and resets the gradients to None: the reset after a
+    backward pass is the step boundary, so the next step casts the updated weights."""
+    inside, _ = _weights_after(_data_update, _set_to_none, scoped=True)
+    outside, _ = _weights_after(_data_update, _set_to_none, scoped=False)
+    assert all(torch.equal(a, b) for a, b in zip(inside, outside))
+
+
+def test_a_data_update_with_gradients_zeroed_in_place_is_the_limit():
+    """The documented limit: gradients zeroed in place leave no boundary to see, so the block
+    serves the first step's copies (hmp.clear_cache() after the update is the way out)."""
+    inside, _ = _weights_after(_data_update, _zeroed_in_place, scoped=True)
+    outside, _ = _weights_after(_data_update, _zeroed_in_place, scoped=False)
+    assert not all(torch.equal(a, b) for a, b in zip(inside, outside))
+
+    def cleared(p):
+        _zeroed_in_place(p)
+        hmp.clear_cache()
+
+    fixed, _ = _weights_after(_data_update, cleared, scoped=True)
+    assert all(torch.equal(a, b) for a, b in zip(fixed, outside))
+
+
+def test_a_hand_written_update_keeps_one_copy_per_weight():
+    """A no-grad update moves the version counter: each step casts again, and its copy replaces the
+    last one, so the block never holds more than one copy per weight."""
+    model, _, _ = _setup()
+    one_copy = sum(p.numel() * 2 for p in model.parameters())
+    inside, sizes = _weights_after(_no_grad_update, _set_to_none, scoped=True, steps=4)
+    outside, _ = _weights_after(_no_grad_update, _set_to_none, scoped=False, steps=4)
+    assert all(torch.equal(a, b) for a, b in zip(inside, outside))
+    assert max(sizes) <= one_copy, sizes
+
+
 def test_clear_cache_nesting_and_threads():
     model, _, xs = _setup()
     seen = {}
