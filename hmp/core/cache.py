@@ -260,17 +260,14 @@ def _forget(ref):
 
 
 def caster(dtype):
-    """A one-argument cast to ``dtype`` that goes through the cache for the
-    tensors whose writes hmp sees as torch.autocast does: leaves that
-    require grad (parameters in training). A frozen parameter goes through
-    it only inside ``frozen_weights()``, the caller's promise that nothing
-    writes it (a frozen weight is written through ``.data`` or its storage
-    by peft's merge, offloading, hand-written loaders: writes no counter
-    shows). A hit is one dictionary lookup and a check of the entry's named
-    fields. A cast_copies.Cast: its ``eager`` form is the same cast for a
-    wrapper's call in eager code, which has turned casts off and asked once
-    whether anything traces or compiles (hmp/core/wrap.py), so it asks
-    nothing per tensor."""
+    """A one-argument cast to ``dtype`` that goes through the cache for the tensors whose writes
+    hmp sees as torch.autocast does: leaves that require grad (parameters in training). A frozen
+    parameter goes through it only inside ``frozen_weights()``, the caller's promise that nothing
+    writes it (peft's merge, offloading, hand-written loaders write through ``.data``: no counter
+    shows it). A hit is one dictionary lookup and a check of the entry's fields. A
+    cast_copies.Cast: its ``eager`` form serves a wrapper's call in eager code, which has turned
+    casts off and asked once whether anything traces or compiles (wrap.py): it asks nothing per
+    tensor."""
     plain, lowered = CASTS[dtype]
     grad_mode = weight_cache.grad_mode[dtype]
 

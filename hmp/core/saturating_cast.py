@@ -27,11 +27,13 @@ import functools
 import torch
 
 from hmp.core import torch_private
+from hmp.core.dtypes import FLOATS, LOW
 
 _TB = torch_private.TensorBase
-_CASTS = {torch.bfloat16: _TB.bfloat16, torch.float16: _TB.half}
-_TOPS = {dtype: torch.finfo(dtype).max for dtype in _CASTS}
-_isinf, _clamp, _where = torch.isinf, torch.clamp, torch.where
+_KERNEL_DTYPES = LOW  # the Triton kernel's targets
+# the op's targets: any floating dtype torch computes in, with its largest finite value
+_TOPS = {d: torch.finfo(d).max for d in FLOATS}
+_isinf, _clamp, _where, _to = torch.isinf, torch.clamp, torch.where, _TB.to
 _F32 = torch.float32
 BLOCK = 1024
 
@@ -39,16 +41,42 @@ _lib = torch.library.Library("hmp", "FRAGMENT")  # hmp's own namespace: its one 
 _lib.define("to_finite(Tensor self, ScalarType dtype) -> Tensor")
 
 
+def _top(t, dtype):
+    """``dtype``'s largest finite value, None when ``t``'s own range fits in it (nothing to
+    saturate); a clear error for a dtype the op does not cast to."""
+    top = _TOPS.get(dtype)
+    if top is None:
+        raise TypeError(f"hmp::to_finite casts to a floating dtype (bfloat16, float16, float32, float64); got {dtype}")
+    src = _TOPS.get(t.dtype)
+    return None if src is not None and src <= top or not t.is_floating_point() else top
+
+
 def stock(t, dtype):
     """The cast in torch's ops: round, then a finite value beyond the range (inf after rounding)
-    becomes the largest finite value; an infinity stays infinite, NaN stays NaN. Four ops."""
-    y = _CASTS[dtype](t)
-    top = _TOPS[dtype]
-    try:
-        _where(_isinf(t), y, _clamp(y, -top, top), out=y)
-    except (RuntimeError, NotImplementedError):  # a layout without these ops (nested): torch's rounding
-        pass
+    becomes the largest finite value; an infinity stays infinite, NaN stays NaN. Four ops (one
+    where the source's range fits in the target's)."""
+    top = _top(t, dtype)
+    y = _to(t, dtype)
+    if top is not None:
+        try:
+            _where(_isinf(t), y, _clamp(y, -top, top), out=y)
+        except (RuntimeError, NotImplementedError):  # a layout without these ops (nested): torch's rounding
+            pass
     return y
+
+
+def differentiable(t, dtype):
+    """The same values with the plain cast's gradient, in torch's differentiable ops, forward mode,
+    vmap and functorch's transforms included: the op's autograd kernel (``_autograd``)."""
+    y = _to(t, dtype)
+    top = _top(t, dtype)
+    if top is None:
+        return y
+    with torch.no_grad():
+        beyond = _isinf(y) & ~_isinf(t)  # finite values the rounding took to inf
+        top_values = _clamp(y, -top, top)
+    # there the largest finite value, plus a zero that carries the cast's gradient and tangent
+    return _where(beyond, top_values + _to(t - t.detach(), dtype), y)
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,7 +132,7 @@ _current_device = torch_private.cuda_device or torch.cuda.current_device
 
 
 def _cuda(t, dtype):
-    if t.dtype is not _F32 or t.numel() == 0 or kernel() is None:
+    if t.dtype is not _F32 or dtype not in _KERNEL_DTYPES or t.numel() == 0 or kernel() is None:
         return stock(t, dtype)
     index = t.get_device()
     if index == _current_device():
@@ -114,12 +142,29 @@ def _cuda(t, dtype):
 
 
 def _meta(t, dtype):
+    if dtype not in _TOPS:
+        _top(t, dtype)  # the error
     return torch.empty_like(t, dtype=dtype)
+
+
+_below_autograd, _transforms_active = torch_private.below_autograd, torch_private.functorch_transforms_active
+_forward_ad_level, _grad_enabled = torch_private.forward_ad_level, torch.is_grad_enabled
+
+
+def _autograd(t, dtype):
+    """The op called where autograd may see it (a direct call, a transform): with a gradient or a
+    tangent to carry, torch's differentiable ops; else the device's kernel, below autograd. hmp's
+    own eager casts never come here (``run``, ``apply``)."""
+    if t.requires_grad and _grad_enabled() or _transforms_active() or _forward_ad_level() >= 0:
+        return differentiable(t, dtype)
+    with _below_autograd():
+        return op(t, dtype)
 
 
 _lib.impl("to_finite", _cuda, "CUDA")
 _lib.impl("to_finite", _meta, "Meta")
 _lib.impl("to_finite", stock, "CompositeExplicitAutograd")
+_lib.impl("to_finite", _autograd, "Autograd")
 
 op = torch.ops.hmp.to_finite.default
 # the device kernels an eager cast calls directly where no dispatch mode is in force (``run``): the op's
@@ -162,8 +207,10 @@ apply = torch_private.function_apply(_ToFinite)
 
 
 def to_finite(t, dtype):
-    """The saturating cast of a plain tensor (no functorch transform, no forward-mode AD: those take
-    torch's ops, cast_copies.py) as one op, with the plain cast's gradient where one is wanted."""
+    """The saturating cast of ``t`` as one op, with the plain cast's gradient where one is wanted;
+    under a functorch transform or forward-mode AD, the op as a direct call takes it."""
+    if _transforms_active() or _forward_ad_level() >= 0:
+        return op(t, dtype)
     if t.requires_grad and _grad_enabled():
         return apply(t, dtype)
     return run(t, dtype)

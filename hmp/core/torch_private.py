@@ -34,14 +34,9 @@ VERSION = torch.__version__.split("+")[0]
 
 # -- tensors ----------------------------------------------------------------------------------
 
-# Casts call TensorBase's C methods directly, never a name hmp may patch (no recursion).
-TensorBase = torch._C.TensorBase
-
-# The in-place write counter the weight-cast cache checks (a C attrgetter: cheap on the hot path).
-version_of = operator.attrgetter("_version")
-
-# Grad mode switched without a context manager object (the CPU cast's checks run outside autograd).
-set_grad_enabled = torch._C._set_grad_enabled
+TensorBase = torch._C.TensorBase  # its C methods: casts never call a name hmp may patch (no recursion)
+version_of = operator.attrgetter("_version")  # the write counter the weight cache checks (a C attrgetter)
+set_grad_enabled = torch._C._set_grad_enabled  # no context manager object (the CPU cast's checks)
 
 
 def current_graph_task_id():  # -1 outside a backward pass; None: an autograd thread casts until a region says not
@@ -167,6 +162,7 @@ functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_activ
 forward_ad_level = functools.partial(getattr, _forward_ad, "_current_level")
 dispatch_modes = torch._C._len_torch_dispatch_stack
 cuda_device = getattr(torch._C, "_cuda_getDevice", None)
+below_autograd = torch._C._AutoDispatchBelowAutograd  # an op's autograd kernel calls it below autograd
 
 
 def function_apply(cls):  # Function.apply without its Python (a signature bound per call): for casts no transform sees

@@ -248,6 +248,52 @@ def test_the_ops_gradient_is_the_plain_casts():
     assert saturating_cast.to_finite(huge, BF16).tolist()[:3] == [top, -top, float("inf")]
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, F32, torch.float64])
+def test_the_op_called_directly_casts_to_any_floating_dtype_and_keeps_finite_values_finite(dtype):
+    x = torch.tensor([1.0, 3.4e38, -3.4e38, float("inf"), float("nan"), -2.5], dtype=torch.float64)
+    y = torch.ops.hmp.to_finite(x, dtype)
+    top = torch.finfo(dtype).max
+    assert y.dtype is dtype
+    assert torch.isfinite(y[:3]).all() and y[3] == float("inf") and y[4].isnan() and y[5] == -2.5
+    assert torch.equal(y[:3], x[:3].clamp(-top, top).to(dtype))
+
+
+def test_the_op_called_directly_names_what_it_casts_to():
+    with pytest.raises(TypeError, match=r"hmp::to_finite casts to a floating dtype .*got torch.int32"):
+        torch.ops.hmp.to_finite(torch.ones(2), torch.int32)
+
+
+@pytest.mark.parametrize("transform", ["jacfwd", "jacrev", "vmap"])
+def test_the_op_and_its_helper_under_functorch_are_the_plain_casts(transform):
+    """Called directly, under forward-mode AD and functorch's transforms the op is the plain cast's
+    values (saturated) and derivatives: the identity Jacobian."""
+    t = torch.randn(3)
+    for cast in (torch.ops.hmp.to_finite, saturating_cast.to_finite):
+
+        def f(v, cast=cast):
+            return cast(v, BF16).float()
+
+        if transform == "vmap":
+            got = torch.vmap(f)(torch.randn(4, 3).clamp(-1, 1) * 3.4e38)
+            assert torch.isfinite(got).all()
+            continue
+        jac = getattr(torch.func, transform)(f)(t)
+        assert torch.equal(jac, torch.eye(3)), (cast, jac)
+
+
+def test_the_op_called_directly_has_the_plain_casts_gradient_and_tangent():
+    import torch.autograd.forward_ad as fwAD
+
+    x = torch.tensor([1.5, 3.4e38, -2.0], requires_grad=True)
+    y = torch.ops.hmp.to_finite(x, BF16)
+    y.float().sum().backward()
+    assert torch.isfinite(y).all() and torch.equal(x.grad, torch.ones(3))
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(torch.tensor([1.5, 3.4e38]), torch.tensor([2.0, 3.0]))
+        out = fwAD.unpack_dual(torch.ops.hmp.to_finite(dual, BF16))
+    assert torch.isfinite(out.primal).all() and out.tangent.tolist() == [2.0, 3.0]
+
+
 def test_vmap_and_forward_ad_take_torchs_ops_off_the_cpu(converted):
     w = torch.empty(5, 4, device="meta")
     assert torch.vmap(lambda a: F.linear(a, w))(torch.empty(3, 8, 4, device="meta")).dtype is BF16
