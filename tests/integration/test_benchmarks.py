@@ -242,5 +242,6 @@ def test_gpu_dry_run_reports_every_configuration_with_a_ratio(tmp_path):
         # bare, autocast, floor, hmp, hmp - floor, target, met, GPU kernels per call (bare / autocast / floor / hmp)
         assert case in rows and len(rows[case]) == 9
         bare, autocast, floor, mine = (int(n) for n in rows[case][8].split(" / "))
-        assert bare == 1 and mine == autocast == floor, rows[case]  # one launch per cast, as autocast's
+        # one launch per cast, as autocast's; fewer where the same unchanged activation's copy is shared
+        assert bare == 1 and mine <= autocast == floor, rows[case]
     assert "DRY RUN" in out.read_text()
