@@ -54,15 +54,6 @@ def frames(fn):
     return seen
 
 
-@pytest.fixture
-def converted():
-    hmp.convert()
-    try:
-        yield
-    finally:
-        hmp.revert()
-
-
 def _leaf(*shape, device):
     return torch.randn(*shape, device=device, requires_grad=True)
 
@@ -140,7 +131,7 @@ CASES = _cases()
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_converted_call_runs_few_python_frames(converted, name):
+def test_a_converted_call_runs_few_python_frames(hmp_converted, name):
     device, grad, build, ceiling = CASES[name]
     call = build(device)
     with torch.set_grad_enabled(grad):
@@ -150,7 +141,7 @@ def test_a_converted_call_runs_few_python_frames(converted, name):
     assert not [f for f in seen if f.startswith("inspect.py")], dict(seen)  # no signature bound per call
 
 
-def test_the_frames_counted_are_hmps_and_a_plain_call_runs_none(converted):
+def test_the_frames_counted_are_hmps_and_a_plain_call_runs_none(hmp_converted):
     """The counter sees hmp's frames (a converted linear runs some), and a call hmp does not wrap runs none."""
     a, w = _activation(8, 64, device="meta"), _leaf(64, 64, device="meta")
     assert sum(frames(lambda: F.linear(a, w)).values()) > 0
@@ -159,7 +150,7 @@ def test_the_frames_counted_are_hmps_and_a_plain_call_runs_none(converted):
     assert sum(frames(lambda: F.linear(a, w)).values()) == 0
 
 
-def test_a_differentiable_cast_binds_no_signature(converted):
+def test_a_differentiable_cast_binds_no_signature(hmp_converted):
     """The saturating cast's autograd Function is applied through torch's C apply: ``inspect`` never
     runs, and neither does Function.apply's Python, in grad mode on the device path."""
     a, w = _activation(8, 64, device="meta"), _leaf(64, 64, device="meta")
