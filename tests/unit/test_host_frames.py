@@ -158,3 +158,33 @@ def test_a_differentiable_cast_binds_no_signature(hmp_converted):
     assert not [f for f in seen if f.startswith(("inspect.py", "function.py", "utils.py"))], dict(seen)
     out = F.linear(a, w)
     assert out.dtype == torch.bfloat16 and out.grad_fn is not None
+
+
+def test_frozen_weights_costs_a_decode_token_no_more_frames_than_without_it(hmp_converted):
+    """hmp inside ``frozen_weights()`` is never slower than hmp without it: per decode token of a
+    small Llama under no_grad (generate()'s region), it runs no more of hmp's frames."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="eager",
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(1, 1, dtype=torch.long, device="meta")
+
+    def token():
+        with torch.no_grad():
+            return model(ids).logits
+
+    try:
+        plain = sum(frames(token).values())
+    except RuntimeError as e:  # torch < 2.5 refuses autocast(device_type="meta"), which the rotary embedding enters
+        pytest.skip(f"this torch runs no Llama on meta tensors: {e}")
+    with hmp.frozen_weights():
+        frozen = sum(frames(token).values())
+    assert 0 < frozen <= plain, (frozen, plain)
