@@ -156,6 +156,21 @@ def check_examples(checks, clone, here, optional):
             checks.fail(example.name, f"exit {got.returncode}: {got.stderr[-1500:]}")
 
 
+def check_readme(checks, clone, here):
+    """README's Python example, run as a user of README's venv runs it (the installed wheel, no
+    clone on the path), printing what README says it prints."""
+    text = (clone / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```$", text[text.index("<!-- readme example:") :], flags=re.S | re.M)
+    (lang, code), (_, expected) = blocks[:2]
+    script = Path(here) / "readme_example.py"
+    script.write_text(code, encoding="utf-8")
+    got = run([str(script)], here)
+    if lang == "python" and got.returncode == 0 and got.stdout.split() == expected.split():
+        checks.ok("README's example ran in README's venv and printed what README says")
+    else:
+        checks.fail("README's example", f"exit {got.returncode}: {got.stdout[-500:]}{got.stderr[-1000:]}")
+
+
 def check_demo(checks, here):
     start = time.perf_counter()
     got = run(["-m", "hmp", "demo", "--steps", "3"], here)
@@ -183,6 +198,7 @@ def main():
         check_commands(checks, here)
         if args.examples:
             check_examples(checks, clone, here, optional)
+            check_readme(checks, clone, here)
         if args.demo:
             check_demo(checks, here)
     finally:
