@@ -12,7 +12,7 @@ from hmp.core import dtypes, torch_private
 from hmp.core.dtypes import FLOATS
 from hmp.core.switches import disable_casts
 from hmp.driver.conversion import in_force
-from hmp.testing.oracle import Expected, expected_call
+from hmp.testing.oracle import Expected, expected_call, rule_of
 from hmp.testing.recording import record_ops
 
 _NO_KERNEL = re.compile(torch_private.NO_KERNEL_MESSAGE)
@@ -66,10 +66,10 @@ def _name(dtype):
     return dtypes.name(dtype) if dtype is not None else "no floating dtype"
 
 
-def _lost_finite(given, ran):
+def _lost_finite(given, at):
     """A line when a finite value of a tensor the call was given reached the
-    op as inf or NaN (in a copy hmp cast), else None."""
-    received = ran[0].received if ran else ()
+    op (``at``, a Ran or None) as inf or NaN (in a copy hmp cast), else None."""
+    received = at.received if at is not None else ()
     if len(received) != len(given):
         return None
     for i, (g, r) in enumerate(zip(given, received)):
@@ -93,18 +93,53 @@ def _failed(error, low):
 
 
 def _recorded(op, args, kwargs):
-    """``(the tensors given, [Ran])`` of the call run again on copies, recorded
-    (the random stream put back): a second run, since hmp reads where an
-    error came from off its traceback, which the recorder's frame would hide
-    (an op hmp runs as given for want of a kernel); ``[]`` where it raises."""
+    """``(the tensors given, [Ran], (args, kwargs))`` of the call run again on
+    copies (those arguments), recorded (the random stream put back): a second
+    run, since hmp reads where an error came from off its traceback, which
+    the recorder's frame would hide (an op hmp runs as given for want of a
+    kernel); ``[]`` where it raises."""
     args, kwargs = _copies(args), _copies(kwargs)
     given = _tensors(args, kwargs)
     try:
         with torch.random.fork_rng(devices=[]), record_ops() as ran:
             op(*args, **kwargs)
     except Exception:
-        return given, []
-    return given, ran
+        return given, [], (args, kwargs)
+    return given, ran, (args, kwargs)
+
+
+def _same(received, given):
+    return len(received) == len(given) and all(r is g for r, g in zip(received, given))
+
+
+def _converted_at(ran, given, op, args, kwargs):
+    """The recorded call where the conversion of ``op(*args, **kwargs)``
+    takes effect, what "the op received" means (a Ran; None when nothing was
+    recorded): the outermost recorded call, unless it received the very
+    tensors it was given and is a torch function written in Python (its
+    ``inner`` holds the calls its body made): then no conversion took effect
+    at its own call, and the op received what the first call its body made
+    that the same rule binds received (``F.pad``: ``torch._C._nn.pad``),
+    among the calls on the program's tensors (on the given tensors' devices:
+    a conversion changes dtypes, not devices). The outermost call where no
+    call of its body is bound by that rule."""
+    if not ran:
+        return None
+    first = ran[0]
+    if not first.inner or not _same(first.received, given):
+        return first
+    bound, devices = rule_of(op, *args, **kwargs), {t.device for t in given}
+    if bound is None:
+        return first
+    for call in first.inner:
+        if not call.received or not {t.device for t in call.received} <= devices:
+            continue
+        try:
+            if rule_of(call.fn, *call.args, **(call.kwargs or {})) == bound:
+                return call
+        except Exception:  # a call the oracle cannot bind on these arguments is not the rule's
+            continue
+    return first
 
 
 def follow(op, /, *args, **kwargs):
@@ -141,11 +176,12 @@ def follow(op, /, *args, **kwargs):
     have = first_floating(result)
     if have != want:
         raise AssertionError(f"it ran in {_name(have)}, the rules say {_name(want)} ({expected.rule})")
-    given, ran = _recorded(op, args, kwargs)
-    if not expected.left_to_torch and ran and ran[0].inputs != expected.received:
-        got, said = ", ".join(map(_name, ran[0].inputs)), ", ".join(map(_name, expected.received))
+    given, ran, called = _recorded(op, args, kwargs)
+    at = _converted_at(ran, given, op, *called)
+    if not expected.left_to_torch and at is not None and at.inputs != expected.received:
+        got, said = ", ".join(map(_name, at.inputs)), ", ".join(map(_name, expected.received))
         raise AssertionError(f"the op received ({got}), the rules say ({said}) ({expected.rule})")
-    lost = _lost_finite(given, ran)
+    lost = _lost_finite(given, at)
     if lost:
         raise AssertionError(f"a finite value became inf or NaN in hmp's cast: {lost}")
     return Followed(expected, result, have)

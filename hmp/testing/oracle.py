@@ -85,10 +85,24 @@ def expected_call(op, /, *args, **kwargs):
     if not casts_enabled():
         return Expected(None, "left to torch: hmp's casts are off in this thread")
     call = entries.call_of(op, args)
-    bound = entries.binding(conversion, op, call, runtime) or entries.picked_binding(conversion, call, args, kwargs)
+    bound = _bound(conversion, op, call, args, kwargs)
     if bound is None:
         return Expected(None, f"left to torch: {entries.why_left(conversion, call)}")
     return _Rules(conversion.options.low_precision_type, bound, call, kwargs).expect()
+
+
+def rule_of(op, /, *args, **kwargs):
+    """The list entry whose rule binds ``op(*args, **kwargs)`` under the
+    conversion in force (an entries.Bound: its kind and name), or None where
+    the call is left to torch (not converted, casts off, no entry binds it)."""
+    conversion = in_force()
+    if conversion is None or not casts_enabled():
+        return None
+    return _bound(conversion, op, entries.call_of(op, args), args, kwargs)
+
+
+def _bound(conversion, op, call, args, kwargs):
+    return entries.binding(conversion, op, call, runtime) or entries.picked_binding(conversion, call, args, kwargs)
 
 
 # -- the arguments: tensors and numbers at any depth of list and tuple arguments ---------------

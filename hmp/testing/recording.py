@@ -5,12 +5,18 @@ never by asking hmp.
 The mode sees each call of a torch function (``torch.mm``, ``F.linear``,
 ``x @ w``, a Tensor method) that the code makes, the outermost one: the ops
 inside a torch function of its own (the products inside
-``F.multi_head_attention_forward``) are that function's. The casts hmp makes
-(its copies of the arguments) are not recorded as ops.
+``F.multi_head_attention_forward``) are that function's. A torch function
+written in Python (``F.pad``, ``F.multi_head_attention_forward``) sees its
+arguments before its body runs, and a conversion may take effect at a call
+its body makes (hmp casts ``F.pad``'s input at ``torch._C._nn.pad``): its Ran
+also holds, as ``inner``, the calls its body made (one level: each recorded
+as the outermost is, the ops inside them theirs). The casts hmp makes (its
+copies of the arguments) are not recorded as ops.
 """
 
 import os
 import sys
+from types import FunctionType
 from typing import NamedTuple, Optional
 
 import torch
@@ -23,6 +29,9 @@ from hmp.testing import entries
 
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# runs a torch function's body with the mode on for the calls it makes (torch >= 2.12; None before: bodies unseen)
+_REDISPATCH = getattr(torch.overrides, "redispatch_function", None)
+SEES_BODIES = _REDISPATCH is not None
 # the modules whose torch calls are hmp's casts, not the program's ops
 _CASTING = frozenset(os.path.abspath(m.__file__) for m in (cast_copies, cache, policy))
 _IGNORED = frozenset(("__get__", "__set__"))  # a tensor's attributes (x.dtype), read through the mode too
@@ -36,6 +45,10 @@ class Ran(NamedTuple):
     inputs: tuple  # the floating dtypes of the tensors it received, in argument order
     dtype: Optional[torch.dtype]  # its floating result's (the first floating tensor it returned), or None
     received: tuple  # the tensors it received, in argument order
+    fn: object = None  # the function torch saw (the callable)
+    args: tuple = ()  # the arguments it received
+    kwargs: Optional[dict] = None
+    inner: tuple = ()  # a torch function written in Python: the Ran of each call its body made, in order
 
     def matches(self, key):
         return key in (self.name, self.function)
@@ -66,14 +79,24 @@ def _made_by_a_cast():
     return False
 
 
+def _opens(func, types, name):
+    """True for a call whose body is recorded: a torch function written in
+    Python, given no tensor subclass of its own ``__torch_function__`` (whose
+    handler must see the call: the body is left to it)."""
+    plain = all(t is torch.Tensor or t is torch.nn.Parameter for t in types)
+    return SEES_BODIES and plain and isinstance(func, FunctionType) and name not in _IGNORED
+
+
 class record_ops(TorchFunctionMode):
     """``with record_ops() as ran:``: ``ran`` is the list of Ran, one per
     torch function call the block makes (the outermost; hmp's own casts left
-    out), in order."""
+    out), in order; a torch function written in Python holds the calls its
+    body made in its ``inner``."""
 
     def __init__(self):
         super().__init__()
         self.ran = []
+        self._body = None  # while a Python torch function's body runs: the list its calls go to
 
     def __enter__(self):
         super().__enter__()
@@ -81,13 +104,23 @@ class record_ops(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        result = func(*args, **kwargs)
         name = getattr(func, "__name__", "") or ""
+        into, inner = (self.ran if self._body is None else self._body), []
+        if self._body is None and _opens(func, types, name):
+            self._body = inner  # the mode back on for the calls its body makes, that call's own dispatch skipped
+            try:
+                with self:
+                    result = _REDISPATCH(func, types, args, kwargs)
+            finally:
+                self._body = None
+        else:
+            result = func(*args, **kwargs)
         if name in _IGNORED or _made_by_a_cast():
             return result
         received = tuple(t for t in _flat((*args, *kwargs.values())) if isinstance(t, torch.Tensor))
         inputs = tuple(t.dtype for t in received if t.dtype in _FLOATING)
-        self.ran.append(Ran(entries.list_name(func), name, inputs, first_floating(result), received))
+        ran = Ran(entries.list_name(func), name, inputs, first_floating(result), received)
+        into.append(ran._replace(fn=func, args=tuple(args), kwargs=kwargs, inner=tuple(inner)))
         return result
 
 
