@@ -114,7 +114,7 @@ class Binding(NamedTuple):
     """A site and the list entry that binds it."""
 
     site: Site
-    kind: object  # its list's kinds.Kind (None: an op whose call picks its kernel, ``picks``)
+    kind: object  # its list's kinds.Kind (None: an op whose call picks its kernel, ``picks``, with no fallback)
     name: str  # the list name
     fallback: bool = False  # an op in no list, bound so a lower-precision input cannot break it
     picks: tuple = ()  # an op in no list whose call picks its kernel: spellings.computations' answer (picked.py)
@@ -328,17 +328,19 @@ class Resolver:
         per_call = spellings.per_call(by_kind, python_builtins(), RNN_KERNELS)
         kernels = spellings.kernels(computations)
         out, seen = [], set()
-        first_extra = len(named) + len(fused) + len(spelled)
-        # a spelling binds its own name's sites under the entry it follows (spellings.py)
-        todo = [(k, n, n, ()) for k, n in named + fused]
-        # (with no kernel entry to reach, such a spelling runs as torch's: nothing to bind)
-        todo += [
-            (None, s, s, kernels) if s in per_call else (k, n, s, ())
-            for k, n, s in spelled
-            if kernels or s not in per_call
-        ]
-        todo += [(k, n, n, ()) for k, n in extra] + [(None, n, n, computations) for n in picks]
-        for i, (kind, name, spelling, chosen_from) in enumerate(todo):
+        # (kind, list name, the name whose sites bind, computations a call picks from, fallback)
+        todo = [(k, n, n, (), False) for k, n in named + fused]
+        # a spelling binds its own name's sites under the entry it follows (spellings.py); one decided per
+        # call keeps, for a call that reaches no kernel entry, the fallback rule of an op in no list it may
+        # have (einsum, tensordot: one dtype); with no kernel entry to reach, it is that op or torch's
+        fallen = {n: k for k, n in extra}
+        for k, n, s in spelled:
+            if s not in per_call:
+                todo.append((k, n, s, (), False))
+            elif kernels:
+                todo.append((fallen.get(s), s, s, kernels, s in fallen))
+        todo += [(k, n, n, (), True) for k, n in extra] + [(None, n, n, computations, False) for n in picks]
+        for kind, name, spelling, chosen_from, fell_back in todo:
             found = self.sites(spelling)
             builtin = any(isinstance(s.original(), types.BuiltinFunctionType) for s in found)
             for site in found:
@@ -347,7 +349,6 @@ class Resolver:
                 key = (id(site.namespace), site.attr)
                 if key not in seen:
                     seen.add(key)
-                    fell_back = first_extra <= i < first_extra + len(extra)
                     out.append(Binding(site, kind, name, fell_back, chosen_from))
         return out
 

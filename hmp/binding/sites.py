@@ -167,17 +167,25 @@ class Wrappers:
                 made[kind, shown] = for_site(kind, shown, site, self.low, self.casters, self.strict)
             rules.append(made[kind, shown])
 
+        op, fallback = original, None
+        if binding.fallback:  # a call that picks no kernel entry: the rule of an op in no list (kinds.Fallback)
+            kind = binding.kind
+            fallback = for_site(kind, name, site, self.low, self.casters, self.strict, True)
+            fallback_needs = factory(fallback_of(kind).needs)
+            to_one = one_dtype_rule(kind, name, site, self.low, self.casters, True)
+            if to_one is not None and not self.passthrough:
+                op = one_dtype_on_reject(op, to_one)
+
         def prepare(args, kwargs):
-            return rules[choose(args, kwargs)](args, kwargs)
+            chosen = choose(args, kwargs)
+            return (fallback if chosen is None else rules[chosen])(args, kwargs)
 
         def needs(args, kwargs):
-            return choose(args, kwargs) is not None
+            return choose(args, kwargs) is not None or fallback is not None and fallback_needs(args, kwargs)
 
         about = About.of(binding)
         hidden = not isinstance(original, BUILTINS)
-        return make(
-            self._op(original), self._prepare(prepare, site.label, name), about, original, hidden=hidden, needs=needs
-        )
+        return make(self._op(op), self._prepare(prepare, site.label, name), about, original, hidden=hidden, needs=needs)
 
     def _lean(self, site, kind, name, fallback):
         """The lean path of a site (the one place it is decided): ``(src, cast,
