@@ -73,6 +73,7 @@ class About(NamedTuple):
 
 
 _NO_KERNEL = re.compile(torch_private.NO_KERNEL_MESSAGE)
+_graph_task_id = torch_private.current_graph_task_id()
 _to_fp32 = fp32(None, PLAIN_CASTERS)
 
 
@@ -108,6 +109,8 @@ def uncast_error(exc, about):
     (casts are off for a block: ``disable_casts()``, an FP32 module entry), the error gets the note a
     cast call's would, told the call ran uncast (About ``uncast``); inside another wrapper's op,
     that wrapper notes it."""
+    if _graph_task_id is not None and _graph_task_id() != -1:
+        return  # in a backward pass: the backward's wrapper notes it (hmp/rules/regions.py)
     tb = exc.__traceback__  # its first entry is the wrapper's own frame
     frame = tb.tb_frame.f_back if tb is not None else None
     while frame is not None:
