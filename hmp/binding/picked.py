@@ -123,10 +123,11 @@ def _value(k):
     return items if tag == _LIST else tuple(items)
 
 
-def _flat(values):
+def flat(values):
+    """The values in ``values`` at any depth of list and tuple (a call's arguments: ``torch.cat([a, b])``)."""
     for v in values:
         if type(v) is list or type(v) is tuple:
-            yield from _flat(v)
+            yield from flat(v)
         else:
             yield v
 
@@ -145,7 +146,7 @@ def _rule(kind, low):
     lean = kind.lean
 
     def cast(args, kwargs):
-        floating = [t for t in _flat((*args, *kwargs.values())) if isinstance(t, torch.Tensor) and t.dtype in FLOATS]
+        floating = [t for t in flat((*args, *kwargs.values())) if isinstance(t, torch.Tensor) and t.dtype in FLOATS]
         if lean.one_dtype:  # promote: all to the widest, tensors with dimensions first (torch's ranking)
             ranked = [t.dtype for t in floating if t.dim()] or [t.dtype for t in floating]
             to = functools.reduce(torch.promote_types, ranked) if ranked else None

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hmp.binding import aten, kinds, lists, pays, resolve, spellings
+from hmp.binding.picked import flat
 from hmp.binding.resolve import FUSED
 from hmp.core import torch_private
 from hmp.core.dtypes import FP32, LOW
@@ -273,7 +274,7 @@ def _given(kind, low, args, kwargs):
     """``(args, kwargs)`` as list ``kind``'s rule gives them, dtypes only: the lower rule takes
     float32 to ``low``, the FP32 rule the lower dtypes to float32, the promote rule every floating
     tensor to the widest (those with dimensions first)."""
-    tensors = [t for t in _every((*args, *kwargs.values())) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    tensors = [t for t in flat((*args, *kwargs.values())) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if kind == "bf16":
         to, src = low, (FP32,)
     elif kind == "fp32":
@@ -290,14 +291,6 @@ def _given(kind, low, args, kwargs):
         return v
 
     return tuple(one(a) for a in args), {n: one(v) for n, v in kwargs.items()}
-
-
-def _every(values):
-    for v in values:
-        if type(v) is list or type(v) is tuple:
-            yield from _every(v)
-        else:
-            yield v
 
 
 def _moves_values(overload):

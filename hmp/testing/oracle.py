@@ -29,6 +29,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from hmp.binding.pays import NORMALIZATIONS
+from hmp.binding.picked import flat
 from hmp.binding.resolve import BUILTINS
 from hmp.binding.sites import AFFINE_ONLY_NORMS
 from hmp.core import torch_private
@@ -108,16 +109,8 @@ def _bound(conversion, op, call, args, kwargs):
 # -- the arguments: tensors and numbers at any depth of list and tuple arguments ---------------
 
 
-def _flat(values):
-    for v in values:
-        if type(v) is list or type(v) is tuple:
-            yield from _flat(v)
-        else:
-            yield v
-
-
 def _tensors(args, kwargs):
-    return [v for v in _flat((*args, *kwargs.values())) if isinstance(v, torch.Tensor)]
+    return [v for v in flat((*args, *kwargs.values())) if isinstance(v, torch.Tensor)]
 
 
 def _floating(args, kwargs):
@@ -179,7 +172,7 @@ class _Rules:
     def lower(self, args, kwargs):
         """The BF16 rule: float32 to the lower dtype; a number beyond its range: the FP32 rule."""
         limit = torch.finfo(self.low).max
-        for v in _flat((*args, *kwargs.values())):
+        for v in flat((*args, *kwargs.values())):
             if _number(v) and abs(float(v)) > limit and abs(float(v)) != float("inf"):
                 return self.up(args, kwargs)
         return self._all((FP32,), self.low, args, kwargs)
@@ -221,14 +214,14 @@ class _Rules:
         args, kwargs, call = self.args, self.kwargs, self.call
         out = kwargs.get("out")
         if self.bound.whole_call:  # a decorated function: its list's rule, and out= (no schema, no inplace=)
-            return next((t for t in _flat((out,)) if isinstance(t, torch.Tensor)), None) if out is not None else None
+            return next((t for t in flat((out,)) if isinstance(t, torch.Tensor)), None) if out is not None else None
         if call.inplace:
             return args[0] if args else None
         i = call.inplace_param
         if i is not None and (args[i] if len(args) > i else kwargs.get("inplace", False)):
             return args[0] if args else kwargs.get("input")
         if out is not None:
-            return next((t for t in _flat((out,)) if isinstance(t, torch.Tensor)), None)
+            return next((t for t in flat((out,)) if isinstance(t, torch.Tensor)), None)
         return None
 
     def main(self, args, kwargs):

@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from hmp.binding.picked import flat
 from hmp.core import cache, cast_copies, dtypes, policy
 from hmp.core.dtypes import FLOATS as _FLOATING
 from hmp.core.dtypes import first_floating
@@ -57,14 +58,6 @@ class Ran(NamedTuple):
         inputs = ", ".join(dtypes.name(d) for d in self.inputs)
         result = dtypes.name(self.dtype) if self.dtype is not None else "no floating result"
         return f"{self.function}({inputs}) -> {result}"
-
-
-def _flat(values):
-    for v in values:
-        if type(v) is list or type(v) is tuple:
-            yield from _flat(v)
-        else:
-            yield v
 
 
 def _made_by_a_cast():
@@ -117,7 +110,7 @@ class record_ops(TorchFunctionMode):
             result = func(*args, **kwargs)
         if name in _IGNORED or _made_by_a_cast():
             return result
-        received = tuple(t for t in _flat((*args, *kwargs.values())) if isinstance(t, torch.Tensor))
+        received = tuple(t for t in flat((*args, *kwargs.values())) if isinstance(t, torch.Tensor))
         inputs = tuple(t.dtype for t in received if t.dtype in _FLOATING)
         ran = Ran(entries.list_name(func), name, inputs, first_floating(result), received)
         into.append(ran._replace(fn=func, args=tuple(args), kwargs=kwargs, inner=tuple(inner)))
