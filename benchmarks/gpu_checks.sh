@@ -5,6 +5,9 @@
 #     benchmarks/gpu_checks.sh decode percall  # only the steps named
 #
 # Steps (each under `timeout`, its stdout and stderr in $OUT/<step>.log):
+#   launch     tests/unit/test_triton_launch.py: the cast's Triton kernel launched without Triton's JIT after its
+#              first launch (hmp/core/triton_launch.py): torch's bits, no JIT launch after the first per
+#              specialisation, a side stream, a CUDA graph; prints host µs per cast, direct and through the JIT
 #   castbench  ../shared/gpu/castbench.py: host cost of one saturating cast, its bits against the stock ops
 #   percall    benchmarks/percall.py --device cuda --reps 5 --calls 200 (-> percall.json)
 #   gpu        benchmarks/gpu.py --parts train,decode: GPT-2 124M eager training, TinyLlama-shape decode (-> gpu.md)
@@ -80,6 +83,7 @@ step() {
 
 run_step() {
     case "$1" in
+    launch) step launch 60 "$PY" -m pytest -q -s -p no:cacheprovider tests/unit/test_triton_launch.py ;;
     castbench) step castbench 50 "$PY" "$SHARED/castbench.py" ;;
     percall) step percall 50 "$PY" benchmarks/percall.py --device cuda --reps 5 --calls 200 --json "$OUT/percall.json" ;;
     gpu) step gpu 150 "$PY" benchmarks/gpu.py --parts train,decode --out "$OUT/gpu.md" ;;
@@ -89,7 +93,7 @@ run_step() {
             --json "$OUT/decode_compiled.json"
         ;;
     *)
-        log "unknown step $1 (castbench, percall, gpu, accum, decode)"
+        log "unknown step $1 (launch, castbench, percall, gpu, accum, decode)"
         printf '%s\tunknown\t0\t0\t-\n' "$1" >>"$SUMMARY"
         FAILED=1
         ;;
@@ -103,7 +107,7 @@ run_step() {
 } >"$OUT/env.txt"
 cat "$OUT/env.txt" >&2
 
-if [ "$#" -eq 0 ]; then set -- castbench percall gpu accum decode; fi
+if [ "$#" -eq 0 ]; then set -- launch castbench percall gpu accum decode; fi
 for s in "$@"; do run_step "$s"; done
 
 log "done in ${SECONDS} s; outcomes in $SUMMARY:"

@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from hmp.core import torch_private
+from hmp.core import torch_private, triton_launch
 from hmp.core.dtypes import FLOATS, LOW
 
 _TB = torch_private.TensorBase
@@ -89,15 +89,21 @@ def kernel():
     return saturating_kernel.triton, saturating_kernel.to_finite_kernel
 
 
+@functools.lru_cache(maxsize=None)
+def launcher():
+    """The kernel's launcher (triton_launch.py: the JIT's launch first, then the compiled kernel's
+    own), made on the first cast on CUDA; None where Triton is not importable."""
+    found = kernel()
+    return None if found is None else triton_launch.Launcher(*found, BLOCK)
+
+
 STOCK_OPS = 4  # _to_copy, isinf, clamp, where
 
 
 def launch(src, dst):
     """One Triton kernel: the float32 ``src`` into ``dst`` (both contiguous, same shape, not empty)."""
-    triton, k = kernel()
-    n = src.numel()
     dtype = dst.dtype
-    k[(triton.cdiv(n, BLOCK),)](src, dst, n, _TOPS[dtype], BLOCK=BLOCK, BF16=dtype is torch.bfloat16)
+    launcher()(src, dst, src.numel(), _TOPS[dtype], dtype is torch.bfloat16)
     return dst
 
 

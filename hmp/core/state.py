@@ -30,6 +30,10 @@ module-level store and memo and checks it is named here):
   an op, probed once), ``cast_copies._NUMBER_TYPES`` (a type's answer), and
   ``functions._declarations`` (what an autograd Function class declares with custom_fwd/custom_bwd, weak),
   ``saturating_cast.kernel`` (the Triton kernel, imported once);
+- ``saturating_cast.launcher``: the Triton kernel's launcher, made once; it keeps the
+  compiled kernels Triton's JIT returned (per target dtype, device and specialisation: the
+  same for every call, as Triton's own cache) and whether they are launched directly
+  (hmp/core/triton_launch.py);
 - registrations made at import, by the floor above a core module that
   must not import it: ``rescue._annotators``, ``wrapper_frames._wrappers``;
 - ``steps._checked``: the optimizers already looked at (weak: it goes

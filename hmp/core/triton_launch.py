@@ -1,0 +1,110 @@
+"""The saturating cast's Triton kernel launched without Triton's JIT after its first launch.
+
+``kernel[grid](...)`` binds and specialises its arguments, builds a cache key, looks the compiled
+kernel up and reads the current device (torch's ``_lazy_init``) on every launch: about 20 µs of a
+GPU host's time, more than the kernel takes. ``Launcher`` launches through the JIT once per
+specialisation, keeps the compiled kernel it returns, and later calls that kernel's launcher
+itself, with the arguments Triton's JIT gives it (``runtime/jit.py``, ``JITFunction.run``)::
+
+    compiled.run(grid0, grid1, grid2, stream, compiled.function, compiled.packed_metadata,
+                 launch_metadata, launch_enter_hook, launch_exit_hook, *kernel_args)
+
+``kernel_args``: the non-constexpr arguments on Triton 3.0 to 3.2 (src, dst, n, top: 13 in all),
+every argument from 3.3 (BLOCK and BF16 too: 15), as the compiled kernel's signature also says
+(4 or 6 entries; both must agree). Other releases, another backend than CUDA's (ROCm specialises
+more), Triton's interpreter (it returns no compiled kernel) or a failed direct launch: the JIT's
+launch, for good. Triton's launcher and its internals are reached from this module only.
+"""
+
+import importlib
+import re
+
+# releases whose JIT launches as above: read in 3.0, 3.6 and 3.9's source, 3.2 to 3.4 in copies of their
+# JITFunction.run; the releases between launch alike (a launcher given other arguments raises: the JIT's then)
+FIRST, LAST = (3, 0), (3, 9)
+ALL_ARGS = (3, 3)  # from here the JIT passes the constexprs to the launcher too
+_I32 = 2**31 - 1  # a larger int is an i64 argument to Triton: another compiled kernel
+
+
+def release(version):
+    """``(major, minor)`` of a Triton version string, None where it does not read as one."""
+    found = re.match(r"(\d+)\.(\d+)", str(version))
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def _active(hook):
+    # a launch hook in force: a function, or (3.6 on) a HookChain with calls in it
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class Launcher:
+    """``launcher(src, dst, n, top, bf16)``: one launch of ``jit`` over ``n`` elements.
+
+    A compiled kernel is kept per (target dtype, device, what Triton specialises on: each pointer
+    and ``n`` divisible by 16, ``n`` equal to 1, ``n`` past int32), so a call is served by the
+    kernel Triton itself would pick. Launch hooks (a profiler's) or pre-run hooks in force: that
+    call goes through the JIT, which gives them what they expect."""
+
+    def __init__(self, triton, jit, block, driver=None):
+        self.jit, self.block = jit, block
+        found = release(getattr(triton, "__version__", ""))
+        self.direct = found is not None and FIRST <= found <= LAST  # False for good once a try fails
+        self.all_args = found is not None and found >= ALL_ARGS
+        knobs = getattr(triton, "knobs", None)
+        self.hooks = getattr(knobs, "runtime", None)  # 3.4 on; before: the CompiledKernel class
+        self.pre_run = getattr(jit, "pre_run_hooks", ())
+        self.driver = driver
+        self.kernels = {}  # (bf16, device, specialisation) -> the direct launch
+
+    def __call__(self, src, dst, n, top, bf16):
+        grid = -(-n // self.block)
+        if self.direct:
+            src_16, dst_16 = src.data_ptr() % 16 == 0, dst.data_ptr() % 16 == 0
+            key = (bf16, src.get_device(), src_16, dst_16, n % 16 == 0, n == 1, n > _I32)
+            direct = self.kernels.get(key)
+            hooks = self.hooks
+            if direct is not None and not (
+                _active(hooks.launch_enter_hook) or _active(hooks.launch_exit_hook) or self.pre_run
+            ):
+                try:
+                    direct(grid, src, dst, n, top, bf16)
+                    return
+                except Exception:  # a launcher this release calls otherwise: the JIT's launch from now on
+                    self.direct = False
+        compiled = self.jit[(grid,)](src, dst, n, top, BLOCK=self.block, BF16=bf16)
+        if self.direct and key not in self.kernels:
+            direct = self._direct(compiled, key[1])
+            if direct is None:
+                self.direct = False
+            else:
+                self.kernels[key] = direct
+
+    def _direct(self, compiled, device):
+        """The direct launch of ``compiled`` on ``device``, or None where this release, backend or
+        kernel is not the one the argument layout was read from."""
+        try:
+            run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+            count = len(compiled.src.signature)
+            backend = compiled.metadata.target.backend
+        except Exception:  # the interpreter returns None; another release names these otherwise
+            return None
+        hooks = self.hooks if self.hooks is not None else type(compiled)
+        if not (hasattr(hooks, "launch_enter_hook") and hasattr(hooks, "launch_exit_hook")):
+            return None
+        if backend != "cuda" or function is None or count != (6 if self.all_args else 4):
+            return None
+        driver = self.driver or importlib.import_module("triton.runtime.driver").driver
+        stream = driver.active.get_current_stream  # torch's current raw stream of a device
+        self.hooks, block = hooks, self.block
+
+        if self.all_args:
+
+            def direct(grid, src, dst, n, top, bf16):
+                run(grid, 1, 1, stream(device), function, packed, None, None, None, src, dst, n, top, block, bf16)
+
+        else:
+
+            def direct(grid, src, dst, n, top, bf16):
+                run(grid, 1, 1, stream(device), function, packed, None, None, None, src, dst, n, top)
+
+        return direct
