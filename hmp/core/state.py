@@ -29,7 +29,9 @@ module-level store and memo and checks it is named here):
   (lru_caches), ``strategies._FOUND``, ``strategies._REMOVED`` (the testing kit's builder found for
   an op, probed once), ``cast_copies._NUMBER_TYPES`` (a type's answer), and
   ``functions._declarations`` (what an autograd Function class declares with custom_fwd/custom_bwd, weak),
-  ``saturating_cast.kernel`` (the Triton kernel, imported once);
+  ``saturating_cast.kernel`` (the Triton kernel, imported once), ``engine.policy`` (what
+  torch.autocast does with an op on a device, probed once), ``delegation._engines`` (one
+  engine per devices and dtype, so a thread that joined stays joined across conversions);
 - ``saturating_cast.launcher``: the Triton kernel's launcher, made once; it keeps the
   compiled kernels Triton's JIT returned (per target dtype, device and specialisation: the
   same for every call, as Triton's own cache) and whether they are launched directly
@@ -81,6 +83,11 @@ class ThreadState(threading.local):
         # the last activation (no graph) cast in eager code: (weak reference, dtype, version, data pointer, copy),
         # served to the next listed op given the same unchanged tensor (q, k, v projections; cache.py)
         self.shared = None
+        # engine="autocast" (hmp/core/delegation.py): the Engine this thread joined, whose devices' autocast
+        # state follows ``off`` (``follow``); whether hmp turned it on here; what the thread had before joining
+        self.engine = None
+        self.engine_on = False
+        self.engine_found = None
 
 
 if not torch_releases.BOUNDARIES["traced_state_writes"].present:
@@ -92,8 +99,9 @@ if not torch_releases.BOUNDARIES["traced_state_writes"].present:
 tls = ThreadState()
 _KEEP = object()
 _dynamo_tracing = torch.compiler.is_dynamo_compiling
-_example_code = torch_private.dynamo_example_code
+_example_code, _compile_in_progress = torch_private.dynamo_example_code, torch_private.compile_in_progress
 _FOUND = (0, OFF, MODULE)  # off -> itself, as a constant of the code dynamo traces
+_set_autocast = torch.set_autocast_enabled
 
 
 def graph_off(off):
@@ -113,7 +121,7 @@ def graph_off(off):
 
 def _example_run():
     """Whether dynamo runs graph_off's node for its example value (only while something compiles)."""
-    if not torch.compiler.is_compiling():
+    if _compile_in_progress() is None:
         return False
     code, frame = _example_code(), sys._getframe(2)
     while frame is not None and frame.f_code is not code:
@@ -141,6 +149,8 @@ def enter(off, lower_mode=_KEEP, graph=True):
         frame[0] = _FOUND[frame[0]]
     st.frames.append(frame)
     st.off = off
+    if st.engine is not None:
+        follow(st, off)
     if graph and _dynamo_tracing():
         graph_off(off)
     if lower_mode is not _KEEP:
@@ -153,8 +163,23 @@ def leave(frame, graph=True):
     rule). A frame already left (by revert()'s unwinding) is ignored."""
     if close_block(tls.frames, frame):
         tls.off, tls.lower_mode = frame
+        if tls.engine is not None:
+            follow(tls, frame[0])
         if graph and _dynamo_tracing():
             graph_off(frame[0])
+
+
+def follow(st, off):
+    """A joined thread's autocast state after its ``off`` changed: on exactly
+    where hmp casts (engine="autocast", hmp/core/delegation.py). A thread
+    whose engine is no longer in force (revert()) gets its own state back."""
+    engine = st.engine
+    if not engine.in_force:
+        engine.depart(st)
+    elif (off == 0) is not st.engine_on:
+        st.engine_on = on = off == 0
+        for device in engine.devices:
+            _set_autocast(device, on)
 
 
 def close_block(stack, block):

@@ -224,8 +224,7 @@ FunctionMeta = torch.autograd.function.FunctionMeta
 
 
 def backward_class(cls):
-    """The backward node class a Function class's ``apply`` records (the type
-    of its outputs' ``grad_fn``; each class has its own), or None."""
+    """The backward node class (its outputs' ``grad_fn`` type) a Function class's ``apply`` records, or None."""
     found = cls.__dict__.get("_backward_cls")
     return found if isinstance(found, type) and issubclass(found, BackwardCFunction) else None
 
@@ -258,6 +257,12 @@ def composite_implicit(overload):  # no kernel of its own: it runs other ops (hm
 
 def schema_of(packet, overload):
     return overload_schema(getattr(packet, overload))  # what it returns as a view, which arguments it writes
+
+
+def autocast_kernels(device):  # aten ops with an Autocast<device> kernel: no public list (engine.py; 2.4 to 2.15)
+    key, has = "Autocast" + device.upper(), torch._C._dispatch_has_kernel_for_dispatch_key
+    names = torch._C._dispatch_get_all_op_names()
+    return frozenset(n[6:].split(".")[0] for n in names if n.startswith("aten::") and has(n, key))
 
 
 def all_schemas():
@@ -319,10 +324,8 @@ VERSION_COUNTER_RESET = (torch._C._autograd, "_unsafe_set_version_counter")
 
 
 def object_collectives_pickler_home():
-    """``(distributed_c10d, "_pickler")``: the Pickler class torch.distributed's
-    object collectives (``all_gather_object``, ``broadcast_object_list``,
-    ``send_object_list``, ...) read at each call (2.4 to 2.15), or None
-    without torch.distributed."""
+    """``(distributed_c10d, "_pickler")``: the Pickler class torch.distributed's object collectives
+    (``all_gather_object``, ``broadcast_object_list``, ...) read at each call (2.4 to 2.15), or None."""
     c10d = getattr(torch.distributed, "distributed_c10d", None) if torch.distributed.is_available() else None
     return (c10d, "_pickler") if hasattr(c10d, "_pickler") else None
 
@@ -337,8 +340,7 @@ def worker_loop():
 
 
 def single_process_fetch():
-    """``(class, "_next_data")``: where the in-process DataLoader loads a
-    batch, or None when this torch loads it elsewhere."""
+    """``(class, "_next_data")``: where the in-process DataLoader loads a batch, or None (elsewhere)."""
     single = getattr(_dataloader, "_SingleProcessDataLoaderIter", None)
     if single is not None and "_next_data" in single.__dict__:
         return single, "_next_data"
@@ -372,6 +374,10 @@ def dynamo_example_code():  # dynamo's get_fake_value: it runs a graph node for 
     return getattr(getattr(sys.modules.get("torch._dynamo.utils"), "get_fake_value", None), "__code__", None)
 
 
+# set while torch.compile compiles, None while its graphs run (2.4 to 2.15): is_compiling() is False
+# before 2.13 in what dynamo runs (not traces) while compiling
+compile_in_progress = _guards.TracingContext.try_get
+
 # -- gradient checkpointing (checkpoint.py) ---------------------------------------------------
 
 CHECKPOINT_MODULE = _checkpoint
@@ -381,10 +387,8 @@ _GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_with
 
 
 def checkpoint_generator():
-    """The name of the generator non-reentrant ``checkpoint()`` builds its
-    recompute with on this torch (its first argument is the function it
-    reruns), or None. Decided from the names the public function and its
-    implementation look up, not from which exist."""
+    """The generator non-reentrant ``checkpoint()`` builds its recompute with (its first argument reruns), or
+    None: decided from the names the public function and its implementation look up, not from which exist."""
     called = set()
     for fn_name in ("checkpoint", "_checkpoint_impl"):
         fn = getattr(_checkpoint.__dict__.get(fn_name), "__wrapped__", None) or _checkpoint.__dict__.get(fn_name)

@@ -17,14 +17,7 @@ from helpers import COMPILE_BACKENDS
 import hmp
 import hmp.core.torch_releases
 
-_RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-# Not kept on 2.6 to 2.12 (seen on 2.11, CI's middle leg): dynamo there replays the step's thread-state
-# write after the graph, so casts stay off after a compiled step (docs/torch-releases.md); before 2.6
-# the graph breaks at the write, from 2.13 the replay does not reach the thread
-_KEPT = not hmp.core.torch_releases.BOUNDARIES["traced_state_writes"].present or _RELEASE >= (2, 13)
-
 pytestmark = [
-    pytest.mark.skipif(not _KEPT, reason="casts after a compiled step are not kept on torch 2.6 to 2.12"),
     pytest.mark.skipif(not hasattr(torch, "compile"), reason="no torch.compile"),
     pytest.mark.usefixtures("fresh_dynamo"),
     pytest.mark.slow,
@@ -169,7 +162,23 @@ class _Failing(torch.optim.SGD):
             raise ValueError("the step failed")
 
 
-@pytest.mark.parametrize("backend", [None, *BACKENDS])
+_RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+# 2.6 to 2.12 replay the step rule's thread-state write before the step's body runs eagerly; a body
+# that raises skips the post hook, and compiled code drops the record_function block whose exit
+# leaves an eager step that raised (docs/torch-releases.md)
+_RAISING_KEPT = not hmp.core.torch_releases.BOUNDARIES["traced_state_writes"].present or _RELEASE >= (2, 13)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        None,
+        *(
+            pytest.param(b, marks=pytest.mark.xfail(not _RAISING_KEPT, strict=True, reason="2.6 to 2.12"))
+            for b in BACKENDS
+        ),
+    ],
+)
 def test_casts_come_back_after_a_step_that_raises(backend):
     hmp.convert()
     model = _model()
