@@ -1,11 +1,9 @@
 """convert() and revert(): the pipeline, and the only writer of ``state.runtime``
 (the conversion in force; threads' cast state goes through ``state.enter``/``leave``).
 
-convert() validates its options, loads the lists (lists.py), resolves their
-names to the sites they bind (resolve.py), builds each site's wrapper with
-the policy its list gives it (wrap.py, policy.py) and only then patches,
-through the undo log (patch.py). Everything that can fail happens before
-the first namespace changes, so a failed convert() leaves torch as it was.
+convert() validates its options, loads the lists (lists.py), resolves their names to the sites they bind
+(resolve.py), builds each site's wrapper with the policy its list gives it (wrap.py, policy.py) and only then
+patches, through the undo log (patch.py): a failed convert() leaves torch as it was.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from typing import Any, Iterator, NamedTuple
 import torch
 
 from hmp import rules, tested
+from hmp.binding import engine as engine_plan
 from hmp.binding import imports, kinds, lists, module_entries, modules, pays, sites
 from hmp.binding.aten import returns_view
 from hmp.binding.kinds import FP32, LOWER
@@ -57,6 +56,7 @@ def convert(
     model: torch.nn.Module | None = None,
     uncast_file_path: ListPath = "",
     strict: bool | None = None,
+    engine: str = "python",
 ) -> None:
     """Patch torch so listed ops run in the dtypes their lists say.
 
@@ -78,7 +78,8 @@ def convert(
     HPU, and warns once with what that risks (docs/never-changes.md); by
     default only the entries that gain from the lower dtype (matrix products,
     convolutions, RNNs) cast, and every other op follows torch's type
-    promotion (hmp/binding/pays.py; ``effective_lists(detail=True)`` says per entry).
+    promotion (hmp/binding/pays.py; ``effective_lists(detail=True)`` says per entry). ``engine="autocast"``:
+    torch.autocast casts the ops where it agrees with the lists, hmp's wrappers the rest (docs/engines.md).
     """
     options = dict(locals())  # convert's own arguments, by name: their one spelling is the signature above
     with runtime.lock:
@@ -189,10 +190,11 @@ def _build(conversion, resolver, recorder, passthrough):
         k: {n for n in v if pays.decision(k, n, options.strict, one_dtype)[0]}
         for k, v in ((kinds.kind(name), names) for name, names in effective.items())
     }
+    delegating = engine_plan.decide(options, bound, effective)  # engine="autocast": what torch.autocast casts
     op_sites = [
         (b.site.namespace, b.site.attr, wrappers.site(b, _original(b.site, placed)))
         for b in resolver.bind(bound, fallback)
-        if not returns_view(b.name)
+        if not returns_view(b.name) and engine_plan.wraps(delegating, b)
     ]
     op_sites += [_registration(wrappers, *entry) for entry in runtime.registered]
     patches, forwards = [], None
@@ -203,7 +205,8 @@ def _build(conversion, resolver, recorder, passthrough):
         patches += modules.patches(by_module, forwards)
         modules.on_import(by_module, watch, forwards, _later)
     ctx = rules.Context(effective, uncast, watch, not passthrough, bool(by_module.get(LOWER.name)), _later, _again)
-    changes = [rule.changes(ctx) for rule in rules.RULES]
+    delegated = rules.Changes(*engine_plan.changes(delegating, resolver, op_sites))  # engine="autocast": its changes
+    changes = [rule.changes(ctx) for rule in rules.RULES] + [delegated]
     _say_lacks(changes)
     for change in changes:
         patches += change.patches
@@ -460,7 +463,7 @@ def effective_lists(detail: bool = False) -> dict:
     }
     if not detail:
         return {k: sorted(v) + named[k] for k, v in conversion.lists.items()}
-    decided = decisions(conversion)
+    decided = engine_plan.says(decisions(conversion))
     return {k: {**decided[k], **{m: f"module entry: {kinds.kind(k).module_says}" for m in named[k]}} for k in decided}
 
 

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from hmp.binding import engine as engine_plan
 from hmp.binding import kinds, lists, module_entries, uncast_list
 from hmp.binding.resolve import Resolver
 from hmp.core.dtypes import LOW
@@ -22,6 +23,7 @@ class Options(NamedTuple):
     isVerbose: bool
     cache: bool  # the weight-cast cache (hmp/core/cache.py)
     strict: bool  # Habana's literal rule: every listed op casts, pointwise ones too (None given: HMP_STRICT)
+    engine: str = "python"  # who casts: hmp's wrappers, or torch.autocast where the lists agree (docs/engines.md)
 
 
 class Conversion(NamedTuple):
@@ -54,7 +56,18 @@ def _strict(strict):
     return strict
 
 
-def check_options(opt_level, isVerbose, low_precision_type, cache, strict):
+def _engine(engine, low):
+    if engine not in engine_plan.ENGINES:
+        raise ValueError(f"hmp: engine must be one of {', '.join(engine_plan.ENGINES)}, got {engine!r}")
+    if engine == "autocast" and low != torch.bfloat16:
+        raise ValueError("hmp: engine='autocast' runs bfloat16 only; float16 keeps engine='python' (docs/engines.md)")
+    hpu = getattr(torch, "hpu", None)
+    if engine == "autocast" and hpu is not None and hpu.is_available():
+        raise ValueError("hmp: engine='autocast' programs CPU and CUDA autocast; on HPU use engine='python'")
+    return engine
+
+
+def check_options(opt_level, isVerbose, low_precision_type, cache, strict, engine="python"):
     if isinstance(opt_level, torch.nn.Module):
         raise TypeError(
             f"hmp: convert() takes no model: it patches torch's ops process-wide, so every model runs under "
@@ -76,7 +89,9 @@ def check_options(opt_level, isVerbose, low_precision_type, cache, strict):
         raise TypeError(f"hmp: isVerbose must be a bool, got {isVerbose!r}")
     if not isinstance(cache, bool):
         raise TypeError(f"hmp: cache must be a bool, got {cache!r}")
-    return Options(opt_level, low_precision_type, isVerbose, cache, _strict(strict))
+    return Options(
+        opt_level, low_precision_type, isVerbose, cache, _strict(strict), _engine(engine, low_precision_type)
+    )
 
 
 def plan(options, resolver=None):
@@ -85,7 +100,9 @@ def plan(options, resolver=None):
     convert's signature is their one spelling); one left out takes its default."""
     given = {name: options.get(name, p.default) for name, p in PARAMETERS.items()}
     low = given["low_precision_type"]
-    checked = check_options(given["opt_level"], given["isVerbose"], low, given["cache"], given["strict"])
+    checked = check_options(
+        given["opt_level"], given["isVerbose"], low, given["cache"], given["strict"], given["engine"]
+    )
     effective, classes = lists.effective(
         resolver or Resolver(),
         given["opt_level"],

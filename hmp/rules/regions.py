@@ -58,8 +58,15 @@ def _autocast_enter(original):
     def __enter__(self):
         if torch_private.autocast_enabled(self) and state.first_time("autocast region entered"):
             _warn_enabled_region(self)  # first: a warnings filter set to "error" changes nothing
-        result = original(self)
-        tls.autocast_regions.append((id(self), enter(OFF)))  # after torch's own __enter__, which can raise
+        # before torch's own __enter__: engine="autocast" turns autocast off with hmp's casts, and the
+        # region's own state must be what torch sets last (hmp/core/delegation.py)
+        found = enter(OFF)
+        try:
+            result = original(self)
+        except BaseException:
+            leave(found)
+            raise
+        tls.autocast_regions.append((id(self), found))
         return result
 
     return stand_in(__enter__, original)

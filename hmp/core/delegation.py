@@ -1,0 +1,123 @@
+"""engine="autocast" at call time: torch's own autocast casts the ops where
+hmp's lists and autocast's policy agree, with no Python per call
+(docs/engines.md; which ops: hmp/binding/engine.py).
+
+A thread that joined the engine (the converting thread, threads started
+while converted) has autocast on for the engine's devices exactly where hmp
+casts (``tls.off == 0``): ``state.enter``/``leave``, the one place hmp's
+per-thread cast state changes, keep it so (``state.follow``), so every rule
+that turns hmp's casts off (``disable_casts()``, steps, data loading,
+backward, module entries, recompute) turns autocast off too. Autocast's
+weight cache stays off: it never checks a tensor's version, so a write it
+does not see would leave a stale copy.
+
+``off_around(op)``: ``op`` with autocast off for its call in a thread where
+hmp turned it on; given to each op hmp runs itself (its wrapper's op: the
+lists and autocast differ there, and the op's own calls must not be cast
+again) and put at the sites of ops autocast casts that the lists do not.
+In a torch.autocast region of the author's own, ``engine_on`` is False
+(regions.py's ``enter(OFF)``), so the region's autocast stays theirs.
+"""
+
+import torch
+
+from hmp.core.identity import stand_in
+from hmp.core.state import follow, tls
+
+_set_enabled, _is_enabled = torch.set_autocast_enabled, torch.is_autocast_enabled
+_set_dtype, _get_dtype = torch.set_autocast_dtype, torch.get_autocast_dtype
+_set_cache, _is_cache = torch.set_autocast_cache_enabled, torch.is_autocast_cache_enabled
+AROUND = "__hmp_autocast_off__"  # on an off_around function: the op it runs
+
+
+class Engine:
+    """The engine for some devices and a lower dtype (``engine()``: one per
+    pair): the op names the conversion in force leaves to autocast (kind name
+    -> names) and whether one is in force (``in_force``)."""
+
+    def __init__(self, devices, dtype):
+        self.devices = tuple(devices)
+        self.dtype = dtype
+        self.delegated = {}
+        self.in_force = False
+
+    def join(self, st):
+        """Program the calling thread (``st``: its ``tls``); what it had is kept for ``depart``."""
+        if st.engine is self:
+            return
+        if st.engine is not None:
+            st.engine.depart(st)
+        st.engine_found = ([(d, _is_enabled(d), _get_dtype(d)) for d in self.devices], _is_cache())
+        for device in self.devices:
+            _set_dtype(device, self.dtype)
+        _set_cache(False)
+        st.engine, st.engine_on = self, None  # None: follow() sets the state whatever it is
+        follow(st, st.off)
+
+    def depart(self, st):
+        """The calling thread's autocast state as before it joined."""
+        if st.engine is not self:
+            return
+        found, cache = st.engine_found
+        for device, on, dtype in found:
+            _set_enabled(device, on)
+            _set_dtype(device, dtype)
+        _set_cache(cache)
+        st.engine, st.engine_on, st.engine_found = None, False, None
+
+
+_engines = {}  # (devices, dtype) -> Engine
+
+
+def engine(devices, dtype):
+    """The Engine for ``devices`` and ``dtype``: the same object for every
+    conversion, so a thread that joined one stays joined in the next."""
+    key = (tuple(devices), dtype)
+    if key not in _engines:
+        _engines[key] = Engine(*key)
+    return _engines[key]
+
+
+def in_force():
+    """The Engine in force, or None (engine="python", or not converted)."""
+    return next((e for e in _engines.values() if e.in_force), None)
+
+
+def off_around(op, devices):
+    """``op`` run with autocast off where hmp turned it on (see the module's doc)."""
+    op = getattr(op, AROUND, op)
+
+    def autocast_off(*args, **kwargs):
+        st = tls
+        if not st.engine_on:
+            return op(*args, **kwargs)
+        st.engine_on = False
+        for device in devices:
+            _set_enabled(device, False)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            st.engine_on = True
+            for device in devices:
+                _set_enabled(device, True)
+
+    stand_in(autocast_off, op)
+    setattr(autocast_off, AROUND, op)
+    return autocast_off
+
+
+def joining(start, engine):
+    """``Thread._bootstrap_inner`` for a conversion: a thread started while
+    converted joins ``engine``, before its target runs."""
+
+    def _bootstrap_inner(self):
+        if engine.in_force:
+            engine.join(tls)
+        return start(self)
+
+    return stand_in(_bootstrap_inner, start)
+
+
+def plain(op):
+    """``op`` without an ``off_around`` layer."""
+    return getattr(op, AROUND, op)

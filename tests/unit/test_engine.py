@@ -1,0 +1,265 @@
+"""engine="autocast" (docs/engines.md): torch.autocast's dispatcher casts the
+ops where hmp's lists agree with autocast's policy, hmp's wrappers the rest;
+results bit-equal to engine="python" wherever the docs name no difference."""
+
+import os
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import hmp
+from hmp.binding import engine as engine_plan
+
+ENGINES = ("python", "autocast")
+HMP_DIR = os.path.dirname(os.path.abspath(hmp.__file__))
+
+
+def autocast_state():
+    return (
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_cache_enabled(),
+    )
+
+
+class Net(nn.Module):
+    """linear, conv1d, matmul, bmm (delegated on CPU), mv (hmp's wrapper: CPU
+    autocast does not cast it), layer_norm, softmax, gelu, log_softmax."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.conv = nn.Conv1d(d, d, 3, padding=1)
+        self.ln = nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.v = nn.Parameter(torch.randn(d))
+
+    def forward(self, x, recompute=False):
+        x = self.conv(x.transpose(1, 2)).transpose(1, 2)
+        h = self.ln(x)
+        a = torch.softmax(h @ h.transpose(-1, -2) / 4, -1)
+        h = torch.bmm(a, h)
+        mlp = lambda t: self.down(F.gelu(self.up(t)))  # noqa: E731
+        h = h + (checkpoint(mlp, h, use_reentrant=False) if recompute else mlp(h))
+        s = torch.mv(h.reshape(-1, h.shape[-1]), self.v)
+        return F.log_softmax(h.float(), -1).sum() + s.float().sum()
+
+
+def run(engine, recompute=False, compile_backend=None):
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 5, 16)
+    with hmp.converted(engine=engine):
+        fn = model if compile_backend is None else torch.compile(model, backend=compile_backend)
+        out = fn(x, recompute)
+        out.backward()
+        mids = (model.up(x).dtype, torch.mv(x[0], model.v).dtype)
+    return out.detach(), [p.grad for p in model.parameters()], mids
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "checkpoint"])
+def test_forward_and_gradients_are_bit_equal_between_engines(recompute):
+    out_p, grads_p, mids_p = run("python", recompute)
+    out_a, grads_a, mids_a = run("autocast", recompute)
+    assert mids_p == mids_a == (torch.bfloat16, torch.bfloat16)
+    assert torch.equal(out_p, out_a)
+    assert all(g.dtype == torch.float32 for g in grads_a)
+    assert all(torch.equal(p, a) for p, a in zip(grads_p, grads_a))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_equals_eager(backend, fresh_dynamo):
+    out_e, grads_e, _ = run("autocast")
+    out_c, grads_c, _ = run("autocast", compile_backend=backend)
+    assert torch.equal(out_e, out_c)
+    assert all(torch.equal(e, c) for e, c in zip(grads_e, grads_c))
+
+
+def test_delegated_ops_have_no_wrapper_and_detail_names_the_engine():
+    original = F.linear
+    hmp.convert(engine="autocast")
+    assert F.linear is original and torch.matmul.__module__ != "hmp"
+    detail = hmp.effective_lists(detail=True)
+    assert detail["bf16"]["linear"] == engine_plan.DELEGATED
+    assert detail["bf16"]["mv"] == engine_plan.WRAPPED
+    assert F.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.bfloat16
+    assert torch.mv(torch.randn(2, 3), torch.randn(3)).dtype == torch.bfloat16
+
+
+def test_no_hmp_frame_runs_in_a_delegated_linear():
+    x, w = torch.randn(4, 8), torch.randn(6, 8, requires_grad=True)
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call" and os.path.abspath(frame.f_code.co_filename).startswith(HMP_DIR):
+            seen.append(frame.f_code.co_name)
+
+    hmp.convert(engine="autocast")
+    F.linear(x, w)  # first call: nothing lazy left
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            sys.setprofile(profile)
+            try:
+                y = F.linear(x, w)
+            finally:
+                sys.setprofile(None)
+        assert y.dtype == torch.bfloat16
+    assert seen == []
+
+
+def test_every_switch_of_hmp_turns_autocast_off():
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    hmp.convert(engine="autocast")
+    assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
+    with hmp.disable_casts():
+        assert not torch.is_autocast_enabled("cpu")
+        assert F.linear(x, w).dtype == torch.float32
+        with hmp.enable_casts():
+            assert F.linear(x, w).dtype == torch.bfloat16
+    assert torch.is_autocast_enabled("cpu")
+
+    seen = []
+    p = nn.Parameter(torch.randn(3))
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(("step", torch.is_autocast_enabled("cpu")))
+            return super().step(closure)
+
+    y = (p * 2).sum()
+    y.register_hook(lambda g: seen.append(("backward", torch.is_autocast_enabled("cpu"))))
+    y.backward()
+    Recording([p], lr=0.1).step()
+    assert seen == [("backward", False), ("step", False)]
+    assert torch.is_autocast_enabled("cpu")
+
+
+def test_fp32_module_entry_turns_autocast_off():
+    lin = nn.Linear(8, 8)
+    outer = nn.Sequential(lin)
+    hmp.convert(engine="autocast", fp32_modules=[outer])
+    assert outer(torch.randn(2, 8)).dtype == torch.float32
+    assert lin(torch.randn(2, 8)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("before", [(False, torch.float16, True), (True, torch.bfloat16, True)])
+def test_revert_puts_the_threads_autocast_state_back(before):
+    found = autocast_state()
+    torch.set_autocast_enabled("cpu", before[0])
+    torch.set_autocast_dtype("cpu", before[1])
+    torch.set_autocast_cache_enabled(before[2])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hmp.convert(engine="autocast")
+            assert autocast_state() == (True, torch.bfloat16, False)
+            hmp.convert(engine="autocast")  # again: what the thread had before the first stays kept
+            hmp.revert()
+        assert autocast_state() == before
+    finally:
+        torch.set_autocast_enabled("cpu", found[0])
+        torch.set_autocast_dtype("cpu", found[1])
+        torch.set_autocast_cache_enabled(found[2])
+
+
+def test_a_failed_convert_changes_nothing(pristine):
+    found = autocast_state()
+    with pytest.raises(ValueError, match="engine must be one of"):
+        hmp.convert(engine="dispatcher")
+    with pytest.raises(ValueError, match="bfloat16 only"):
+        hmp.convert(engine="autocast", low_precision_type=torch.float16)
+    assert autocast_state() == found
+
+
+def test_a_users_own_autocast_region_runs_stock_autocast():
+    """Inside the author's region: autocast's own lists (conv_tbc cast, mv not),
+    as without hmp; outside it: hmp's lists (conv_tbc not cast, mv cast)."""
+    x, w, b = torch.randn(3, 1, 2), torch.randn(1, 2, 2), torch.randn(2)
+    m, v = torch.randn(2, 3), torch.randn(3)
+
+    def dtypes():
+        return torch.conv_tbc(x, w, b).dtype, torch.mv(m, v).dtype
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stock = dtypes()
+    assert stock == (torch.bfloat16, torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hmp.convert(engine="autocast")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert dtypes() == stock
+        assert dtypes() == (torch.float32, torch.bfloat16)
+        assert autocast_state() == (True, torch.bfloat16, False)
+
+
+def _in_thread(fn, start_gate=None):
+    result = []
+
+    def body():
+        if start_gate is not None:
+            start_gate.wait()
+        result.append(fn())
+
+    return threading.Thread(target=body), result
+
+
+def test_threads_started_while_converted_join_and_earlier_ones_do_not():
+    x, w, m, v = torch.randn(4, 8), torch.randn(6, 8), torch.randn(2, 3), torch.randn(3)
+
+    def dtypes():
+        return F.linear(x, w).dtype, torch.mv(m, v).dtype, torch.is_autocast_enabled("cpu")
+
+    gate = threading.Event()
+    earlier, earlier_result = _in_thread(dtypes, gate)
+    earlier.start()
+    hmp.convert(engine="autocast")
+    later, later_result = _in_thread(dtypes)
+    later.start()
+    later.join()
+    gate.set()
+    earlier.join()
+    assert later_result == [(torch.bfloat16, torch.bfloat16, True)]
+    # a thread running before convert() has its own autocast state: hmp's wrappers cast there, autocast does not
+    assert earlier_result == [(torch.float32, torch.bfloat16, False)]
+
+
+def test_a_thread_started_while_converted_gets_its_state_back_at_its_next_switch():
+    go, done = threading.Event(), threading.Event()
+    seen = []
+
+    def body():
+        seen.append(torch.is_autocast_enabled("cpu"))
+        go.wait()
+        seen.append(torch.is_autocast_enabled("cpu"))  # reverted in another thread: not yet back
+        with hmp.disable_casts():
+            pass
+        seen.append(torch.is_autocast_enabled("cpu"))
+        done.set()
+
+    hmp.convert(engine="autocast")
+    t = threading.Thread(target=body)
+    t.start()
+    hmp.revert()
+    go.set()
+    t.join()
+    assert seen == [True, True, False]
+
+
+def test_the_differences_docs_engines_md_names(tmp_path):
+    """Pinned so the docs change with them: a delegated op's cast does not saturate
+    (never-changes.md), and a composite in no list has its parts cast by CPU autocast."""
+    x, w = torch.tensor([[3.4e38, 1.0]]), torch.ones(1, 2)
+    lstm, seq = nn.LSTM(4, 4), torch.randn(2, 1, 4)
+    no_lstm = tmp_path / "bf16.txt"
+    no_lstm.write_text("include default\n-lstm\n")
+    found = {}
+    for engine in ENGINES:
+        with hmp.converted(engine=engine):
+            found[engine] = [bool(torch.isfinite(F.linear(x, w)).all())]
+        with hmp.converted(engine=engine, bf16_file_path=no_lstm):
+            found[engine].append(lstm(seq)[0].dtype)
+    assert found == {"python": [True, torch.float32], "autocast": [False, torch.bfloat16]}
