@@ -245,6 +245,14 @@ def _vf_sites(name):
     return [make_site(vf, name, torch_private.VF_LABEL, False, getattr(vf, name))]
 
 
+def _reaches(fn, builtins):
+    """Whether the Python function ``fn`` calls one of ``builtins`` by its name (``torch.kl_div`` in
+    ``F.kl_div``): the builtin's wrapper then decides ``fn``'s calls, and a second wrapper on ``fn``
+    would only cost a frame per call."""
+    code, scope = fn.__code__, fn.__globals__
+    return any(b.attr in code.co_names and any(scope.get(g) is b.namespace for g in code.co_names) for b in builtins)
+
+
 class Resolver:
     def __init__(self):
         self.namespaces = [("torch", torch), ("torch.nn.functional", F)]
@@ -342,10 +350,12 @@ class Resolver:
         todo += [(k, n, n, (), True) for k, n in extra] + [(None, n, n, computations, False) for n in picks]
         for kind, name, spelling, chosen_from, fell_back in todo:
             found = self.sites(spelling)
-            builtin = any(isinstance(s.original(), types.BuiltinFunctionType) for s in found)
+            builtins = [s for s in found if isinstance(s.original(), types.BuiltinFunctionType)]
             for site in found:
-                if chosen_from and builtin and isinstance(site.original(), types.FunctionType):
-                    continue  # a Python function (F.pad) reaches the kernel through the builtin, decided there
+                if isinstance(site.original(), types.FunctionType) and (
+                    chosen_from and builtins or _reaches(site.original(), builtins)
+                ):
+                    continue  # a Python function (F.pad, F.kl_div) reaches the kernel through the builtin: one wrapper
                 key = (id(site.namespace), site.attr)
                 if key not in seen:
                     seen.add(key)

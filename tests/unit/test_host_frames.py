@@ -188,3 +188,42 @@ def test_frozen_weights_costs_a_decode_token_no_more_frames_than_without_it(hmp_
     with hmp.frozen_weights():
         frozen = sum(frames(token).values())
     assert 0 < frozen <= plain, (frozen, plain)
+
+
+def _python_functions_calling_a_wrapped_builtin():
+    """(Python function, the builtin it calls by name) for every listed op's pair of sites: found
+    from the functions' code, not named here."""
+    import types
+
+    from hmp.binding.resolve import Resolver
+
+    resolver, pairs = Resolver(), []
+    for names in hmp.effective_lists().values():
+        for name in sorted(names):
+            found = [(s, hmp.core.identity.unwrap(s.original())) for s in resolver.sites(name)]
+            builtins = [(s, fn) for s, fn in found if isinstance(fn, types.BuiltinFunctionType)]
+            for s, fn in found:
+                if isinstance(fn, types.FunctionType):
+                    scope, names_used = fn.__globals__, fn.__code__.co_names
+                    pairs += [
+                        (s, b)
+                        for b, _ in builtins
+                        if b.attr in names_used and any(scope.get(g) is b.namespace for g in names_used)
+                    ]
+    return pairs
+
+
+def test_an_op_listed_under_two_names_is_wrapped_once(hmp_converted):
+    """``F.kl_div`` calls ``torch.kl_div``: one wrapper (the builtin's) decides its calls, so the
+    Python function stays torch's own object and costs no hmp frame of its own; a call through it
+    still follows the list."""
+    pairs = _python_functions_calling_a_wrapped_builtin()
+    assert len(pairs) >= 5  # F.kl_div, F.embedding, F.ctc_loss, ... under the default lists
+    for python, builtin in pairs:
+        assert getattr(python.namespace, python.attr) is python.original(), python.label  # not replaced
+        assert getattr(builtin.namespace, builtin.attr) is not builtin.original(), builtin.label  # wrapped
+    x, t = torch.randn(4, 5, dtype=torch.bfloat16).log_softmax(-1), torch.randn(4, 5).softmax(-1)
+    assert F.kl_div(x, t, reduction="sum").dtype == torch.float32  # FP32 list, through torch.kl_div
+    through_f = frames(lambda: F.kl_div(x, t, reduction="sum"))
+    direct = frames(lambda: torch.kl_div(x, t, 2, log_target=False))  # as F.kl_div calls it
+    assert sum(through_f.values()) == sum(direct.values()) > 0, (through_f, direct)
