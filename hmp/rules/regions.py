@@ -54,9 +54,22 @@ def _warn_enabled_region(region):
     )
 
 
+def _engines_own(region):
+    """A region in the dtype and device engine="autocast" programs in this thread: not said (torch's
+    checkpoint re-enters its forward's autocast state at each recompute)."""
+    engine = tls.engine
+    return (
+        engine is not None and engine.in_force and region.device in engine.devices and region.fast_dtype == engine.dtype
+    )
+
+
 def _autocast_enter(original):
     def __enter__(self):
-        if torch_private.autocast_enabled(self) and state.first_time("autocast region entered"):
+        if (
+            torch_private.autocast_enabled(self)
+            and not _engines_own(self)
+            and state.first_time("autocast region entered")
+        ):
             _warn_enabled_region(self)  # first: a warnings filter set to "error" changes nothing
         # before torch's own __enter__: engine="autocast" turns autocast off with hmp's casts, and the
         # region's own state must be what torch sets last (hmp/core/delegation.py)

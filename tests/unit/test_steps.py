@@ -34,13 +34,19 @@ class Recording(torch.optim.SGD):
         return loss
 
 
+@pytest.fixture(params=["python", "autocast"])
+def engine(request):
+    """Both engines where the step's state decides what a delegated op (mm) does (docs/engines.md)."""
+    return request.param
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Linear(4, 2)
 
 
-def test_step_runs_uncast_and_casts_come_back():
-    hmp.convert()
+def test_step_runs_uncast_and_casts_come_back(engine):
+    hmp.convert(engine=engine)
     lin = _model()
     opt = Recording(lin.parameters())
     lin(torch.randn(3, 4)).float().sum().backward()
@@ -49,8 +55,8 @@ def test_step_runs_uncast_and_casts_come_back():
     assert hmp.casts_enabled() and lin(torch.randn(1, 4)).dtype == BF16
 
 
-def test_explicit_disable_casts_still_works_and_nests():
-    hmp.convert()
+def test_explicit_disable_casts_still_works_and_nests(engine):
+    hmp.convert(engine=engine)
     opt = Recording(_model().parameters())
     with hmp.disable_casts():
         opt.step()
@@ -59,8 +65,8 @@ def test_explicit_disable_casts_still_works_and_nests():
 
 
 @pytest.mark.parametrize("inside_disable", [False, True])
-def test_exception_inside_step_leaves_casts_as_they_were(inside_disable):
-    hmp.convert()
+def test_exception_inside_step_leaves_casts_as_they_were(inside_disable, engine):
+    hmp.convert(engine=engine)
     opt = Recording(_model().parameters(), fail=True)
     if inside_disable:
         with hmp.disable_casts():
@@ -75,8 +81,8 @@ def test_exception_inside_step_leaves_casts_as_they_were(inside_disable):
     assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == BF16
 
 
-def test_lbfgs_closure_casts_inside_the_uncast_step():
-    hmp.convert()
+def test_lbfgs_closure_casts_inside_the_uncast_step(engine):
+    hmp.convert(engine=engine)
     lin = _model()
     x, y = torch.randn(8, 4), torch.randn(8, 2)
     opt = torch.optim.LBFGS(lin.parameters(), max_iter=4)
