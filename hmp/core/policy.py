@@ -102,13 +102,22 @@ def to_dtype(src, cast, out=None):
     call with ``out=`` goes to ``out`` instead (the in-place rule)."""
 
     def prepare(args, kwargs):
-        if kwargs:
-            if out is not None and kwargs.get("out") is not None:
-                return out(args, kwargs)
-            kwargs = cast_kwargs(kwargs, src, cast)
-        return cast_seq(args, src, cast), kwargs
+        if not kwargs:
+            cast_args = cast_each(args, src, cast)
+            return (args if cast_args is SAME else cast_args), kwargs
+        if out is not None and kwargs.get("out") is not None:
+            return out(args, kwargs)
+        return _split(args, kwargs, cast_each((*args, *kwargs.values()), src, cast))
 
     return prepare
+
+
+def _split(args, kwargs, cast_both):
+    """A call's ``(args, kwargs)`` from one scan of both (a frame per call, not one per side)."""
+    if cast_both is SAME:
+        return args, kwargs
+    n = len(args)
+    return tuple(cast_both[:n]), dict(zip(kwargs, cast_both[n:]))
 
 
 def lower(low, casters, out=None):
@@ -130,7 +139,7 @@ def lower(low, casters, out=None):
         cast_both = cast_each(both, FP32_ONLY, cast, refuse)
         if cast_both is None:
             return up(args, kwargs)
-        if cast_both is SAME:
+        if cast_both is SAME:  # (inline: one frame fewer on the BF16 rule's keyword calls)
             return args, kwargs
         n = len(args)
         return tuple(cast_both[:n]), dict(zip(kwargs, cast_both[n:]))
@@ -237,10 +246,7 @@ def promote(low, casters, out=None):
         if dt is None:  # one floating dtype or none: the common case, one pass
             return args, kwargs
         src, cast = OTHER_FLOATS[dt], casters[dt].any
-        args = cast_seq(args, src, cast)
-        if kwargs:
-            kwargs = cast_kwargs(kwargs, src, cast)
-        return args, kwargs
+        return _split(args, kwargs, cast_each((*args, *kwargs.values()), src, cast))
 
     return prepare
 

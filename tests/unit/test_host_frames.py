@@ -103,6 +103,10 @@ def _cases():
         labels = torch.zeros(8, dtype=torch.long, device=device)
         return lambda: F.cross_entropy(x, labels)
 
+    def fp32_keyword(device):  # an FP32-list op given a keyword (F.kl_div passes log_target so): one scan
+        x, t = torch.randn(4, 5, device=device).bfloat16(), torch.randn(4, 5, device=device)
+        return lambda: torch.kl_div(x, t, 2, log_target=False)
+
     def promote(device):  # a promote-list op hmp wraps (its kernel takes one dtype), given two
         x = torch.zeros(8, 64, device=device)
         index = torch.arange(8, device=device)
@@ -123,6 +127,7 @@ def _cases():
         "addmm_ in place, cpu": ("cpu", True, inplace, 6),
         "mm out=, cpu": ("cpu", True, out, 10),
         "cross_entropy (FP32 list), cpu": ("cpu", True, fp32_list, 8),
+        "kl_div log_target= (FP32 list, keyword), cpu": ("cpu", True, fp32_keyword, 6),
         "index_add (promote list), cpu": ("cpu", True, promote, 12),
     }
 
