@@ -136,6 +136,20 @@ def train_step(model, opt, sched, x, y, cfg):
     return loss
 
 
+def make_step(batch_size=8, seed=0):
+    """The demo's language model as a TARGET (hmp/tools/target.py): ``(step, state)``, one
+    training step on a fixed batch of the corpus; ``python -m hmp tune`` tunes it by default."""
+    cfg = Config(batch_size=batch_size, seed=seed)
+    corpus = data_mod.load()
+    model, opt, sched = build(cfg)
+    x, y = next(data_mod.batches(corpus.train, cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(seed)))
+
+    def step():
+        return train_step(model, opt, sched, x, y, cfg)
+
+    return step, (model, opt, sched)
+
+
 @torch.no_grad()
 def evaluate(model, val, cfg, chunk=32):
     """Mean cross-entropy (nats/char) over fixed validation windows."""

@@ -35,10 +35,11 @@ import sys
 import types
 import zipfile
 
-import hmp
 from hmp.diagnostics import errors
 
 HMP_NAME = "habana_frameworks.torch.hpex.hmp"
+# what HMP_NAME stands for: the package by name, which Python imports before any of its modules
+PACKAGE = "hmp"
 ROOT = "habana_frameworks"
 
 
@@ -124,7 +125,7 @@ class HabanaFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname == HMP_NAME:
-            return importlib.machinery.ModuleSpec(fullname, _Alias(hmp))
+            return importlib.machinery.ModuleSpec(fullname, _Alias(importlib.import_module(PACKAGE)))
         if not self.shims or not (fullname == ROOT or fullname.startswith(ROOT + ".")):
             return None
         if fullname in SHIMS:
@@ -177,7 +178,7 @@ def uninstall():
         sys.modules.pop(name, None)
     if not finder.shims:
         parent = sys.modules.get("habana_frameworks.torch.hpex")
-        if parent is not None and getattr(parent, "hmp", None) is hmp:
+        if parent is not None and getattr(parent, "hmp", None) is sys.modules.get(PACKAGE):
             delattr(parent, "hmp")
 
 

@@ -39,8 +39,8 @@ try:
 except ImportError:  # a torch built without torch.distributed: FSDP cannot run either
     MixedPrecision = None
 
-import hmp
 from hmp.binding.resolve import Resolver
+from hmp.core.switches import casts_enabled, disable_casts, enable_casts
 from hmp.driver import conversion
 from hmp.driver.plan import PARAMETERS, plan, requested
 
@@ -120,8 +120,8 @@ class HMPPrecision(Precision):
         # Strategy.setup() calls this once per run, after the model is on its device.
         self.convert(model)
         if self._run_off is None:  # casts off in the run's thread, on again inside steps
-            self._steps_cast = hmp.casts_enabled()
-            self._run_off = hmp.disable_casts()
+            self._steps_cast = casts_enabled()
+            self._run_off = disable_casts()
             self._run_off.__enter__()
         return super().connect(model, optimizers, lr_schedulers)
 
@@ -140,7 +140,7 @@ class HMPPrecision(Precision):
         """Casts on inside a step (Lightning enters this around each
         ``*_step`` call and the model summary's forward), unless the run
         started where casts were off."""
-        with hmp.enable_casts() if self._run_off is not None and self._steps_cast else contextlib.nullcontext():
+        with enable_casts() if self._run_off is not None and self._steps_cast else contextlib.nullcontext():
             yield
 
     # -- optimizer math in fp32 -------------------------------------------------
@@ -150,14 +150,14 @@ class HMPPrecision(Precision):
         calls runs with the casts of the code that asked for the step: a
         ``training_step`` (automatic optimization) or the code inside one
         (manual optimization with a closure) runs with casts on."""
-        if hmp.casts_enabled():
-            closure = hmp.enable_casts()(closure)  # inside the step's disable_casts() block below
+        if casts_enabled():
+            closure = enable_casts()(closure)  # inside the step's disable_casts() block below
 
-        with hmp.disable_casts():
+        with disable_casts():
             return super().optimizer_step(optimizer, model, closure, **kwargs)
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None, **kwargs):
-        with hmp.disable_casts():
+        with disable_casts():
             if gradient_clip_algorithm is None:
                 return super().clip_gradients(optimizer, clip_val, **kwargs)
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm, **kwargs)

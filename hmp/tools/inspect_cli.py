@@ -2,7 +2,7 @@
 (hmp/tools/target.py), the list files to run under, and the output paths,
 all checked before anything runs; each problem is one line and exit 2."""
 
-import hmp
+from hmp.driver.conversion import converted
 from hmp.tools.arguments import add_list_files, fail, list_file_problem, said
 from hmp.tools.files import check_outputs
 from hmp.tools.progress import bar as progress_bar
@@ -26,7 +26,7 @@ def check_lists(args, prog):
     """None when the list files given (or in the environment) load, else the one line that says
     why; nothing stays converted."""
     try:
-        with hmp.converted(**lists(args)):
+        with converted(**lists(args)):
             pass
     except (ValueError, OSError, TypeError) as e:
         return list_file_problem(e, args, prog)
@@ -59,7 +59,7 @@ def run(args, prog, measure, save_html, to_json):
     shown, progress = progress_bar("measuring", prog)
     report = None
     try:
-        with hmp.converted(**lists(args)):
+        with converted(**lists(args)):
             report = measure(*target, progress)
     finally:
         shown.close(None if report is None else f"measured in {shown.elapsed():.0f} s ({shown.done} runs of the step)")

@@ -8,14 +8,13 @@ state)``: ``step()`` runs one training step and returns its loss, ``state``
 is a tuple of the modules, optimizers and schedulers the step changes
 (hmp.tune puts them back as they were after each trial)."""
 
+import importlib
 import json
 
 import torch
 
-import hmp
 from hmp.binding.module_entries import class_path
-from hmp.demo import data as demo_data
-from hmp.demo.training import Config, build, train_step
+from hmp.driver.conversion import converted
 from hmp.tools import inspect_cli, tuning
 from hmp.tools.arguments import add_list_files, fail, fraction, positive_int, said, seed
 from hmp.tools.files import check_outputs
@@ -23,6 +22,9 @@ from hmp.tools.progress import bar as progress_bar
 from hmp.tools.target import TargetError, add_command, load_target, make_target
 
 PROG = "python -m hmp tune"
+# The default TARGET, imported by name only when no TARGET is given (as __main__ loads a
+# subcommand): the demo is a step like a user's, and no import of the tools.
+DEMO = "hmp.demo.training:make_step"
 
 
 def add_parser(subparsers):
@@ -66,15 +68,8 @@ def add_parser(subparsers):
 
 
 def _demo_target(args):
-    cfg = Config(batch_size=args.batch_size, seed=args.seed)
-    corpus = demo_data.load()
-    model, opt, sched = build(cfg)
-    x, y = next(demo_data.batches(corpus.train, cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(args.seed)))
-
-    def step():
-        return train_step(model, opt, sched, x, y, cfg)
-
-    return step, (model, opt, sched)
+    module, _, name = DEMO.partition(":")
+    return getattr(importlib.import_module(module), name)(batch_size=args.batch_size, seed=args.seed)
 
 
 def run(args):
@@ -94,7 +89,7 @@ def run(args):
     bar, report = progress_bar("tuning", PROG)
     result = None
     try:
-        with hmp.converted(**inspect_cli.lists(args)):
+        with converted(**inspect_cli.lists(args)):
             result = tuning.tune(
                 step,
                 state=state,
