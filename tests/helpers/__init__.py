@@ -1,6 +1,6 @@
 """What tests share: namespace snapshots, list-file writing, the devices to run on,
-small models and training steps, Python subprocesses, tiny Hugging Face configs.
-The worker scripts and models beside this file are run or imported by the tests."""
+training steps, Python subprocesses, tiny Hugging Face configs.
+The worker scripts beside this file are run by the tests; models.py holds the shared models."""
 
 import ast
 import subprocess
@@ -85,44 +85,6 @@ def write(tmp_path, name, text, mode="w"):
     else:
         path.write_text(text)
     return path
-
-
-class LinearNormLinear(torch.nn.Module):
-    """A small test model's layers: Linear(8, 16), LayerNorm(16) and Linear(16, 4)
-    as ``fc1``, ``norm`` and ``fc2``; a subclass writes the forward."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(8, 16)
-        self.norm = torch.nn.LayerNorm(16)
-        self.fc2 = torch.nn.Linear(16, 4)
-
-
-class Tied(torch.nn.Module):
-    """A weight used twice per forward (tied embedding and head) plus a plain layer: the weight cache's model."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Parameter(torch.randn(6, 8) * 0.5)
-        self.mid = torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = torch.tanh(F.linear(x, self.emb.t()))  # 6 -> 8 through the tied weight
-        return F.linear(self.mid(h), self.emb)  # 8 -> 6 through it again
-
-
-def tied_training():
-    """The weight cache's training setup, the same each call: a seeded Tied
-    model, three optimizers over it (fused, foreach and single-tensor
-    updates write the weights three different ways) and an input."""
-    torch.manual_seed(0)
-    model = Tied()
-    opts = {
-        "fused": torch.optim.AdamW(model.parameters(), lr=0.05, fused=True),
-        "foreach": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True),
-        "single": torch.optim.Adam(model.parameters(), lr=0.05, foreach=False),
-    }
-    return model, opts, torch.randn(4, 6)
 
 
 def clone_with_backward(backward):

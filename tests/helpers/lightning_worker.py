@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import hmp
+from helpers.models import mlp
 from hmp.integrations.lightning import HMPFSDPPrecision, HMPPrecision
 
 STEPS = 4
@@ -26,10 +27,7 @@ STEPS = 4
 class Net(pl.LightningModule):
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 4)
-        )
+        self.net = mlp(16, 32, 4, act=torch.nn.GELU, seed=0)
         self.seen = {"losses": [], "logits": set(), "loss_dtypes": set(), "converted": set(), "weights": set()}
         self.net[0].register_forward_pre_hook(lambda m, a: self.seen["weights"].add(str(m.weight.dtype)))
 

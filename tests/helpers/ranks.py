@@ -31,7 +31,8 @@ def env_for(rank, port, world=WORLD):
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         GLOO_SOCKET_IFNAME="lo",
-        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+        # tests/ too: a worker imports the helpers package as the tests do
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")]),
         OMP_NUM_THREADS="1",
     )
     return env

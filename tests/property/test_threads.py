@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_same, snapshot
+from helpers.models import LinearNormLinear
 
 import hmp
 from hmp.diagnostics import errors
@@ -31,17 +32,6 @@ SWITCHES = 30  # per switcher: two of them convert and revert 60 times among the
 
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
-        self.norm = torch.nn.LayerNorm(16)
-
-    def forward(self, x):
-        h = F.relu(self.norm(self.fc1(x)))
-        return self.fc2(h)
 
 
 def mixed_dtypes(e):
@@ -77,7 +67,7 @@ def fast_switching():
 def test_eight_threads_each_see_their_own_state(fast_switching):
     hmp.convert()
     torch.manual_seed(0)
-    shared = Net()  # read by every thread: the shared weight cache must stay right
+    shared = LinearNormLinear()  # read by every thread: the shared weight cache must stay right
     probe = torch.randn(4, 8)
     with torch.no_grad():
         reference = {0: shared(probe)}
@@ -89,7 +79,7 @@ def test_eight_threads_each_see_their_own_state(fast_switching):
     def worker(seed):
         rng = random.Random(seed)
         torch.manual_seed(seed)
-        model = Net()
+        model = LinearNormLinear()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         x, y = torch.randn(16, 8), torch.randn(16, 4)
         done = 0
@@ -140,7 +130,7 @@ def test_convert_and_revert_while_eight_threads_run(fast_switching, pristine):
     def worker(seed):
         rng = random.Random(seed)
         torch.manual_seed(seed)
-        model = Net()
+        model = LinearNormLinear()
         x = torch.randn(16, 8)
         n = 0
         try:
@@ -195,7 +185,7 @@ def test_convert_and_revert_while_eight_threads_run(fast_switching, pristine):
 
     # after the switching stops, everything is consistent
     hmp.convert()
-    model, x = Net(), torch.randn(4, 8)
+    model, x = LinearNormLinear(), torch.randn(4, 8)
     assert model(x).dtype == BF16
     with hmp.disable_casts():
         assert model(x).dtype == FP32

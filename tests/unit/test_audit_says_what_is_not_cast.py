@@ -3,16 +3,15 @@ entries hmp does not cast says which and why, in its table and its page,
 from the same decision convert() binds by (hmp/binding/pays.py)."""
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from helpers.models import mlp
 
 import hmp
 from hmp.tools.report import render
 
 
 def _step_and_state():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+    model = mlp(8, 16, 4, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
 

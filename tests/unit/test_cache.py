@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tied_training
+from helpers.models import tied_training
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

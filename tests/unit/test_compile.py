@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import COMPILE_BACKENDS as BACKENDS
-from helpers import LinearNormLinear, needs
+from helpers import needs
+from helpers.models import LinearNormLinear
 
 import hmp
 from hmp.core import torch_private as tp

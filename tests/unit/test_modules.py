@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import assert_same, needs, skip_without_bf16_lstm, snapshot, tiny_llama_config, write
+from helpers.models import mlp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -497,7 +498,7 @@ def test_hf_gradient_checkpointing_with_rmsnorm_in_fp32(reentrant):
 @pytest.mark.torch_internals
 @needs("traced_state_writes")
 def test_compile_adds_no_graph_break_for_modules_without_a_policy(fresh_dynamo):
-    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 8))
+    model = mlp(8, 8, 8)
     x = torch.randn(4, 8)
 
     def breaks(**kwargs):

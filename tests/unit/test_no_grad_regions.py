@@ -14,7 +14,8 @@ import weakref
 
 import pytest
 import torch
-from helpers import needs, tied_training
+from helpers import needs
+from helpers.models import tied_training
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -16,7 +16,8 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import LinearNormLinear, op_row, training_step
+from helpers import op_row, training_step
+from helpers.models import LinearNormLinear
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
