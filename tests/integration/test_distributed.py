@@ -1,13 +1,12 @@
 """torch.distributed with hmp in every rank: gloo, 2 processes on loopback, CPU.
 
-One launch runs the batched checks of tests/helpers/distributed_worker.py
+One launch of tests/helpers/distributed_worker.py runs the batched checks
 (DDP, FSDP2, FSDP1, the cache after FSDP2 refills, DCP, tensor parallel,
 object collectives) and each test here asserts its part, so CI pays for one
 rendezvous and one import of torch per rank. docs/distributed.md is what
 these tests hold to.
 """
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -16,29 +15,22 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import distributed_worker as worker
 from helpers.ranks import ROOT, WORLD, env_for, free_port, run_ranks
 
 import hmp
 
-WORKER = ROOT / "tests" / "helpers" / "ddp_worker.py"
-CHECKS_WORKER = ROOT / "tests" / "helpers" / "distributed_worker.py"
+WORKER = ROOT / "tests" / "helpers" / "distributed_worker.py"
 CHECKS = ("ddp_lists", "ddp", "fsdp2", "fsdp1", "refill", "dcp", "tp", "objects")
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")
-
-
-def load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """What every rank saw in each check: [rank 0's {check: result}, rank 1's ...]."""
     out = tmp_path_factory.mktemp("distributed")
-    run_ranks(out, CHECKS_WORKER, *CHECKS, timeout=240)
+    run_ranks(out, WORKER, *CHECKS, timeout=240)
     return [torch.load(out / f"checks_rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -53,9 +45,8 @@ def seen(ranks, check):
 
 
 def check_ddp_run(runs, variant):
-    """The DDP run of ddp_worker in every rank: hmp casts, gradients and buckets fp32, replicas identical,
-    and one process on the whole global batch gets the same within bf16 tolerance."""
-    worker = load(WORKER, "hmp_ddp_worker")
+    """The DDP run of the worker's ddp_lists in every rank: hmp casts, gradients and buckets fp32,
+    replicas identical, and one process on the whole global batch gets the same within bf16 tolerance."""
     for run in runs:
         assert run["converted"]
         assert run["out_dtypes"] == {"torch.bfloat16"}  # the model ran under hmp
@@ -207,6 +198,7 @@ def test_torchrun_launch(tmp_path):
             str(port),
             str(WORKER),
             str(tmp_path),
+            "ddp_lists",
         ],
         env=env,
         capture_output=True,
@@ -214,4 +206,5 @@ def test_torchrun_launch(tmp_path):
         timeout=180,
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    check_ddp_run([torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)], "plain")
+    ranks = [torch.load(tmp_path / f"checks_rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    check_ddp_run([r["plain"] for r in seen(ranks, "ddp_lists")], "plain")
