@@ -4,6 +4,7 @@ per op, per module and per op tune tried, and the legend that reads them."""
 import math
 import re
 
+from hmp.tools.sentences import bounds_broken
 from hmp.tools.svg import (
     BAD,
     FP32_TIME,
@@ -219,13 +220,7 @@ def trial_chart(tune):
             return (r["outcome"], LOW_TIME if r["accepted"] else OVER)
         if r["accepted"]:
             return ("kept in BF16", LOW_TIME)
-        why = []
-        if not r["own_max_rel"] <= threshold:
-            why.append(f"error {_num(r['own_max_rel'], 2)} > {threshold:g}")
-        if not r["loss_error"] <= loss_threshold:
-            why.append(f"loss error {_num(r['loss_error'], 2)} > {loss_threshold:g}")
-        if r["nonfinite"]:
-            why.append("inf/NaN")
+        why = bounds_broken(r, threshold, loss_threshold)
         return (
             "not kept: " + "; ".join(why)
             if why

@@ -293,3 +293,16 @@ def audit_todo(audit):
         "<p>or put them in an FP32 list file (<code>include default</code>, then one name a line) and pass it "
         "as <code>hmp.convert(fp32_file_path=...)</code>.</p>",
     ]
+
+
+def bounds_broken(row, threshold, loss_threshold):
+    """Which of the audit's bounds an op's trial or row broke, each in a few words
+    (a chart's cell and tune's outcome say them alike)."""
+    why = []
+    if not row["own_max_rel"] <= threshold:
+        why.append(f"error {_num(row['own_max_rel'], 2)} > {threshold:g}")
+    if not row["loss_error"] <= loss_threshold:
+        why.append(f"loss error {_num(row['loss_error'], 2)} > {loss_threshold:g}")
+    if row["nonfinite"]:
+        why.append("inf/NaN")
+    return why

@@ -41,6 +41,7 @@ from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
 from hmp.tools.progress import StepRuns
 from hmp.tools.record import within
+from hmp.tools.sentences import bounds_broken
 from hmp.tools.target import user_name
 from hmp.tools.tune_result import TuneResult
 
@@ -454,13 +455,7 @@ def trial_outcome(trial, threshold, loss_threshold):
             f"kept: step {ratio.median:.2f}x",
             f"kept: within the bounds, and a step with it in bf16 takes {ratio.words(than)}",
         )
-    why = []
-    if not trial["own_max_rel"] <= threshold:
-        why.append(f"error {trial['own_max_rel']:.2g} > {threshold:g}")
-    if not trial["loss_error"] <= loss_threshold:
-        why.append(f"loss error {trial['loss_error']:.2g} > {loss_threshold:g}")
-    if trial["nonfinite"]:
-        why.append("inf/NaN")
+    why = bounds_broken(trial, threshold, loss_threshold)
     if why:
         return "; ".join(why), "not kept: " + "; ".join(why)
     if ratio is None:
