@@ -118,6 +118,16 @@ def training_step(model, opt, loss_fn):
     return step
 
 
+def classification_problem(make, batch, features, classes=4):
+    """``(model, opt, step, x, y)``: a seeded ``make()``, SGD over it (lr 0.1), its cross-entropy
+    training_step and a random batch of ``batch`` rows of ``features`` with ``classes`` labels."""
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(batch, features), torch.randint(0, classes, (batch,))
+    return model, opt, training_step(model, opt, F.cross_entropy), x, y
+
+
 def run_python(*args, cwd, env=None, timeout=120):
     """``python *args`` (this interpreter) run to its end in ``cwd``, its output captured as text."""
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

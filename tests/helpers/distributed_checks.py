@@ -192,14 +192,12 @@ def check_ddp(rank, world):
     return seen
 
 
-def check_fsdp2(rank, world):
-    """FSDP2 (fully_shard) on a CPU mesh: fp32, MixedPrecisionPolicy alone, policy + autocast,
-    policy + hmp O1, hmp alone with the cache on and off."""
-    fully_shard, MixedPrecisionPolicy = _fsdp2()
-    mesh = _mesh(world)
+def _policy_runs(rank, world, policy, shard, finish):
+    """The runs both FSDPs are checked with: fp32, the mixed-precision ``policy`` alone, policy +
+    autocast, policy + hmp O1, hmp alone with the cache on and off. ``shard(model, mp)`` wraps a
+    fresh model; ``finish(model, run)`` adds what that FSDP shows after the run."""
     x, y = global_batch()
     xs, ys = my_shard(x, rank, world), my_shard(y, rank, world)
-    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
     seen = {}
     for name, mode, mp, cache in (
         ("fp32", None, None, True),
@@ -209,56 +207,54 @@ def check_fsdp2(rank, world):
         ("hmp", "hmp", None, True),
         ("hmp_no_cache", "hmp", None, False),
     ):
-        model = blocks()
+        model = shard(blocks(), mp)
+        with converted(mode, cache=cache):
+            run = train(model, xs, ys, mode)
+            run["grad_dtypes"] = grad_dtypes_after_backward(model, xs, ys, mode)
+            with torch.no_grad(), _mode(mode):
+                run["eval"] = model(xs).float()
+        finish(model, run)
+        seen[name] = run
+    return seen
+
+
+def check_fsdp2(rank, world):
+    """FSDP2 (fully_shard) on a CPU mesh, in the runs of _policy_runs."""
+    fully_shard, MixedPrecisionPolicy = _fsdp2()
+    mesh = _mesh(world)
+
+    def shard(model, mp):
         kwargs = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
         for unit in model:  # every layer a unit of its own: the root holds no parameter
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
-        with converted(mode, cache=cache):
-            run = train(model, xs, ys, mode)
-            run["grad_dtypes"] = grad_dtypes_after_backward(model, xs, ys, mode)
-            with torch.no_grad(), _mode(mode):
-                run["eval"] = model(xs).float()
+        return model
+
+    def finish(model, run):
         run["sharded"] = all(isinstance(p, _dtensor()) for p in model.parameters())
-        seen[name] = run
-    return seen
+
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    return _policy_runs(rank, world, policy, shard, finish)
 
 
 def check_fsdp1(rank, world):
-    """FSDP1 (FullyShardedDataParallel) on CPU: fp32, MixedPrecision alone, + autocast, + hmp O1,
-    hmp alone with the cache on and off."""
+    """FSDP1 (FullyShardedDataParallel) on CPU, in the runs of _policy_runs."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    x, y = global_batch()
-    xs, ys = my_shard(x, rank, world), my_shard(y, rank, world)
-    policy = MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32)
-    seen = {}
-    for name, mode, mp, cache in (
-        ("fp32", None, None, True),
-        ("policy", None, policy, True),
-        ("policy_autocast", "autocast", policy, True),
-        ("policy_hmp", "hmp", policy, True),
-        ("hmp", "hmp", None, True),
-        ("hmp_no_cache", "hmp", None, False),
-    ):
-        model = FSDP(
-            blocks(),
-            device_id=torch.device("cpu"),
-            auto_wrap_policy=ModuleWrapPolicy({Block}),
-            mixed_precision=mp,
-            use_orig_params=True,
+    def shard(model, mp):
+        policy = ModuleWrapPolicy({Block})
+        return FSDP(
+            model, device_id=torch.device("cpu"), auto_wrap_policy=policy, mixed_precision=mp, use_orig_params=True
         )
-        with converted(mode, cache=cache):
-            run = train(model, xs, ys, mode)
-            run["grad_dtypes"] = grad_dtypes_after_backward(model, xs, ys, mode)
-            with torch.no_grad(), _mode(mode):
-                run["eval"] = model(xs).float()
+
+    def finish(model, run):
         with FSDP.summon_full_params(model):
             run["state"] = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-        seen[name] = run
-    return seen
+
+    policy = MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32)
+    return _policy_runs(rank, world, policy, shard, finish)
 
 
 def _fsdp2_model(world, seed=0):

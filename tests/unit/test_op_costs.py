@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import training_step
+from helpers import classification_problem
 
 import hmp
 from hmp.tools import op_costs
@@ -54,11 +54,7 @@ class Model(torch.nn.Module):
 
 
 def problem():
-    torch.manual_seed(0)
-    model = Model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-    return model, opt, training_step(model, opt, F.cross_entropy), x, y
+    return classification_problem(Model, 8, 16)
 
 
 def test_the_authors_float32_marks_the_ops_computed_from_it_in_that_module_only():

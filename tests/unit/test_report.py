@@ -15,8 +15,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import op_row, training_step
+from helpers import classification_problem, op_row
 from helpers.models import LinearNormLinear
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -38,11 +37,7 @@ class Tiny(LinearNormLinear):
 
 
 def tiny_problem():
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
-    return model, opt, training_step(model, opt, F.cross_entropy), x, y
+    return classification_problem(Tiny, 16, 8)
 
 
 @pytest.fixture(scope="module")
