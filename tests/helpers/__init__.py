@@ -5,6 +5,7 @@ The worker scripts beside this file are run by the tests; models.py holds the sh
 import ast
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -126,6 +127,27 @@ def classification_problem(make, batch, features, classes=4):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(batch, features), torch.randint(0, classes, (batch,))
     return model, opt, training_step(model, opt, F.cross_entropy), x, y
+
+
+# The start of a script run under TRITON_INTERPRET=1: a plain copy through Triton's interpreter,
+# which exits saying INTERPRETER COPIES WRONG where it reads CPU tensors wrong (Triton 3.0 with torch 2.4)
+TRITON_INTERPRETER_PROBE = textwrap.dedent(
+    """
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+    probe, out = torch.arange(8.0), torch.zeros(8)
+    copy[(1,)](probe, out, 8, BLOCK=64)
+    if not torch.equal(probe, out):
+        raise SystemExit("INTERPRETER COPIES WRONG: " + str(out.tolist()))
+    """
+)
 
 
 def run_python(*args, cwd, env=None, timeout=120):
