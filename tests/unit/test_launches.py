@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TRITON_INTERPRETER_PROBE
+from helpers import TRITON_INTERPRETER_PROBE, tiny_llama_config
 
 import hmp
 from hmp.core import saturating_cast
@@ -115,16 +115,8 @@ def test_a_weight_served_from_the_cache_costs_no_launch(converted):
 
 def _llama(device):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="eager",  # the same ops on meta and the CPU (sdpa picks by device)
-    )
+    # eager attention: the same ops on meta and the CPU (sdpa picks by device)
+    config = tiny_llama_config(vocab=256, hidden=64, max_position_embeddings=64, attn_implementation="eager")
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config)
