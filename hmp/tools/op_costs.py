@@ -29,7 +29,6 @@ the author's float32).
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 import weakref
 
@@ -39,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from hmp.core.switches import casts_enabled
 from hmp.core.torch_private import tree_leaves
 from hmp.tools import timing
-from hmp.tools.record import module_paths
+from hmp.tools.record import ThreadModules, module_paths
 from hmp.tools.timing import collector_paused
 
 # calls a step makes that are not math to run in another dtype (indexing only moves values: in the
@@ -104,16 +103,13 @@ class OpCosts(TorchFunctionMode):
         super().__init__()
         self.paths, self.calls, self.authored = paths, [], set()
         self._marks = {}  # id(tensor) -> (weakref, module path)
-        self._tls = threading.local()
+        self._tls = ThreadModules()
         self._handles = []
 
     # -- the module a call runs in -------------------------------------------------------------------
 
     def _stack(self):
-        stack = getattr(self._tls, "stack", None)
-        if stack is None:
-            stack = self._tls.stack = []
-        return stack
+        return self._tls.modules
 
     def __enter__(self):
         for path, module in self.paths.items():

@@ -103,13 +103,10 @@ class Recorder:
         self.outputs = []  # Output per op call, in call order
         self.module_outputs = []  # Output per hooked module call, named by the module's path
         self.seen = {}  # module path -> the largest position/timestep (an integer tensor's value) it was given
-        self._tls = threading.local()
+        self._tls = ThreadModules()
 
     def _stack(self):
-        stack = getattr(self._tls, "modules", None)
-        if stack is None:
-            stack = self._tls.modules = []
-        return stack
+        return self._tls.modules
 
     def _inside(self):
         stack = self._stack()
@@ -300,6 +297,13 @@ def _largest_index(value):
 
 def _float32(value):
     return tree_map_only(_Tensor, lambda t: t.float() if t.dtype in dtypes.LOW else t, value)
+
+
+class ThreadModules(threading.local):
+    """Per thread, the paths of the hooked modules whose forward is running, innermost last."""
+
+    def __init__(self):
+        self.modules = []
 
 
 def within(path, outer):
