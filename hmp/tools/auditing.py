@@ -34,7 +34,7 @@ from hmp.tools.loss import step_loss
 from hmp.tools.op_costs import NOT_TIMED, TIMED_PAIRS, op_times
 from hmp.tools.progress import StepRuns
 from hmp.tools.record import Confinement, ModuleHooks, Recorder, module_paths, ran_in
-from hmp.tools.report import write as write_html
+from hmp.tools.report.page import write as write_html
 from hmp.tools.target import user_name
 
 TINY = 1e-30

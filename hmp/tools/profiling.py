@@ -23,7 +23,7 @@ from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
 from hmp.tools.progress import StepRuns
 from hmp.tools.record import Recorder
-from hmp.tools.report import STYLE, boxed, esc, table
+from hmp.tools.report.page import STYLE, boxed, esc, table
 from hmp.tools.timing import collector_paused
 from hmp.version import __version__
 

@@ -26,7 +26,7 @@ import math
 
 from hmp.binding import kinds
 from hmp.tools import timing
-from hmp.tools.svg import _num, esc
+from hmp.tools.report.svg import _num, esc
 
 DEFAULT_FILES = ("tuned_bf16.txt", "tuned_fp32.txt")
 WITHIN, OUTSIDE, UNKNOWN = "within", "outside", "cannot tell yet"

@@ -12,7 +12,7 @@ import torch
 from hmp.binding import kinds
 from hmp.tools import sentences, timing, tuned_files
 from hmp.tools.files import write_all
-from hmp.tools.report import write as write_html
+from hmp.tools.report.page import write as write_html
 from hmp.tools.target import user_name
 
 
@@ -296,7 +296,7 @@ class TuneResult:
         return self.table()
 
     def save_html(self, path):
-        """One self-contained HTML file (hmp/tools/report.py): the audit's errors
+        """One self-contained HTML file (hmp/tools/report/): the audit's errors
         per op and module, the ops tried, the validation and the verdict."""
         write_html(path, tune=self)
 

@@ -240,7 +240,7 @@ def test_a_zero_fp32_loss_gives_a_verdict_not_a_division_error():
     assert same.loss_gap("tuned lists") == 0.0 and "within the 2% tolerance" in same.verdict
     apart = _result({}, {"fp32": 0.0, "starting lists": 0.1, "tuned lists": 0.1})
     assert apart.loss_gap("tuned lists") == float("inf") and "OUTSIDE" in apart.verdict
-    from hmp.tools.report import validation_table
+    from hmp.tools.report.page import validation_table
 
     assert "outside tolerance (2%)" in validation_table(apart)
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from helpers.models import mlp
 
 import hmp
-from hmp.tools.report import render
+from hmp.tools.report.page import render
 
 
 def _step_and_state():

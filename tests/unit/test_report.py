@@ -1,4 +1,4 @@
-"""The HTML report of hmp.audit / hmp.tune (hmp/tools/report.py) and per-op times
+"""The HTML report of hmp.audit / hmp.tune (hmp/tools/report/) and per-op times
 (audit's fp32_ms / lists_ms).
 
 The charts are read back as XML and checked geometrically: a text's box is
@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp.tools import report
-from hmp.tools import svg as drawing
 from hmp.tools.auditing import AuditReport
 from hmp.tools.op_costs import TIMED_PAIRS
+from hmp.tools.report import page as report
+from hmp.tools.report import svg as drawing
 
 OVER_COLOUR = drawing.OVER
 

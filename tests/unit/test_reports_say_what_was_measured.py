@@ -21,9 +21,10 @@ import torch
 from helpers import op_row
 
 import hmp
-from hmp.tools import op_costs, progress, report, sentences, tuned_files
+from hmp.tools import op_costs, progress, sentences, tuned_files
 from hmp.tools.auditing import AuditReport
 from hmp.tools.record import OpStats
+from hmp.tools.report import page as report
 from hmp.tools.timing import Ratio
 from hmp.tools.tune_result import TuneResult, op_time
 

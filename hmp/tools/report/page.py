@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from hmp.tools import timing
-from hmp.tools.charts import _sort_key, legend, module_chart, nothing_cast, op_chart, trial_chart
 from hmp.tools.files import check_outputs
+from hmp.tools.report.charts import _sort_key, legend, module_chart, nothing_cast, op_chart, trial_chart
+from hmp.tools.report.svg import _num, esc
 from hmp.tools.sentences import (  # noqa: F401 (speed_sentence, DEFAULT_FILES: this module's names before)
     DEFAULT_FILES,
     OUTSIDE,
@@ -39,7 +40,6 @@ from hmp.tools.sentences import (  # noqa: F401 (speed_sentence, DEFAULT_FILES: 
     tune_outcome,
     tune_todo,
 )
-from hmp.tools.svg import _num, esc
 from hmp.version import __version__
 
 TOOL = "hmp.tools.report"

@@ -1,11 +1,10 @@
-"""The charts of hmp's HTML reports (report.py assembles the page): one
+"""The charts of hmp's HTML reports (page.py assembles the page): one
 per op, per module and per op tune tried, and the legend that reads them."""
 
 import math
 import re
 
-from hmp.tools.sentences import bounds_broken
-from hmp.tools.svg import (
+from hmp.tools.report.svg import (
     BAD,
     FP32_TIME,
     LIST_COLOURS,
@@ -26,6 +25,7 @@ from hmp.tools.svg import (
     svg_line,
     svg_rect,
 )
+from hmp.tools.sentences import bounds_broken
 
 
 def _sort_key(value):
@@ -152,7 +152,7 @@ def _short_class(row):
 
 
 def module_chart(audit, tune=None):
-    """The modules in which something casts; the rest are folded (report.py)."""
+    """The modules in which something casts; the rest are folded (page.py)."""
     rows = [r for r in audit.modules if not nothing_cast(r)]
     rows.sort(key=lambda r: (_sort_key(r["made_max_rel"]), _sort_key(r["max_rel"]), r["path"]))
     if not rows:
