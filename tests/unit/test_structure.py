@@ -488,6 +488,27 @@ def test_the_floor_check_finds_a_planted_upward_import():
     assert ("hmp.core.policy", "hmp.rules.rnn") in upward(edges)
 
 
+# On the top floor the package's face (hmp/__init__) and the demo stand above the rest: they import
+# tools/ and integrations/, so nothing else imports them (tune reaches the demo by name only, as its
+# default TARGET).
+def on_top(module):
+    return module in ("hmp", "hmp.demo") or module.startswith("hmp.demo.")
+
+
+def up_on_the_top_floor(edges):
+    return sorted((m, n) for m, names in edges.items() for n in names if on_top(n) and not on_top(m))
+
+
+def test_nothing_below_imports_the_face_or_the_demo():
+    assert up_on_the_top_floor(graph()) == []
+
+
+def test_the_top_floor_check_finds_planted_imports():
+    edges = graph()
+    edges["hmp.tools.tune_cli"] = edges["hmp.tools.tune_cli"] | {"hmp.demo.training", "hmp"}
+    assert up_on_the_top_floor(edges) == [("hmp.tools.tune_cli", "hmp"), ("hmp.tools.tune_cli", "hmp.demo.training")]
+
+
 def _uses_the_undo_log(tree):
     """True when the module reaches the undo log: ``runtime.undo_log`` (or
     ``rt.undo_log``), or makes a PatchLog."""
