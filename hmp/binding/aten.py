@@ -123,3 +123,21 @@ def makes_view(overload):
     if not schema.returns or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return False
     return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+class _Reached(torch_private.DispatchMode):
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        args, kwargs = self.seen(func, args, kwargs) or (args, kwargs)  # told (seen may cast), not kept
+        return func(*args, **kwargs)
+
+
+def dispatched(fn, seen, *args, **kwargs):
+    """``fn(*args, **kwargs)``'s result; ``seen(overload, args, kwargs)``, told each op it dispatches
+    (pays.py classifies names by them, tools/launches.py counts kernels), may return its new args."""
+    with _Reached(seen):
+        return fn(*args, **kwargs)

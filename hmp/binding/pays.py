@@ -25,9 +25,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from hmp.binding import aten
 from hmp.binding.aten import aten_op, returns_view
 from hmp.binding.resolve import FUSED, RNN_KERNELS
-from hmp.core import state, torch_private
+from hmp.core import state
 
 POINTWISE, RANDOM, NORMALIZATION = "pointwise", "random", "normalization"
 
@@ -83,7 +84,7 @@ def _callables(name):
 def _ops_of(fn, *args):
     """The aten overloads ``fn(*args)`` dispatches, in order."""
     ops = []
-    torch_private.dispatched(fn, lambda op, a, k: ops.append(op), *args)
+    aten.dispatched(fn, lambda op, a, k: ops.append(op), *args)
     return ops
 
 

@@ -41,8 +41,7 @@ import functools
 
 import torch
 
-from hmp.binding import spellings
-from hmp.core import torch_private
+from hmp.binding import aten, spellings
 from hmp.core.dtypes import FLOATS, first_floating
 
 _TENSOR, _LIST, _TUPLE, _OTHER = "hmp:tensor", "hmp:list", "hmp:tuple", "hmp:other"
@@ -175,7 +174,7 @@ def _simulated(fn, args, kwargs, by_name, rules):
         return rules[i](a, k)
 
     try:
-        return torch_private.dispatched(fn, cast, *args, **kwargs), reached
+        return aten.dispatched(fn, cast, *args, **kwargs), reached
     except Exception:
         return None, reached
 

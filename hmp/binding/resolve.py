@@ -352,10 +352,13 @@ class Resolver:
             found = self.sites(spelling)
             builtins = [s for s in found if isinstance(s.original(), types.BuiltinFunctionType)]
             for site in found:
+                # a Python function (F.pad, F.kl_div) reaches the kernel through the builtin: one wrapper; not
+                # where the rule reads the entry's name (strict's norms cast the input alone, then retry in one dtype)
+                by_name = kind is not None and kind.norms is not None
                 if isinstance(site.original(), types.FunctionType) and (
-                    chosen_from and builtins or _reaches(site.original(), builtins)
+                    chosen_from and builtins or not by_name and _reaches(site.original(), builtins)
                 ):
-                    continue  # a Python function (F.pad, F.kl_div) reaches the kernel through the builtin: one wrapper
+                    continue
                 key = (id(site.namespace), site.attr)
                 if key not in seen:
                     seen.add(key)

@@ -1,22 +1,23 @@
 """What each site's wrapper does, decided once per site at convert time
 (``Wrappers``): its rule's casts, the lean path for calls without keywords,
-the retry in one dtype where a kernel rejects mixed dtypes, the verbose log,
-the recorder of profile/audit/tune; and the wrapper ``@hmp.*_function``
-returns. The wrapper itself is hmp/core/wrap.py's."""
-
-import logging
-
-import torch
+where a kernel rejects mixed dtypes the retry in one dtype (core/rescue.py),
+the verbose log (core/policy.py), the recorder of profile/audit/tune; and
+the wrapper ``@hmp.*_function`` returns. The wrapper itself is
+hmp/core/wrap.py's."""
 
 from hmp.binding import picked
 from hmp.binding.pays import NORMALIZATIONS
 from hmp.binding.resolve import BUILTINS
-from hmp.core import dtypes, policy, wrapper_frames
+from hmp.core import policy, rescue
 from hmp.core.cast_copies import Cast, numbers_check
 from hmp.core.rescue import About
-from hmp.core.wrap import NEVER, PAUSED, finish, make, op_of
+from hmp.core.wrap import NEVER, PAUSED, finish, make
 
-log = logging.getLogger("hmp")
+
+def about_of(binding):
+    """The error path's About of a resolve.Binding (a site a list name binds)."""
+    site = binding.site
+    return About(site.label, binding.name, binding.kind, site.inplace, site.inplace_param, site.written)
 
 
 def one_dtype_on_reject(op, to_one):
@@ -25,75 +26,7 @@ def one_dtype_on_reject(op, to_one):
     argument in one dtype), and from then on go straight there for that
     device type and mix. torch's kernel decides where it can: CPU's
     layer_norm takes a bf16 input with float32 weight, CUDA's does not."""
-    return finish(_one_dtype_on_reject(op, to_one), op)
-
-
-def _mix(args, kwargs):
-    """The device type and the tensor arguments' dtypes, in order: what a kernel accepts or rejects."""
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    return (tensors[0].device.type if tensors else None, *(t.dtype for t in tensors))
-
-
-def _one_dtype_on_reject(op, to_one):
-    rejected = set()  # _mix keys whose kernel rejected the mix
-
-    def call(*args, **kwargs):
-        if rejected:  # (the key only once a kernel has rejected a mix: most sites never see one)
-            mix = _mix(args, kwargs)
-            if mix in rejected:
-                args, kwargs = to_one(args, kwargs)
-                return op(*args, **kwargs)
-        try:
-            return op(*args, **kwargs)
-        except RuntimeError as e:
-            one_args, one_kwargs = to_one(args, kwargs)
-            if one_args is args and one_kwargs is kwargs:
-                raise  # nothing to put in one dtype: not a mixed-dtype problem
-            rejected_error = e
-        # the kernel rejected the mix exactly when the call in one dtype runs (however torch words it:
-        # "expected scalar type", "BFloat16 did not match Float"); else the error is the call's own
-        try:
-            result = op(*one_args, **one_kwargs)
-        except Exception:
-            raise rejected_error from None
-        mix = _mix(args, kwargs)
-        rejected.add(mix)
-        name = getattr(op, "__name__", op)
-        log.info("hmp: %s rejects mixed dtypes on %s; putting them in one dtype", name, mix[0])
-        return result
-
-    return call
-
-
-wrapper_frames.register_wrapper(_one_dtype_on_reject(None, None).__code__, op_of)
-
-
-def _dtypes(args, kwargs):
-    out = []
-
-    def visit(v):
-        if isinstance(v, torch.Tensor):
-            out.append(dtypes.name(v.dtype))
-        elif type(v) is list or type(v) is tuple:
-            for x in v:
-                visit(x)
-
-    visit(args)
-    if kwargs:
-        visit(tuple(kwargs.values()))
-    return out
-
-
-def logged(prepare, label):
-    """``prepare`` that also logs the op, its input dtypes and what it ran in."""
-
-    def verbose_prepare(args, kwargs):
-        before = _dtypes(args, kwargs)
-        args, kwargs = prepare(args, kwargs)
-        log.debug("hmp: %s inputs (%s) -> (%s)", label, ", ".join(before), ", ".join(_dtypes(args, kwargs)))
-        return args, kwargs
-
-    return verbose_prepare
+    return finish(rescue.one_dtype_on_reject(op, to_one), op)
 
 
 class Wrappers:
@@ -121,7 +54,7 @@ class Wrappers:
         if self.passthrough:
             prepare = policy.cast_nothing
         if self.verbose:
-            prepare = logged(prepare, label)
+            prepare = policy.logged(prepare, label)
         if self.recorder is not None:
             prepare = self.recorder.prepare(prepare, name)
         return prepare
@@ -142,7 +75,7 @@ class Wrappers:
         to_one = one_dtype_rule(kind, name, site, self.low, self.casters, fallback)
         if to_one is not None and not self.passthrough:
             op = one_dtype_on_reject(op, to_one)
-        about = About.of(binding)
+        about = about_of(binding)
         hidden = not isinstance(original, BUILTINS)
         op = self._op(op)
         # an op in no list steps in only for a call that needs it: otherwise the ops it calls cast as usual
@@ -183,7 +116,7 @@ class Wrappers:
         def needs(args, kwargs):
             return choose(args, kwargs) is not None or fallback is not None and fallback_needs(args, kwargs)
 
-        about = About.of(binding)
+        about = about_of(binding)
         hidden = not isinstance(original, BUILTINS)
         return make(self._op(op), self._prepare(prepare, site.label, name), about, original, hidden=hidden, needs=needs)
 

@@ -30,6 +30,7 @@ import warnings
 
 import torch
 
+from hmp.binding import aten
 from hmp.binding.aten import aten_op, makes_view
 from hmp.core import torch_private
 
@@ -96,7 +97,7 @@ def traced(fn, args, kwargs=None):
             ops.append(name)
 
     try:
-        torch_private.dispatched(fn, seen, *args, **(kwargs or {}))
+        aten.dispatched(fn, seen, *args, **(kwargs or {}))
     except Exception:
         return None
     return tuple(ops)

@@ -13,10 +13,15 @@ The casts themselves (a finite value stays finite) and ``write_back`` live
 in cast_copies.py.
 """
 
+import logging
+
 import torch
 
+from hmp.core import dtypes
 from hmp.core.cast_copies import is_number, numbers_check
 from hmp.core.dtypes import FLOATS, FP32, FP32_ONLY, HALVES, OTHER_FLOATS
+
+log = logging.getLogger("hmp")
 
 Tensor = torch.Tensor
 _promote_types = torch.promote_types  # captured: listing promote_types cannot recurse
@@ -388,3 +393,31 @@ def as_given(low, casters, out=None):
         return args, kwargs
 
     return prepare
+
+
+def _dtypes(args, kwargs):
+    out = []
+
+    def visit(v):
+        if isinstance(v, torch.Tensor):
+            out.append(dtypes.name(v.dtype))
+        elif type(v) is list or type(v) is tuple:
+            for x in v:
+                visit(x)
+
+    visit(args)
+    if kwargs:
+        visit(tuple(kwargs.values()))
+    return out
+
+
+def logged(prepare, label):
+    """``prepare`` that also logs the op, its input dtypes and what it ran in."""
+
+    def verbose_prepare(args, kwargs):
+        before = _dtypes(args, kwargs)
+        args, kwargs = prepare(args, kwargs)
+        log.debug("hmp: %s inputs (%s) -> (%s)", label, ", ".join(before), ", ".join(_dtypes(args, kwargs)))
+        return args, kwargs
+
+    return verbose_prepare

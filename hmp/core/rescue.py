@@ -20,15 +20,19 @@ Everything here runs only on the error path, from the wrapper's ``except``
 clause (free in Python 3.11 when nothing is raised).
 """
 
+import logging
 import re
 import warnings
 from typing import NamedTuple, Optional
+
+import torch
 
 from hmp.core import dtypes, state, torch_private, wrapper_frames
 from hmp.core.cast_copies import PLAIN_CASTERS
 from hmp.core.dtypes import FP32
 from hmp.core.policy import fp32
 
+log = logging.getLogger("hmp")
 RAISE = object()  # rescue(): the wrapper re-raises its exception
 
 # what adds a note to an error the wrapper re-raises: registered from the floor above
@@ -45,7 +49,7 @@ def on_error(annotate):
 
 class About(NamedTuple):
     """What the error path knows of the callable a wrapper wraps: a listed
-    site (``of(binding)``), a user function or an ``op_wrap``."""
+    site (binding/sites.py's ``about_of``), a user function or an ``op_wrap``."""
 
     label: str  # torch.nn.functional.layer_norm
     name: Optional[str] = None  # the list name, layer_norm (None for op_wrap and user functions)
@@ -54,12 +58,6 @@ class About(NamedTuple):
     inplace_param: Optional[int] = None  # position of an inplace= parameter
     written: tuple = ()  # (position, name) of other arguments the op's schema marks written (resolve.writes)
     uncast: bool = False  # the call ran with casts off for a block (uncast_error)
-
-    @classmethod
-    def of(cls, binding):
-        """The About of a resolve.Binding (a site a list name binds)."""
-        site, kind, name = binding[:3]
-        return cls(site.label, name, kind, site.inplace, site.inplace_param, site.written)
 
     def writes(self, args, kwargs):
         """True when this call writes one of its arguments."""
@@ -147,3 +145,50 @@ def _without_the_cast(op, about, args, kwargs):
         return op(*up_args, **up_kwargs), f"in {dtypes.name(FP32)}"
     except Exception:
         return None, None
+
+
+# -- a kernel that rejects a mix of dtypes ------------------------------------------------------
+
+
+def _mix(args, kwargs):
+    """The device type and the tensor arguments' dtypes, in order: what a kernel accepts or rejects."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    return (tensors[0].device.type if tensors else None, *(t.dtype for t in tensors))
+
+
+def one_dtype_on_reject(op, to_one):
+    """``op`` run with the arguments it is given; where the device's kernel
+    rejects their mix of dtypes, run again with ``to_one``'s (every floating
+    argument in one dtype), and from then on go straight there for that
+    device type and mix (binding/sites.py builds it for the sites that need it)."""
+    rejected = set()  # _mix keys whose kernel rejected the mix
+
+    def call(*args, **kwargs):
+        if rejected:  # (the key only once a kernel has rejected a mix: most sites never see one)
+            mix = _mix(args, kwargs)
+            if mix in rejected:
+                args, kwargs = to_one(args, kwargs)
+                return op(*args, **kwargs)
+        try:
+            return op(*args, **kwargs)
+        except RuntimeError as e:
+            one_args, one_kwargs = to_one(args, kwargs)
+            if one_args is args and one_kwargs is kwargs:
+                raise  # nothing to put in one dtype: not a mixed-dtype problem
+            rejected_error = e
+        # the kernel rejected the mix exactly when the call in one dtype runs (however torch words it:
+        # "expected scalar type", "BFloat16 did not match Float"); else the error is the call's own
+        try:
+            result = op(*one_args, **one_kwargs)
+        except Exception:
+            raise rejected_error from None
+        mix = _mix(args, kwargs)
+        rejected.add(mix)
+        name = getattr(op, "__name__", op)
+        log.info("hmp: %s rejects mixed dtypes on %s; putting them in one dtype", name, mix[0])
+        return result
+
+    return call
+
+
+wrapper_frames.register_wrapper(one_dtype_on_reject(None, None).__code__, lambda frame: frame.f_locals.get("op"))

@@ -459,24 +459,8 @@ def step_lacks():
     return []
 
 
-# The ops a call dispatches (pays.py classifies names by them, tools/launches.py counts kernels)
-
-
-class _Reached(_python_dispatch.TorchDispatchMode):
-    def __init__(self, seen):
-        super().__init__()
-        self.seen = seen
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        args, kwargs = self.seen(func, args, kwargs) or (args, kwargs)  # told (seen may cast), not kept
-        return func(*args, **kwargs)
-
-
-def dispatched(fn, seen, *args, **kwargs):
-    """``fn(*args, **kwargs)``'s result; ``seen(overload, args, kwargs)``, told each op, may return its new args."""
-    with _Reached(seen):
-        return fn(*args, **kwargs)
+# the base of a mode that is told each op a call dispatches (binding/aten.py's ``dispatched``)
+DispatchMode = _python_dispatch.TorchDispatchMode
 
 
 # -- what the running torch has (hmp/core/torch_releases.py: the first release of each) ------------

@@ -221,7 +221,7 @@ def picked_binding(conversion, call, args, kwargs):
     fn, low = unwrap(call.fn), conversion.options.low_precision_type
     reached, listed, others = [], [], []
     with spellings.probing(), disable_casts():
-        torch_private.dispatched(fn, lambda overload, a, k: reached.append(overload), *_copies(args), **kwargs)
+        aten.dispatched(fn, lambda overload, a, k: reached.append(overload), *_copies(args), **kwargs)
     for o in reached:
         name = o.__name__.partition(".")[0]  # mm.default: the operator's name
         if name in kind_of:
@@ -238,7 +238,7 @@ def picked_binding(conversion, call, args, kwargs):
         return None if kind is None else _given(kind, low, a, k)
 
     with spellings.probing(), disable_casts():
-        wanted = _first_floating(torch_private.dispatched(fn, as_autocast, *_copies(args), **kwargs))
+        wanted = _first_floating(aten.dispatched(fn, as_autocast, *_copies(args), **kwargs))
         for kind, name in dict.fromkeys(listed):
             given_args, given_kwargs = _given(kind, low, _copies(args), kwargs)
             try:

@@ -17,6 +17,7 @@ hmp's own op ``hmp::to_finite`` counts as the kernels its CUDA implementation ru
 import collections
 import dataclasses
 
+from hmp.binding import aten
 from hmp.binding.aten import makes_view
 from hmp.core import saturating_cast, torch_private
 
@@ -61,5 +62,5 @@ def count(fn, *args, **kwargs):
         if n:
             ops[str(op).removesuffix(".default")] += n
 
-    result = torch_private.dispatched(fn, seen, *args, **kwargs)
+    result = aten.dispatched(fn, seen, *args, **kwargs)
     return Launches(sum(ops.values()), reads, ops, result)

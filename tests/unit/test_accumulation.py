@@ -33,7 +33,7 @@ def _weight_casts(fn, model):
         if op is torch.ops.aten._to_copy.default and tuple(args[0].shape) in shapes and args[0].dtype is torch.float32:
             n += 1
 
-    from hmp.core.torch_private import dispatched
+    from hmp.binding.aten import dispatched
 
     dispatched(fn, seen)
     return n

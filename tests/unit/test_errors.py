@@ -343,7 +343,7 @@ print("thread done", flush=True)
 step()
 """
 UNLISTED = "hmp: addbmm got lower-precision and float32 tensors and is in no hmp list"
-LISTED = "hmp: torch.batch_norm (BF16 list) got lower-precision and float32 tensors"
+LISTED = "hmp: torch.nn.functional.batch_norm (BF16 list) got lower-precision and float32 tensors"
 
 
 def _run(tmp_path, *args, runner=()):

@@ -341,8 +341,10 @@ def test_the_c_apply_of_a_function_runs_its_forward_and_backward():
 
 
 def test_dispatched_tells_each_op_and_overload_schema_reads_it():
+    from hmp.binding.aten import dispatched  # on torch_private's DispatchMode
+
     seen = []
-    out = tp.dispatched(torch.mm, lambda op, a, k: seen.append((op, a)), torch.ones(2, 2), torch.ones(2, 2))
+    out = dispatched(torch.mm, lambda op, a, k: seen.append((op, a)), torch.ones(2, 2), torch.ones(2, 2))
     assert torch.equal(out, torch.full((2, 2), 2.0))
     assert [op for op, _ in seen] == [torch.ops.aten.mm.default] and len(seen[0][1]) == 2
     schema = tp.overload_schema(torch.ops.aten.t.default)

@@ -256,7 +256,7 @@ def test_ops_dispatched_per_cast_and_per_pointwise_call():
     saturate finite overflow and leave infinities (isinf, clamp, where into
     the copy). A pointwise op in the BF16 list costs what it costs in plain
     torch, and a listed matrix product its casts."""
-    from hmp.core.torch_private import dispatched
+    from hmp.binding.aten import dispatched
 
     def reached_ops(fn, *args):
         ops = []
