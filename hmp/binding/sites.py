@@ -160,10 +160,25 @@ def user_function(fn, kind):
 AFFINE_ONLY_NORMS = frozenset(("layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm"))
 
 
+# policy.py's factories by the names kinds.Kind records give (a record holds names, so kinds.py
+# imports nothing of the call path): a table, so a name no factory has fails here, not by getattr
+POLICIES = {
+    f.__name__: f
+    for f in (
+        policy.lower,
+        policy.fp32,
+        policy.promote,
+        policy.lower_input_only,
+        policy.given_lower,
+        policy.given_mixed,
+        policy.as_given,
+    )
+}
+
+
 def factory(name):
-    """The function of hmp/core/policy.py a kind's record names (kinds.Kind:
-    the record holds names, so it imports nothing of the call path)."""
-    return getattr(policy, name)
+    """The factory of hmp/core/policy.py a kind's record names."""
+    return POLICIES[name]
 
 
 def for_kind(kind, low, casters):

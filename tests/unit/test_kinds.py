@@ -118,6 +118,7 @@ def fp64_kind(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(kinds, "KINDS", kinds.KINDS + (record,))
     monkeypatch.setattr(policy, "to_float64", to_float64, raising=False)  # its policy, in policy.py's place
+    monkeypatch.setitem(sites.POLICIES, "to_float64", to_float64)  # and in the table kinds' names are read from
     parameters = dict(plan.PARAMETERS)
     for name in (record.parameter, record.modules_parameter):
         default = "" if name.endswith("_path") else None
@@ -170,6 +171,18 @@ def _raised(fn, *args):
     with pytest.raises(ValueError) as info:
         fn(*args)
     return str(info.value)
+
+
+def test_every_name_a_record_gives_is_a_factory_of_the_table():
+    """The policy link is a table (sites.POLICIES), not a getattr on policy.py: each name a kind's
+    record or its fallback gives is there, and is the factory of that name."""
+    for k in kinds.KINDS:
+        fb = k.fallback
+        for name in (k.policy, k.norms, *((fb.needs, fb.policy, fb.retry) if fb else ())):
+            if name is not None:
+                assert sites.factory(name) is getattr(policy, name), (k.name, name)
+    with pytest.raises(KeyError):
+        sites.factory("cast_each")  # a function of policy.py that is no kind's factory
 
 
 def test_records_are_frozen():
