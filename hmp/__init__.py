@@ -19,7 +19,8 @@ from hmp.binding.list_files import list_path
 from hmp.core.cache import accumulation, cache_bytes, clear_cache, frozen_weights
 from hmp.core.op_wrap import op_wrap, to_bf16, to_fp32
 from hmp.core.switches import casts_enabled, disable_casts, enable_casts
-from hmp.driver.conversion import convert, converted, effective_lists, is_converted, revert
+from hmp.driver.conversion import convert, converted, revert
+from hmp.driver.queries import effective_lists, is_converted
 from hmp.driver.user import bf16_function, fp32_function, promote_function, register, unregister
 from hmp.integrations.gaudi_config import convert_from_config
 from hmp.tools.auditing import audit

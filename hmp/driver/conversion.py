@@ -20,7 +20,6 @@ from hmp.binding import engine as engine_plan
 from hmp.binding import imports, kinds, lists, module_entries, modules, pays, sites
 from hmp.binding.aten import returns_view
 from hmp.binding.kinds import FP32, LOWER
-from hmp.binding.module_entries import Pattern
 from hmp.binding.resolve import Binding, Resolver, attribute_site, owner_label
 from hmp.core import cache, dtypes, wrap
 from hmp.core.cache import clear_cache
@@ -31,6 +30,7 @@ from hmp.core.state import close_block, first_time, runtime, user_stacklevel
 from hmp.diagnostics import errors, interop  # noqa: F401 (errors registers its note on the wrappers' errors)
 from hmp.driver.patch import MISSING, PatchLog
 from hmp.driver.plan import Conversion, options_of, plan
+from hmp.driver.queries import effective_lists, in_force
 from hmp.rules import pickling, regions, steps
 
 log = logging.getLogger("hmp")
@@ -410,16 +410,6 @@ def revert() -> None:
         _revert_locked()
 
 
-def is_converted() -> bool:
-    return runtime.conversion is not None
-
-
-def in_force():
-    """The Conversion in force, or None; ``restore()`` takes it (a thread's cast
-    state is ``state.current()``)."""
-    return runtime.conversion
-
-
 def restore(saved):
     """Put back what in_force() returned: that conversion, or none."""
     if saved is None:
@@ -442,39 +432,6 @@ def applied(conversion, recorder=None, passthrough=False):
         yield
     finally:
         restore(saved)
-
-
-def effective_lists(detail: bool = False) -> dict:
-    """Each list kind's public name (``"bf16"``, ``"fp32"``, ``"promote"``:
-    hmp/binding/kinds.py) to the sorted op names of its list
-    and, after them, its module entries as a list file names them (a
-    class's import path, or a pattern); empty when not converted.
-
-    ``detail=True``: each list maps every entry to what hmp does with it:
-    ``"cast"``, or why it is not (it gains nothing from the lower dtype
-    outside strict mode, returns a view, torch already promotes it), and a
-    module entry to ``"module entry: ..."`` (hmp/binding/pays.py)."""
-    conversion = runtime.conversion
-    if conversion is None:
-        return {k: {} if detail else [] for k in kinds.names()}
-    named = {
-        k: sorted(module_entries.entry_key(t) for t in conversion.modules.get(k, ()) if isinstance(t, (type, Pattern)))
-        for k in kinds.names()
-    }
-    if not detail:
-        return {k: sorted(v) + named[k] for k, v in conversion.lists.items()}
-    decided = engine_plan.says(decisions(conversion))
-    return {k: {**decided[k], **{m: f"module entry: {kinds.kind(k).module_says}" for m in named[k]}} for k in decided}
-
-
-def decisions(conversion):
-    """``{kind: {op name: "cast" or why not}}`` for a Conversion's op entries,
-    sorted: what each line of its lists does (hmp/binding/pays.py)."""
-    strict, one_dtype = conversion.options.strict, lists.one_dtype_names()
-    return {
-        k: {n: pays.decision(kinds.kind(k), n, strict, one_dtype)[1] for n in sorted(v)}
-        for k, v in conversion.lists.items()
-    }
 
 
 def register(owner, name, kind):

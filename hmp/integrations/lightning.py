@@ -41,7 +41,7 @@ except ImportError:  # a torch built without torch.distributed: FSDP cannot run 
 
 from hmp.binding.resolve import Resolver
 from hmp.core.switches import casts_enabled, disable_casts, enable_casts
-from hmp.driver import conversion
+from hmp.driver import conversion, queries
 from hmp.driver.plan import PARAMETERS, plan, requested
 
 log = logging.getLogger("hmp")
@@ -104,7 +104,7 @@ class HMPPrecision(Precision):
         resolver = Resolver()  # one for checking the lists and binding them: names resolve once
         wanted = plan({**self.options, "model": model}, resolver)
         if not self._active:
-            self._previous = conversion.in_force()  # None when hmp is not converted
+            self._previous = queries.in_force()  # None when hmp is not converted
         conversion.install(wanted, resolver)
         self._active = True
 

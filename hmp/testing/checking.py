@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hmp.binding import kinds
 from hmp.binding.list_files import list_path, names
 from hmp.core import dtypes
-from hmp.driver.conversion import converted, effective_lists, in_force
+from hmp.driver.conversion import converted
+from hmp.driver.queries import effective_lists, in_force
 from hmp.testing.follows import Rejected, follow
 from hmp.testing.strategies import builder, calls, op_for
 

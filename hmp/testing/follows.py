@@ -11,7 +11,7 @@ import torch
 from hmp.core import dtypes, torch_private
 from hmp.core.dtypes import FLOATS
 from hmp.core.switches import disable_casts
-from hmp.driver.conversion import in_force
+from hmp.driver.queries import in_force
 from hmp.testing.oracle import Expected, expected_call, rule_of
 from hmp.testing.recording import record_ops
 

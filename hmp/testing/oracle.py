@@ -38,7 +38,7 @@ from hmp.core.dtypes import FP32, first_floating
 from hmp.core.dtypes import LOW as LOWER
 from hmp.core.state import runtime
 from hmp.core.switches import casts_enabled, disable_casts
-from hmp.driver.conversion import in_force
+from hmp.driver.queries import in_force
 from hmp.testing import entries
 
 _NO_KERNEL = re.compile(torch_private.NO_KERNEL_MESSAGE)

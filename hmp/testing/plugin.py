@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from hmp.core import state
 from hmp.core.identity import unwrap
 from hmp.core.switches import casts_enabled
-from hmp.driver.conversion import converted, effective_lists, in_force, restore
+from hmp.driver.conversion import converted, restore
+from hmp.driver.queries import effective_lists, in_force
 
 MARKER = "hmp"
 # convert()'s parameters in order, for a marker's positional arguments

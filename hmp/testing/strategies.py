@@ -35,7 +35,7 @@ except ModuleNotFoundError as e:  # an ImportError that says what to install
 from hmp.binding import aten, resolve
 from hmp.core.identity import unwrap
 from hmp.core.switches import disable_casts
-from hmp.driver.conversion import effective_lists
+from hmp.driver.queries import effective_lists
 from hmp.testing import entries
 from hmp.testing.samples import BUILDERS
 from hmp.testing.samples_extra import SPELLED, spd

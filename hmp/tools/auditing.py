@@ -26,8 +26,9 @@ import torch
 from hmp.binding import kinds
 from hmp.binding.pays import CAST
 from hmp.core.hints import Step
-from hmp.driver.conversion import applied, decisions, in_force
+from hmp.driver.conversion import applied
 from hmp.driver.plan import plan
+from hmp.driver.queries import decisions, in_force
 from hmp.tools import timing
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
@@ -80,8 +81,7 @@ class AuditReport:
         self.seen = dict(seen or {})
         # the listed ops' time under the lists relative to fp32 (timing.Ratio), None when not timed
         self.time_ratio = time_ratio
-        # why hmp does not cast them -> the entries of the audited lists ("kind name"; conversion.decisions)
-        self.uncast = dict(uncast or {})
+        self.uncast = dict(uncast or {})  # why hmp does not cast them -> entries ("kind name"; queries.decisions)
         self.created = datetime.now(timezone.utc)  # when measured, for the HTML report's title
         self.step_ms = {}  # "fp32"/"lists" -> median wall time of the runs the op times come from
 
@@ -456,7 +456,7 @@ def _flag(row, threshold, loss_threshold):
 
 
 def _uncast(decided):
-    """Why -> the entries (``"kind name"``) hmp does not cast, from conversion.decisions."""
+    """Why -> the entries (``"kind name"``) hmp does not cast, from queries.decisions."""
     uncast = {}
     for kind, entries in decided.items():
         for name, why in entries.items():

@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from hmp.core.hints import Step
-from hmp.driver.conversion import applied, in_force
+from hmp.driver.conversion import applied
+from hmp.driver.queries import in_force
 from hmp.tools.files import write_all
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss

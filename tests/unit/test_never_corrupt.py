@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
 
 import hmp
-from hmp.driver.conversion import in_force
+from hmp.driver.queries import in_force
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

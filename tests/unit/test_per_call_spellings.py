@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import hmp
 from hmp.binding import aten, resolve, spellings
 from hmp.core import torch_releases
-from hmp.driver.conversion import in_force
+from hmp.driver.queries import in_force
 from hmp.testing import entries, expected_call
 
 LOW = torch.bfloat16

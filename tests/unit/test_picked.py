@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hmp
 from hmp.binding import aten, lists, resolve, spellings
 from hmp.core import torch_releases, wrap
-from hmp.driver.conversion import in_force
+from hmp.driver.queries import in_force
 from hmp.testing import entries, expected_call
 
 LOW = torch.bfloat16

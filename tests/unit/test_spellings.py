@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hmp
 from hmp.binding import aten, resolve, spellings
-from hmp.driver.conversion import in_force
+from hmp.driver.queries import in_force
 from hmp.testing import entries, expected_call
 
 LOW = torch.bfloat16

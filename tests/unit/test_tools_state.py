@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import training_step
 
 import hmp
-from hmp.driver.conversion import in_force
+from hmp.driver.queries import in_force
 
 
 def data(seed=0, n=32, features=16, out=8):

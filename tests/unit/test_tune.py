@@ -19,7 +19,7 @@ from helpers import planted
 
 import hmp
 from hmp.core import wrap
-from hmp.driver.conversion import in_force
+from hmp.driver.queries import in_force
 from hmp.tools.record import Recorder
 from hmp.tools.tuning import TuneResult
 
