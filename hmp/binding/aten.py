@@ -24,6 +24,7 @@ def aten_op(name):
     return packet if isinstance(packet, torch_private.OpOverloadPacket) else None
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def returns_view(name):
     """True when ``aten::name`` returns a view of an input (by its schema:
@@ -42,6 +43,7 @@ def returns_view(name):
     return False
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def schema_writes(name):
     """``((position, name), ...)`` of the tensor arguments ``aten::name``
@@ -82,6 +84,7 @@ ATEN_HOMES = (
 )
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def aten_entry_points():
     """``{aten op name: [(owner, module, attr), ...]}`` for every builtin in
@@ -100,6 +103,7 @@ def aten_entry_points():
     return table
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def python_builtins():
     """``((aten op name, builtin), ...)``: one builtin generated from each aten

@@ -88,6 +88,7 @@ def devices():
     return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
+# kept: what torch.autocast does with an op on a device, probed once
 @functools.lru_cache(maxsize=None)
 def policy(name, device, low=torch.bfloat16):
     """What autocast does on ``device`` with aten op ``name``: "bf16" (casts to

@@ -62,6 +62,7 @@ NO_KERNEL_FILES = {torch.bfloat16: "no_kernel_bf16.txt", torch.float16: "no_kern
 ONE_DTYPE_FILE = "one_dtype.txt"
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def fallback_names(low):
     """``((FP32, names), (PROMOTE, names))`` (kinds.Kind records): the ops that get
@@ -74,6 +75,7 @@ def fallback_names(low):
     )
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def one_dtype_names():
     """The ops that need all their floating inputs in one dtype (op_lists/one_dtype.txt):

@@ -104,6 +104,7 @@ def _reached(fn):
     return None
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def is_random(name):
     """True when list name ``name`` binds a random op (dropout and its kind):
@@ -124,6 +125,7 @@ def is_random(name):
     return False
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def is_pointwise(name):
     """True when list name ``name`` binds a pointwise op: an overload of

@@ -115,6 +115,7 @@ def _single_tensor(schema):
     return len(schema.returns) == 1 and str(schema.returns[0].type) == "Tensor"
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def computation(name, builtin=None):
     """What ``aten::name`` computes: the set of op sequences it dispatches
@@ -128,6 +129,7 @@ def computation(name, builtin=None):
         return _computation(packet, builtin)
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def _first(name, builtin):
     """One thing ``aten::name`` computes (its first probe that runs), or None: most composite
@@ -166,6 +168,7 @@ def _probes(packet, builtin):
         yield overload, None
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def composite(name):
     """True when every overload of ``aten::name`` a call can reach (``out=``
@@ -183,6 +186,7 @@ def composite(name):
     return bool(reached) and all(reached)
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=8)
 def computations(listed, builtins, unprobed=frozenset()):
     """``((computation, kind, listed name), ...)`` in binding order: what
@@ -201,6 +205,7 @@ def computations(listed, builtins, unprobed=frozenset()):
     return tuple(out)
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=8)
 def spellings(listed, builtins, unprobed=frozenset()):
     """``((kind, listed name, spelling), ...)``: the composite operators among
@@ -259,6 +264,7 @@ def kernels(computations):
     return tuple(c for c in computations if c[0] == frozenset({(c[2],)}))
 
 
+# kept: what torch's registry says an op computes, traced once on meta tensors, never written by a call
 @functools.lru_cache(maxsize=8)
 def picked(listed, builtins, unprobed=frozenset(), skip=frozenset()):
     """The composite operators among ``builtins`` that take a string (the
@@ -297,6 +303,7 @@ def _takes_string(name):
     return any(t == "str" for arguments in schemas if arguments not in named for _, t in arguments)
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def _signatures(name):
     packet = aten_op(name)

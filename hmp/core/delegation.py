@@ -66,6 +66,7 @@ class Engine:
         st.engine, st.engine_on, st.engine_found = None, False, None
 
 
+# kept: one engine per devices and dtype, so a thread that joined stays joined across conversions
 _engines = {}  # (devices, dtype) -> Engine
 
 

@@ -37,6 +37,7 @@ RAISE = object()  # rescue(): the wrapper re-raises its exception
 
 # what adds a note to an error the wrapper re-raises: registered from the floor above
 # (hmp/diagnostics/errors.py), so the core imports nothing of it
+# kept: registrations made at import by the floor above, which core must not import
 _annotators = []
 
 

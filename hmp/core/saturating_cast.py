@@ -79,6 +79,7 @@ def differentiable(t, dtype):
     return _where(beyond, top_values + _to(t - t.detach(), dtype), y)
 
 
+# kept: the Triton kernel, imported once
 @functools.lru_cache(maxsize=None)
 def kernel():
     """``(triton, the kernel)``, imported on the first cast on CUDA; None where Triton is not importable."""
@@ -89,6 +90,7 @@ def kernel():
     return saturating_kernel.triton, saturating_kernel.to_finite_kernel
 
 
+# kept: the kernel's launcher, made once; its compiled kernels are Triton's own, per specialisation
 @functools.lru_cache(maxsize=None)
 def launcher():
     """The kernel's launcher (triton_launch.py: the JIT's launch first, then the compiled kernel's

@@ -13,35 +13,10 @@ but torch_private and torch_releases (leaves too).
 - ``weight_cache``: the weight-cast cache's stores (hmp/core/cache.py writes them).
 - ``warned``: keys of the warn-once messages already given.
 
-Kept elsewhere, on purpose (tests/unit/test_one_home.py finds every
-module-level store and memo and checks it is named here):
-
-- memos of what torch or a shipped file says, the same for every call and
-  never written by one: ``aten.returns_view``, ``aten.schema_writes``,
-  ``lists.fallback_names``, ``lists.one_dtype_names``, ``pays.is_random``,
-  ``pays.is_pointwise``, ``aten.aten_entry_points``, ``aten.python_builtins``,
-  ``spellings.computation``, ``spellings.spellings``, ``spellings._signatures``,
-  ``spellings.composite``, ``spellings._first``, ``spellings.computations``,
-  ``spellings.picked`` (what torch's registry says an op computes, traced
-  once on meta tensors; each picked op's wrapper keeps its own memo of the
-  calls' keys it has traced, picked.chooser, gone with the wrapper),
-  ``region_factories.load``, ``errors._shipped``, ``entries._table``
-  (lru_caches), ``strategies._FOUND``, ``strategies._REMOVED`` (the testing kit's builder found for
-  an op, probed once), ``cast_copies._NUMBER_TYPES`` (a type's answer), and
-  ``functions._declarations`` (what an autograd Function class declares with custom_fwd/custom_bwd, weak),
-  ``saturating_cast.kernel`` (the Triton kernel, imported once), ``engine.policy`` (what
-  torch.autocast does with an op on a device, probed once), ``delegation._engines`` (one
-  engine per devices and dtype, so a thread that joined stays joined across conversions);
-- ``saturating_cast.launcher``: the Triton kernel's launcher, made once; it keeps the
-  compiled kernels Triton's JIT returned (per target dtype, device and specialisation: the
-  same for every call, as Triton's own cache) and whether they are launched directly
-  (hmp/core/triton_launch.py);
-- registrations made at import, by the floor above a core module that
-  must not import it: ``rescue._annotators``, ``wrapper_frames._wrappers``;
-- ``steps._checked``: the optimizers already looked at (weak: it goes
-  with them); ``plan.PARAMETERS``: convert()'s signature, read once;
-- ``target.FILE_MODULES``: a tool run's imported target files (the
-  command-line process only).
+Kept elsewhere, on purpose: memos of what torch or a shipped file says, registrations
+made at import by a floor above, weak sets of what was already looked at. Each says why
+with a ``# kept: ...`` line where it is defined (tests/unit/test_one_home.py finds every
+module-level store and memo and reads that line).
 """
 
 import os

@@ -4,6 +4,7 @@ and an exception's traceback says whether the op a wrapper called raised it
 Python ran). The error path's search for the code that raised is
 hmp/diagnostics/culprit.py's."""
 
+# kept: registrations made at import by the floors above, which core must not import
 _wrappers = {}  # code object of an hmp wrapper -> op_of(frame), the op that frame calls
 WRAPPER_CODES = _wrappers.keys()  # a live view: the code objects of hmp's wrappers
 

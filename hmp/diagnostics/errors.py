@@ -69,6 +69,7 @@ def _note_of(exc):
     return next((n for n in getattr(exc, "__notes__", ()) if isinstance(n, str) and n.startswith(_PREFIX)), None)
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=1)
 def _shipped():
     """Op names of the shipped O1 lists by kind, with O2's lower list in BF16

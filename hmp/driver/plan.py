@@ -120,6 +120,7 @@ def plan(options, resolver=None):
     return Conversion(effective, checked, module_entries.merge(classes, given_entries), uncast)
 
 
+# kept: convert()'s signature, read once
 PARAMETERS = {}  # convert()'s parameters by name (inspect.Parameter), read from its signature (options_of)
 
 

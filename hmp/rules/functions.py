@@ -67,6 +67,7 @@ _Meta = torch_private.FunctionMeta
 _FORWARD_STATE = "_hmp_forward_state"  # on a ctx: (cast state of its forward, undecorated backward)
 
 # Function class -> (dtypes cast_inputs casts, its cast; or None, None), custom_bwd's backward or None
+# kept: what an autograd Function class declares with custom_fwd/custom_bwd (weak: goes with it)
 _declarations = weakref.WeakKeyDictionary()
 
 

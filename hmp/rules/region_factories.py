@@ -31,6 +31,7 @@ FILE = "autocast_factories.txt"
 _is_compiling = torch.compiler.is_compiling
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def load():
     """The factories' entries, from the shipped file."""

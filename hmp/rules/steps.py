@@ -39,6 +39,7 @@ from hmp.core.state import OFF, current, enter, first_time, leave, tls, user_sta
 from hmp.core.switches import run_as
 from hmp.rules.interface import Changes
 
+# kept: the optimizers already looked at (weak: goes with them)
 _checked = weakref.WeakSet()  # optimizers whose parameters were looked at
 _is_compiling = torch.compiler.is_compiling
 # torch's record_function.__exit__ (hmp leaves it as it is): the frame that calls it owns the block

@@ -57,6 +57,7 @@ def _callable(value):
     return callable(value) and not isinstance(value, _SKIP)
 
 
+# kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def _table():
     """``{id(torch's own object): {attribute names}}`` over the places a list

@@ -13,6 +13,7 @@ import os
 import sys
 
 PREFIX = "_hmp_tune_target_"  # before a FILE.py target's name where another module holds that name
+# kept: a tool run's imported target files (the command-line process only)
 FILE_MODULES = set()  # the module names FILE.py targets were imported under
 HELP = "MODULE:FUNCTION or FILE.py:FUNCTION, a function with no arguments that returns (step, state)"
 

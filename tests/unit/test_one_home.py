@@ -156,15 +156,42 @@ def module_stores(root):
     return found
 
 
-def test_what_hmp_keeps_outside_state_is_named_in_states_docstring():
-    """core/state.py holds what hmp keeps between calls; each store or memo kept elsewhere is
-    named in its docstring with why. A table written at import (an UPPER_CASE name holding a
-    non-empty literal) is a constant, not a store."""
-    import hmp.core.state as state
+def unmarked_stores(root):
+    """The stores and memos ``module_stores`` finds under ``root`` whose definition does not say
+    why it is kept: a ``# kept: why`` line right above it (above its decorators, for a memo)."""
+    missing = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).as_posix() == "core/state.py":
+            continue
+        lines = path.read_text().split("\n")
+        stores = module_stores_in(path, root)
+        for name, first in stores:
+            above = lines[first - 2].strip() if first >= 2 else ""
+            if not (above.startswith("# kept: ") and len(above) > len("# kept: ") + 3):
+                missing.append(name)
+    return sorted(missing)
 
-    doc = state.__doc__
-    missing = sorted(name for name in module_stores(PACKAGE) if f"``{name}``" not in doc)
-    assert missing == [], f"kept outside core/state.py and not named in its docstring: {missing}"
+
+def module_stores_in(path, root):
+    """``[(name, first line)]`` of ``module_stores``' finds in one file (its decorators' line, for a memo)."""
+    found = module_stores(root)
+    out = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Name) and f"{path.stem}.{t.id}" in found:
+                    out.append((f"{path.stem}.{t.id}", node.lineno))
+        elif isinstance(node, ast.FunctionDef) and f"{path.stem}.{node.name}" in found:
+            out.append((f"{path.stem}.{node.name}", min([d.lineno for d in node.decorator_list] or [node.lineno])))
+    return out
+
+
+def test_what_hmp_keeps_outside_state_says_why_where_it_is_kept():
+    """core/state.py holds what hmp keeps between calls; each store or memo kept elsewhere says
+    why with a ``# kept:`` line where it is defined (a marker this test reads, not a list kept by
+    hand). A table written at import (an UPPER_CASE name holding a non-empty literal) is a
+    constant, not a store."""
+    assert unmarked_stores(PACKAGE) == [], "kept outside core/state.py without a '# kept: why' line above it"
 
 
 def rebound_globals(root):
@@ -195,6 +222,10 @@ def test_a_planted_store_outside_state_is_caught(tmp_path):
         "import functools\nseen = {}\nTABLE = {1: 2}\nLATER = []\n\n@functools.lru_cache\ndef f(x):\n    return x\n"
     )
     assert module_stores(tmp_path) == {"cache.seen", "cache.LATER", "cache.f"}
+    assert unmarked_stores(tmp_path) == ["cache.LATER", "cache.f", "cache.seen"]
+    marked = "import functools\n# kept: a planted memo\n@functools.lru_cache\ndef f(x):\n    return x\n"
+    (tmp_path / "core" / "cache.py").write_text(marked)
+    assert module_stores(tmp_path) == {"cache.f"} and unmarked_stores(tmp_path) == []
 
 
 def classes_named_twice(root):
