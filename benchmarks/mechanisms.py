@@ -53,7 +53,7 @@ def pairs(a, b, n_pairs, calls):
 
 def cases():
     out = {}
-    finite, plain = cast_copies.CASTS[torch.bfloat16].any, cast_copies.PLAIN_CASTS[torch.bfloat16]
+    finite, plain = cast_copies.FINITE_CASTS[torch.bfloat16].any, cast_copies.ROUNDING_CASTS[torch.bfloat16].any
     for shape in [(8, 8), (64, 64), (256, 1024)]:
         x = torch.randn(*shape)
         out[f"saturating cast, {shape[0]}x{shape[1]}"] = (lambda x=x: finite(x), lambda x=x: plain(x))
@@ -61,7 +61,7 @@ def cases():
         out[f"saturating cast with autograd, {shape[0]}x{shape[1]}"] = (lambda h=h: finite(h), lambda h=h: plain(h))
 
     relu = F.relu  # the Python function (hmp not converted yet)
-    casters = dict(cast_copies.CASTS)
+    casters = dict(cast_copies.FINITE_CASTS)
     prepare = policy.lower(torch.bfloat16, casters, policy.inplace_out(casters))
     refuse = cast_copies.numbers_check(torch.bfloat16)
     kw = dict(src=dtypes.FP32_ONLY, cast=casters[torch.bfloat16], refuse=refuse)
@@ -79,7 +79,7 @@ def converted_cases():
     x = torch.randn(8, 8)
     hmp.convert()
     yield "fallback wrapper stepping aside, cdist 8x4", (lambda: torch.cdist(a, b), lambda: cdist(a, b))
-    cast, refuse = cast_copies.CASTS[torch.bfloat16].any, cast_copies.numbers_check(torch.bfloat16)
+    cast, refuse = cast_copies.FINITE_CASTS[torch.bfloat16].any, cast_copies.numbers_check(torch.bfloat16)
     y = cast(x)
     args = (y, 0.5, np.float32(0.5), None, True, "mean")  # nothing to cast: only the number check differs
     yield (

@@ -52,7 +52,7 @@ from typing import Iterator
 import torch
 
 from hmp.core import torch_private
-from hmp.core.cast_copies import CASTS, Cast, shielded
+from hmp.core.cast_copies import FINITE_CASTS, Cast, shielded
 from hmp.core.state import tls, weight_cache
 
 _grad_enabled = torch.is_grad_enabled
@@ -150,7 +150,7 @@ _SEEN = _CacheEntry()  # a region's first sight of a weight: no copy kept, nothi
 _SEEN.copy = None
 
 
-def _keep(store, t, copy, weak):
+def _put(store, t, copy, weak):
     """Record ``copy`` of ``t`` in ``store``, unless ``t`` has nothing
     stable to check a later call against."""
     if isinstance(t, _Fake):  # no real storage (FakeTensorMode)
@@ -268,7 +268,7 @@ def caster(dtype):
     cast_copies.Cast: its ``eager`` form serves a wrapper's call in eager code, which has turned
     casts off and asked once whether anything traces or compiles (wrap.py): it asks nothing per
     tensor."""
-    plain, lowered = CASTS[dtype]
+    finite_any, finite_eager = FINITE_CASTS[dtype]
     grad_mode = weight_cache.grad_mode[dtype]
 
     def keeper_cast(t, keeper, first_use):
@@ -278,11 +278,11 @@ def caster(dtype):
             copy = e.copy
             if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr() and e.shape == t.shape:
                 return copy
-        copy = lowered(t)
+        copy = finite_eager(t)
         if e is None and not first_use:  # a region keeps a copy from a weight's second use: one forward
             store[id(t)] = _SEEN  # per region casts per call, into memory the allocator reuses
         else:
-            _keep(store, t, copy, False)
+            _put(store, t, copy, False)
         return copy
 
     def eager(t):
@@ -292,17 +292,17 @@ def caster(dtype):
                 s = st.shared
                 if s is not None and s[0]() is t and s[1] is dtype and s[2] == _version(t) and s[3] == t.data_ptr():
                     return s[4]
-                copy = lowered(t)
+                copy = finite_eager(t)
                 if type(t) is Tensor and t.layout is _strided and not t.is_inference() and not _transforms_active():
                     st.shared = (_ref(t, _forget), dtype, _version(t), t.data_ptr(), copy)
                 return copy
             ref = tls.keeper  # a frozen parameter: kept inside frozen_weights() only
             keeper = ref() if ref is not None else None
             if keeper is None or type(keeper) is not _Frozen:
-                return lowered(t)
+                return finite_eager(t)
             return keeper_cast(t, keeper, True)
         if not t.is_leaf:
-            return lowered(t)
+            return finite_eager(t)
         if _grad_enabled():
             e = grad_mode.get(id(t))
             if e is not None:
@@ -311,8 +311,8 @@ def caster(dtype):
                     steps = e.steps
                     if steps is None or _same_step(e, t, steps):
                         return copy
-            copy = lowered(t)
-            e = _keep(grad_mode, t, copy, True)
+            copy = finite_eager(t)
+            e = _put(grad_mode, t, copy, True)
             if e:
                 st = tls
                 st.fresh.append(copy)  # the wrapper hands it to its output's graph (wrap.hold)
@@ -326,12 +326,12 @@ def caster(dtype):
         ref = tls.keeper  # a no-grad region's or frozen_weights()'s stores
         keeper = ref() if ref is not None else None
         if keeper is None:
-            return lowered(t)
+            return finite_eager(t)
         return keeper_cast(t, keeper, type(keeper) is _Frozen)
 
     def cast(t):
         if _compiling() or _tracing_state() is not None:
-            return plain(t)  # compile: fake tensors; jit.trace: a cached copy would become a constant
+            return finite_any(t)  # compile: fake tensors; jit.trace: a cached copy would become a constant
         # eager: inside a wrapper's call casts are off already, and the shield has nothing to do
         return eager(t) if tls.off else through(t)
 
@@ -339,9 +339,9 @@ def caster(dtype):
     return Cast(cast, eager)
 
 
-def casters():
+def cached_casts():
     """dtype -> cast through the cache, for every dtype hmp casts to."""
-    return {dtype: caster(dtype) for dtype in CASTS}
+    return {dtype: caster(dtype) for dtype in FINITE_CASTS}
 
 
 @contextlib.contextmanager

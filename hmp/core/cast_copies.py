@@ -1,6 +1,6 @@
 """The copies hmp casts arguments into.
 
-Made so that a finite value stays finite (``CASTS``; and ``numbers_check``,
+Made so that a finite value stays finite (``FINITE_CASTS``; and ``numbers_check``,
 the BF16 rule's test of a Python number against the lower dtype's range),
 and a write an op makes into one carried back to the caller's tensor
 (``write_back``): docs/never-changes.md. The policies (policy.py) decide
@@ -23,11 +23,10 @@ Tensor = torch.Tensor
 # Casts go straight to TensorBase's C methods, never through a name hmp may
 # patch (so listing `to` or `float` cannot recurse). The per-dtype methods
 # parse their arguments faster than `to`; all of them are differentiable.
-# PLAIN_CASTS round as torch does (a value beyond the target's range is inf);
-# they are used where torch's own rounding is the contract (custom_fwd's
-# cast_inputs) and for casts that widen.
+# _ROUNDING: torch's rounding (a value beyond the target's range is inf), where torch's own rounding
+# is the contract (custom_fwd's cast_inputs) and for casts that widen (ROUNDING_CASTS, below).
 _TB = torch_private.TensorBase
-PLAIN_CASTS = {FP16: _TB.half, BF16: _TB.bfloat16, FP32: _TB.float, FP64: _TB.double}
+_ROUNDING = {FP16: _TB.half, BF16: _TB.bfloat16, FP32: _TB.float, FP64: _TB.double}
 
 _isinf, _clamp, _where, _nan_to_num_ = torch.isinf, torch.clamp, torch.where, _TB.nan_to_num_
 _aminmax, _item, _copy_ = torch.aminmax, _TB.item, _TB.copy_
@@ -66,7 +65,7 @@ def _finite(dtype):
     they know. Its ``eager`` form is the cast for a wrapper's call, which
     has turned casts off and checked once that nothing traces or compiles
     (hmp/core/wrap.py): no per-cast state to read."""
-    cast, top = PLAIN_CASTS[dtype], torch.finfo(dtype).max
+    cast, top = _ROUNDING[dtype], torch.finfo(dtype).max
 
     def eager(t):
         # one frame (the lean eager path): the op's autograd and kernel calls are C calls or inlined
@@ -144,9 +143,14 @@ def shielded(cast):
 
 
 # The casts hmp makes: to a lower dtype, finite values stay finite.
-CASTS = {FP16: _finite(FP16), BF16: _finite(BF16), FP32: Cast(_TB.float, _TB.float), FP64: Cast(_TB.double, _TB.double)}
-# torch's rounding as casters (a policy's argument): the rescue's cast up, tests
-PLAIN_CASTERS = {dtype: Cast(cast, cast) for dtype, cast in PLAIN_CASTS.items()}
+FINITE_CASTS = {
+    FP16: _finite(FP16),
+    BF16: _finite(BF16),
+    FP32: Cast(_TB.float, _TB.float),
+    FP64: Cast(_TB.double, _TB.double),
+}
+# torch's rounding (a policy's argument): the rescue's cast up, custom_fwd's cast_inputs, tests
+ROUNDING_CASTS = {dtype: Cast(cast, cast) for dtype, cast in _ROUNDING.items()}
 
 
 _NUMBER_TYPES = {bool: False, type(None): False, str: False}  # type -> a real number other than bool
@@ -228,7 +232,7 @@ def _write_into(original, copy):
     if copy.shape != original.shape:
         return  # resized by the op: nothing to map back element by element
     with _no_grad():
-        fresh = CASTS[copy.dtype].any(original)
+        fresh = FINITE_CASTS[copy.dtype].any(original)
         changed = copy != fresh
         if changed.any():
             original.copy_(torch.where(changed, copy.to(original.dtype), original))

@@ -9,8 +9,8 @@ from hmp.core import cast_copies
 from hmp.core.rescue import About
 from hmp.core.wrap import make
 
-_to_bf16 = cast_copies.CASTS[torch.bfloat16].any
-_to_fp32 = cast_copies.PLAIN_CASTS[torch.float32]
+_to_bf16 = cast_copies.FINITE_CASTS[torch.bfloat16].any
+_to_fp32 = cast_copies.ROUNDING_CASTS[torch.float32].any
 
 
 def op_wrap(op: Callable, cast_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:

@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from hmp.core import dtypes, state, torch_private, wrapper_frames
-from hmp.core.cast_copies import PLAIN_CASTERS
+from hmp.core.cast_copies import ROUNDING_CASTS
 from hmp.core.dtypes import FP32
 from hmp.core.policy import fp32
 
@@ -73,7 +73,7 @@ class About(NamedTuple):
 
 _NO_KERNEL = re.compile(torch_private.NO_KERNEL_MESSAGE)
 _graph_task_id = torch_private.current_graph_task_id()
-_to_fp32 = fp32(None, PLAIN_CASTERS)
+_to_fp32 = fp32(None, ROUNDING_CASTS)
 
 
 def rescue(exc, op, about, args, kwargs, cast_args, cast_kwargs):

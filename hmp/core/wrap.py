@@ -98,7 +98,7 @@ def _body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs, eage
     name = getattr(op, "__name__", "")
     lowers = not (name.startswith("__") and name.endswith("__"))
     # the lean path's cast (a cast_copies.Cast): in eager code its eager form, which asks nothing per tensor
-    general, eager = (None, None) if cast is None else cast
+    cast_any, eager = (None, None) if cast is None else cast
     inplace = inplace_at != NEVER  # the op has an ``inplace`` parameter
 
     def wrapper(*args, **kwargs):
@@ -129,7 +129,7 @@ def _body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs, eage
             elif src is _PROMOTE:
                 a, k = (args, kwargs) if _one_dtype(args, None) is not False else rule(args, kwargs)
             else:
-                a, k = _cast_each(args, src, general if running else eager, refuse), kwargs
+                a, k = _cast_each(args, src, cast_any if running else eager, refuse), kwargs
                 if a is _SAME:
                     a = args
                 elif a is None:  # a number the lower dtype cannot hold: prepare runs the FP32 rule
@@ -210,8 +210,8 @@ _FIELDS = ("op", "prepare", "about", "src", "refuse", "inplace_at", "hidden", "n
 def fields(wrapper):
     """What a wrapper does: ``make``'s arguments, by name."""
     found = {name: _cell(wrapper, name).cell_contents for name in _FIELDS}
-    general, eager = _cell(wrapper, "general").cell_contents, _cell(wrapper, "eager").cell_contents
-    found["cast"] = None if general is None else cast_copies.Cast(general, eager)
+    cast_any, eager = _cell(wrapper, "cast_any").cell_contents, _cell(wrapper, "eager").cell_contents
+    found["cast"] = None if cast_any is None else cast_copies.Cast(cast_any, eager)
     return found
 
 

@@ -23,7 +23,7 @@ from hmp.binding.kinds import FP32, LOWER
 from hmp.binding.resolve import Binding, Resolver, attribute_site, owner_label
 from hmp.core import cache, dtypes, wrap
 from hmp.core.cache import clear_cache
-from hmp.core.cast_copies import CASTS
+from hmp.core.cast_copies import FINITE_CASTS
 from hmp.core.hints import ListPath, ModuleTargets
 from hmp.core.identity import unwrap
 from hmp.core.state import close_block, first_time, runtime, user_stacklevel
@@ -175,7 +175,7 @@ class _Built(NamedTuple):
 
 def _build(conversion, resolver, recorder, passthrough):
     effective, options, by_module, uncast = conversion
-    casters = cache.casters() if options.cache else dict(CASTS)
+    casters = cache.cached_casts() if options.cache else dict(FINITE_CASTS)
     watch = imports.Watch()
     wrappers = sites.Wrappers(
         options.low_precision_type, casters, options.isVerbose, recorder, passthrough, options.strict

@@ -54,7 +54,7 @@ import torch
 
 from hmp.binding.resolve import subclasses
 from hmp.core import torch_private
-from hmp.core.cast_copies import PLAIN_CASTS
+from hmp.core.cast_copies import ROUNDING_CASTS
 from hmp.core.dtypes import FLOATS, FP64
 from hmp.core.identity import mark, stand_in, unwrap
 from hmp.core.policy import cast_kwargs, cast_seq
@@ -77,7 +77,7 @@ def _declared(cls):
     if found is None:
         cast = torch_private.custom_fwd_cast(getattr(cls, "forward", None))
         if cast:
-            found = (FLOATS - {cast, FP64}, PLAIN_CASTS[cast], None)
+            found = (FLOATS - {cast, FP64}, ROUNDING_CASTS[cast].any, None)
         else:
             found = (None, None, torch_private.custom_bwd_inner(getattr(cls, "backward", None)))
         _declarations[cls] = found

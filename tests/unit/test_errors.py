@@ -188,7 +188,7 @@ def test_a_listed_python_op_that_fails_on_its_casts_runs_as_given(monkeypatch):
         return torch.baddbmm(scale[None], q[None], k[None].transpose(1, 2))
 
     about = rescue.About("torch.nn.functional.attention", "attention", "bf16")
-    wrapped = wrap.make(attention, policy.lower(BF16, dict(cast_copies.PLAIN_CASTERS)), about)
+    wrapped = wrap.make(attention, policy.lower(BF16, dict(cast_copies.ROUNDING_CASTS)), about)
     q, k = torch.randn(3, 2), torch.randn(3, 2)
     with pytest.warns(RuntimeWarning, match="attention fails on the dtype hmp cast its inputs to.*as given"):
         out = wrapped(q, k)
@@ -209,7 +209,7 @@ def test_mismatch_inside_a_listed_python_op_says_to_list_what_it_calls():
         return torch.baddbmm(scale[None], q[None], k[None].transpose(1, 2))
 
     about = rescue.About("torch.nn.functional.attention", "attention", "bf16", inplace=True)
-    wrapped = wrap.make(attention, policy.lower(BF16, dict(cast_copies.PLAIN_CASTERS)), about)
+    wrapped = wrap.make(attention, policy.lower(BF16, dict(cast_copies.ROUNDING_CASTS)), about)
     with pytest.raises(RuntimeError) as info:
         wrapped(torch.randn(3, 2).bfloat16(), torch.randn(3, 2))
     (note,) = notes(info.value)

@@ -18,7 +18,7 @@ from hmp.core import cast_copies, policy, wrap
 from hmp.core.dtypes import BF16, FLOATS, FP16, FP32, FP64
 from hmp.driver import conversion, plan
 
-CASTS = dict(cast_copies.PLAIN_CASTERS)
+FINITE_CASTS = dict(cast_copies.ROUNDING_CASTS)
 
 
 def test_every_kind_has_a_complete_record_that_matches_convert():
@@ -50,7 +50,7 @@ def test_every_kind_has_a_complete_record_that_matches_convert():
             # a shipped default loads as a file of its kind: module entries only where the kind takes them
             lists.load(default_path(name), Resolver(), k.file_title, modules=k.takes_modules)
         # the record names the call path's functions (it imports none of them): each name is one
-        prepare = sites.factory(k.policy)(BF16, CASTS)
+        prepare = sites.factory(k.policy)(BF16, FINITE_CASTS)
         args, kwargs = prepare((x,), {})
         assert isinstance(args, tuple) and kwargs == {}
         for named in (k.norms, *(k.fallback or ())):
@@ -76,7 +76,7 @@ def test_every_kind_has_a_complete_record_that_matches_convert():
 def test_an_unknown_kind_raises_where_a_kind_is_looked_up(unknown):
     with pytest.raises(ValueError, match="unknown list kind"):
         kinds.kind(unknown)
-    forwards = modules.Forwards(BF16, CASTS, set())
+    forwards = modules.Forwards(BF16, FINITE_CASTS, set())
     with pytest.raises(ValueError, match="unknown list kind"):  # the module rule: no fall-through to BF16's
         forwards.replacing(unknown, torch.nn.Linear.forward)
     with pytest.raises(ValueError, match="kind must be one of"):
@@ -84,7 +84,7 @@ def test_an_unknown_kind_raises_where_a_kind_is_looked_up(unknown):
 
 
 def test_a_kind_without_a_rule_says_so():
-    forwards = modules.Forwards(BF16, CASTS, set())
+    forwards = modules.Forwards(BF16, FINITE_CASTS, set())
     with pytest.raises(ValueError, match="takes no module entries"):
         forwards.replacing("promote", torch.nn.Linear.forward)
     with pytest.raises(ValueError, match="no rule to an op in no list"):
@@ -132,16 +132,16 @@ def test_a_kind_added_to_the_registry_is_picked_up(fp64_kind):
     assert "hmp: unknown list kind 'fp8'; the kinds are bf16, fp32, promote, fp64" in _raised(kinds.kind, "fp8")
     x = torch.ones(3, dtype=FP32)
     # the policy factory
-    (cast,), _ = sites.for_kind(fp64_kind, BF16, CASTS)((x,), {})
+    (cast,), _ = sites.for_kind(fp64_kind, BF16, FINITE_CASTS)((x,), {})
     assert cast.dtype == FP64
     # the lean path's rule, and the wrapper's prepare
-    wrappers = sites.Wrappers(BF16, CASTS)
+    wrappers = sites.Wrappers(BF16, FINITE_CASTS)
     wrapper = wrappers.site(Binding(attribute_site(torch, "logaddexp"), fp64_kind, "logaddexp"), torch.logaddexp)
     fields = wrap.fields(wrapper)
-    assert fields["src"] == frozenset((BF16, FP16, FP32)) and fields["cast"] == CASTS[FP64]
+    assert fields["src"] == frozenset((BF16, FP16, FP32)) and fields["cast"] == FINITE_CASTS[FP64]
     assert wrappers.user_prepare(fp64_kind, "f")((x,), {})[0][0].dtype == FP64
     # the module rule
-    forwards = modules.Forwards(BF16, CASTS, set())
+    forwards = modules.Forwards(BF16, FINITE_CASTS, set())
     original = torch.nn.Linear.forward
     assert forwards.replacing("fp64", original).__code__ is forwards.in_float32(original).__code__
     # which entries bind, and the lists
@@ -195,6 +195,6 @@ def test_a_binding_carries_its_kinds_record():
     bound = Resolver().bind({kinds.LOWER: {"mm"}, kinds.FP32: {"softmax"}})
     by_name = {b.name: b.kind for b in bound}
     assert by_name["mm"] is kinds.LOWER and by_name["softmax"] is kinds.FP32
-    wrapper = sites.Wrappers(BF16, CASTS).site(next(b for b in bound if b.name == "mm"), torch.mm)
+    wrapper = sites.Wrappers(BF16, FINITE_CASTS).site(next(b for b in bound if b.name == "mm"), torch.mm)
     with hmp.converted():
         assert wrapper(torch.randn(2, 2), torch.randn(2, 2)).dtype == BF16

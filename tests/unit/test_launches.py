@@ -22,7 +22,7 @@ from helpers import TRITON_INTERPRETER_PROBE, tiny_llama_config
 
 import hmp
 from hmp.core import saturating_cast
-from hmp.core.cast_copies import CASTS
+from hmp.core.cast_copies import FINITE_CASTS
 from hmp.tools.launches import count
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -53,7 +53,7 @@ def converted():
 )
 def test_a_cast_off_the_cpu_is_one_op_of_one_kernel(layout, kernels):
     t = layout(torch.empty(16, 4, device="meta"))
-    counted = count(CASTS[BF16].eager, t)
+    counted = count(FINITE_CASTS[BF16].eager, t)
     assert dict(counted.ops) == {"hmp.to_finite": kernels}
     assert counted.kernels == kernels and counted.host_reads == 0
     assert counted.result.dtype is BF16 and counted.result.stride() == torch.empty_like(t, dtype=BF16).stride()
@@ -64,7 +64,7 @@ def test_autocasts_cast_is_one_kernel_and_hmps_cpu_cast_reads_the_range():
     to wait for: one reduction, two reads), so it saturates only where a value lies beyond."""
     x = torch.randn(16, 4)
     assert dict(count(torch.Tensor.bfloat16, x).ops) == {"aten._to_copy": 1}
-    cpu = count(CASTS[BF16].eager, x)
+    cpu = count(FINITE_CASTS[BF16].eager, x)
     assert dict(cpu.ops) == {"aten._to_copy": 1, "aten.aminmax": 1} and cpu.host_reads == 2
 
 

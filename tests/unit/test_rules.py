@@ -174,7 +174,7 @@ def test_norm_falls_back_where_a_kernel_rejects_mixed_dtypes():
             raise RuntimeError(f"expected scalar type {x.dtype} but found {weight.dtype}")
         return torch.ones_like(x)
 
-    lower_all = policy.lower(BF16, cast_copies.PLAIN_CASTERS)  # strict=True: the input was cast down
+    lower_all = policy.lower(BF16, cast_copies.ROUNDING_CASTS)  # strict=True: the input was cast down
     call = sites.one_dtype_on_reject(strict_layer_norm, lower_all)
     x, w, b = torch.randn(2, 4).bfloat16(), torch.randn(4), torch.randn(4)
     assert call(x, (4,), w, b).dtype == BF16
@@ -183,7 +183,7 @@ def test_norm_falls_back_where_a_kernel_rejects_mixed_dtypes():
     assert calls[2:] == [(BF16, BF16)]
     assert w.dtype == FP32  # the user's weight is never changed
     calls.clear()  # by default the norm is torch's: the mix goes to the widest dtype, as promotion gives
-    call = sites.one_dtype_on_reject(strict_layer_norm, policy.promote(BF16, cast_copies.PLAIN_CASTERS))
+    call = sites.one_dtype_on_reject(strict_layer_norm, policy.promote(BF16, cast_copies.ROUNDING_CASTS))
     assert call(x, (4,), w, b).dtype == FP32
     assert calls == [(BF16, FP32), (FP32, FP32)] and x.dtype == BF16
     calls.clear()  # what is remembered is the mix the kernel rejected, not the site: others run as given

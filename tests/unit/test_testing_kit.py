@@ -193,11 +193,11 @@ def test_follow_catches_a_cast_that_breaks_a_rule(monkeypatch):
     """Planted in hmp's casts, found by the kit: a cast to the wrong dtype, then one that lets a
     finite value become inf."""
     x = torch.randn(3, 3)
-    monkeypatch.setitem(cast_copies.CASTS, BF16, cast_copies.PLAIN_CASTERS[FP16])
+    monkeypatch.setitem(cast_copies.FINITE_CASTS, BF16, cast_copies.ROUNDING_CASTS[FP16])
     hmp.convert(cache=False)
     with pytest.raises(AssertionError, match="ran in float16, the rules say bfloat16"):
         assert_follows_rules(torch.mm, x, x)
-    monkeypatch.setitem(cast_copies.CASTS, BF16, cast_copies.PLAIN_CASTERS[BF16])
+    monkeypatch.setitem(cast_copies.FINITE_CASTS, BF16, cast_copies.ROUNDING_CASTS[BF16])
     hmp.convert(cache=False)
     big = torch.full((3, 3), 3.4e38)  # beyond bfloat16's largest finite value: a plain cast gives inf
     with pytest.raises(AssertionError, match=r"the finite value 3\.3999\d*e\+38 reached the op as inf"):

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import hmp
 from hmp.binding import lists
 from hmp.binding.resolve import Resolver
-from hmp.core.cast_copies import CASTS
+from hmp.core.cast_copies import FINITE_CASTS
 from hmp.core.identity import ORIGINAL
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -178,7 +178,7 @@ def _oracle(t, low):
 )
 def test_a_cast_keeps_finite_values_finite_and_infinities_infinite(values, low):
     t = torch.tensor(values, dtype=FP32)
-    got, want = CASTS[low].any(t), _oracle(t, low)
+    got, want = FINITE_CASTS[low].any(t), _oracle(t, low)
     assert got.dtype == low
     assert torch.equal(torch.isnan(got), torch.isnan(t))
     assert torch.equal(got[~torch.isnan(t)], want[~torch.isnan(t)])
@@ -266,11 +266,11 @@ def test_ops_dispatched_per_cast_and_per_pointwise_call():
     x, w = torch.randn(4, 4), torch.randn(4, 4)
     # reading the reduction's two numbers (_local_scalar_dense) is no pass over the data
     names = lambda ops: [str(op) for op in ops if "local_scalar_dense" not in str(op)]  # noqa: E731
-    assert names(reached_ops(CASTS[FP32].any, x.bfloat16())) == ["aten._to_copy.default"]
-    down = reached_ops(CASTS[BF16].any, x)
+    assert names(reached_ops(FINITE_CASTS[FP32].any, x.bfloat16())) == ["aten._to_copy.default"]
+    down = reached_ops(FINITE_CASTS[BF16].any, x)
     assert names(down) == ["aten._to_copy.default", "aten.aminmax.default"]
     masked = torch.tensor([1.0, torch.finfo(FP32).min, float("-inf")])
-    assert names(reached_ops(CASTS[BF16].any, masked)) == [
+    assert names(reached_ops(FINITE_CASTS[BF16].any, masked)) == [
         "aten._to_copy.default",
         "aten.aminmax.default",
         "aten.isinf.default",
