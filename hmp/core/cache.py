@@ -1,46 +1,23 @@
 """The weight-cast cache: lower-precision copies of weights that cannot go stale.
 
-A copy outlives its call only where hmp sees every write to its source, as
-torch.autocast's cache: a leaf that requires grad (a parameter in training),
-whose writes go through autograd's version counter. A frozen weight
-(requires_grad=False) is written through ``.data`` or its storage by peft's
-merge, offloading, hand-written loaders, which no counter shows: it is cast
-per call, unless inside ``frozen_weights()``, where the caller states that
-nothing writes the weights.
+A copy outlives its call only where hmp sees every write to its source, as in
+torch.autocast: a leaf that requires grad, whose writes move autograd's version
+counter. A frozen weight (peft's merge, offloading and loaders write it through
+``.data``) is cast per call, except inside ``frozen_weights()``.
 
-- Grad mode: a copy is held only through a weak reference, and strongly by
-  the graph of the output it was made for: torch keeps a tensor's Python
-  object alive while the autograd graph saves it (a weight), and the
-  wrapper puts a copy autograd does not save (a bias) in that output's
-  ``grad_fn.metadata`` (wrap.hold). So the copy lives as long as the graph
-  that uses it, until a backward pass starts (``release``). A weight used
-  several times in one forward (tied embeddings, an RNN cell, every
-  micro-batch of one accumulated step) is cast once; the next step casts
-  again.
-- No grad: copies are kept for a region, per thread: the outermost of
-  torch's own no-grad blocks entered with grad on (hmp/rules/no_grad_regions.py
-  tells ``open_region``/``close_region``), from a weight's second use in it
-  (a region of one forward casts per call: keeping its copies would only
-  cost fresh memory), or for a ``frozen_weights()`` block, from the first.
-  Dropped when that region exits, a region's also when a backward pass
-  starts. Grad turned off by a call, not a block, keeps nothing.
-- Every optimizer step (hmp/rules/steps.py), every refill that puts a
-  version counter back (hmp/rules/refills.py: FSDP2's all-gathers) and
-  ``clear_cache()`` drop every copy.
+- Grad mode: the cache holds a copy weakly; the output's graph holds it (wrap.hold)
+  until a backward pass starts (``release``), so a weight used several times in one
+  forward is cast once.
+- No grad: copies are kept per thread for the outermost no-grad region entered with
+  grad on (from a weight's second use), or a ``frozen_weights()`` block (from the
+  first), and dropped when it exits.
+- An optimizer step, a refill that puts a version counter back and ``clear_cache()``
+  drop every copy.
 
-An entry (``_CacheEntry``) is checked at every hit against the source's version
-counter, data pointer and, for no-grad stores, shape. Nothing of hmp's sits
-on the user's tensor (``torch.utils.swap_tensors`` refuses one with a weak
-reference): an entry holds the source's storage weakly, and goes when that
-storage dies, so a storage's address is not reused while an entry names it,
-and a region never keeps alive the storage a program released
-(``model.to()``, offloading, ``del model``). What no counter shows (a write
-through ``p.data`` or the storage of a weight that requires grad) is missed
-while a graph or a region keeps its copy, as under torch.autocast. The cache
-steps aside for inference tensors (no version counter), under functorch
-transforms (no storage), while ``torch.jit.trace`` runs (a cached copy would
-be recorded as a constant) and while torch.compile traces (fake tensors).
-"""
+An entry is checked at each hit against the source's version counter, data pointer
+and (no grad) shape, and holds the source's storage weakly, so it goes with that
+storage and nothing of hmp's sits on the user's tensor. The cache steps aside for
+inference tensors, functorch transforms, ``torch.jit.trace`` and compiling."""
 
 from __future__ import annotations
 
@@ -66,9 +43,7 @@ Tensor, _strided, _ref = torch.Tensor, torch.strided, weakref.ref
 
 
 class _Frozen:
-    """One thread's no-grad stores for a frozen_weights() block, registered so
-    clear_cache() and refilled() reach them; the thread's ``tls.keeper`` refers
-    to them weakly, so they go with what owns them (the block)."""
+    """One thread's no-grad stores for a frozen_weights() block; ``tls.keeper`` refers to them weakly."""
 
     __slots__ = ("stores", "__weakref__")
 
@@ -81,21 +56,16 @@ class _Frozen:
 
 
 class _Region(_Frozen):
-    """A no-grad region's stores, owned by torch's context manager object
-    (hmp/rules/no_grad_regions.py): a region whose exit hmp does not see
-    (revert() inside it) lets them go with that object. Also emptied when a
-    backward pass starts."""
+    """A no-grad region's stores, owned by torch's context manager object (a region whose
+    exit hmp misses lets them go with it); emptied when a backward pass starts."""
 
     __slots__ = ()
 
 
 class _Steps:
-    """An ``accumulation()`` block's copies of trainable weights, one per weight (a recast replaces
-    the copy it supersedes), held strongly (so their grad-mode entries stay valid across
-    micro-batches and their backward passes) until an optimizer step or ``clear_cache()``
-    (``clear``, through ``refilled``) or the block's exit. Registered with the no-grad stores so
-    those reach it. ``backwards``: the backward passes started in the block (``release``), which
-    tell a step boundary a hand-written loop shows (``_same_step``)."""
+    """An ``accumulation()`` block's copies of trainable weights, one per weight, held
+    strongly until an optimizer step, ``clear_cache()`` or the block's exit.
+    ``backwards``: backward passes started in the block, for ``_same_step``."""
 
     __slots__ = ("copies", "backwards", "__weakref__")
 
@@ -108,11 +78,10 @@ class _Steps:
 
 
 def _same_step(e, t, steps):
-    """Whether an accumulation() copy still belongs to its weight's step: a step boundary is seen
-    where the weight's gradient was reset (set to None after a backward pass, or replaced by another
-    tensor), as a hand-written update's loop does (``p.grad = None``); a write through ``.data``
-    moves neither the version counter nor the data pointer. A gradient zeroed in place is not seen
-    (the documented limit: docs/performance.md)."""
+    """Whether an accumulation() copy still belongs to its weight's step: a boundary is
+    seen where the weight's gradient was reset or replaced (``p.grad = None``), since a
+    ``.data`` write moves neither version nor pointer. A gradient zeroed in place is not
+    seen (docs/performance.md)."""
     g = t.grad
     seen = e.grad
     if g is None:
@@ -124,23 +93,16 @@ def _same_step(e, t, steps):
 
 
 class _CacheEntry:
-    """A cached copy and what it was cast from. ``copy``: a weak reference to
-    the copy (grad mode; dead once no graph holds it) or the copy itself (no-grad stores);
-    ``version``, ``ptr``, ``shape``: the source's version counter, data
-    pointer and shape at the cast; ``storage``: a weak reference to the
-    source's storage, whose death drops the entry (so its address cannot be
-    reused while the entry lives, and nothing of hmp's sits on the user's
-    tensor: ``torch.utils.swap_tensors`` refuses a tensor with a weak
-    reference)."""
+    """A cached copy and what it was cast from: ``copy`` (a weak reference in grad mode,
+    the copy itself in no-grad stores), the source's ``version``, ``ptr`` and ``shape``,
+    and a weak reference to its ``storage``, whose death drops the entry."""
 
     __slots__ = ("copy", "version", "ptr", "shape", "storage", "steps", "grad", "backwards")
 
 
 def _drop(store, key, ref):
-    """The callback of an entry's weak reference to its source's storage (bound with
-    ``functools.partial``, made in C): the storage died, so the entry goes, unless a newer one took
-    its key. A grad-mode entry whose copy died stays until then: its next lookup misses and
-    replaces it (no callback per copy, whose call would cost every training step's casts a frame)."""
+    """The entry's storage died: drop it, unless a newer entry took its key. A dead
+    grad-mode copy waits for its next lookup (a callback per copy would cost a frame)."""
     e = store.get(key)
     if e is not None and e.storage is ref:
         store.pop(key, None)
@@ -151,8 +113,7 @@ _SEEN.copy = None
 
 
 def _put(store, t, copy, weak):
-    """Record ``copy`` of ``t`` in ``store``, unless ``t`` has nothing
-    stable to check a later call against."""
+    """Record ``copy`` of ``t`` in ``store``, unless ``t`` has nothing stable to check a later call against."""
     if isinstance(t, _Fake):  # no real storage (FakeTensorMode)
         return False
     try:
@@ -182,10 +143,9 @@ def size():
 
 
 def cache_bytes() -> int:
-    """Bytes of the lower-precision weight copies hmp keeps alive now, in
-    every thread: those no-grad regions and ``frozen_weights()`` blocks
-    keep, and those graphs hold until their backward pass (wrap.hold; a
-    weight's copy there is also what autograd saves for backward)."""
+    """Bytes of the lower-precision weight copies hmp keeps alive now, in every thread:
+    those no-grad regions and ``frozen_weights()`` blocks keep, and those graphs hold
+    until their backward pass."""
     seen, n = set(), 0
 
     def count(c):
@@ -215,11 +175,9 @@ def _keeper():
 
 
 def release() -> None:
-    """What graphs hold for reuse (wrap.hold) is let go, and what no-grad
-    regions keep: a backward pass starts (hmp/rules/regions.py), so weights
-    written after it through ``p.data`` (a hand-written update) are cast
-    again in an enclosing region. A copy autograd saves lives on as long as
-    its graph does."""
+    """A backward pass starts: let go what graphs hold and no-grad regions keep, so a weight
+    written after it (a hand-written update) is cast again. A copy autograd saved lives
+    as long as its graph."""
     tls.shared = None
     if weight_cache.held:  # (empty after the backward pass's own release, at the step's)
         for h in weight_cache.held.take():
@@ -239,11 +197,9 @@ def clear_cache() -> None:
 
 
 def refilled() -> None:
-    """A tensor was written and its version counter put back (hmp/rules/refills.py):
-    drop every copy. Which copies came from that memory is not worth finding
-    at each refill (FSDP2 refills every module's parameters at every forward);
-    each store is emptied at C speed, and what went is cast again at its next
-    use, so the work is at most one drop per cast."""
+    """A tensor's version counter was put back (hmp/rules/refills.py): drop every copy.
+    Finding which came from that memory would cost every refill (FSDP2 refills each
+    forward); emptying the stores costs at most one recast per copy."""
     tls.shared = None
     for store in weight_cache.grad_mode.values():
         store.clear()
@@ -260,14 +216,10 @@ def _forget(ref):
 
 
 def caster(dtype):
-    """A one-argument cast to ``dtype`` that goes through the cache for the tensors whose writes
-    hmp sees as torch.autocast does: leaves that require grad (parameters in training). A frozen
-    parameter goes through it only inside ``frozen_weights()``, the caller's promise that nothing
-    writes it (peft's merge, offloading, hand-written loaders write through ``.data``: no counter
-    shows it). A hit is one dictionary lookup and a check of the entry's fields. A
-    cast_copies.Cast: its ``eager`` form serves a wrapper's call in eager code, which has turned
-    casts off and asked once whether anything traces or compiles (wrap.py): it asks nothing per
-    tensor."""
+    """A cast_copies.Cast to ``dtype`` through the cache, for the tensors whose writes hmp
+    sees (leaves that require grad; frozen ones inside ``frozen_weights()``). A hit is
+    one dict lookup and a check of the entry; the ``eager`` form, for a wrapper's eager
+    call, asks nothing per tensor."""
     finite_any, finite_eager = FINITE_CASTS[dtype]
     grad_mode = weight_cache.grad_mode[dtype]
 
@@ -346,21 +298,16 @@ def cached_casts():
 
 @contextlib.contextmanager
 def frozen_weights() -> Iterator[None]:
-    """A block in which the weights do not change, so no-grad casts of them
-    are kept across calls (fast repeated inference); dropped on exit.
+    """A block in which the weights do not change, so no-grad casts of them are kept
+    across calls (fast repeated inference); dropped on exit.
 
-    Thread-local and nestable, like ``torch.autocast``. hmp still sees
-    in-place ops, ``p.data = ...``, ``load_state_dict``, optimizer steps and
-    refills that put the version counter back (FSDP2's all-gathers) inside
-    the block; what it cannot see is a write through another tensor on the
-    weight's memory (the ``p.data`` alias, ``dist.broadcast`` into a
-    parameter, peft's ``merge_adapter()``), which is what you promise not to
-    do here. Frozen weights (requires_grad=False) are kept only here.
-    Without it, no-grad casts of weights that require grad are kept for the
-    outermost ``torch.no_grad()`` / ``torch.inference_mode()`` block from
-    their second use, under the same checks, and dropped when it exits or a
-    backward pass starts; the block keeps them across such regions (a
-    server that enters ``torch.no_grad()`` per request)."""
+    Thread-local and nestable, like ``torch.autocast``. hmp still sees in-place ops,
+    ``p.data = ...``, ``load_state_dict``, optimizer steps and refills (FSDP2's
+    all-gathers); what you promise not to do is write through another tensor on the
+    weight's memory (the ``p.data`` alias, ``dist.broadcast`` into a parameter, peft's
+    ``merge_adapter()``). Frozen weights (requires_grad=False) are kept only here.
+    Without it, no-grad casts of trainable weights are kept per outermost
+    ``torch.no_grad()`` block from their second use."""
     st = tls
     if st.frozen_depth == 0:
         keeper = _Frozen()  # owned here: tls.keeper refers to it weakly
@@ -380,21 +327,17 @@ def frozen_weights() -> Iterator[None]:
 
 @contextlib.contextmanager
 def accumulation() -> Iterator[None]:
-    """A block of gradient accumulation: each trainable weight (a leaf that requires grad) is cast
-    once per optimizer step, not once per micro-batch, where torch.autocast casts it again in every
-    forward. Its copy is kept from its first use until the next optimizer step (any optimizer's
-    ``step()``: hmp/rules/steps.py), ``clear_cache()`` or the block's exit; what it costs is one
-    lower-precision copy of every trainable weight, held across the step's micro-batches.
+    """A block of gradient accumulation: each trainable weight is cast once per optimizer
+    step, not once per micro-batch (torch.autocast casts it in every forward). Its copy
+    is kept until the next optimizer step, ``clear_cache()`` or the block's exit: one
+    lower-precision copy of every trainable weight, held across micro-batches.
 
-    hmp still checks each use against the weight's version counter and data pointer, so in-place
-    ops and ``p.data = ...`` are seen, and a step boundary a hand-written loop shows: the weight's
-    gradient reset after a backward pass (``p.grad = None``, ``zero_grad()``) or replaced, so an
-    update through ``.data`` at the end of a step is seen too. What it cannot see is a write through
-    another tensor on the weight's memory (``p.data.copy_()``, a broadcast into a parameter) between
-    two micro-batches of one step, or a hand-written ``.data`` update whose loop zeroes gradients in
-    place (``zero_grad(set_to_none=False)``): that is what you promise not to make here (or call
-    ``hmp.clear_cache()`` after such an update). A recast replaces the copy it supersedes: one copy
-    per weight. Thread-local; nestable (the outermost block owns the copies)."""
+    Each use is still checked against the weight's version counter and data pointer,
+    and a gradient reset (``p.grad = None``, ``zero_grad()``) marks a step boundary.
+    What you promise not to do: write through another tensor on the weight's memory
+    (``p.data.copy_()``, a broadcast) between micro-batches, or update through ``.data``
+    in a loop that zeroes gradients in place (or call ``hmp.clear_cache()`` after).
+    Thread-local; nestable (the outermost block owns the copies)."""
     st = tls
     if st.accumulating is not None:
         yield
@@ -410,10 +353,8 @@ def accumulation() -> Iterator[None]:
 
 
 def open_region():
-    """A no-grad region starts in this thread with grad on before it (the
-    outermost: hmp/rules/no_grad_regions.py): its stores, for
-    ``close_region``, which the caller keeps; None inside frozen_weights(),
-    whose stores serve."""
+    """The outermost no-grad region entered with grad on starts in this thread: its stores,
+    for ``close_region``; None inside frozen_weights(), whose stores serve."""
     st = tls
     if st.frozen_depth:
         return None

@@ -1,11 +1,6 @@
-"""The copies hmp casts arguments into.
-
-Made so that a finite value stays finite (``FINITE_CASTS``; and ``numbers_check``,
-the BF16 rule's test of a Python number against the lower dtype's range),
-and a write an op makes into one carried back to the caller's tensor
-(``write_back``): docs/never-changes.md. The policies (policy.py) decide
-which arguments are cast; this module says what a cast is.
-"""
+"""The copies hmp casts arguments into: a finite value stays finite (``FINITE_CASTS``,
+``numbers_check``), and a write into a copy reaches the caller's tensor
+(``write_back``): docs/never-changes.md. policy.py decides which arguments are cast."""
 
 import decimal
 import numbers
@@ -39,32 +34,20 @@ _NAN = float("nan")
 
 
 class Cast(NamedTuple):
-    """A cast in its two forms, one object: ``any(t)`` wherever a call runs
-    (eager, traced, compiled); ``eager(t)``, the same cast for a wrapper's
-    call in eager code, which has turned casts off and asked once whether
-    anything traces or compiles (hmp/core/wrap.py), so it asks nothing per
-    tensor. A cast up is one function in both places."""
+    """A cast in two forms: ``any(t)`` wherever a call runs (eager, traced, compiled);
+    ``eager(t)`` for a wrapper's eager call, which already asked whether anything traces
+    or compiles, so it asks nothing per tensor."""
 
     any: Callable
     eager: Callable
 
 
 def _finite(dtype):
-    """The cast to a lower dtype that keeps a finite value finite
-    (docs/never-changes.md): torch's rounding, then a finite value beyond the
-    dtype's range (inf after rounding) becomes its largest finite value, as
-    saturating conversions do; an infinity stays infinite and NaN stays NaN,
-    as in plain torch. Written into the copy outside autograd (the copy's
-    gradient is the plain cast's), so the copy is the only tensor kept.
-
-    On the CPU, where reading a bound costs no device sync, one reduction
-    (``aminmax``) says whether anything lies beyond the range, against the
-    three passes saturation takes. Off the CPU the cast is one op,
-    ``hmp::to_finite`` (saturating_cast.py: one kernel on CUDA); a tensor
-    subclass (DTensor), vmap and forward-mode AD take torch's ops, which
-    they know. Its ``eager`` form is the cast for a wrapper's call, which
-    has turned casts off and checked once that nothing traces or compiles
-    (hmp/core/wrap.py): no per-cast state to read."""
+    """The cast to a lower dtype that keeps a finite value finite: torch's rounding, then a
+    finite value beyond the range becomes the largest finite value; inf and NaN stay.
+    Written outside autograd (the gradient is the plain cast's). On the CPU one
+    ``aminmax`` says whether anything is out of range; off it the cast is one op,
+    ``hmp::to_finite``; a tensor subclass, vmap and forward AD take torch's ops."""
     cast, top = _ROUNDING[dtype], torch.finfo(dtype).max
 
     def eager(t):
@@ -167,10 +150,8 @@ def is_number(t):
 
 
 def overflow_limit(low):
-    """Numbers beyond this magnitude are not finite values of ``low``. (The
-    exact point where rounding reaches inf lies a little above it, and
-    moves when a kernel rounds through float32 first: the largest finite
-    value is the bound that holds for every kernel.)"""
+    """Numbers beyond this magnitude are not finite values of ``low``: the largest finite
+    value, the bound that holds whichever way a kernel rounds."""
     return torch.finfo(low).max
 
 
@@ -194,13 +175,9 @@ _no_grad = torch.no_grad
 
 
 def write_back(cast_args, args, cast_kwargs, kwargs):
-    """After an op ran on hmp's copies of its arguments: what it wrote into
-    a copy is written into the caller's tensor, element by element (a
-    written argument is the caller's tensor: docs/never-changes.md). This
-    catches writes no schema declares (``F.embedding``'s ``max_norm``
-    renormalises the weight it is given). A copy was written when its
-    version counter moved (a fresh copy's is 0; one that saturated, 1: compared element by element,
-    nothing differs)."""
+    """After an op ran on hmp's copies: what it wrote into a copy is written into the
+    caller's tensor, catching writes no schema declares (``F.embedding``'s ``max_norm``).
+    A copy was written when its version counter moved."""
     if cast_args is not args:
         _back_seq(cast_args, args)
     if cast_kwargs is not kwargs:

@@ -1,23 +1,13 @@
-"""engine="autocast" at call time: torch's own autocast casts the ops where
-hmp's lists and autocast's policy agree, with no Python per call
-(docs/engines.md; which ops: hmp/binding/engine.py).
+"""engine="autocast" at call time: torch's autocast casts the ops where hmp's lists and
+autocast's policy agree, with no Python per call (docs/engines.md; which ops:
+hmp/binding/engine.py).
 
-A thread that joined the engine (the converting thread, threads started
-while converted) has autocast on for the engine's devices exactly where hmp
-casts (``tls.off == 0``): ``state.enter``/``leave``, the one place hmp's
-per-thread cast state changes, keep it so (``state.follow``), so every rule
-that turns hmp's casts off (``disable_casts()``, steps, data loading,
-backward, module entries, recompute) turns autocast off too. Autocast's
-weight cache stays off: it never checks a tensor's version, so a write it
-does not see would leave a stale copy.
-
-``off_around(op)``: ``op`` with autocast off for its call in a thread where
-hmp turned it on; given to each op hmp runs itself (its wrapper's op: the
-lists and autocast differ there, and the op's own calls must not be cast
-again) and put at the sites of ops autocast casts that the lists do not.
-In a torch.autocast region of the author's own, ``engine_on`` is False
-(regions.py's ``enter(OFF)``), so the region's autocast stays theirs.
-"""
+A joined thread has autocast on for the engine's devices exactly where hmp casts
+(``tls.off == 0``): ``state.enter``/``leave`` keep it so (``state.follow``), so
+every rule that turns hmp's casts off turns autocast off too. Autocast's weight cache
+stays off: it never checks a tensor's version. ``off_around(op)`` runs ``op`` with
+autocast off, for the ops hmp runs itself and for sites the lists leave uncast. In a
+user's own torch.autocast region ``engine_on`` is False, so the region stays theirs."""
 
 import torch
 

@@ -1,11 +1,8 @@
-"""A wrapper's identity: how any code tells an hmp wrapper from what it
-wraps, and gets the original back. Every wrapper hmp installs is marked
-(``mark``) with the object it stands in for (``ORIGINAL``) and with its own
-id, so ``unwrap`` finds torch's own under hmp's layer but keeps another
-library's wrapper stacked on top, whose ``functools.wraps`` copies the marks
-without the id they name. ``stand_in`` makes a wrapper look like what it
-replaces (name, docstring, ``__wrapped__``) and marks it. Imports nothing
-of hmp, so every floor may use it."""
+"""A wrapper's identity: telling an hmp wrapper from what it wraps, and getting the
+original back. Each wrapper is marked with the object it stands in for (``ORIGINAL``)
+and its own id, so ``unwrap`` finds torch's own under hmp's layer but keeps another
+library's wrapper on top (``functools.wraps`` copies the marks without the id).
+Imports nothing of hmp."""
 
 import functools
 
@@ -30,10 +27,8 @@ def unwrap(obj):
 
 
 def stand_in(wrapper, original):
-    """Make ``wrapper`` stand in for ``original``: its name, docstring and
-    ``__wrapped__``, and ``ORIGINAL`` pointing at torch's own (what revert
-    and a later convert unwrap to; through a stand-in of a stand-in too).
-    Returns ``wrapper``."""
+    """Make ``wrapper`` stand in for ``original`` (name, docstring, ``__wrapped__``) with
+    ``ORIGINAL`` pointing at torch's own, through stand-ins of stand-ins. Returns ``wrapper``."""
     try:
         functools.update_wrapper(wrapper, original)
     except (AttributeError, TypeError):  # a builtin without some of the names

@@ -1,17 +1,10 @@
 """Cast policies: which arguments of a call are cast, and to which dtype.
 
-Each policy is a small factory returning ``prepare(args, kwargs) ->
-(args, kwargs)``. ``prepare`` returns its inputs unchanged (the same
-objects) when nothing needs a cast, and never mutates them. ``casters`` maps a
-dtype to a cast (cast_copies.Cast, whose ``any`` form a prepare calls); it is chosen at convert time (plain,
-or through the weight cache). Which prepare a site's wrapper calls (the
-list's rule, with the in-place rule for calls that write a tensor checked
-inside it) is decided at convert time: hmp/binding/sites.py.
-
-``needs`` says when an op in no list must step in (docs/never-changes.md).
-The casts themselves (a finite value stays finite) and ``write_back`` live
-in cast_copies.py.
-"""
+Each policy is a factory returning ``prepare(args, kwargs) -> (args, kwargs)``, which
+returns its inputs themselves when nothing needs a cast and never mutates them.
+``casters`` maps a dtype to a cast_copies.Cast, chosen at convert time (plain or
+through the weight cache); which prepare a site calls is decided in
+hmp/binding/sites.py. ``needs`` says when an op in no list must step in."""
 
 import logging
 
@@ -31,19 +24,12 @@ PROMOTE = object()  # a lean wrapper's src for the promote rule's common case (o
 
 
 def cast_each(seq, src, cast, refuse=None):
-    """``seq`` with every tensor whose dtype is in ``src`` passed through ``cast``, or
-    ``SAME`` when nothing was cast (a sentinel, not ``seq``: torch.compile's dynamo
-    cannot ask whether two tuples are one object, and breaks its graph there).
-
-    Looks into list/tuple items, at any depth (``torch.cat([a, b])``). A
-    tensor subclass whose cast raises (``MaskedTensor`` refuses bfloat16) is
-    left as it is: the op then runs as it would without hmp. ``refuse``: a
-    check of the numbers in ``seq`` (Python, numpy or any other real number,
-    at any depth); when it says True, the result is None (the BF16 rule's
-    overflow check: see ``lower``). Every listed call's arguments pass here
-    (the wrapper's lean path): the types a call mostly holds are tested
-    first, by identity.
-    """
+    """``seq`` with every tensor whose dtype is in ``src`` passed through ``cast``, at any
+    depth of lists and tuples, or ``SAME`` when nothing was cast (a sentinel: dynamo
+    cannot compare tuples by identity without a graph break). A tensor subclass whose
+    cast raises stays uncast. ``refuse``: a check of the numbers in ``seq``; when it says
+    True the result is None (the BF16 rule's overflow check). The lean path's hot loop:
+    common types are tested first, by identity."""
     out = None
     for i, a in enumerate(seq):
         t = type(a)
@@ -126,11 +112,9 @@ def _split(args, kwargs, cast_both):
 
 
 def lower(low, casters, out=None):
-    """BF16 list: float32 tensors go to the lower dtype; nothing else is
-    touched. A call given a Python number that the lower dtype cannot hold
-    as a finite value (``torch.finfo(torch.float32).min``, the usual
-    attention-mask fill, is -inf in bfloat16) runs under the FP32 rule
-    instead: a finite value never turns inf (docs/never-changes.md)."""
+    """BF16 list: float32 tensors go to the lower dtype. A call given a Python number the
+    lower dtype cannot hold as a finite value (``torch.finfo(torch.float32).min``, a
+    usual mask fill) runs under the FP32 rule instead (docs/never-changes.md)."""
     cast, refuse = casters[low].any, numbers_check(low)
     up = fp32(low, casters, out)
 
@@ -217,14 +201,9 @@ def one_dtype(seq, seen):
 
 
 def widest(args, kwargs):
-    """The floating dtype ``torch.result_type`` would give the tensor
-    arguments, or None when they share one dtype (or have none), so nothing
-    needs a cast.
-
-    As in torch, 0-dim tensors do not widen dimensioned ones: ``x +
-    torch.tensor(0.5, dtype=torch.float64)`` stays in ``x``'s dtype, and
-    only when no dimensioned tensor is floating do 0-dim ones decide.
-    Python scalars are not tensors and never count."""
+    """The floating dtype ``torch.result_type`` would give the tensor arguments, or None
+    when they share one (or have none). As in torch, 0-dim tensors decide only when no
+    dimensioned tensor is floating; Python scalars never count."""
     one = one_dtype(args, None)
     if one is not False and kwargs:
         one = one_dtype(kwargs.values(), one)
@@ -338,11 +317,9 @@ def checking_inplace(main, into, position):
 
 
 def written_into(written, main, casters):
-    """``main``, unless it would replace a tensor the op writes (``written``:
-    ``(position, name)`` pairs, from the op's schema) by a cast copy: such a
-    call runs in the written tensor's dtype instead, every other floating
-    argument cast to it and no written one touched. (A norm's BF16 rule
-    casts only the input, so its running statistics stay as they are.)"""
+    """``main``, unless it would replace a tensor the op writes (``written``, from its
+    schema) by a cast copy: then the call runs in the written tensor's dtype, the other
+    floating arguments cast to it."""
     positions = tuple(i for i, _ in written)
 
     def prepare(args, kwargs):

@@ -1,24 +1,13 @@
 """What a wrapper does when its op raises: no new errors.
 
-When a listed op of torch's raises after hmp cast its arguments (no kernel
-for the dtype hmp chose: ``"addmm_..." not implemented for 'BFloat16'``,
-``Low precision dtypes not supported``, ``Unsupported dtype``; or an
-algorithm the lower dtype breaks), the call is run again with its arguments
-as given, as if the op were in no list, or, when that fails too and the call
-writes none of its arguments, with its lower-precision arguments in float32
-(an earlier listed op may have made them bf16); hmp warns once per op. The
-principle, not a list of messages: the error came from hmp's cast exactly
-when the call as given runs. A torch op runs nothing of the caller's before
-it raises, so running it again is safe; a function of the user's
-(``@hmp.*_function``, ``op_wrap``) may have, so it is run again only when
-its error came straight out of a C function it called (the innermost
-frame is hmp's wrapper) and says there is no kernel for the dtype. Any
-other error is raised as it was, with the note hmp/diagnostics/errors.py
-adds to a dtype mismatch.
-
-Everything here runs only on the error path, from the wrapper's ``except``
-clause (free in Python 3.11 when nothing is raised).
-"""
+When a listed torch op raises after hmp cast its arguments (no kernel for the dtype,
+an algorithm the lower dtype breaks), the call runs again as given, or, if that fails
+too and it writes no argument, with its lower-precision arguments in float32; hmp
+warns once per op. The rule is a principle, not a list of messages: the error was
+hmp's exactly when the call as given runs. A torch op runs nothing before it raises,
+so a retry is safe; a user's function is retried only when its error came straight
+out of a C function it called and names a missing kernel. Any other error is raised
+as it was, with diagnostics/errors.py's note. Runs only on the error path."""
 
 import logging
 import re
@@ -104,10 +93,9 @@ def rescue(exc, op, about, args, kwargs, cast_args, cast_kwargs):
 
 
 def uncast_error(exc, about):
-    """An op a wrapper called with casts off raised ``exc``. Where no other wrapper encloses the call
-    (casts are off for a block: ``disable_casts()``, an FP32 module entry), the error gets the note a
-    cast call's would, told the call ran uncast (About ``uncast``); inside another wrapper's op,
-    that wrapper notes it."""
+    """An op a wrapper called with casts off raised ``exc``. With no enclosing wrapper (a
+    ``disable_casts()`` block, an FP32 module) it gets a cast call's note, told the call
+    ran uncast; inside another wrapper's op, that wrapper notes it."""
     if _graph_task_id is not None and _graph_task_id() != -1:
         return  # in a backward pass: the backward's wrapper notes it (hmp/rules/regions.py)
     tb = exc.__traceback__  # its first entry is the wrapper's own frame
@@ -158,10 +146,9 @@ def _mix(args, kwargs):
 
 
 def one_dtype_on_reject(op, to_one):
-    """``op`` run with the arguments it is given; where the device's kernel
-    rejects their mix of dtypes, run again with ``to_one``'s (every floating
-    argument in one dtype), and from then on go straight there for that
-    device type and mix (binding/sites.py builds it for the sites that need it)."""
+    """``op`` run as given; where the device's kernel rejects the mix of dtypes, again with
+    ``to_one``'s (one floating dtype), and straight there from then on for that device
+    type and mix (binding/sites.py builds it)."""
     rejected = set()  # _mix keys whose kernel rejected the mix
 
     def call(*args, **kwargs):

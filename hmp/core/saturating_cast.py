@@ -1,26 +1,15 @@
-"""The saturating cast off the CPU as one op, ``hmp::to_finite``: on CUDA one kernel.
+"""The saturating cast off the CPU as one op, ``hmp::to_finite``: a finite value stays
+finite (docs/never-changes.md). On the CPU hmp reads the source's range first
+(cast_copies.py); off it a read would sync the device, so the cast always saturates.
+One registered op, so a dispatch mode sees one op and each device gives its kernel:
 
-A cast to a lower dtype keeps a finite value finite (docs/never-changes.md). On the CPU hmp reads
-the source's range first (cast_copies.py), which costs no device sync; off the CPU a read would
-wait for the device, so the cast saturates every time. Stock torch has no two-op cast that keeps
-infinities (``clamp`` and ``nan_to_num`` turn them into the largest finite value), so the saturation
-took four dispatched ops (``_to_copy``, ``isinf``, ``clamp``, ``where``): four kernel launches where
-torch.autocast's cast makes one, and batch-1 decode on a GPU is bound by launches.
+- CUDA/ROCm with Triton: one Triton kernel, bf16 rounding done on the bits (round to
+  nearest even), so Triton's interpreter gives the same bits as a GPU.
+- Meta and fake tensors: metadata only.
+- Other devices, or a source the kernel does not take: the stock ops.
 
-``to_finite(t, dtype)`` is that cast as one registered op, so a dispatch mode sees one op and each
-device gives its own kernel:
-
-- CUDA (and ROCm), with Triton importable (it ships with torch's CUDA builds): one Triton kernel
-  reads the float32 source and writes the saturated, rounded copy. bf16's rounding is done on the
-  bits (round to nearest even, as torch's), so the kernel gives the same bits in Triton's
-  interpreter (``TRITON_INTERPRET=1``, how the CPU tests check its numbers) as on a GPU.
-- Meta (and fake tensors): the output's metadata, nothing run.
-- Any other device (HPU, MPS, XPU), or a source the kernel does not take (not float32, not
-  contiguous, empty): the four stock ops.
-
-Inside torch.compile and jit.trace hmp never calls this op: it emits the stock ops
-(cast_copies.py), which inductor fuses into the consumer's kernel.
-"""
+Inside torch.compile and jit.trace hmp emits the stock ops (cast_copies.py) for
+inductor to fuse."""
 
 import functools
 
@@ -190,10 +179,8 @@ def run(t, dtype):
 
 
 class _ToFinite(torch.autograd.Function):
-    """The op with the plain cast's gradient (the gradient cast back to the source's dtype), forward
-    mode too. Old-style (``forward(ctx, ...)``, no ``setup_context``) and applied through torch's C
-    ``apply`` (torch_private.function_apply): one Python frame per cast, no signature bound per call.
-    Its body is ``run``'s, inlined."""
+    """The op with the plain cast's gradient (forward mode too), old-style and applied
+    through torch's C ``apply``: one Python frame per cast. Its body is ``run``'s, inlined."""
 
     @staticmethod
     def forward(ctx, t, dtype):

@@ -1,23 +1,17 @@
-"""Everything hmp keeps between calls, in one place; imports nothing from hmp
-but torch_private and torch_releases (leaves too).
+"""Everything hmp keeps between calls, in one place (imports only the leaves
+torch_private and torch_releases).
 
-- ``tls``: per thread. ``off`` is the only thing the per-call wrapper
-  reads: ``OFF`` inside ``disable_casts()``, inside a listed op (so ops it
-  calls are not cast again: the outermost op decides), in backward and in
-  the other regions hmp leaves alone; ``MODULE`` inside an FP32 module
-  (a BF16 module inside it casts again); 0 where hmp casts. Every writer
-  follows one rule, ``enter()`` where its region starts and ``leave()``
-  with what enter returned where it ends, on every exit path.
-- ``runtime``: the process-wide conversion. Only hmp/driver/conversion.py writes
-  it, under ``runtime.lock``.
-- ``weight_cache``: the weight-cast cache's stores (hmp/core/cache.py writes them).
-- ``warned``: keys of the warn-once messages already given.
+- ``tls``: per thread. ``off`` is all the per-call wrapper reads: ``OFF`` inside
+  ``disable_casts()``, a listed op (the outermost op decides), backward and other
+  regions hmp leaves alone; ``MODULE`` inside an FP32 module; 0 where hmp casts.
+  Every writer pairs ``enter()`` with ``leave()`` on every exit path.
+- ``runtime``: the process-wide conversion, written by hmp/driver/conversion.py
+  under ``runtime.lock``.
+- ``weight_cache``: the weight-cast cache's stores (hmp/core/cache.py).
+- ``warned``: warn-once keys already given.
 
-Kept elsewhere, on purpose: memos of what torch or a shipped file says, registrations
-made at import by a floor above, weak sets of what was already looked at. Each says why
-with a ``# kept: ...`` line where it is defined (tests/unit/test_one_home.py finds every
-module-level store and memo and reads that line).
-"""
+A store kept elsewhere says why with a ``# kept: ...`` line where it is defined
+(tests/unit/test_one_home.py reads it)."""
 
 import os
 import sys
@@ -38,14 +32,10 @@ MODULE = 2  # casts off for an FP32 module's forward (modules.py): a BF16 module
 
 
 class ThreadState(threading.local):
-    # Every attribute is set per thread, none on the class: dynamo before torch 2.12 reads an
-    # attribute of a threading.local statically, finds a class attribute before the thread's
-    # own value, and traces a stale one while its guard reads the live one (a compiled model
-    # inside disable_casts() recompiled and still cast; torch_releases.BOUNDARIES, below).
+    # Attributes per thread, none on the class: dynamo before torch 2.12 traces a class
+    # attribute in place of the thread's value (torch_releases.BOUNDARIES, below).
     def __init__(self):
-        # Each thread starts with casting on, except one first seen inside a backward pass: an
-        # autograd device thread (CUDA runs backward there), which only ever runs backward, where
-        # hmp casts nothing. Runs once per thread.
+        # casting on, except in an autograd device thread (first seen inside backward): it runs only backward
         self.off = OFF if _graph_task_id is not None and _graph_task_id() != -1 else 0
         self.lower_mode = None
         self.frames = []  # open regions' frames (enter/leave), oldest first
@@ -66,9 +56,8 @@ class ThreadState(threading.local):
 
 
 if not torch_releases.BOUNDARIES["traced_state_writes"].present:
-    # The floor's dynamo breaks the graph at every write to a threading.local; with the class
-    # attributes it runs hmp's wrappers as CI tested them there, while without them it traced a
-    # stale ``off`` after a second conversion in one process (torch 2.4.1, tests/unit/test_compile.py)
+    # the floor's dynamo breaks the graph at every threading.local write and, without class
+    # attributes, traced a stale ``off`` after a second conversion (tests/unit/test_compile.py)
     ThreadState.off, ThreadState.lower_mode = 0, None
 
 tls = ThreadState()
@@ -80,16 +69,11 @@ _set_autocast = torch.set_autocast_enabled
 
 
 def graph_off(off):
-    """Set the thread's ``off``: called where hmp's cast state changes while
-    torch.compile's dynamo traces, it is recorded in the captured graph (a
-    node of its own: wrap.ready_for_compile registers it), so the lowering of
-    that graph replays each change in program order. A Python operator
-    (``a @ b``), which dynamo records as Python's operator and hmp decides only
-    at lowering, is then decided in the state it was traced in: inside an
-    FP32 module, ``disable_casts()`` or an ``@hmp.fp32_function`` too.
-    dynamo itself runs the node once while it traces, for its example value:
-    that run changes nothing (its trace keeps the state it traced, and a
-    trace restarted after a graph break must read the thread as it was)."""
+    """Set the thread's ``off``. Called while dynamo traces, it is a node of the
+    captured graph (wrap.ready_for_compile), so lowering replays each change in
+    order and a Python operator (``a @ b``), decided only at lowering, sees the
+    state it was traced in. dynamo's own run of the node for its example value
+    changes nothing."""
     if not _example_run():
         tls.off = off
 
@@ -105,17 +89,11 @@ def _example_run():
 
 
 def enter(off, lower_mode=_KEEP, graph=True):
-    """Set the calling thread's cast state where a region starts: ``off``
-    (0, OFF or MODULE) and, for a BF16 module, its mode. Returns the
-    region's frame (the state it found), for ``leave()`` where it ends.
-    (The per-call wrappers inline the pair: they run only where ``off`` is
-    0, and nothing they call outlives them.) ``graph=False`` (with the
-    same to ``leave()``): no graph_off node while dynamo traces, for a region
-    that may span a graph break (an optimizer step: torch.optim breaks the
-    graph inside every step). The lowering of a graph that holds its start
-    but not its end would leave the change in the thread, where dynamo's
-    guards then read it; dynamo replays the region's writes of the thread
-    after each run of the graph, and code traced after them reads them."""
+    """Set the thread's cast state where a region starts: ``off`` (0, OFF or MODULE)
+    and, for a BF16 module, its mode. Returns the region's frame for ``leave()``.
+    ``graph=False`` (and the same to ``leave()``): no graph_off node, for a region
+    that may span a graph break (an optimizer step), whose lowering would otherwise
+    leave the change in the thread."""
     st = tls
     frame = [st.off, st.lower_mode]
     if _dynamo_tracing():
@@ -134,8 +112,7 @@ def enter(off, lower_mode=_KEEP, graph=True):
 
 
 def leave(frame, graph=True):
-    """End the region ``enter()`` returned ``frame`` for (``close_block``'s
-    rule). A frame already left (by revert()'s unwinding) is ignored."""
+    """End the region ``enter()`` returned ``frame`` for; a frame already left (revert()) is ignored."""
     if close_block(tls.frames, frame):
         tls.off, tls.lower_mode = frame
         if tls.engine is not None:
@@ -145,9 +122,8 @@ def leave(frame, graph=True):
 
 
 def follow(st, off):
-    """A joined thread's autocast state after its ``off`` changed: on exactly
-    where hmp casts (engine="autocast", hmp/core/delegation.py). A thread
-    whose engine is no longer in force (revert()) gets its own state back."""
+    """A joined thread's autocast state after its ``off`` changed: on exactly where hmp
+    casts (engine="autocast"); a thread whose engine is out of force gets its own back."""
     engine = st.engine
     if not engine.in_force:
         engine.depart(st)
@@ -158,13 +134,10 @@ def follow(st, off):
 
 
 def close_block(stack, block):
-    """Take ``block`` (a list of what it found when it opened) off ``stack``
-    (oldest first), the one rule of hmp's nested blocks: thread cast-state
-    regions and converted() blocks. True: it was the innermost, and the
-    caller puts back what it found. False: a newer block is open (a
-    generator closed inside a block it did not open); it stays in force and
-    now holds what this one found, to put back when it closes. None: not on
-    the stack."""
+    """Take ``block`` off ``stack``, the one rule of hmp's nested blocks (cast-state
+    regions, converted() blocks). True: it was innermost, the caller restores what
+    it found. False: a newer block stays open and inherits what this one found (a
+    generator closed inside a block it did not open). None: not on the stack."""
     if stack and stack[-1] is block:
         stack.pop()
         return True
@@ -209,12 +182,10 @@ runtime = Runtime()
 
 
 class SharedWeakSet:
-    """A set of objects, held weakly, that every thread adds to while any
-    thread reads or empties it. Each step is one dict operation, atomic
-    under the GIL (and per object in free-threaded builds), so no lock is
-    taken: a ``weakref.WeakSet`` iterates in Python, and another thread's
-    add raises "Set changed size during iteration" in the reader. Each
-    object is added once (no de-duplication: every caller adds a new one)."""
+    """Objects held weakly, added by any thread while another reads or empties them.
+    Each step is one dict operation, atomic under the GIL, so no lock: a
+    ``weakref.WeakSet`` iterates in Python and a concurrent add makes the reader
+    raise. Each object is added once."""
 
     __slots__ = ("_refs", "_gone")
 
@@ -237,8 +208,7 @@ class SharedWeakSet:
         return [obj for obj in (ref() for ref in list(self._refs.values())) if obj is not None]
 
     def take(self):
-        """Empty the set and return what was alive in it; an add racing with
-        this lands either in what is returned or in the set, never lost."""
+        """Empty the set and return what was alive; a racing add lands in one or the other, never lost."""
         out, pop = [], self._refs.popitem
         while True:
             try:
@@ -296,10 +266,9 @@ def _in_folders(filename, tops):
 
 
 def user_stacklevel():
-    """``stacklevel`` for a warning raised inside hmp: the first frame
-    outside hmp, torch, the standard library and installed packages, so the
-    warning shows the user's line (a Trainer's caller, not contextlib); the
-    first frame outside hmp and torch when every frame is a library's."""
+    """``stacklevel`` for a warning raised in hmp: the first frame outside hmp, torch,
+    the standard library and installed packages (the user's line), else the first
+    outside hmp and torch."""
     first_library = None
     frame, level = sys._getframe(1), 1
     while frame is not None:

@@ -1,16 +1,11 @@
-"""Every private torch name hmp reaches, in one module.
+"""Every private torch name hmp reaches, in one module: one file to read when a release breaks
+something (tests/unit/test_structure.py keeps other modules off them; tests/unit/test_torch_private.py
+checks each on the running torch).
 
-torch's private names change between releases without notice; keeping them here means one file to read when a new
-release breaks something, and tests/unit/test_structure.py fails if another module reaches one directly.
-tests/unit/test_torch_private.py checks each of them on the running torch.
-
-Each entry says why hmp needs it and the releases it is known for (hmp/tested.py). A name a release lacks gets a
-fallback here, never an AttributeError at ``import hmp``; where none keeps hmp's promise, convert() says what is
-missing (``checkpoint_lacks()``, ``step_lacks()``, through the rules' ``Changes.lacks``; torch_releases.py's
-``release_lacks()`` for what a release between the floor and the newest cannot give).
-
-``PRESENT`` says which of them the running torch has; hmp/core/torch_releases.py holds the table of those names and
-behaviours, the first release that has each and what hmp does without it.
+Each entry says why hmp needs it. A name a release lacks gets a fallback here, never an error at
+``import hmp``; where none keeps hmp's promise, convert() says what is missing (``checkpoint_lacks()``,
+``step_lacks()``). ``PRESENT`` says which the running torch has; hmp/core/torch_releases.py holds the
+first release of each.
 """
 
 import functools
@@ -55,19 +50,14 @@ def _false():
 # also asks about scripting; the cache asks on every call.
 tracing_state = getattr(torch._C, "_get_tracing_state", None) or _none
 
-# torch.compile after dynamo's capture: AOTAutograd, decompositions and inductor run torch's own Python code, which
-# calls torch's public functions by name (an addmm decomposition calls torch.mm); hmp decided every cast when dynamo
-# traced the program, so its wrappers must then be torch's ops. Releases that hold _is_compiling_flag for the whole
-# compile session say so (_compile_session_context); there, the flag while dynamo is not tracing and nothing is
-# exported (export's default traces the user's own code without dynamo, where hmp decides) is that phase. Older
-# releases set the flag only while dynamo traces; their session is dynamo's CompileContext, which it holds from
-# capture to the compiled graph (every release from the floor on: torch_releases.BOUNDARIES) and export does not
-# open.
+# After dynamo's capture, torch.compile's lowering runs torch's own Python code, which calls torch's public
+# functions by name; hmp decided every cast at capture, so its wrappers must then act as torch's ops. Releases
+# with _compile_session_context hold _is_compiling_flag for the whole session (flag set, dynamo not tracing, not
+# exporting: lowering); older ones are in session while dynamo's CompileContext is open.
 _compiler = torch.compiler
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 KNOWS_COMPILE_SESSION = hasattr(_compiler, "_compile_session_context")
-# where CompileContext.try_get() reads it: a thread-local whose missing attribute costs try_get
-# (getattr with a default) about 0.7 us per eager call; its dict answers in 0.08 us
+# where CompileContext.try_get() reads it; its __dict__ is read directly, ten times cheaper than try_get per call
 _guards_tls = _guards._TLS
 # export's default traces through dynamo (before 2.8): its second trace, of what dynamo
 # captured, runs with no flag and no compile context, on fake tensors

@@ -1,15 +1,8 @@
-"""Which torch release has what hmp relies on: ``BOUNDARIES``, one row per
-private name or behaviour of torch's whose shape changes between releases,
-with the first release that has it and what hmp does without it.
-
-docs/torch-releases.md shows the table (tests/unit/test_torch_private.py
-keeps the two equal); the tests that skip on a release read their reason
-from it (tests/helpers.needs); convert() says once what the running release
-cannot give (``release_lacks()``, through hmp/tested.py). Whether a name is
-there is asked of torch in hmp/core/torch_private.py (``PRESENT``), the one
-module that reaches torch's private names; a behaviour with no name to ask
-is known by its first release.
-"""
+"""Which torch release has what hmp relies on: ``BOUNDARIES``, one row per private name
+or behaviour whose shape changes between releases, with its first release and what
+hmp does without it. docs/torch-releases.md shows the table (tests/unit/test_torch_private.py
+keeps them equal); skipped tests read their reason from it; ``release_lacks()`` says
+what the running release cannot give. Presence is asked in torch_private.py (``PRESENT``)."""
 
 import re
 from typing import NamedTuple

@@ -1,20 +1,17 @@
 """The saturating cast's Triton kernel launched without Triton's JIT after its first launch.
 
-``kernel[grid](...)`` binds and specialises its arguments, builds a cache key, looks the compiled
-kernel up and reads the current device (torch's ``_lazy_init``) on every launch: about 20 µs of a
-GPU host's time, more than the kernel takes. ``Launcher`` launches through the JIT once per
-specialisation, keeps the compiled kernel it returns, and later calls that kernel's launcher
-itself, with the arguments Triton's JIT gives it (``runtime/jit.py``, ``JITFunction.run``)::
+``kernel[grid](...)`` binds arguments, builds a cache key and reads the current device
+on every launch, which costs a GPU host more than the kernel. ``Launcher`` launches
+through the JIT once per specialisation, keeps the compiled kernel and then calls its
+launcher itself with the arguments Triton's ``JITFunction.run`` gives it::
 
     compiled.run(grid0, grid1, grid2, stream, compiled.function, compiled.packed_metadata,
                  launch_metadata, launch_enter_hook, launch_exit_hook, *kernel_args)
 
-``kernel_args``: the non-constexpr arguments on Triton 3.0 to 3.2 (src, dst, n, top: 13 in all),
-every argument from 3.3 (BLOCK and BF16 too: 15), as the compiled kernel's signature also says
-(4 or 6 entries; both must agree). Other releases, another backend than CUDA's (ROCm specialises
-more), Triton's interpreter (it returns no compiled kernel) or a failed direct launch: the JIT's
-launch, for good. Triton's launcher and its internals are reached from this module only.
-"""
+``kernel_args``: the non-constexpr arguments on Triton 3.0 to 3.2, every argument from
+3.3, as the compiled kernel's signature says. Other releases, other backends, the
+interpreter or a failed direct launch: the JIT, for good. Triton's launcher is reached
+from this module only."""
 
 import importlib
 import re
@@ -38,12 +35,10 @@ def _active(hook):
 
 
 class Launcher:
-    """``launcher(src, dst, n, top, bf16)``: one launch of ``jit`` over ``n`` elements.
-
-    A compiled kernel is kept per (target dtype, device, what Triton specialises on: each pointer
-    and ``n`` divisible by 16, ``n`` equal to 1, ``n`` past int32), so a call is served by the
-    kernel Triton itself would pick. Launch hooks (a profiler's) or pre-run hooks in force: that
-    call goes through the JIT, which gives them what they expect."""
+    """``launcher(src, dst, n, top, bf16)``: one launch of ``jit`` over ``n`` elements. A
+    compiled kernel is kept per dtype, device and what Triton specialises on, so a call
+    gets the kernel Triton would pick; with launch or pre-run hooks in force the call goes
+    through the JIT."""
 
     def __init__(self, triton, jit, block, driver=None):
         self.jit, self.block = jit, block

@@ -1,32 +1,13 @@
-"""The wrapper: one body for every call hmp casts (listed ops, registered
-functions, ``@hmp.*_function`` decorators, ``op_wrap``), and its life:
-paused, resumed, taken over, retired by revert(), compiled by TorchScript
-as its original. What a site's wrapper does is decided in
-hmp/binding/sites.py; Habana's ``op_wrap`` helpers are in hmp/core/op_wrap.py.
+"""The wrapper: one Python body (``_body``) for every call hmp casts (listed ops,
+registered functions, ``@hmp.*_function``, ``op_wrap``), and its life: paused,
+resumed, taken over, retired by revert(), scripted by TorchScript as its original.
 
-Per call the body reads the thread's ``off``; when it is 0 it asks once
-whether anything compiles or traces (``torch_private.call_state``), turns
-casts off for the casts and the op (the outermost op decides:
-hmp/core/state.py's ``enter``/``leave``, inlined, since the body only gets
-there when ``off`` is 0), casts the arguments by the site's rule (chosen at
-convert time) and on an exception from the op hands over to
-hmp/core/rescue.py. In eager code the lean path casts through the casters'
-``eager`` form, which asks no per-tensor question the call already
-answered (cast_copies.py, cache.py).
-
-A listed site's wrapper is lean: a call without keyword arguments (the
-common case) goes straight to the rule's casts (``policy.cast_each``, or the
-promote rule's one-dtype check), one function call less than through the
-site's ``prepare``, which takes every other call. A call with nothing to
-cast leaves after one dtype check per tensor argument. ``prepare`` is PAUSED
-(None) in a paused or retired wrapper: a plain call of ``op``.
-
-Every wrapper, whatever it wraps, is this module's Python closure
-(``_body``): a function that ``inspect`` sees as one, torch.compile traces
-and TorchScript compiles as its original (``script_as``). (A body in C was
-removed, issue 40: it saved at most 1.5 us a call, and compiled GPU graphs
-ran 2.5-3.4x slower than autocast with it.)
-"""
+Per call, when the thread's ``off`` is 0, the body asks once whether anything
+compiles or traces, turns casts off for the casts and the op (the outermost op
+decides), casts the arguments by the site's rule and hands an exception to
+rescue.py. A call without keywords takes the lean path (``policy.cast_each`` or
+the promote check); every other call goes through the site's ``prepare``.
+What each site's wrapper does is decided in hmp/binding/sites.py."""
 
 from __future__ import annotations
 
@@ -59,25 +40,16 @@ def make(
     needs=None,
     eager_prepare=None,
 ):
-    """The wrapper of ``op``: casts through ``prepare``; ``about`` (an
-    rescue.About) describes it for the error path. ``original``: what
-    ``op`` adapts, when it is an adapter (wrapper attributes come from it).
-    ``hidden``: ``op`` may write an argument without declaring it (a Python
-    function; a builtin's writes are in its schema, see resolve.writes), so
-    after a call that cast something, writes into the copies are carried
-    back to the caller's tensors (cast_copies.write_back). ``needs(args,
-    kwargs)``: False for a call the wrapper leaves entirely alone, casts
-    staying on for the ops it calls (an op in no list, see kinds.Fallback).
-    ``eager_prepare``: ``prepare``'s rule built on the casters' eager forms,
-    for calls in eager code (keyword and in-place calls then cast as the lean
-    path does, asking nothing per tensor); None: ``prepare`` serves.
+    """The wrapper of ``op``, casting through ``prepare``; ``about`` (a rescue.About)
+    describes it for the error path.
 
-    ``src`` makes it lean for calls without keywords (and without a true
-    ``inplace`` at position ``inplace_at``): tensors whose dtype is in
-    ``src`` go through ``cast`` directly (policy.cast_each, a number
-    ``refuse`` rejects sends the call to ``prepare``), or, with
-    ``src=policy.PROMOTE``, a call whose floating tensors share one dtype runs as
-    given. ``prepare`` applies the same rule to every other call."""
+    ``original``: what ``op`` adapts, if it is an adapter. ``hidden``: ``op`` may
+    write an argument undeclared (a Python function), so writes into cast copies are
+    carried back. ``needs(args, kwargs)``: False for a call left alone. ``src``,
+    ``cast``, ``refuse``, ``inplace_at``: the lean path for calls without keywords
+    (tensors of a dtype in ``src`` go through ``cast``; ``src=policy.PROMOTE`` runs a
+    one-dtype call as given). ``eager_prepare``: ``prepare`` on the casters' eager
+    forms, for eager code (None: ``prepare``)."""
     original = op if original is None else original
     eager_prepare = prepare if eager_prepare is None else eager_prepare
     return finish(_body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs, eager_prepare), original)
@@ -165,21 +137,17 @@ _METADATA_KEY = "hmp_copies"
 
 
 class _Held:
-    """The weight copies one graph holds (in its node's metadata): emptied
-    by the next backward pass (cache.release), gone with the node."""
+    """The weight copies one graph holds in its node's metadata, emptied at the next
+    backward pass (cache.release)."""
 
     __slots__ = ("copies", "__weakref__")
 
 
 def hold(result, fresh):
-    """Give the graph of ``result`` (its first tensor's ``grad_fn``) the
-    weight copies this call made (``fresh``, emptied): the cache holds them
-    weakly, and autograd keeps only those it saves (a weight, not a bias), so
-    without this a bias would be cast again at every call. Freed as what the
-    graph saves is: when the next backward pass starts (or an optimizer step,
-    or clear_cache()), or with the output. (A per-node backward hook would
-    release them at that graph's own backward, but a Python hook on every
-    node costs a training step several percent.)"""
+    """Give the graph of ``result`` the copies this call made (``fresh``, emptied): the
+    cache holds them weakly and autograd saves only some (a weight, not a bias), so
+    without this a bias would be cast at every call. A per-node backward hook would
+    free them sooner but costs every node a Python call."""
     t = result if isinstance(result, torch.Tensor) else None
     if t is None and isinstance(result, (tuple, list)):
         t = next((r for r in result if isinstance(r, torch.Tensor)), None)
@@ -219,12 +187,9 @@ _ready_lock = threading.Lock()  # two threads' first convert() do it one after t
 
 
 def ready_for_compile():
-    """Before convert() installs wrappers: dynamo imported (what it reads
-    from torch's namespaces at import must be torch's own functions, so a
-    program that compiles after convert() gets one graph). Idempotent;
-    convert() runs it once per process (``runtime.ready_for_compile``):
-    importing dynamo takes a second or more where the program has not done
-    it already."""
+    """Import dynamo before convert() installs wrappers, so what it reads from torch's
+    namespaces at import is torch's own and a later compile gets one graph.
+    Idempotent; importing dynamo can take a second."""
     with _ready_lock:
         torch_private.import_dynamo()
         # a change of the cast state while dynamo traces is a node of the graph (state.graph_off),
@@ -234,8 +199,7 @@ def ready_for_compile():
 
 
 def finish(wrapper, op):
-    """``wrapper`` standing in for ``op`` (identity.stand_in), and compiled by
-    TorchScript as torch's own."""
+    """``wrapper`` standing in for ``op`` (identity.stand_in) and scripted as torch's own."""
     stand_in(wrapper, op)
     script_as(wrapper, unwrap(op))
     return wrapper
@@ -245,24 +209,14 @@ _forget_builtin = torch_private.jit_forget_builtin
 
 
 def script_as(wrapper, original):
-    """Make TorchScript compile ``wrapper`` as ``original``: scripted code
-    runs its ops uncast, from C++, like any call hmp cannot see.
+    """Make TorchScript compile ``wrapper`` as ``original``: scripted code runs its ops
+    uncast, like any call hmp cannot see.
 
-    An original that TorchScript knows as an aten builtin (``torch.relu``,
-    ``F.linear``) gets the wrapper registered as the same builtin, keyed by
-    the wrapper's id and removed when the wrapper is collected (so a retired
-    wrapper captured by a module stays scriptable after revert()). A Python
-    original (``F.relu``) is compiled from its own source and scope through
-    the ``__prepare_scriptable__`` hook torch.jit calls on functions.
-
-    The builtin table is private (torch_private.jit_register_builtin) and
-    kept because no public way scripts a call of a builtin's wrapper:
-    ``__prepare_scriptable__`` is honoured for a function called inside
-    scripted code too, but torch.jit then compiles what it returns from
-    source, and a builtin has none; ``torch.jit.ignore``/``unused`` would
-    leave a Python call (typed, not savable) in the scripted code. Without
-    the table ``tests/unit/test_interop_jit_refs.py::test_script_while_converted_and_after_revert``
-    and ``::test_scripted_transformer_layer_while_converted`` fail."""
+    An aten builtin (``torch.relu``) gets the wrapper registered as the same builtin
+    (torch_private.jit_register_builtin, private: no public way scripts a call of a
+    builtin's wrapper), dropped when the wrapper is collected; a Python original
+    (``F.relu``) is compiled from its source through ``__prepare_scriptable__``.
+    tests/unit/test_interop_jit_refs.py fails without the table."""
     builtin = torch_private.jit_find_builtin(original)
     if builtin is not None:
         torch_private.jit_register_builtin(wrapper, builtin)
@@ -311,10 +265,9 @@ def take_over(wrapper, donor):
 
 
 def retire(wrapper):
-    """Turn a wrapper that revert() took out of torch into a plain call of
-    the original: references captured while converted (``self.act =
-    F.relu``) then behave as the original. Objects that are not hmp
-    wrappers are left alone."""
+    """Turn a wrapper revert() took out of torch into a plain call of the original, so
+    references captured while converted behave as the original; its qualname says
+    why pickling it fails. Non-wrappers are left alone."""
     if not is_wrapper(wrapper):
         return
     original = unwrap(wrapper)
