@@ -1,18 +1,13 @@
-"""engine="autocast" at convert time: which listed ops torch.autocast casts as
-the lists say (delegated: no wrapper, torch's dispatcher casts them), which ops
-it casts that the lists do not (their sites get autocast off around the
-call), and the changes that program each thread (docs/engines.md; the per-call
-part: hmp/core/delegation.py).
+"""engine="autocast" at convert time: which listed ops torch.autocast casts as the lists
+say (delegated: no wrapper), which it casts that the lists do not (autocast off around
+them), and the changes that program each thread (docs/engines.md; per call:
+hmp/core/delegation.py).
 
-Autocast's policy is probed, not read from its C++: the ops with an
-``Autocast<device>`` kernel come from the dispatcher (``torch_private.autocast_kernels``);
-an op of the lists among them is called once per process on tiny tensors of
-the device under autocast (``policy``): float32 arguments giving the lower
-dtype say "bf16", bfloat16 ones giving float32 "fp32", mixed ones giving
-float32 "promote". An op with no probe here (``_PROBES``) keeps hmp's wrapper.
-An op is delegated where every device the engine programs says what the
-lists say (CPU, and CUDA where it is available).
-"""
+Autocast's policy is probed, not read from its C++: ops with an ``Autocast<device>``
+kernel come from the dispatcher; each listed one is called once per process on tiny
+tensors under autocast (``policy``) to read "bf16", "fp32" or "promote". An op with
+no probe (``_PROBES``) keeps hmp's wrapper; an op is delegated where every device the
+engine programs agrees with the lists."""
 
 import functools
 import threading

@@ -1,22 +1,14 @@
-"""The list kinds: one record per list (``Kind``), read by everything that
-treats a list by its kind, and ``kind(name)``, which raises for a name that
-is none of them.
+"""The list kinds: one record per list (``Kind``), read by everything that treats a list
+by its kind, and ``kind(name)``, which raises for an unknown name.
 
-A record says what a list is called (its public name, the key of
-``effective_lists()`` and of its file parameter), where its file comes from
-(convert()'s parameter, the environment, the shipped default per
-``opt_level``) and what hmp does with an entry of it: the policy factory
-(what a call casts: the name of a factory of hmp/core/policy.py), the lean
-path's casts (a call without keywords, as data: ``Lean``), the module rule
-(a module entry's whole forward: a method of hmp/binding/modules.py) and which
-entries are bound at all (hmp/binding/pays.py). The record names what the call
-path does and imports none of it: hmp/binding/sites.py turns the names into
-a site's wrapper. Adding a kind is one record here, its policy, its list
-file and its convert() parameter.
+A record gives a list's public name (the key of ``effective_lists()`` and its file
+parameter), where its file comes from, and what hmp does with an entry: the policy
+factory's name, the lean path's casts (``Lean``), the module rule and which entries
+are bound (pays.py). It names the call path and imports none of it: sites.py builds
+the wrapper. A new kind is one record, its policy, its list file and its parameter.
 
-The lower list keeps Habana's public name "bf16", in files and parameters;
-it runs in float16 too, so inside hmp it is ``LOWER``.
-"""
+The lower list keeps Habana's public name "bf16"; it runs in float16 too, so inside
+hmp it is ``LOWER``."""
 
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple, Optional

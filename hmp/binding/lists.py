@@ -1,18 +1,10 @@
 """Op list files: reading, validating and combining them into effective lists.
 
-Everything here runs before anything is patched, so a bad file raises with
-torch untouched. Which file each list comes from, first match wins: the
-argument, the environment, the shipped default: each kind's record says
-(hmp/binding/kinds.py).
-
-Besides op names and module paths, a line may be ``include default`` (the
-default list of the file's kind), ``include <name>`` (a shipped list,
-``list_path(name)``) or ``-name`` (take ``name`` out of what the file
-holds), so a file can extend a default list instead of replacing it. A list
-holds precision choices only: names of ops that alias, copy, move or only
-write data are skipped with a warning (refusals.py). Reading a file's lines
-and finding the shipped files is list_files.py's.
-"""
+Runs before anything is patched, so a bad file raises with torch untouched. Each
+kind's record (kinds.py) says where its file comes from. Besides op names and module
+paths a line may be ``include default``, ``include <name>`` (a shipped list) or
+``-name`` (take it out), so a file can extend a default list. Names of ops that only
+alias, copy, move or write data are skipped with a warning (refusals.py)."""
 
 import functools
 import logging
@@ -93,18 +85,13 @@ class Entries(NamedTuple):
 
 
 def load(path, known, what, modules=True, default=None):
-    """Read a list file and check every name with ``known.check(name)``
-    (hmp.binding.resolve.Resolver.check); a module class's import path is imported
-    (the only code a list file can cause to run). ``modules=False``: module
-    entries are an error (the promote list). ``default``: the path that
-    ``include default`` reads.
+    """Read a list file and check every name with ``known.check(name)``; a module class's
+    path is imported (the only code a list file can run). ``modules=False``: module
+    entries are an error. ``default``: what ``include default`` reads.
 
-    Returns Entries: op names in file order, duplicates dropped, an overload
-    qualified name as its op (``pow.Tensor_Scalar`` -> ``pow``), and the
-    classes. A real aten operator that no Python name reaches is left out
-    with one warning for the file; bad lines (syntax, unknown or refused
-    names, all of them at once) raise ValueError naming the file and lines.
-    """
+    Returns Entries: op names in file order, deduplicated, an overload as its op, and the
+    classes. An aten operator no Python name reaches is left out with one warning; bad
+    lines raise one ValueError naming the file and every line."""
     lines, syntax = read_lines(path, what)
     r = _Reading(path, known, what)
     for line in lines:
@@ -257,14 +244,10 @@ def warn_takes_out_nothing(where, count=1):
 
 
 def combine(loaded, sources):
-    """Apply the precedence rules to each kind's Entries (``loaded``: kind
-    name -> Entries) and return kind name -> set of op names.
-
-    An op a file names itself wins over the same op included in the other
-    list (a user BF16 file naming softmax takes it out of the default FP32
-    list); named in both, or included in both, it is an error. The lower
-    and FP32 lists win over every other list (the promote list).
-    """
+    """Apply the precedence rules to each kind's Entries (``loaded``) and return kind name
+    -> set of op names. An op a file names itself wins over the same op included in the
+    other list; named or included in both is an error. The lower and FP32 lists win over
+    the promote list."""
     lower, fp32 = loaded[LOWER.name], loaded[FP32.name]
     low, high = set(lower.ops), set(fp32.ops)
     both = low & high
@@ -334,13 +317,10 @@ def _load_one(source, resolver, title, kind, default):
 
 
 def effective(resolver, opt_level="O1", sources=None, *, fp16="", low=torch.bfloat16, strict=False, environ=None):
-    """Read, validate and combine the lists: ``(kind name -> set of op names,
-    kind name -> module classes, for the kinds that take them)``.
-    ``sources``: kind name (kinds.KINDS) -> a path, a Names, or ``""``/None
-    (or left out) for the environment's list, else the shipped default.
-    ``fp16`` is the lower-precision list under ``low=torch.float16``;
-    ``strict``: Habana's literal rule (its default BF16 list). Raises before
-    anything changes."""
+    """Read, validate and combine the lists: ``(kind name -> op names, kind name -> module
+    classes)``. ``sources``: kind name -> a path, a Names, or ``""``/None for the
+    environment's list, else the shipped default. ``fp16``: the lower list under
+    ``low=torch.float16``; ``strict``: Habana's literal rule. Raises before anything changes."""
     environ = os.environ if environ is None else environ
     sources = {k.name: (sources or {}).get(k.name, "") for k in kinds.KINDS}
     titles = {k.name: k.file_title for k in kinds.KINDS}

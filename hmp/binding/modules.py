@@ -1,32 +1,17 @@
-"""Precision by module: every call of a module class (or of one instance)
-runs its whole ``forward`` under one list's rule.
+"""Precision by module: every call of a listed module class (or instance) runs its whole
+``forward`` under one list's rule.
 
-- **FP32 list**: lower-precision floating inputs go to float32, nothing is
-  cast inside (the module computes in float32 with its float32
-  parameters), lower-precision floating outputs go to float32.
-- **BF16 list**: float32 floating inputs go to the lower dtype, and inside,
-  every op computes in the lower dtype as if the module had been converted
-  with ``.to(bfloat16)`` for the call: listed ops through their wrappers,
-  every other op through a TorchFunctionMode pushed only while such a
-  module runs, which casts float32 arguments (parameters and buffers
-  through the weight cache) before the op. Ops of the FP32 list stay
-  float32; a tensor written in place keeps its dtype. The stored parameters
-  stay float32 and get float32 gradients.
+- **FP32 list**: lower-precision inputs and outputs go to float32; nothing inside is cast.
+- **BF16 list**: float32 inputs go to the lower dtype and every op inside computes in
+  it, as if the module were ``.to(bfloat16)`` for the call: listed ops through their
+  wrappers, others through a TorchFunctionMode pushed only while such a module runs.
+  FP32-list ops stay float32; stored parameters and their gradients stay float32.
 
-The innermost module policy wins. ``disable_casts()``, torch.autocast
-regions, backward and a listed op around the call win over every module
-policy: the forward then runs as written. Each policy is entered and left
-with the forward, per thread, on every exit path.
-
-A class entry patches ``__call__`` on the class and on each of its
-subclasses that defines its own (a subclass listed itself keeps its own
-rule), so the class's ``forward`` stays its own: what the class's
-machinery checks of it still holds. An instance entry sets ``forward`` on
-the instance (``type(module).forward`` is untouched). Both go through the
-patch log, so revert() restores every class and instance exactly, and
-modules without a policy get no rule (their constructors run uncast:
-hmp/rules/uncast_calls.py).
-"""
+The innermost module policy wins; ``disable_casts()``, torch.autocast regions,
+backward and an enclosing listed op win over all of them. A class entry patches
+``__call__`` on the class and its subclasses that define their own, so ``forward``
+stays the class's; an instance entry sets ``forward`` on the instance. Both go
+through the patch log, so revert() restores them exactly."""
 
 import inspect
 import types
@@ -282,12 +267,8 @@ def _instance_own(module, name):
 
 
 def _getstate(own):
-    """``__getstate__`` of a module with an instance entry: a copy or a
-    pickle of it (``copy.deepcopy``, ``torch.save(model)``) gets the module
-    as it is without hmp. The entry names one object: a copy runs as any
-    other module of its class, and nothing of hmp outlives revert() in it.
-    Set on the instance (the copy protocol looks it up there), so classes
-    without a policy stay untouched."""
+    """``__getstate__`` of a module with an instance entry: a copy or pickle gets the module
+    without hmp (the entry names one object). Set on the instance, so classes stay untouched."""
 
     def __getstate__(self):
         state = own() if own is not None else type(self).__getstate__(self)

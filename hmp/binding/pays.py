@@ -1,22 +1,14 @@
 """Which entries of the lower-precision list gain from it: bf16 where it pays.
 
-A matrix product, a convolution or an RNN does many multiply-adds for each
-element it reads: the lower dtype halves the bytes and runs the arithmetic
-faster, so such an entry casts its float32 inputs down. An op that makes one
-pass over memory gains nothing from a cast (the cast is a pass of its own)
-and what it would round may be the program's state: a pointwise op (an EMA,
-a metric's sums), a random op (dropout), a normalisation (rounding meets the
-mean's subtraction: bf16's step at 1000 is 8). Outside strict mode such an
-entry is treated as if its list did not name it: torch decides its dtype
-from what it is given (bf16 data stays bf16, float32 is never pulled down),
-and a value no matrix product consumes stays as torch made it
-(docs/never-changes.md). ``strict=True`` casts every entry, as Habana's HMP did.
+A matrix product, convolution or RNN does many multiply-adds per element read, so
+the lower dtype pays and its inputs are cast down. A one-pass op gains nothing (the
+cast is a pass of its own) and may round the program's state: pointwise ops (an EMA),
+random ops (dropout), normalisations (bf16's step at 1000 is 8). Outside strict mode
+such an entry is treated as unlisted: torch decides its dtype from its inputs
+(docs/never-changes.md). ``strict=True`` casts every entry.
 
-Pointwise and random ops are read from torch's op tags; torch has no tag for
-a normalisation, so those are named (``NORMALIZATIONS``, a last resort:
-tests/unit/test_where_it_pays.py checks it against every normalisation
-module of torch.nn).
-"""
+Pointwise and random ops come from torch's op tags; normalisations have no tag and
+are named (``NORMALIZATIONS``, checked against torch.nn by tests/unit/test_where_it_pays.py)."""
 
 import functools
 import operator
@@ -107,12 +99,9 @@ def _reached(fn):
 # kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=None)
 def is_random(name):
-    """True when list name ``name`` binds a random op (dropout and its kind):
-    an overload of ``aten::name`` carries torch's ``nondeterministic_seeded``
-    tag, or (``dropout1d``, a Python function) a call of it on float tensors
-    reaches one that does. A kernel that contains a matrix product (the RNN
-    kernels, scaled_dot_product_attention: resolve.py's tables of them)
-    carries the tag for its optional dropout, and is not: its products gain."""
+    """True when list name ``name`` binds a random op: an overload carries torch's
+    ``nondeterministic_seeded`` tag, or a call on float tensors reaches one. A kernel
+    that contains a matrix product carries the tag for its optional dropout and is not."""
     if name.startswith("_") or name in _HOLD_PRODUCTS:
         return False
     packet = aten_op(name)

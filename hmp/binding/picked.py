@@ -1,41 +1,24 @@
 """Ops whose kernel their call picks.
 
-A composite operator (no kernel of its own: hmp/binding/spellings.py) that
-takes a string reaches a different kernel for each value of it:
-``F.pad(x, p, mode="reflect")`` runs reflection_pad2d, which the FP32 list
-holds (CPU autocast computes it in float32), ``mode="constant"`` runs
-constant_pad_nd, which no list holds. A spelling with a decomposition of its
-own (spellings.per_call) is steered the same way by its arguments:
-``einsum("ij,jk->ik")`` runs bmm, ``einsum("ij->ji")`` nothing, ``"i->"`` a
-sum. No probe at convert time knows the arguments a program will pass, so such
-an op is bound and decided per call: what the call dispatches, traced once on
-meta tensors for each *key* of a call (its non-tensor arguments, its tensors'
-ranks and dtypes, and of each size only whether it is 0, 1 or more: ``key``),
-decides it (``chooser``), as torch.autocast, which casts at the dispatcher,
-decides at each kernel it reaches:
+A composite op that takes a string reaches a different kernel per value
+(``F.pad(..., mode="reflect")`` runs reflection_pad2d, on the FP32 list;
+``mode="constant"`` runs constant_pad_nd, on none), and a spelling with its own
+decomposition is steered by its arguments (``einsum("ij,jk->ik")`` runs bmm). No
+convert-time probe knows those arguments, so such an op is decided per call, as
+torch.autocast decides at each kernel: the call's dispatch, traced once on meta
+tensors per ``key`` (non-tensor arguments, ranks, dtypes, each size as 0, 1 or
+more), decides it (``chooser``):
 
-- the trace is run again with every kernel a list names cast by that list's
-  rule, as autocast casts at each listed kernel: its result's dtype is what
-  the call puts out;
-- a call whose whole trace is a listed op's computation follows that entry
-  (``torch._convolution_mode`` runs convolution, conv1d's); else it follows
-  the first entry the trace reaches by name whose rule, applied to the call's
-  inputs, gives that dtype: ``einsum("ij,jk,k->ij")`` (bmm, then a mul with a
-  float32 operand) puts out float32 under autocast, and runs as torch's.
+- the trace is rerun with every listed kernel cast by its list's rule: its result's
+  dtype is what the call puts out;
+- a call whose whole trace is a listed op's computation follows that entry; else the
+  first entry the trace reaches whose rule gives that dtype.
 
-Any other call runs as torch's, untouched, its inner ops cast as usual
-(wrap.make's ``needs``).
-
-The decision is a function of the call's constants alone, so torch.compile
-and torch.export take it while they trace (torch.compiler.assume_constant_result):
-compiled and exported code cast what eager code casts. A size enters the key
-only as 0, 1 or "large"; a large one is traced at the threshold, one more than
-the largest integer the call names (at least ``_MIN_SIZE``), so a call that
-runs is traced as one that runs: a reflect pad of 2048 is traced on a dimension
-of 2049, whatever the call's own (a pad the dimension cannot hold raises in the
-call as in torch). The trace's tensors must fit 64-bit sizes (the threshold to
-the power of the rank): beyond, the call runs as torch's.
-"""
+Any other call runs as torch's, its inner ops cast as usual. The decision depends on
+the call's constants alone, so torch.compile and export take it while tracing
+(``assume_constant_result``). A large size is traced at one more than the largest
+integer the call names (at least ``_MIN_SIZE``); a trace beyond 64-bit sizes runs
+as torch's."""
 
 import functools
 
@@ -55,13 +38,9 @@ _MIN_SIZE = 4
 
 
 def key(args, kwargs):
-    """What of a call can pick its kernel: every non-tensor argument, each
-    tensor's dtype and rank, and each of its sizes as 0, 1 (a broadcast) or
-    ``_LARGE`` (never a size a compiled graph keeps symbolic: dynamo
-    specialises 0 and 1 itself), a large one traced at the threshold
-    (``_threshold``). ``(args' keys, ((keyword, key), ...) or None)``; every
-    tuple inside an argument's key is tagged, so no argument reads as a
-    tag."""
+    """What of a call can pick its kernel: non-tensor arguments, each tensor's dtype and
+    rank, each size as 0, 1 or ``_LARGE`` (dynamo specialises 0 and 1 itself). Tuples
+    inside an argument's key are tagged, so no argument reads as a tag."""
     exact = _EXACT
     if all(type(v) in exact for v in args) and not kwargs:
         return tuple(args), None
@@ -180,14 +159,9 @@ def _simulated(fn, args, kwargs, by_name, rules):
 
 
 def chooser(fn, computations, low):
-    """``choose(args, kwargs)``: the position in ``computations``
-    (spellings.computations' answer, or its kernel entries' for a spelling)
-    of the entry whose rule a call of ``fn`` follows, or None: a plain int, a
-    constant torch.compile and torch.export carry into the graph (a kinds.Kind
-    record is no constant to them). ``low``: the lower dtype in use. Each key
-    of a call is traced once, and kept in a bounded cache while the wrapper
-    lives (what a call of torch's composite dispatches never changes within a
-    process)."""
+    """``choose(args, kwargs)``: the position in ``computations`` of the entry a call of
+    ``fn`` follows, or None; a plain int, which torch.compile and export carry as a
+    constant. Each key is traced once and kept in a bounded cache while the wrapper lives."""
     rules = [_rule(kind, low) for _, kind, _ in computations]
     by_name = {}
     for i, (_, _, name) in enumerate(computations):

@@ -1,21 +1,14 @@
 """Op names to the places they live, resolved from torch itself.
 
-A list name ``X`` binds every entry point of the op: ``torch.X``,
-``torch.nn.functional.X``, ``torch.Tensor.X``, the dunders ``__X__``,
-``__rX__`` and ``__iX__``, the in-place forms ``X_``, and
-``torchvision.ops.X`` when torchvision is installed. A name may also be an
-aten operator, alone or as ``op.overload`` (``pow.Tensor_Scalar``): it binds
-every builtin Python function generated from that operator (see
-``aten_entry_points``). The names a list may hold come from torch itself, so
-a name torch does not have is an error rather than a silent skip.
+A list name ``X`` binds every entry point of the op: ``torch.X``, ``F.X``,
+``torch.Tensor.X``, ``__X__``/``__rX__``/``__iX__``, ``X_``, and ``torchvision.ops.X``
+when installed. An aten operator name, alone or ``op.overload``, binds every builtin
+generated from it (``aten_entry_points``). A name torch does not have is an error.
 
-Three tables are hand-kept, each where torch's Python names or schemas do
-not show the path a call takes: FUSED (fused kernels reached without the
-name of the op they contain), RNN_KERNELS (reached through torch._VF's
-``__getattr__``) and UNMARKED_WRITERS (batch_norm's schema does not mark
-the running statistics it writes). tests/unit/test_fused.py, test_rnn.py
-and test_written_arguments.py exercise each on the running torch.
-"""
+Three tables are kept by hand where torch's names and schemas do not show a call's
+path: FUSED (fused kernels that contain a listed op), RNN_KERNELS (reached through
+torch._VF) and UNMARKED_WRITERS (batch_norm's schema omits its running statistics);
+tests/unit/test_fused.py, test_rnn.py and test_written_arguments.py check them."""
 
 import difflib
 import importlib
@@ -140,12 +133,9 @@ _MARKED_FORM = "_native_batch_norm_legit"
 
 
 def writes(fn, attr):
-    """``((position, name), ...)``: the positional tensor arguments ``fn``
-    writes, from the aten schema of the op it is (``Tensor(a!)``) and, for
-    UNMARKED_WRITERS, of their functional form: a builtin's by position, a
-    Python function's by parameter name (``F.batch_norm`` orders its
-    parameters its own way). A Python function's other writes are declared
-    nowhere: the wrapper finds them after the call (policy.write_back)."""
+    """``((position, name), ...)``: the tensor arguments ``fn`` writes, from its aten schema
+    (``Tensor(a!)``) or UNMARKED_WRITERS; by position for a builtin, by parameter name
+    for a Python function, whose undeclared writes the wrapper finds after the call."""
     builtin = isinstance(fn, BUILTINS)
     own = schema_writes(getattr(fn, "__name__", attr) if builtin else attr)
     names = {name for _, name in own}
@@ -315,14 +305,10 @@ class Resolver:
         return bool(self.sites(name))
 
     def bind(self, effective, fallback=()):
-        """``[Binding]`` for every entry point the effective lists (kind ->
-        names, in the order the kinds bind) bind, each site once: listed
-        names first, so a fused kernel listed by name keeps its own list;
-        then the fused kernels of listed ops (FUSED), the spellings of listed
-        ops (spellings.py); then ``fallback`` (``(kind, names)`` pairs: ops in
-        no list that get a rule anyway); then the ops whose call picks the
-        kernel it reaches (picked.py), with no kind. ``effective``'s keys and
-        ``fallback``'s kinds are kinds.Kind records, and so is each Binding's."""
+        """``[Binding]`` for every entry point the effective lists bind (kind -> names, in
+        binding order), each site once: listed names first (a fused kernel listed by name
+        keeps its list), then FUSED kernels and spellings of listed ops, then ``fallback``
+        ops, then ops whose call picks its kernel (no kind). Kinds are kinds.Kind records."""
         named = [(kind, name) for kind, names in effective.items() for name in sorted(names)]
         fused = [(kind, f) for kind, name in named for f in FUSED.get(name, ())]
         listed = {name for _, name in named}
@@ -378,15 +364,9 @@ class Resolver:
         return extra
 
     def check(self, name, hint=True):
-        """``(op name, status, message)`` for a list entry.
-
-        ``op.overload`` must name a real overload of an aten operator and
-        stands for the operator as a whole (hmp binds Python functions, which
-        reach every overload), so the op name returned drops the overload.
-        Status: BOUND (something to wrap), NO_PYTHON (a real aten operator
-        that no Python name reaches) or UNKNOWN (``message`` says why, with
-        close matches when ``hint``).
-        """
+        """``(op name, status, message)`` for a list entry. ``op.overload`` must be a real aten
+        overload and stands for the whole op. Status: BOUND, NO_PYTHON (no Python name
+        reaches it) or UNKNOWN (``message`` says why, with close matches when ``hint``)."""
         base, dot, overload = name.partition(".")
         if dot:
             packet = aten_op(base)

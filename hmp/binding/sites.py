@@ -21,11 +21,9 @@ def about_of(binding):
 
 
 def one_dtype_on_reject(op, to_one):
-    """``op`` run with the arguments it is given; where the device's kernel
-    rejects their mix of dtypes, run again with ``to_one``'s (every floating
-    argument in one dtype), and from then on go straight there for that
-    device type and mix. torch's kernel decides where it can: CPU's
-    layer_norm takes a bf16 input with float32 weight, CUDA's does not."""
+    """``op`` run as given; where the device's kernel rejects the mix of dtypes, again with
+    ``to_one``'s, and straight there from then on for that device type and mix (CPU's
+    layer_norm takes a bf16 input with float32 weight, CUDA's does not)."""
     return finish(rescue.one_dtype_on_reject(op, to_one), op)
 
 
@@ -121,13 +119,9 @@ class Wrappers:
         return make(self._op(op), self._prepare(prepare, site.label, name), about, original, hidden=hidden, needs=needs)
 
     def _lean(self, site, kind, name, fallback):
-        """The lean path of a site (the one place it is decided): ``(src, cast,
-        refuse, inplace_at)``, wrap.make's fields for a call without keywords,
-        which then skips ``prepare`` and applies the list's rule to every
-        argument directly (the kind's ``Lean``); None where every call goes
-        through ``prepare``: a call that is logged or recorded, writes a
-        tensor (the in-place rule), is a strict norm (its input alone is cast)
-        or an op in no list (it steps in only where needed)."""
+        """The lean path of a site (decided here only): ``(src, cast, refuse, inplace_at)`` for
+        wrap.make, so a call without keywords skips ``prepare``; None where every call goes
+        through ``prepare`` (logged or recorded, writes a tensor, a strict norm, an op in no list)."""
         if self.passthrough or self.verbose or self.recorder is not None:
             return None
         if site.inplace or site.written or fallback or kind.norms is not None and name in NORMALIZATIONS:
@@ -216,13 +210,9 @@ def fallback_of(kind):
 
 
 def one_dtype_rule(kind, name, site, low, casters, fallback):
-    """The rule that puts every floating argument of a call in one dtype
-    where the site's kernel rejects the mix it was given, or None: a strict
-    lower-list norm without running statistics (its input cast alone: weight
-    and bias go down too, by the kind's own rule) and an op in no list whose
-    kind retries (the promote rule: all to the widest, as torch's type
-    promotion gives; a call that writes a tensor runs in that tensor's dtype
-    instead). See sites.one_dtype_on_reject."""
+    """The rule that puts every floating argument in one dtype where the kernel rejects the
+    mix, or None: for a strict lower-list norm without running statistics, and an op in
+    no list whose kind retries (all to the widest; a written tensor's dtype if it writes one)."""
     if kind.norms is not None and name in AFFINE_ONLY_NORMS:
         return factory(kind.policy)(low, casters)
     retry = fallback_of(kind).retry if fallback else None

@@ -1,27 +1,18 @@
 """The other names of a listed op, found from torch's operator registry.
 
-torch.autocast casts at the dispatcher, where every spelling of an op arrives
-as the same operator; hmp binds Python names. So a list name binds, besides its
-own entry points (resolve.py), every *spelling* of its op: the builtins
-generated from an aten operator that has no kernel of its own
-(CompositeImplicitAutograd: it only calls other ops) and whose computation is
-the listed op's. ``torch.linalg.matmul`` and ``torch.inner`` compute what
-``matmul`` does (``mm``), ``torch.einsum`` and ``torch.tensordot`` a listed
-product (``bmm``, ``mm``), ``torch.special.softmax`` what ``softmax`` does
-(``_softmax``), ``torch.true_divide`` ``div``.
+torch.autocast casts at the dispatcher, where every spelling of an op arrives as one
+operator; hmp binds Python names. So a list name also binds every *spelling* of its
+op: builtins of a composite aten operator whose computation is the listed op's
+(``torch.linalg.matmul``, ``torch.inner`` -> ``mm``; ``torch.einsum`` -> ``bmm``;
+``torch.true_divide`` -> ``div``).
 
-An op's computation is what it dispatches when traced on meta tensors (no
-data: nothing computes), views, copies and allocations left out: a view
-computes nothing. The recurrent kernels are never probed (torch 2.4's
-gru_cell crashes the process on a shape it should refuse, on meta and CPU
-alike); nothing else has crashed on the releases CI tests. An op is a spelling of a
-listed one when everything it computes, over every probe shape and with its
-optional tensors left out and given, is something the listed op computes. The probe keeps nothing of the
-user's: the random state is restored, warnings are silenced, no grad is kept. An op listed under its own name
-follows its own entry; a spelling whose computation matches entries of two
-lists follows the first in binding order. Built once per process for each
-set of listed names (tests/unit/test_spellings.py sweeps every callable).
-"""
+An op's computation is what it dispatches when traced on meta tensors, views, copies
+and allocations left out; it is a spelling when everything it computes, over every
+probe shape with optional tensors left out and given, is something the listed op
+computes. Recurrent kernels are never probed (one crashes the process on meta). The
+probe restores the random state, silences warnings and keeps no grad. An op listed
+under its own name follows its own entry; a match in two lists follows the first in
+binding order. Built once per process per set of listed names."""
 
 import contextlib
 import functools
@@ -208,12 +199,9 @@ def computations(listed, builtins, unprobed=frozenset()):
 # kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=8)
 def spellings(listed, builtins, unprobed=frozenset()):
-    """``((kind, listed name, spelling), ...)``: the composite operators among
-    ``builtins`` (``((aten name, builtin), ...)``) whose computation is a
-    listed op's. ``listed``: ``((kind, (names, ...)), ...)`` in binding order.
-    ``unprobed``: ops never run with made-up arguments (the recurrent kernels:
-    torch 2.4's gru_cell crashes the process on a shape it should refuse),
-    neither spellings nor spelled."""
+    """``((kind, listed name, spelling), ...)``: the composite operators among ``builtins``
+    whose computation is a listed op's. ``listed``: ``((kind, (names, ...)), ...)`` in
+    binding order. ``unprobed``: ops never run with made-up arguments (the recurrent kernels)."""
     theirs = computations(listed, builtins, unprobed)
     if not theirs:
         return ()
@@ -240,15 +228,10 @@ def spellings(listed, builtins, unprobed=frozenset()):
 
 
 def per_call(listed, builtins, unprobed=frozenset()):
-    """The spellings (``spellings``' answer, same arguments) decided call by call
-    (hmp/binding/picked.py). A spelling that takes its entry's very arguments
-    and computes over every probe exactly what its entry computes is the entry
-    under another name (``torch.linalg.matmul`` calls matmul, ``true_divide``
-    div): every call follows the entry. Any other has a decomposition of its own,
-    which the call's arguments steer past what the probes saw: ``einsum``'s
-    equation (``"ij->ji"`` computes nothing, ``"i->"`` a sum), ``tensordot``'s
-    dims, the count of ``chain_matmul``'s matrices, the ranks ``inner`` gets
-    (1-d: dot, 0-d: mul). Each of its calls follows what it reaches."""
+    """The spellings decided call by call (picked.py): those with a decomposition of their
+    own that a call's arguments steer (``einsum``'s equation, ``tensordot``'s dims,
+    ``inner``'s ranks). A spelling that takes its entry's arguments and computes exactly
+    what the entry does (``torch.linalg.matmul``) always follows the entry."""
     theirs = {name: ops for ops, _, name in computations(listed, builtins, unprobed)}
     through = dict(builtins)
     return frozenset(
