@@ -1,13 +1,8 @@
-"""How hmp stays out of the rest of PyTorch: one module per rule, each with
-one small interface (hmp/rules/interface.py), which ``hmp.driver.conversion``
-loops over as OpenTelemetry's instrumentors do: ``changes(ctx) -> Changes``,
-the patches, the hooks and what this torch lacks for the rule, built without
-changing anything; the driver installs them through its undo log, and
-revert() undoes each rule with the rest.
-
-What each rule keeps out and why is in docs/architecture.md; RULES is their
-order of installation.
-"""
+"""How hmp stays out of the rest of PyTorch: one module per rule, each with one small
+interface (interface.py: ``changes(ctx) -> Changes``, built without changing
+anything), which hmp.driver.conversion installs through its undo log and revert()
+undoes. What each rule keeps out and why: docs/architecture.md. RULES is their order
+of installation."""
 
 from hmp.rules import (
     buffers,

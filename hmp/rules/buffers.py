@@ -1,17 +1,11 @@
-"""A buffer keeps its dtype: one registered as float32 (or float64) and
-reassigned while converted is stored in that dtype again.
+"""A buffer keeps its dtype: a float32 (or float64) buffer reassigned while converted
+is stored in that dtype again.
 
-A running statistic updated out of place in ``forward`` (``self.mean = 0.99
-* self.mean + 0.01 * x.mean(0)``) is computed by BF16-listed ops, so the
-value assigned is bfloat16; stored as is, the buffer would change dtype in
-``state_dict()`` and in every checkpoint. torch's global buffer
-registration hook (it runs for ``register_buffer`` and for assignment to an
-existing buffer) casts such a value back and warns once per buffer: the
-value itself was computed in bfloat16, which an in-place update or
-``hmp.disable_casts()`` avoids (docs/never-changes.md). ``module.to()``,
-``.half()`` and ``load_state_dict`` do not assign through this path and are
-left alone.
-"""
+A running statistic updated out of place in ``forward`` is computed by listed ops in
+bfloat16; stored as is, the buffer would change dtype in every checkpoint. torch's
+global buffer registration hook casts it back and warns once per buffer
+(docs/never-changes.md). ``module.to()``, ``.half()`` and ``load_state_dict`` do not
+pass here."""
 
 import warnings
 

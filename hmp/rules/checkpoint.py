@@ -1,30 +1,13 @@
 """Gradient checkpointing recomputes under the hmp state of its forward.
 
-torch.utils.checkpoint reruns a function's forward during backward. torch
-saves autocast's state at the forward and re-enters it around the rerun;
-hmp's cast state (``state.current()``: casts on or off, and the module policy
-in force) must travel the same way, or the rerun computes in other dtypes
-than the forward did (CheckpointError, or wrong gradients). Both
-modes are covered by wrapping the user's function where torch's checkpoint
-takes it at call time, not the public ``checkpoint`` name (Hugging Face
-holds a reference to that one):
-
-- ``use_reentrant=True``: ``CheckpointFunction.forward`` stores the function
-  that backward reruns;
-- ``use_reentrant=False``: the generator that builds the rerun from it
-  (``_checkpoint_without_reentrant_generator``; 2.14:
-  ``_checkpoint_without_reentrant_generator_impl``, the old name a shim
-  around it): the one ``checkpoint()`` calls on this torch, decided at
-  convert time (``torch_private.checkpoint_generator``).
-
-The wrapper sets the captured state innermost, inside the autocast regions
-torch enters for the rerun: the forward's state wins over anything that
-turned casts off around the backward. The conversion travels with it: a
-backward run after the converted block exited (``with hmp.converted():
-loss = f(x)``, then ``loss.backward()``, torch.autocast's idiom) or after
-convert() reconfigured reruns under the forward's conversion, installed for
-the rerun alone (``ctx.again``).
-"""
+torch saves autocast's state at the forward and re-enters it around the rerun; hmp's
+cast state (``state.current()``) must travel the same way, or the rerun computes in
+other dtypes. The user's function is wrapped where torch's checkpoint takes it at call
+time (Hugging Face holds the public ``checkpoint`` name): ``CheckpointFunction.forward``
+(``use_reentrant=True``) and the generator ``checkpoint()`` uses on this torch
+(``torch_private.checkpoint_generator``). The forward's state is set innermost, inside
+torch's autocast regions, and its conversion travels too: a backward after the block
+exited reruns under it, installed for the rerun alone (``ctx.again``)."""
 
 from hmp.core import state, torch_private
 from hmp.core.identity import stand_in, unwrap

@@ -1,16 +1,9 @@
 """torch.compile's caches that cannot key on hmp's state: off while converted.
 
-AOTAutograd's cache (torch 2.5 on, in memory and on disk) keys a compiled
-graph by the graph dynamo captured. There a Python operator (``x @ w``) is
-recorded as torch's, and hmp decides it only when AOTAutograd traces it;
-the key holds autocast's state but not hmp's, so the graph of a program
-compiled without hmp (earlier in the process, or in an earlier process) was
-served to the same program converted, in float32, and the converse. While
-converted, torch's own switch turns that cache off (and back at revert(),
-unless the program changed it meanwhile). Inductor's FX graph cache stays
-on: it keys the graph after AOTAutograd, hmp's casts included, so it
-serves compiled kernels across processes as before.
-"""
+AOTAutograd's cache keys a graph by what dynamo captured, where ``x @ w`` is still
+torch's and hmp decides it later, so its key lacks hmp's state. torch's own switch
+turns it off while converted (and back at revert(), unless the program changed it).
+Inductor's FX graph cache keys the graph after hmp's casts and stays on."""
 
 from hmp.core import torch_private
 from hmp.rules.interface import Changes

@@ -1,51 +1,17 @@
-"""Custom autograd Functions made AMP-safe the documented way
-(``torch.amp.custom_fwd`` / ``custom_bwd``): hmp honours the author's
-decorators as torch.autocast does, instead of casting inside them.
+"""Custom autograd Functions made AMP-safe the documented way (``torch.amp.custom_fwd``
+/ ``custom_bwd``): hmp honours the author's decorators as torch.autocast does.
 
-- ``custom_fwd(cast_inputs=dtype)``: while hmp casts, the Function's
-  floating tensor inputs (float64 aside, as in torch) go to ``dtype`` and
-  its forward runs with casts off. Its backward is uncast, like all of
-  backward, so both compute in ``dtype``.
-- ``custom_bwd`` (forward without ``cast_inputs``): the backward runs in the
-  cast state its forward ran in, instead of uncast like the rest of
-  backward, so it computes in the dtypes its forward's ops gave.
+- ``custom_fwd(cast_inputs=dtype)``: while hmp casts, the floating inputs (float64
+  aside) go to ``dtype`` and the forward runs with casts off.
+- ``custom_bwd``: the backward runs in the cast state its forward ran in.
 
-Only the Functions that carry the decorators are touched. A Function class
-whose forward (its own or inherited) is ``custom_fwd(cast_inputs=...)`` or
-whose backward is ``custom_bwd`` gets an ``apply`` of its own, a classmethod
-around the one it would call; for ``custom_bwd``, its backward node class
-(one per Function class: the type of its outputs' ``grad_fn``) gets an
-``apply`` of its own too. ``torch.autograd.Function.apply`` and
-``BackwardCFunction.apply`` stay the very objects they were, and a Function
-without the decorators runs torch's ``apply`` as without hmp. A subclass
-that inherits hmp's ``apply`` from a decorated parent but overrides
-``forward`` without the decorators passes straight through (one dictionary
-lookup per ``apply``). What a class declares is read once per class.
-
-Classes that exist at ``convert()`` are found among Function's subclasses.
-For classes defined later (a library imported after ``convert()``, a class
-built inside a function), torch offers no way in but class creation:
-``FunctionMeta``, the metaclass every Function class is built by, gets an
-``__init__`` that calls torch's and, for a class with the decorators, makes
-the two patches above. It runs once when a Function class is created, never
-per call, and changes no existing class. The alternatives, weighed:
-
-- custom_fwd's own wrapper casts only when ``torch.is_autocast_enabled
-  (device_type)`` says so at call time: making that public function answer
-  True would mislead every other caller in the process, and its casts cover
-  only tensors of the decorator's device type;
-- ``Function.__init_subclass__`` runs before ``FunctionMeta.__init__``
-  builds the class's backward node class, so ``custom_bwd`` could not be
-  reached there; it would also add an attribute to ``torch.autograd.Function``;
-- an import watch misses classes defined in ``__main__`` or in a function;
-- leaving them out: a Function of a library imported after ``convert()``
-  would compute its backward in float32 against a forward hmp cast, and
-  fail (``expected m1 and m2 to have the same dtype``).
-
-Every patch, those made at class creation included, goes through
-convert()'s patch log: revert() leaves each class's ``__dict__`` as it was
-(an ``apply`` a class only inherited is deleted again).
-"""
+Only decorated Functions are touched: such a class (and, for ``custom_bwd``, its
+backward node class) gets an ``apply`` of its own around the one it would call;
+``Function.apply`` and ``BackwardCFunction.apply`` stay torch's. Classes existing at
+convert() are found among Function's subclasses; later ones through an ``__init__``
+on ``FunctionMeta``, which runs once per class creation (docs/decisions.md says why
+this hook). Every patch goes through the patch log; revert() restores each class's
+``__dict__``."""
 
 import inspect
 import weakref

@@ -1,24 +1,13 @@
-"""A no-grad region keeps the weight casts it uses twice until it ends: the
-outermost block of torch's ``torch.no_grad()``, ``torch.inference_mode()`` or
-``torch.set_grad_enabled(False)`` entered with grad on (``model.generate()``,
-an evaluation loop, ``@torch.no_grad()`` functions) opens the weight-cast
-cache's no-grad stores in its thread, and its exit drops them
-(hmp/core/cache.py: ``open_region``/``close_region``, which says what is kept;
-every hit is still checked against the weight's version counter and data
-pointer, and an optimizer step, a backward pass, a refill, revert() and
-clear_cache() drop them sooner). Without this, every no-grad call cast
-every weight again.
+"""A no-grad region keeps the weight casts it uses twice until it ends: the outermost
+``torch.no_grad()``, ``torch.inference_mode()`` or ``set_grad_enabled(False)`` block
+entered with grad on opens the cache's no-grad stores in its thread and its exit
+drops them (core/cache.py's ``open_region``/``close_region``). Without it every
+no-grad call would cast every weight again.
 
-torch offers no hook where a grad mode block starts or ends, so the three
-classes' ``__enter__``/``__exit__`` are replaced: torch's own run first or
-last, unchanged, and the region is kept on the block's object, so a block
-whose exit hmp does not see (revert() inside it) lets its copies go with the
-object. Grad turned off by a call (``torch.set_grad_enabled(False)`` not
-used as a block, ``torch._C._set_grad_enabled``) opens nothing: no-grad
-calls there cast every time, as before. torch.compile never runs these
-methods for a block it traces (dynamo models the grad mode itself), and the
-cache steps aside while it compiles.
-"""
+torch has no hook where a grad-mode block starts or ends, so the three classes'
+``__enter__``/``__exit__`` are replaced (torch's run unchanged) and the region is kept
+on the block's object, so a block whose exit hmp misses lets its copies go with it.
+Grad turned off by a call opens nothing; torch.compile never runs these methods."""
 
 import torch
 from torch.autograd import grad_mode

@@ -1,48 +1,19 @@
 """Pickling while converted.
 
-pickle saves a function by name and checks that the name still finds that
-very object. While converted, ``torch.nn.functional.relu`` is hmp's wrapper,
-so the original ``F.relu`` that a model captured earlier (an
-``nn.TransformerEncoderLayer`` holds it from its default argument) no longer
-passes that check, and ``torch.save(model)`` would fail.
+pickle saves a function by name and checks the name still finds that object; while
+converted ``F.relu`` is hmp's wrapper, so an original a model captured earlier fails
+that check. hmp's Pickler saves every replaced function and every wrapper as "look up
+this name when loading" (``pkgutil.resolve_name``). ``pickle`` itself is left alone;
+hmp's Pickler reaches three places, through the patch log, only while converted:
 
-hmp's Pickler saves every function hmp replaced, and every wrapper, as "look
-up this name when loading" (``pkgutil.resolve_name``): a plain process loads
-the original, a converted one the wrapper, just as a name saved by pickle
-itself would. ``pickle`` itself is left alone (``pickle.Pickler``,
-``pickle.dump`` and ``pickle.dumps`` are the very objects they were). hmp's
-Pickler reaches two places, through the patch log, only while converted:
+- ``torch.save`` passes it as ``pickle_module`` where the caller passed none or ``pickle``;
+- ``ForkingPickler.reducer_override``, for spawn-started DataLoader workers;
+- torch.distributed's object collectives (``distributed_c10d._pickler``), where a
+  failing sender would hang the other ranks.
 
-- ``torch.save`` (on ``torch`` and ``torch.serialization``, one function):
-  torch's documented entry point for saving a model takes the pickler as its
-  ``pickle_module`` argument. hmp's ``torch.save`` passes ``PICKLE`` (pickle
-  with hmp's Pickler) where the caller passed none or the stdlib ``pickle``,
-  and otherwise calls torch's unchanged.
-- ``multiprocessing.reduction.ForkingPickler.reducer_override`` (outside
-  torch, as the library methods uncast_calls.txt names are): spawn-started DataLoader workers receive their
-  dataset, collate_fn and worker_init_fn through ForkingPickler
-  (tests/unit/test_interop_pickle.py::test_spawn_dataloader_while_converted
-  fails without it). torch offers no way in: torch.multiprocessing uses the
-  stdlib's ForkingPickler and only registers reducers by type
-  (``ForkingPickler.register``), and the C pickler saves a plain function
-  with ``save_global`` before it looks at any dispatch table, so a reducer
-  registered for functions is never called; DataLoader builds the worker's
-  ``Process`` with the dataset in its arguments, with no hook between.
-- torch.distributed's object collectives (``all_gather_object``,
-  ``broadcast_object_list``, ``gather_object``, ``send_object_list``...)
-  pickle with the class in ``distributed_c10d._pickler``, read at each call.
-  Without hmp's there, a sender of such an object raises while the other
-  ranks wait in the collective until the process group times out: a hang.
-
-Not covered: ``pickle.dump``/``pickle.dumps`` (or any pickler but these)
-called directly while converted on an object that holds an original captured
-before ``convert()``. pickle's own check fails: ``PicklingError: Can't pickle
-<function relu ...>: it's not the same object as torch.nn.functional.relu``.
-Use ``torch.save``, pickle the ``state_dict``, or build the model after
-``convert()`` (it then holds the wrapper, which pickles by its name).
-``copy.deepcopy`` copies functions by reference and is not affected.
-See docs/leaves-alone.md.
-"""
+Not covered: ``pickle.dump``/``dumps`` called directly on an object holding an
+original captured before convert(); use ``torch.save``, the ``state_dict``, or build
+the model after convert() (docs/leaves-alone.md)."""
 
 import io
 import pickle

@@ -1,18 +1,10 @@
 """An author's autocast region however a library spells it.
 
-Some libraries build their autocast regions through a function that enters
-one only when autocast is on (transformers 5's ``maybe_autocast(device,
-enabled=False)``: ``torch.autocast(...)`` if ``torch.is_autocast_enabled()``,
-else a ``nullcontext``). Under hmp alone autocast is off, so the author's
-"compute this in float32" region would be invisible: hmp honours
-``torch.autocast`` regions (hmp/rules/regions.py), not a ``nullcontext``.
-
-Which functions these are is data: ``op_lists/autocast_factories.txt``
-(dotted paths, resolved when the program imports their module). While
-converted, ``torch.is_autocast_enabled`` answers True to exactly those
-functions, in a thread where hmp casts, so they build the real region, which
-hmp then honours; every other caller gets torch's answer.
-"""
+Some libraries enter an autocast region only when autocast is on (transformers 5's
+``maybe_autocast``), so under hmp alone the author's float32 region would be a
+``nullcontext``. The functions are data (``op_lists/autocast_factories.txt``); while
+converted ``torch.is_autocast_enabled`` answers True to exactly those, in a thread
+where hmp casts, so they build the real region, which hmp honours (regions.py)."""
 
 import functools
 import sys

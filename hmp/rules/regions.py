@@ -1,31 +1,17 @@
-"""Regions of a program where hmp casts nothing (docs/leaves-alone.md).
+"""Regions of a program where hmp casts nothing (docs/leaves-alone.md). Each switches
+the thread's cast state where it starts and ends (``state.enter``/``leave``), so the
+per-call wrapper still reads one integer:
 
-Each region switches the thread's cast state where it starts and ends
-(``state.enter``/``leave``), so
-the per-call wrapper keeps reading one integer and pays nothing for them:
+- **torch.autocast regions**, enabled or not: the author chose the precision there.
+- **Backward**: the thread that starts it is off for the pass; autograd's device
+  threads start off (core/state.py).
+- **GradScaler** ``scale``/``unscale_``/``step``/``update``: the loss scale is fp32
+  arithmetic.
+- **DataLoader** loading, in worker processes (through torch's private
+  ``_worker_loop``: ``worker_loop`` below) and in process.
 
-- **torch.autocast regions**, enabled or not (context manager, decorator,
-  ``torch.cuda.amp.autocast``/``torch.cpu.amp.autocast``): the author chose
-  the precision there; torch.autocast's own rules apply, as without hmp.
-- **Backward**: the thread that starts a backward pass (CPU backward runs
-  there) is switched off for the pass; autograd's device threads (CUDA)
-  start with casts off (hmp/core/state.py).
-- **GradScaler** ``scale``/``unscale_``/``step``/``update``: the loss
-  scale is fp32 arithmetic (in fp16 it could never exceed 65504).
-- **DataLoader** data loading: worker processes (any start method) and the
-  in-process loader (``num_workers=0``) load data as without hmp. A worker
-  is reached through torch's private ``_worker_loop``, its entry point
-  (``worker_loop`` below): torch offers no documented way in.
-  ``worker_init_fn`` is the user's argument, and
-  ``torch.utils.data.get_worker_info()`` can only be asked, which the
-  per-call wrapper cannot afford; a forked worker inherits the parent's
-  conversion and casts on, and a spawned one re-runs a script that
-  converts. Without it, ``tests/unit/test_regions.py::test_dataloader_workers_never_cast``
-  fails: the worker casts.
-
-``patches()`` builds every patch before convert() changes anything; the
-patches go through convert()'s patch log, so revert() undoes them.
-"""
+``patches()`` builds every patch before convert() changes anything; revert() undoes
+them through the patch log."""
 
 import warnings
 

@@ -1,13 +1,7 @@
-"""RNN modules under hmp.
-
-Listing ``lstm``, ``gru``, ``rnn_tanh`` or ``rnn_relu`` binds ``torch._VF.X``,
-the kernel nn.LSTM/nn.GRU/nn.RNN call (resolve.RNN_KERNELS), and its wrapper
-casts input, hidden state and weights to one dtype. But nn.RNNBase checks in
-Python that input and weights share a dtype before it reaches the kernel, so
-a bf16 input to an fp32 module would still raise there. For modules whose
-kernel is listed, this patch lets that check see the dtype the kernel will
-get, while casts are on; its shape checks still run.
-"""
+"""RNN modules under hmp: nn.RNNBase checks in Python that input and weights share a
+dtype before its kernel (``torch._VF.X``, resolve.RNN_KERNELS) is reached, so for
+modules whose kernel is listed this patch lets that check see the dtype the kernel
+will get while casts are on; its shape checks still run."""
 
 import torch
 

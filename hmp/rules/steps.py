@@ -1,29 +1,16 @@
-"""Optimizer steps run with casts off, as if inside ``disable_casts()``,
-without the user writing it; and every step drops the weight-cast cache.
+"""Optimizer steps run with casts off, as if inside ``disable_casts()``, and every step
+drops the weight-cast cache.
 
-torch's global optimizer step hooks do the work: the pre hook turns casts
-off in the stepping thread (remembering the state it found) and the post
-hook puts that state back and empties the cache. A closure (LBFGS) runs
-the forward and backward pass inside ``step()``, so it is wrapped to run
-in the state found at step entry: casts on, unless the step itself was
-called inside ``disable_casts()``.
+torch's global step hooks do it: the pre hook turns casts off (keeping what it
+found), the post hook restores it and empties the cache. A closure (LBFGS) runs in
+the state found at step entry.
 
-An exception inside ``step()`` skips the post hook. torch runs the hooks
-and the step inside one ``torch.autograd.profiler.record_function`` block,
-opened in the frame that calls the hooks (``Optimizer.profile_hook_step``),
-and the block's ``__exit__`` closes it, also when the step raised, by
-calling the operator ``torch.ops.profiler._record_function_exit._RecordFunction``.
-hmp extends what that operator object calls (torch_private's
-``record_function_exit_call``): when a block closes whose ``__exit__`` was
-called from the frame a still-open step's pre hook was called from, that
-step raised, and it is left there, before the exception reaches the caller.
-record_function, its ``__enter__``/``__exit__`` and the operator object stay
-torch's own (torch.compile, fx and inductor know them by identity); no
-optimizer object or class is modified. A step traced by torch.compile
-records no frame (the compiled step has no record_function block either),
-and a revert() inside a step unwinds the calling thread's open steps itself
-(``forget_open_steps``).
-"""
+An exception inside ``step()`` skips the post hook, so hmp extends what the
+``record_function`` block's exit operator calls (``record_function_exit_call``): a
+block closed from the frame a still-open step's pre hook ran in means that step
+raised, and it is left there. record_function and the operator object stay torch's
+(compile knows them by identity); no optimizer is modified. revert() inside a step
+unwinds the thread's open steps (``forget_open_steps``)."""
 
 import sys
 import warnings

@@ -1,34 +1,17 @@
-"""Code that computes what the program keeps runs uncast: building modules,
-averaging, merging and sampling with weights. Like ``optimizer.step()``,
-these run with casts off by themselves (docs/never-changes.md).
+"""Code that computes what the program keeps runs uncast: building modules, averaging,
+merging and sampling with weights, like ``optimizer.step()`` (docs/never-changes.md).
 
-Which code is data, not code here: a list file of entry points (read by
-hmp/binding/uncast_list.py)
-(``op_lists/uncast_calls.txt``, ``hmp.list_path("uncast_calls")``; a user
-file given as ``uncast_file_path`` replaces or, with ``include default``,
-extends it). A line is the dotted path of a function, or of a method
-``package.module.Class.method``, which covers the class and every subclass
-that defines its own ``method`` (``SchedulerMixin.step`` is every diffusers
-scheduler's step).
+Which code is data: ``op_lists/uncast_calls.txt`` (read by binding/uncast_list.py;
+``uncast_file_path`` replaces or extends it), a dotted function or
+``module.Class.method`` per line, covering every subclass that defines its own method.
 
-``Class.__init__`` names construction: building any instance of the class
-or a subclass runs uncast, from the outermost ``__init__`` of the instance
-to its return. Only the class's own ``__init__`` is replaced, never a
-subclass's, so no hmp frame sits between the ``__init__`` calls of one
-construction: code that walks them (Lightning's ``save_hyperparameters``
-collects every level's arguments) and a class machinery that checks its
-own ``__init__`` see what they see without hmp. The outermost frame is
-found when the base ``__init__`` runs (``torch.nn.Module.__init__`` must run
-before a module holds anything), and a profile function in that thread
-(``sys.setprofile``, only until then) says when it returns.
-
-An entry is resolved only once its module is imported by the program: hmp
-never imports a library for it. A module imported after ``convert()`` is
-resolved then (hmp/binding/imports.py), and a subclass
-defined while converted is wrapped as it is created (a ``__init_subclass__``
-on the entry's class, removed by ``revert()``). Every change goes through
-the patch log.
-"""
+``Class.__init__`` means construction: an instance runs uncast from its outermost
+``__init__`` to its return. Only the class's own ``__init__`` is replaced, so no hmp
+frame sits between one construction's ``__init__`` calls (Lightning's
+``save_hyperparameters`` walks them); the outermost frame is found when the base
+``__init__`` runs and a profile function says when it returns. An entry is resolved
+only once the program imports its module (binding/imports.py); a subclass defined
+while converted is wrapped as it is created. Every change goes through the patch log."""
 
 import inspect
 import logging

@@ -1,14 +1,8 @@
-"""Where a value is written into the program's weights: ``load_state_dict``
-given lower-precision tensors for float32 parameters or buffers while hmp
-casts. Code hmp cannot know (a soft target update through ``state_dict()``)
-may have computed them with hmp's casts, rounding each update; a
-checkpoint stored in bfloat16 loses nothing. hmp cannot tell the two
-apart, so it says once where it happened (docs/never-changes.md).
-
-Only ``load_state_dict`` is looked at: it is Python and rare. ``copy_``
-and ``.data =`` are torch's C methods, called on hot paths; wrapping them
-would slow every call in the process (docs/leaves-alone.md).
-"""
+"""Where a value is written into the program's weights: ``load_state_dict`` given
+lower-precision tensors for float32 parameters or buffers while hmp casts. It may be
+a rounded update or a bf16 checkpoint; hmp cannot tell, so it says once where
+(docs/never-changes.md). Only ``load_state_dict`` is watched: ``copy_`` and ``.data =``
+are hot C methods (docs/leaves-alone.md)."""
 
 import warnings
 
