@@ -39,13 +39,10 @@ class PatchLog:
         self._records.append(Record(namespace, attr, previous, value, if_unchanged))
 
     def undo(self):
-        """Undo every change, newest first. Keeps going past a failing record
-        and raises the first error at the end, so one bad record cannot leave
-        the rest patched. Records that could not be undone (and, after a
-        KeyboardInterrupt, those not reached) stay in the log, so the next
-        undo() retries them: torch is never left patched with no way back.
-        Returns the ``if_unchanged`` records left alone because someone
-        replaced their value since."""
+        """Undo every change, newest first, past a failing record, raising the first error at
+        the end. Records not undone (or not reached after a KeyboardInterrupt) stay for the
+        next undo(): torch is never left patched with no way back. Returns the
+        ``if_unchanged`` records left alone because their value was replaced since."""
         first_error, failed, left = None, [], []
         while self._records:
             record = self._records.pop()
