@@ -8,9 +8,9 @@ counter. A frozen weight (peft's merge, offloading and loaders write it through
 - Grad mode: the cache holds a copy weakly; the output's graph holds it (wrap.hold)
   until a backward pass starts (``release``), so a weight used several times in one
   forward is cast once.
-- No grad: copies are kept per thread for the outermost no-grad region entered with
-  grad on (from a weight's second use), or a ``frozen_weights()`` block (from the
-  first), and dropped when it exits.
+- No grad: copies are kept per thread, from a weight's first use (as torch.autocast's
+  region keeps its casts), for the outermost no-grad region entered with grad on or a
+  ``frozen_weights()`` block, and dropped when it exits.
 - An optimizer step, a refill that puts a version counter back and ``clear_cache()``
   drop every copy.
 
@@ -106,10 +106,6 @@ def _drop(store, key, ref):
     e = store.get(key)
     if e is not None and e.storage is ref:
         store.pop(key, None)
-
-
-_SEEN = _CacheEntry()  # a region's first sight of a weight: no copy kept, nothing held
-_SEEN.copy = None
 
 
 def _put(store, t, copy, weak):
@@ -223,7 +219,7 @@ def caster(dtype):
     finite_any, finite_eager = FINITE_CASTS[dtype]
     grad_mode = weight_cache.grad_mode[dtype]
 
-    def keeper_cast(t, keeper, first_use):
+    def keeper_cast(t, keeper):
         store = keeper.stores[dtype]
         e = store.get(id(t))
         if e is not None:
@@ -231,10 +227,7 @@ def caster(dtype):
             if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr() and e.shape == t.shape:
                 return copy
         copy = finite_eager(t)
-        if e is None and not first_use:  # a region keeps a copy from a weight's second use: one forward
-            store[id(t)] = _SEEN  # per region casts per call, into memory the allocator reuses
-        else:
-            _put(store, t, copy, False)
+        _put(store, t, copy, False)
         return copy
 
     def eager(t):
@@ -252,7 +245,7 @@ def caster(dtype):
             keeper = ref() if ref is not None else None
             if keeper is None or type(keeper) is not _Frozen:
                 return finite_eager(t)
-            return keeper_cast(t, keeper, True)
+            return keeper_cast(t, keeper)
         if not t.is_leaf:
             return finite_eager(t)
         if _grad_enabled():
@@ -279,7 +272,7 @@ def caster(dtype):
         keeper = ref() if ref is not None else None
         if keeper is None:
             return finite_eager(t)
-        return keeper_cast(t, keeper, type(keeper) is _Frozen)
+        return keeper_cast(t, keeper)
 
     def cast(t):
         if _compiling() or _tracing_state() is not None:
@@ -307,7 +300,7 @@ def frozen_weights() -> Iterator[None]:
     weight's memory (the ``p.data`` alias, ``dist.broadcast`` into a parameter, peft's
     ``merge_adapter()``). Frozen weights (requires_grad=False) are kept only here.
     Without it, no-grad casts of trainable weights are kept per outermost
-    ``torch.no_grad()`` block from their second use."""
+    ``torch.no_grad()`` block from their first use."""
     st = tls
     if st.frozen_depth == 0:
         keeper = _Frozen()  # owned here: tls.keeper refers to it weakly

@@ -56,7 +56,7 @@ def convert(
     model: torch.nn.Module | None = None,
     uncast_file_path: ListPath = "",
     strict: bool | None = None,
-    engine: str = "python",
+    engine: str | None = None,
 ) -> None:
     """Patch torch so listed ops run in the dtypes their lists say.
 

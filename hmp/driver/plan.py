@@ -56,7 +56,14 @@ def _strict(strict):
     return strict
 
 
+ENGINE_ENV = "HMP_ENGINE"  # engine=None reads it: HMP_ENGINE=autocast tries the engine on an unchanged script
+
+
 def _engine(engine, low):
+    if engine is None:
+        engine = os.environ.get(ENGINE_ENV, "").strip() or "python"
+        if engine not in engine_plan.ENGINES:
+            raise ValueError(f"hmp: {ENGINE_ENV} must be one of {', '.join(engine_plan.ENGINES)}, got {engine!r}")
     if engine not in engine_plan.ENGINES:
         raise ValueError(f"hmp: engine must be one of {', '.join(engine_plan.ENGINES)}, got {engine!r}")
     if engine == "autocast" and low != torch.bfloat16:
@@ -67,7 +74,7 @@ def _engine(engine, low):
     return engine
 
 
-def check_options(opt_level, isVerbose, low_precision_type, cache, strict, engine="python"):
+def check_options(opt_level, isVerbose, low_precision_type, cache, strict, engine=None):
     if isinstance(opt_level, torch.nn.Module):
         raise TypeError(
             f"hmp: convert() takes no model: it patches torch's ops process-wide, so every model runs under "

@@ -1,4 +1,4 @@
-"""A no-grad region keeps the weight casts it uses twice until it ends: the outermost
+"""A no-grad region keeps the weight casts it makes until it ends, as autocast's region does: the outermost
 ``torch.no_grad()``, ``torch.inference_mode()`` or ``set_grad_enabled(False)`` block
 entered with grad on opens the cache's no-grad stores in its thread and its exit
 drops them (core/cache.py's ``open_region``/``close_region``). Without it every

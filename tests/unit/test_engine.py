@@ -175,6 +175,29 @@ def test_a_failed_convert_changes_nothing(pristine):
     assert autocast_state() == found
 
 
+def test_hmp_engine_in_the_environment_chooses_for_an_unchanged_script(monkeypatch, pristine):
+    """engine=None (the default) reads HMP_ENGINE, as strict=None reads HMP_STRICT; a value it does
+    not know is an error naming the variable, and changes nothing."""
+    monkeypatch.setenv("HMP_ENGINE", "autocast")
+    hmp.convert()
+    try:
+        assert hmp.effective_lists(detail=True) != {} and torch.is_autocast_enabled("cpu")
+        assert F.linear(torch.randn(2, 4), torch.randn(3, 4)).dtype == torch.bfloat16
+    finally:
+        hmp.revert()
+    monkeypatch.setenv("HMP_ENGINE", "python")
+    hmp.convert()
+    try:
+        assert not torch.is_autocast_enabled("cpu")
+    finally:
+        hmp.revert()
+    found = autocast_state()
+    monkeypatch.setenv("HMP_ENGINE", "dispatcher")
+    with pytest.raises(ValueError, match="HMP_ENGINE must be one of python, autocast, got 'dispatcher'"):
+        hmp.convert()
+    assert not hmp.is_converted() and autocast_state() == found
+
+
 def test_a_users_own_autocast_region_runs_stock_autocast():
     """Inside the author's region: autocast's own lists (conv_tbc cast, mv not),
     as without hmp; outside it: hmp's lists (conv_tbc not cast, mv cast)."""
