@@ -4,6 +4,7 @@ hmp/driver/conversion.py installs."""
 
 import inspect
 import os
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -12,6 +13,7 @@ from hmp.binding import engine as engine_plan
 from hmp.binding import kinds, lists, module_entries, uncast_list
 from hmp.binding.resolve import Resolver
 from hmp.core.dtypes import LOW
+from hmp.core.state import first_time, user_stacklevel
 
 
 class Options(NamedTuple):
@@ -64,6 +66,17 @@ def _engine(engine, low):
         engine = os.environ.get(ENGINE_ENV, "").strip() or "python"
         if engine not in engine_plan.ENGINES:
             raise ValueError(f"hmp: {ENGINE_ENV} must be one of {', '.join(engine_plan.ENGINES)}, got {engine!r}")
+        hpu = getattr(torch, "hpu", None)
+        if engine == "autocast" and (low != torch.bfloat16 or hpu is not None and hpu.is_available()):
+            # the environment asks for the engine where it runs: an unchanged float16 (or HPU) script keeps working
+            if first_time(("engine from the environment", low)):
+                warnings.warn(
+                    f"hmp: {ENGINE_ENV}=autocast runs bfloat16 on CPU and CUDA only; this conversion "
+                    f"({low}) keeps engine='python' (docs/engines.md). (hmp warns once.)",
+                    UserWarning,
+                    stacklevel=user_stacklevel(),
+                )
+            return "python"
     if engine not in engine_plan.ENGINES:
         raise ValueError(f"hmp: engine must be one of {', '.join(engine_plan.ENGINES)}, got {engine!r}")
     if engine == "autocast" and low != torch.bfloat16:

@@ -191,6 +191,14 @@ def test_hmp_engine_in_the_environment_chooses_for_an_unchanged_script(monkeypat
         assert not torch.is_autocast_enabled("cpu")
     finally:
         hmp.revert()
+    monkeypatch.setenv("HMP_ENGINE", "autocast")  # a float16 script keeps the Python engine, and is told
+    with pytest.warns(UserWarning, match="HMP_ENGINE=autocast runs bfloat16 on CPU and CUDA only"):
+        hmp.convert(low_precision_type=torch.float16)
+    try:
+        assert not torch.is_autocast_enabled("cpu")
+        assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.float16
+    finally:
+        hmp.revert()
     found = autocast_state()
     monkeypatch.setenv("HMP_ENGINE", "dispatcher")
     with pytest.raises(ValueError, match="HMP_ENGINE must be one of python, autocast, got 'dispatcher'"):
