@@ -25,7 +25,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import hmp
-from hmp.core import dtypes, policy, wrap
+from hmp.binding import wrapper_life
+from hmp.core import dtypes, policy
 from hmp.core.saturating_cast import to_finite as _to_finite
 from hmp.core.state import runtime
 
@@ -155,9 +156,9 @@ def _sites(convert_args):
     found = []
     with hmp.converted(**convert_args):
         for e in runtime.undo_log.records():
-            if not wrap.is_wrapper(e.value):
+            if not wrapper_life.is_wrapper(e.value):
                 continue
-            f = wrap.fields(e.value)
+            f = wrapper_life.fields(e.value)
             src = f["src"]
             rule = (
                 "bf16"

@@ -16,11 +16,11 @@ from typing import NamedTuple
 
 import torch
 
+from hmp.binding.wrapper_life import adapt
 from hmp.core import delegation, torch_private
 from hmp.core.delegation import joining, off_around, plain
 from hmp.core.identity import unwrap
 from hmp.core.state import runtime, tls
-from hmp.core.wrap import adapt
 
 ENGINES = ("python", "autocast")
 DELEGATED = "cast: torch.autocast's dispatcher (engine='autocast')"

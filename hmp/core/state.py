@@ -70,7 +70,7 @@ _set_autocast = torch.set_autocast_enabled
 
 def graph_off(off):
     """Set the thread's ``off``. Called while dynamo traces, it is a node of the
-    captured graph (wrap.ready_for_compile), so lowering replays each change in
+    captured graph (wrapper_life.ready_for_compile), so lowering replays each change in
     order and a Python operator (``a @ b``), decided only at lowering, sees the
     state it was traced in. dynamo's own run of the node for its example value
     changes nothing."""
@@ -175,7 +175,7 @@ class Runtime:
         # the site is that library's; the wrapper it holds follows the conversion in force (conversion.py)
         self.displaced = {}
         self.adopted = []  # the displaced records whose wrapper the conversion in force re-armed
-        self.ready_for_compile = False  # wrap.ready_for_compile has run in this process (conversion.apply)
+        self.ready_for_compile = False  # wrapper_life.ready_for_compile has run in this process (conversion.apply)
 
 
 runtime = Runtime()

@@ -12,7 +12,6 @@ What each site's wrapper does is decided in hmp/binding/sites.py."""
 from __future__ import annotations
 
 import logging
-import threading
 import types
 import weakref
 
@@ -172,32 +171,6 @@ _BODY = _body(None, None, None, None, None, None, None, None, None, None).__code
 wrapper_frames.register_wrapper(_BODY, op_of)
 
 
-_FIELDS = ("op", "prepare", "about", "src", "refuse", "inplace_at", "hidden", "needs", "eager_prepare")  # and cast
-
-
-def fields(wrapper):
-    """What a wrapper does: ``make``'s arguments, by name."""
-    found = {name: _cell(wrapper, name).cell_contents for name in _FIELDS}
-    cast_any, eager = _cell(wrapper, "cast_any").cell_contents, _cell(wrapper, "eager").cell_contents
-    found["cast"] = None if cast_any is None else cast_copies.Cast(cast_any, eager)
-    return found
-
-
-_ready_lock = threading.Lock()  # two threads' first convert() do it one after the other
-
-
-def ready_for_compile():
-    """Import dynamo before convert() installs wrappers, so what it reads from torch's
-    namespaces at import is torch's own and a later compile gets one graph.
-    Idempotent; importing dynamo can take a second."""
-    with _ready_lock:
-        torch_private.import_dynamo()
-        # a change of the cast state while dynamo traces is a node of the graph (state.graph_off),
-        # kept by dead-code elimination: its lowering replays it
-        torch.compiler.allow_in_graph(graph_off)
-        torch.fx.node.has_side_effect(graph_off)
-
-
 def finish(wrapper, op):
     """``wrapper`` standing in for ``op`` (identity.stand_in) and scripted as torch's own."""
     stand_in(wrapper, op)
@@ -223,59 +196,3 @@ def script_as(wrapper, original):
         weakref.finalize(wrapper, _forget_builtin, id(wrapper))
     elif isinstance(original, types.FunctionType):
         wrapper.__prepare_scriptable__ = lambda: original
-
-
-def _cell(wrapper, name):
-    return wrapper.__closure__[wrapper.__code__.co_freevars.index(name)]
-
-
-def _set(wrapper, name, value):
-    """Set field ``name`` (``op`` or ``prepare``) of a wrapper."""
-    _cell(wrapper, name).cell_contents = value
-
-
-def is_wrapper(obj):
-    return getattr(obj, "__code__", None) is _BODY
-
-
-def pause(wrapper):
-    """Make a wrapper a plain call of what it wraps (its ``prepare`` PAUSED)."""
-    _set(wrapper, "prepare", PAUSED)
-
-
-def resume(wrapper, prepare, eager_prepare=None):
-    """Make a paused wrapper cast again, through ``prepare`` (and ``eager_prepare`` in eager code)."""
-    _set(wrapper, "eager_prepare", prepare if eager_prepare is None else eager_prepare)
-    _set(wrapper, "prepare", prepare)
-
-
-def adapt(wrapper, how):
-    """Make a wrapper call ``how(op)`` in place of its op (engine="autocast":
-    hmp/core/delegation.py's ``off_around``); retire() puts the original back."""
-    _set(wrapper, "op", how(_cell(wrapper, "op").cell_contents))
-
-
-def take_over(wrapper, donor):
-    """Give ``wrapper`` (an hmp wrapper another library holds: it wrapped it,
-    or saved it to put back later) everything ``donor``, a wrapper built for
-    the same op by this conversion, would do: the closures, cell for cell."""
-    for mine, theirs in zip(wrapper.__closure__, donor.__closure__):
-        mine.cell_contents = theirs.cell_contents
-    wrapper.__qualname__ = donor.__qualname__
-
-
-def retire(wrapper):
-    """Turn a wrapper revert() took out of torch into a plain call of the original, so
-    references captured while converted behave as the original; its qualname says
-    why pickling it fails. Non-wrappers are left alone."""
-    if not is_wrapper(wrapper):
-        return
-    original = unwrap(wrapper)
-    _set(wrapper, "op", original)
-    pause(wrapper)
-    # pickle saves a function by name and the name now finds the original:
-    # the error it raises shows this name, which says what to do
-    wrapper.__qualname__ = (
-        f"{wrapper.__qualname__} [an hmp wrapper retired by revert(): pickle the state_dict, "
-        f"or build the module after revert()]"
-    )

@@ -17,11 +17,11 @@ import torch
 
 from hmp import rules, tested
 from hmp.binding import engine as engine_plan
-from hmp.binding import imports, kinds, lists, module_entries, modules, pays, sites
+from hmp.binding import imports, kinds, lists, module_entries, modules, pays, sites, wrapper_life
 from hmp.binding.aten import returns_view
 from hmp.binding.kinds import FP32, LOWER
 from hmp.binding.resolve import Binding, Resolver, attribute_site, owner_label
-from hmp.core import cache, dtypes, wrap
+from hmp.core import cache, dtypes
 from hmp.core.cache import clear_cache
 from hmp.core.cast_copies import FINITE_CASTS
 from hmp.core.hints import ListPath, ModuleTargets
@@ -155,7 +155,7 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
     and ``passthrough``."""
     # once per process, outside the lock: an import that may run a watched module's callback
     if not runtime.ready_for_compile:
-        wrap.ready_for_compile()
+        wrapper_life.ready_for_compile()
         runtime.ready_for_compile = True
     with runtime.lock:
         _install_built(conversion, _build(conversion, resolver or Resolver(), recorder, passthrough))
@@ -238,7 +238,7 @@ def _install_built(conversion, built):
         _revert_locked()
         raise
     for w, prepare in built.user.items():
-        wrap.resume(w, prepare)
+        wrapper_life.resume(w, prepare)
     effective, options, by_module, uncast = conversion
     runtime.conversion = Conversion({k: frozenset(v) for k, v in effective.items()}, options, by_module, uncast)
     runtime.wrappers = built.wrappers
@@ -283,7 +283,7 @@ def _placed():
     """``(id(namespace), attr) -> wrapper`` hmp put at an op site, which another
     library may hold now: the current conversion's, and those displaced earlier."""
     records = runtime.undo_log.records() if runtime.undo_log is not None else []
-    placed = {(id(e.namespace), e.attr): e.value for e in records if wrap.is_wrapper(e.value)}
+    placed = {(id(e.namespace), e.attr): e.value for e in records if wrapper_life.is_wrapper(e.value)}
     placed.update((key, e.value) for key, e in runtime.displaced.items())
     return placed
 
@@ -299,7 +299,7 @@ def _install(undo_log, namespace, attr, value):
     theirs and the wrapper they hold does what ``value`` would."""
     displaced = runtime.displaced.get((id(namespace), attr))
     if displaced is not None and namespace.__dict__.get(attr, MISSING) not in (displaced.value, displaced.previous):
-        wrap.take_over(displaced.value, value)
+        wrapper_life.take_over(displaced.value, value)
         runtime.adopted.append(displaced)
         return
     undo_log.setattr(namespace, attr, value, if_unchanged=True)
@@ -309,10 +309,10 @@ def _settle_displaced(rt, left):
     """After an undo: remember op sites another library took over (``left``),
     retire the wrappers they hold, and restore those whose wrapper came back."""
     for record in left:
-        if wrap.is_wrapper(record.value):
+        if wrapper_life.is_wrapper(record.value):
             rt.displaced[(id(record.namespace), record.attr)] = record
     for record in rt.adopted:
-        wrap.retire(record.value)
+        wrapper_life.retire(record.value)
     rt.adopted = []
     for key, record in list(rt.displaced.items()):
         now = record.namespace.__dict__.get(record.attr, MISSING)
@@ -374,7 +374,7 @@ def _start_verbose_logging():
 def _revert_locked():
     rt = runtime
     for w in list(rt.decorated):
-        wrap.pause(w)
+        wrapper_life.pause(w)
     for handle in rt.handles:
         handle.remove()
     rt.handles = []
@@ -392,7 +392,7 @@ def _revert_locked():
         left = {id(v) for v in undo_log.values()} if undo_log is not None else set()
         for value in installed:  # entries that could not be undone stay live
             if id(value) not in left:
-                wrap.retire(value)
+                wrapper_life.retire(value)
         regions.forget_open_regions()
         steps.forget_open_steps()
         clear_cache()
@@ -454,4 +454,4 @@ def track_decorated(wrapper, kind):
     with runtime.lock:
         runtime.decorated[wrapper] = kind
         if runtime.wrappers is not None:
-            wrap.resume(wrapper, runtime.wrappers.user_prepare(kind, wrapper.__qualname__))
+            wrapper_life.resume(wrapper, runtime.wrappers.user_prepare(kind, wrapper.__qualname__))

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import hmp
-from hmp.binding import kinds, list_files, lists, modules, pays, sites
+from hmp.binding import kinds, list_files, lists, modules, pays, sites, wrapper_life
 from hmp.binding.list_files import default_path
 from hmp.binding.resolve import Binding, Resolver, attribute_site
-from hmp.core import cast_copies, policy, wrap
+from hmp.core import cast_copies, policy
 from hmp.core.dtypes import BF16, FLOATS, FP16, FP32, FP64
 from hmp.driver import conversion, plan
 
@@ -137,7 +137,7 @@ def test_a_kind_added_to_the_registry_is_picked_up(fp64_kind):
     # the lean path's rule, and the wrapper's prepare
     wrappers = sites.Wrappers(BF16, FINITE_CASTS)
     wrapper = wrappers.site(Binding(attribute_site(torch, "logaddexp"), fp64_kind, "logaddexp"), torch.logaddexp)
-    fields = wrap.fields(wrapper)
+    fields = wrapper_life.fields(wrapper)
     assert fields["src"] == frozenset((BF16, FP16, FP32)) and fields["cast"] == FINITE_CASTS[FP64]
     assert wrappers.user_prepare(fp64_kind, "f")((x,), {})[0][0].dtype == FP64
     # the module rule

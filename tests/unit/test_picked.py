@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hmp
-from hmp.binding import aten, lists, resolve, spellings
-from hmp.core import torch_releases, wrap
+from hmp.binding import aten, lists, resolve, spellings, wrapper_life
+from hmp.core import torch_releases
 from hmp.driver.queries import in_force
 from hmp.testing import entries, expected_call
 
@@ -152,5 +152,5 @@ def test_the_builtin_decides_and_python_functions_stay_torchs():
     original = F.pad
     with hmp.converted():
         assert F.pad is original
-        assert wrap.is_wrapper(torch._C._nn.pad)
-    assert not wrap.is_wrapper(torch._C._nn.pad)
+        assert wrapper_life.is_wrapper(torch._C._nn.pad)
+    assert not wrapper_life.is_wrapper(torch._C._nn.pad)

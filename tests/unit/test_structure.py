@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import hmp
+from hmp.binding import wrapper_life
 from hmp.core import wrap
 
 PACKAGE = Path(hmp.__file__).resolve().parent
@@ -230,7 +231,7 @@ def test_every_kind_of_wrapper_runs_one_body():
                 user_fn,
                 op_wrapped,
             ):
-                assert wrap.is_wrapper(fn) and isinstance(fn, types.FunctionType), fn
+                assert wrapper_life.is_wrapper(fn) and isinstance(fn, types.FunctionType), fn
                 bodies.add(fn.__code__)
             assert user_fn(torch.ones(2)).dtype == torch.bfloat16
     finally:
@@ -410,12 +411,12 @@ def test_public_api_is_annotated_and_marked_typed():
 # what convert() replaces besides op sites, in a process that imported only torch and hmp
 _REPLACED = """
 import json, hmp
-from hmp.core import wrap
+from hmp.binding import wrapper_life
 from hmp.core.state import runtime
 hmp.convert()
 out = []
 for e in runtime.undo_log.records():
-    if not wrap.is_wrapper(e.value):
+    if not wrapper_life.is_wrapper(e.value):
         owner = e.namespace.__name__ if isinstance(e.namespace, type(json)) else e.namespace.__qualname__
         out.append([owner, e.attr])
 print(json.dumps(out))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from helpers import planted
 
 import hmp
-from hmp.core import wrap
+from hmp.binding import wrapper_life
 from hmp.driver.queries import in_force
 from hmp.tools.record import Recorder
 from hmp.tools.tuning import TuneResult
@@ -147,7 +147,7 @@ def test_recorder_is_gone_after_profile():
     from hmp.core.state import runtime
 
     assert runtime.wrappers.recorder is None
-    assert not any(isinstance(v, Recorder) for v in wrap.fields(F.linear).values())
+    assert not any(isinstance(v, Recorder) for v in wrapper_life.fields(F.linear).values())
 
 
 def test_audit_flags_the_planted_op_and_restores_state(unsafe_lists):

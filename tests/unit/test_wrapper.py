@@ -16,18 +16,18 @@ import torch.nn.functional as F
 from helpers import needs
 
 import hmp
-from hmp.core import wrap
+from hmp.binding import wrapper_life
 from hmp.core.identity import unwrap
 
 
 def test_a_wrapper_is_a_function_that_reads_as_its_original():
     hmp.convert()
     for site in (F.softmax, F.linear, torch.mm, torch.Tensor.mm, torch.softmax):  # Python and C originals
-        assert inspect.isfunction(site) and wrap.is_wrapper(site)
+        assert inspect.isfunction(site) and wrapper_life.is_wrapper(site)
         assert site.__wrapped__ is not None and site.__name__ in ("softmax", "linear", "mm")
     assert inspect.unwrap(F.linear) is unwrap(F.linear)
     hmp.revert()
-    assert type(F.linear) is type(torch.mm) and not wrap.is_wrapper(F.linear)
+    assert type(F.linear) is type(torch.mm) and not wrapper_life.is_wrapper(F.linear)
 
 
 def test_a_wrapper_of_a_tensor_method_binds_as_a_method():
