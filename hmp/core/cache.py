@@ -219,17 +219,6 @@ def caster(dtype):
     finite_any, finite_eager = FINITE_CASTS[dtype]
     grad_mode = weight_cache.grad_mode[dtype]
 
-    def keeper_cast(t, keeper):
-        store = keeper.stores[dtype]
-        e = store.get(id(t))
-        if e is not None:
-            copy = e.copy
-            if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr() and e.shape == t.shape:
-                return copy
-        copy = finite_eager(t)
-        _put(store, t, copy, False)
-        return copy
-
     def eager(t):
         if not t.requires_grad:
             if type(t) is not _Parameter:  # an activation (no graph): shared by the listed ops it feeds
@@ -245,10 +234,9 @@ def caster(dtype):
             keeper = ref() if ref is not None else None
             if keeper is None or type(keeper) is not _Frozen:
                 return finite_eager(t)
-            return keeper_cast(t, keeper)
-        if not t.is_leaf:
+        elif not t.is_leaf:
             return finite_eager(t)
-        if _grad_enabled():
+        elif _grad_enabled():
             e = grad_mode.get(id(t))
             if e is not None:
                 copy = e.copy()
@@ -268,11 +256,21 @@ def caster(dtype):
                     g = t.grad
                     e.grad = None if g is None else _ref(g)
             return copy
-        ref = tls.keeper  # a no-grad region's or frozen_weights()'s stores
-        keeper = ref() if ref is not None else None
-        if keeper is None:
-            return finite_eager(t)
-        return keeper_cast(t, keeper)
+        else:
+            ref = tls.keeper  # a no-grad region's or frozen_weights()'s stores
+            keeper = ref() if ref is not None else None
+            if keeper is None:
+                return finite_eager(t)
+        # the keeper's copy, checked here: a hit is this one frame
+        store = keeper.stores[dtype]
+        e = store.get(id(t))
+        if e is not None:
+            copy = e.copy
+            if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr() and e.shape == t.shape:
+                return copy
+        copy = finite_eager(t)
+        _put(store, t, copy, False)
+        return copy
 
     def cast(t):
         if _compiling() or _tracing_state() is not None:
