@@ -3,6 +3,7 @@ training steps, Python subprocesses, tiny Hugging Face configs.
 The worker scripts beside this file are run by the tests; models.py holds the shared models."""
 
 import ast
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -248,3 +249,14 @@ def op_row(op, own, loss, **fields):
         "cast_ms": None,
         **fields,
     }
+
+
+@contextlib.contextmanager
+def profiled(profile):
+    """``profile`` as the thread's ``sys.setprofile`` hook for the block; the hook found is back after it."""
+    old = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(old)

@@ -4,10 +4,10 @@ this one traces one convert() and the calls a model makes and looks at every cal
 (binding/ and driver/ are convert time; rules/ hand core the functions its switches run)."""
 
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
+from helpers import profiled
 
 import hmp
 
@@ -28,12 +28,8 @@ def _calls_up(run):
                 if name.startswith(ABOVE):
                     found.add((caller.f_code.co_qualname, f"{name[len(HMP) :]}:{frame.f_code.co_qualname}"))
 
-    old = sys.getprofile()
-    sys.setprofile(profile)
-    try:
+    with profiled(profile):
         run()
-    finally:
-        sys.setprofile(old)
     return found
 
 

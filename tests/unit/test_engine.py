@@ -3,7 +3,6 @@ ops where hmp's lists agree with autocast's policy, hmp's wrappers the rest;
 results bit-equal to engine="python" wherever the docs name no difference."""
 
 import os
-import sys
 import threading
 import warnings
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import profiled
 from torch.utils.checkpoint import checkpoint
 
 import hmp
@@ -102,11 +102,8 @@ def test_no_hmp_frame_runs_in_a_delegated_linear():
     F.linear(x, w)  # first call: nothing lazy left
     for grad in (True, False):
         with torch.set_grad_enabled(grad):
-            sys.setprofile(profile)
-            try:
+            with profiled(profile):
                 y = F.linear(x, w)
-            finally:
-                sys.setprofile(None)
         assert y.dtype == torch.bfloat16
     assert seen == []
 

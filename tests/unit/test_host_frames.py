@@ -9,11 +9,11 @@ the range instead. The ceilings are today's counts: a change that adds a frame p
 """
 
 import collections
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import profiled
 
 import hmp
 
@@ -45,12 +45,8 @@ def frames(fn):
             if any(w in name for w in WATCHED) and not _in_kernel(frame):
                 seen[f"{name.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"] += 1
 
-    old = sys.getprofile()
-    sys.setprofile(profile)
-    try:
+    with profiled(profile):
         fn()
-    finally:
-        sys.setprofile(old)
     return seen
 
 
