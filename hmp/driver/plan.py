@@ -61,30 +61,36 @@ def _strict(strict):
 ENGINE_ENV = "HMP_ENGINE"  # engine=None reads it: HMP_ENGINE=autocast tries the engine on an unchanged script
 
 
-def _engine(engine, low):
-    if engine is None:
-        engine = os.environ.get(ENGINE_ENV, "").strip() or "python"
-        if engine not in engine_plan.ENGINES:
-            raise ValueError(f"hmp: {ENGINE_ENV} must be one of {', '.join(engine_plan.ENGINES)}, got {engine!r}")
-        hpu = getattr(torch, "hpu", None)
-        if engine == "autocast" and (low != torch.bfloat16 or hpu is not None and hpu.is_available()):
-            # the environment asks for the engine where it runs: an unchanged float16 (or HPU) script keeps working
-            if first_time(("engine from the environment", low)):
-                warnings.warn(
-                    f"hmp: {ENGINE_ENV}=autocast runs bfloat16 on CPU and CUDA only; this conversion "
-                    f"({low}) keeps engine='python' (docs/engines.md). (hmp warns once.)",
-                    UserWarning,
-                    stacklevel=user_stacklevel(),
-                )
-            return "python"
-    if engine not in engine_plan.ENGINES:
-        raise ValueError(f"hmp: engine must be one of {', '.join(engine_plan.ENGINES)}, got {engine!r}")
-    if engine == "autocast" and low != torch.bfloat16:
-        raise ValueError("hmp: engine='autocast' runs bfloat16 only; float16 keeps engine='python' (docs/engines.md)")
+def _autocast_refused(low):
+    """Why engine="autocast" cannot run this conversion, or None."""
+    if low != torch.bfloat16:
+        return "engine='autocast' runs bfloat16 only; float16 keeps engine='python' (docs/engines.md)"
     hpu = getattr(torch, "hpu", None)
-    if engine == "autocast" and hpu is not None and hpu.is_available():
-        raise ValueError("hmp: engine='autocast' programs CPU and CUDA autocast; on HPU use engine='python'")
-    return engine
+    if hpu is not None and hpu.is_available():
+        return "engine='autocast' programs CPU and CUDA autocast; on HPU use engine='python'"
+    return None
+
+
+def _engine(engine, low):
+    name = "engine"
+    if engine is None:
+        engine, name = os.environ.get(ENGINE_ENV, "").strip() or "python", ENGINE_ENV
+    if engine not in engine_plan.ENGINES:
+        raise ValueError(f"hmp: {name} must be one of {', '.join(engine_plan.ENGINES)}, got {engine!r}")
+    refused = _autocast_refused(low) if engine == "autocast" else None
+    if refused is None:
+        return engine
+    if name == "engine":
+        raise ValueError(f"hmp: {refused}")
+    # the environment asks for the engine where it runs: an unchanged float16 (or HPU) script keeps working
+    if first_time(("engine from the environment", low)):
+        warnings.warn(
+            f"hmp: {ENGINE_ENV}=autocast runs bfloat16 on CPU and CUDA only; this conversion "
+            f"({low}) keeps engine='python' (docs/engines.md). (hmp warns once.)",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+    return "python"
 
 
 def check_options(opt_level, isVerbose, low_precision_type, cache, strict, engine=None):
