@@ -27,7 +27,7 @@ for p in (str(HERE), str(HERE.parent)):  # the sibling modules, and this checkou
 import workloads  # noqa: E402
 
 import hmp  # noqa: E402
-from hmp.core import wrap  # noqa: E402
+from hmp.core import wrap, wrapper_frames  # noqa: E402
 from hmp.tools.timing import per_call  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def by_op(step):
 
     def profiler(frame, event, arg):
         if event == "call" and frame.f_code is wrap._BODY:
-            op = wrap.op_of(frame)
+            op = wrapper_frames.wrapper_op(frame)
             calls[getattr(op, "__name__", None) or repr(op)] += 1
 
     sys.setprofile(profiler)

@@ -163,12 +163,8 @@ def hold(result, fresh):
     fresh.clear()
 
 
-def op_of(frame):
-    return frame.f_locals.get("op")
-
-
 _BODY = _body(None, None, None, None, None, None, None, None, None, None).__code__
-wrapper_frames.register_wrapper(_BODY, op_of)
+wrapper_frames.register_wrapper(_BODY)  # the op a frame calls: its local ``op``
 
 
 def finish(wrapper, op):

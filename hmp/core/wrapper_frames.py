@@ -9,9 +9,13 @@ _wrappers = {}  # code object of an hmp wrapper -> op_of(frame), the op that fra
 WRAPPER_CODES = _wrappers.keys()  # a live view: the code objects of hmp's wrappers
 
 
-def register_wrapper(code, op_of):
+def _op_local(frame):
+    return frame.f_locals.get("op")
+
+
+def register_wrapper(code, op_of=_op_local):
     """Make frames running ``code`` count as hmp wrapper frames; ``op_of(frame)``
-    gives the op such a frame calls."""
+    gives the op such a frame calls (by default its local ``op``)."""
     _wrappers[code] = op_of
 
 
