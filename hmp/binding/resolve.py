@@ -337,10 +337,10 @@ class Resolver:
         for kind, name, spelling, chosen_from, fell_back in todo:
             found = self.sites(spelling)
             builtins = [s for s in found if isinstance(s.original(), types.BuiltinFunctionType)]
+            # a Python function (F.pad, F.kl_div) reaches the kernel through the builtin: one wrapper; not in a
+            # kind whose rule may read the entry's name (the lower list's norms cast the input alone, then retry)
+            by_name = kind is not None and kind.norms is not None
             for site in found:
-                # a Python function (F.pad, F.kl_div) reaches the kernel through the builtin: one wrapper; not
-                # where the rule reads the entry's name (strict's norms cast the input alone, then retry in one dtype)
-                by_name = kind is not None and kind.norms is not None
                 if isinstance(site.original(), types.FunctionType) and (
                     chosen_from and builtins or not by_name and _reaches(site.original(), builtins)
                 ):
