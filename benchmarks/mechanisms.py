@@ -35,7 +35,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hmp  # noqa: E402
-from hmp.core import cast_copies, dtypes, policy, wrap  # noqa: E402
+from hmp.binding import wrapper_life as wrap  # noqa: E402
+from hmp.core import cast_copies, dtypes, policy  # noqa: E402
 from hmp.core.rescue import About  # noqa: E402
 from hmp.tools.timing import quartiles  # noqa: E402
 

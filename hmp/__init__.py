@@ -16,9 +16,10 @@ docs/architecture.md maps the rest.
 """
 
 from hmp.binding.list_files import list_path
+from hmp.binding.sites import op_wrap
 from hmp.core.cache import accumulation, cache_bytes, clear_cache, frozen_weights
-from hmp.core.op_wrap import op_wrap, to_bf16, to_fp32
 from hmp.core.switches import casts_enabled, disable_casts, enable_casts
+from hmp.core.user_casts import to_bf16, to_fp32
 from hmp.driver.conversion import convert, converted, revert
 from hmp.driver.queries import effective_lists, is_converted
 from hmp.driver.user import bf16_function, fp32_function, promote_function, register, unregister

@@ -2,16 +2,21 @@
 (``Wrappers``): its rule's casts, the lean path for calls without keywords,
 where a kernel rejects mixed dtypes the retry in one dtype (core/rescue.py),
 the verbose log (core/policy.py), the recorder of profile/audit/tune; and
-the wrapper ``@hmp.*_function`` returns. The wrapper itself is
+the wrappers ``@hmp.*_function`` and ``op_wrap`` return. The wrapper's body is
 hmp/core/wrap.py's."""
+
+from typing import Callable
+
+import torch
 
 from hmp.binding import picked
 from hmp.binding.pays import NORMALIZATIONS
 from hmp.binding.resolve import BUILTINS
+from hmp.binding.wrapper_life import finish, make
 from hmp.core import policy, rescue
 from hmp.core.cast_copies import Cast, numbers_check
 from hmp.core.rescue import About
-from hmp.core.wrap import NEVER, PAUSED, finish, make
+from hmp.core.wrap import NEVER, PAUSED
 
 
 def about_of(binding):
@@ -45,7 +50,7 @@ class Wrappers:
             passthrough,
             strict,
         )
-        # the casters' eager forms as casters: the rules a wrapper takes in eager code (wrap.make's eager_prepare)
+        # the casters' eager forms as casters: a wrapper's rules in eager code (wrapper_life.make's eager_prepare)
         self.eager_casters = {dtype: Cast(c.eager, c.eager) for dtype, c in casters.items()}
 
     def _prepare(self, prepare, label, name):
@@ -120,7 +125,7 @@ class Wrappers:
 
     def _lean(self, site, kind, name, fallback):
         """The lean path of a site (decided here only): ``(src, cast, refuse, inplace_at)`` for
-        wrap.make, so a call without keywords skips ``prepare``; None where every call goes
+        wrapper_life.make, so a call without keywords skips ``prepare``; None where every call goes
         through ``prepare`` (logged or recorded, writes a tensor, a strict norm, an op in no list)."""
         if self.passthrough or self.verbose or self.recorder is not None:
             return None
@@ -144,6 +149,25 @@ def user_function(fn, kind):
     resumes it with that conversion's prepare."""
     label = getattr(fn, "__qualname__", None) or repr(fn)
     return make(fn, PAUSED, About(label, None, kind))
+
+
+def op_wrap(op: Callable, cast_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """Habana's public helper: a wrapper of ``op`` that passes every tensor
+    argument (positional, keyword, or inside a list/tuple) through
+    ``cast_fn`` before calling it. It follows ``disable_casts`` and the
+    outermost-op rule like every hmp wrapper, converted or not."""
+
+    def cast_value(v):
+        if isinstance(v, torch.Tensor):
+            return cast_fn(v)
+        if type(v) is list or type(v) is tuple:
+            return type(v)(cast_value(x) for x in v)
+        return v
+
+    def prepare(args, kwargs):
+        return tuple(cast_value(a) for a in args), {k: cast_value(v) for k, v in kwargs.items()}
+
+    return make(op, prepare, About(getattr(op, "__qualname__", None) or repr(op)))
 
 
 # -- which prepare a site's wrapper calls, decided once per site --

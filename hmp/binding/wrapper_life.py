@@ -1,16 +1,75 @@
-"""A wrapper's life, decided at convert time: what it does (``fields``), paused to a plain call,
+"""A wrapper's life, decided at convert time: made (``make``: the body standing in for its op and
+scripted by TorchScript as the original), what it does (``fields``), paused to a plain call,
 resumed with a conversion's rule, re-armed for a site another library holds (``take_over``),
 retired by revert(), and dynamo made ready before wrappers go in. The body that runs per call
 is hmp/core/wrap.py's."""
 
 import threading
+import types
+import weakref
 
 import torch
 
 from hmp.core import cast_copies, torch_private
-from hmp.core.identity import unwrap
+from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import graph_off
-from hmp.core.wrap import _BODY, PAUSED
+from hmp.core.wrap import _BODY, NEVER, PAUSED, _body
+
+
+def make(
+    op,
+    prepare,
+    about,
+    original=None,
+    src=None,
+    cast=None,
+    refuse=None,
+    inplace_at=NEVER,
+    hidden=True,
+    needs=None,
+    eager_prepare=None,
+):
+    """The wrapper of ``op``, casting through ``prepare``; ``about`` (a rescue.About)
+    describes it for the error path.
+
+    ``original``: what ``op`` adapts, if it is an adapter. ``hidden``: ``op`` may
+    write an argument undeclared (a Python function), so writes into cast copies are
+    carried back. ``needs(args, kwargs)``: False for a call left alone. ``src``,
+    ``cast``, ``refuse``, ``inplace_at``: the lean path for calls without keywords
+    (tensors of a dtype in ``src`` go through ``cast``; ``src=policy.PROMOTE`` runs a
+    one-dtype call as given). ``eager_prepare``: ``prepare`` on the casters' eager
+    forms, for eager code (None: ``prepare``)."""
+    original = op if original is None else original
+    eager_prepare = prepare if eager_prepare is None else eager_prepare
+    return finish(_body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs, eager_prepare), original)
+
+
+def finish(wrapper, op):
+    """``wrapper`` standing in for ``op`` (identity.stand_in) and scripted as torch's own."""
+    stand_in(wrapper, op)
+    script_as(wrapper, unwrap(op))
+    return wrapper
+
+
+_forget_builtin = torch_private.jit_forget_builtin
+
+
+def script_as(wrapper, original):
+    """Make TorchScript compile ``wrapper`` as ``original``: scripted code runs its ops
+    uncast, like any call hmp cannot see.
+
+    An aten builtin (``torch.relu``) gets the wrapper registered as the same builtin
+    (torch_private.jit_register_builtin, private: no public way scripts a call of a
+    builtin's wrapper), dropped when the wrapper is collected; a Python original
+    (``F.relu``) is compiled from its source through ``__prepare_scriptable__``.
+    tests/unit/test_interop_jit_refs.py fails without the table."""
+    builtin = torch_private.jit_find_builtin(original)
+    if builtin is not None:
+        torch_private.jit_register_builtin(wrapper, builtin)
+        weakref.finalize(wrapper, _forget_builtin, id(wrapper))
+    elif isinstance(original, types.FunctionType):
+        wrapper.__prepare_scriptable__ = lambda: original
+
 
 _FIELDS = ("op", "prepare", "about", "src", "refuse", "inplace_at", "hidden", "needs", "eager_prepare")  # and cast
 

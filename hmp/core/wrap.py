@@ -1,6 +1,6 @@
-"""The wrapper: one Python body (``_body``) for every call hmp casts (listed ops,
-registered functions, ``@hmp.*_function``, ``op_wrap``), and its life: paused,
-resumed, taken over, retired by revert(), scripted by TorchScript as its original.
+"""The wrapper's body: one Python closure (``_body``) for every call hmp casts (listed
+ops, registered functions, ``@hmp.*_function``, ``op_wrap``). Its life (made, paused,
+resumed, retired, scripted as its original) is hmp/binding/wrapper_life.py's.
 
 Per call, when the thread's ``off`` is 0, the body asks once whether anything
 compiles or traces, turns casts off for the casts and the op (the outermost op
@@ -11,49 +11,12 @@ What each site's wrapper does is decided in hmp/binding/sites.py."""
 
 from __future__ import annotations
 
-import logging
-import types
-import weakref
-
 import torch
 
 from hmp.core import cast_copies, policy, rescue, torch_private, wrapper_frames
-from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import OFF, graph_off, tls, weight_cache
 
-log = logging.getLogger("hmp")
-
 NEVER = 1 << 62  # inplace_at of a site without an ``inplace`` parameter
-
-
-def make(
-    op,
-    prepare,
-    about,
-    original=None,
-    src=None,
-    cast=None,
-    refuse=None,
-    inplace_at=NEVER,
-    hidden=True,
-    needs=None,
-    eager_prepare=None,
-):
-    """The wrapper of ``op``, casting through ``prepare``; ``about`` (a rescue.About)
-    describes it for the error path.
-
-    ``original``: what ``op`` adapts, if it is an adapter. ``hidden``: ``op`` may
-    write an argument undeclared (a Python function), so writes into cast copies are
-    carried back. ``needs(args, kwargs)``: False for a call left alone. ``src``,
-    ``cast``, ``refuse``, ``inplace_at``: the lean path for calls without keywords
-    (tensors of a dtype in ``src`` go through ``cast``; ``src=policy.PROMOTE`` runs a
-    one-dtype call as given). ``eager_prepare``: ``prepare`` on the casters' eager
-    forms, for eager code (None: ``prepare``)."""
-    original = op if original is None else original
-    eager_prepare = prepare if eager_prepare is None else eager_prepare
-    return finish(_body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs, eager_prepare), original)
-
-
 PAUSED = None  # a wrapper's prepare while paused or retired: the call is a plain call of its op
 _cast_each, _SAME, _one_dtype, _write_back = policy.cast_each, policy.SAME, policy.one_dtype, cast_copies.write_back
 _PROMOTE = policy.PROMOTE
@@ -165,30 +128,3 @@ def hold(result, fresh):
 
 _BODY = _body(None, None, None, None, None, None, None, None, None, None).__code__
 wrapper_frames.register_wrapper(_BODY)  # the op a frame calls: its local ``op``
-
-
-def finish(wrapper, op):
-    """``wrapper`` standing in for ``op`` (identity.stand_in) and scripted as torch's own."""
-    stand_in(wrapper, op)
-    script_as(wrapper, unwrap(op))
-    return wrapper
-
-
-_forget_builtin = torch_private.jit_forget_builtin
-
-
-def script_as(wrapper, original):
-    """Make TorchScript compile ``wrapper`` as ``original``: scripted code runs its ops
-    uncast, like any call hmp cannot see.
-
-    An aten builtin (``torch.relu``) gets the wrapper registered as the same builtin
-    (torch_private.jit_register_builtin, private: no public way scripts a call of a
-    builtin's wrapper), dropped when the wrapper is collected; a Python original
-    (``F.relu``) is compiled from its source through ``__prepare_scriptable__``.
-    tests/unit/test_interop_jit_refs.py fails without the table."""
-    builtin = torch_private.jit_find_builtin(original)
-    if builtin is not None:
-        torch_private.jit_register_builtin(wrapper, builtin)
-        weakref.finalize(wrapper, _forget_builtin, id(wrapper))
-    elif isinstance(original, types.FunctionType):
-        wrapper.__prepare_scriptable__ = lambda: original

@@ -13,9 +13,9 @@ import torch
 
 from hmp.binding import list_files
 from hmp.binding.uncast_list import entries
+from hmp.binding.wrapper_life import script_as
 from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import runtime, tls
-from hmp.core.wrap import script_as
 from hmp.rules.interface import Changes
 from hmp.rules.uncast_calls import place_of
 

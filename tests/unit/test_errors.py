@@ -178,7 +178,8 @@ def test_a_listed_python_op_that_fails_on_its_casts_runs_as_given(monkeypatch):
     """A listed op implemented in Python (the site label is what convert() gives
     the wrapper) whose inner call mixes the dtypes hmp cast to: the call runs
     again as given (no op fails because of a cast hmp made), with one warning."""
-    from hmp.core import cast_copies, policy, rescue, state, wrap
+    from hmp.binding import wrapper_life
+    from hmp.core import cast_copies, policy, rescue, state
 
     monkeypatch.setattr(state, "warned", release_said())
     hmp.convert()
@@ -188,7 +189,7 @@ def test_a_listed_python_op_that_fails_on_its_casts_runs_as_given(monkeypatch):
         return torch.baddbmm(scale[None], q[None], k[None].transpose(1, 2))
 
     about = rescue.About("torch.nn.functional.attention", "attention", "bf16")
-    wrapped = wrap.make(attention, policy.lower(BF16, dict(cast_copies.ROUNDING_CASTS)), about)
+    wrapped = wrapper_life.make(attention, policy.lower(BF16, dict(cast_copies.ROUNDING_CASTS)), about)
     q, k = torch.randn(3, 2), torch.randn(3, 2)
     with pytest.warns(RuntimeWarning, match="attention fails on the dtype hmp cast its inputs to.*as given"):
         out = wrapped(q, k)
@@ -200,7 +201,8 @@ def test_a_listed_python_op_that_fails_on_its_casts_runs_as_given(monkeypatch):
 def test_mismatch_inside_a_listed_python_op_says_to_list_what_it_calls():
     """The same op where running it again cannot help: given a bf16 q it mixes
     dtypes as given too, and it writes q, so it never runs on float32 copies."""
-    from hmp.core import cast_copies, policy, rescue, wrap
+    from hmp.binding import wrapper_life
+    from hmp.core import cast_copies, policy, rescue
 
     hmp.convert()
 
@@ -209,7 +211,7 @@ def test_mismatch_inside_a_listed_python_op_says_to_list_what_it_calls():
         return torch.baddbmm(scale[None], q[None], k[None].transpose(1, 2))
 
     about = rescue.About("torch.nn.functional.attention", "attention", "bf16", inplace=True)
-    wrapped = wrap.make(attention, policy.lower(BF16, dict(cast_copies.ROUNDING_CASTS)), about)
+    wrapped = wrapper_life.make(attention, policy.lower(BF16, dict(cast_copies.ROUNDING_CASTS)), about)
     with pytest.raises(RuntimeError) as info:
         wrapped(torch.randn(3, 2).bfloat16(), torch.randn(3, 2))
     (note,) = notes(info.value)
