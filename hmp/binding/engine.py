@@ -17,8 +17,8 @@ from typing import NamedTuple
 import torch
 
 from hmp.binding.wrapper_life import adapt
-from hmp.core import delegation, torch_private
-from hmp.core.delegation import joining, off_around, plain
+from hmp.core import torch_private
+from hmp.core.delegation import AROUND, Engine, joining, off_around
 from hmp.core.identity import unwrap
 from hmp.core.state import runtime, tls
 
@@ -125,6 +125,29 @@ def _probe(op, build, device, low, dtypes):
     return first.dtype if isinstance(first, torch.Tensor) else None
 
 
+# kept: one engine per devices and dtype, so a thread that joined stays joined across conversions
+_engines = {}  # (devices, dtype) -> Engine
+
+
+def engine_for(devices, dtype):
+    """The Engine for ``devices`` and ``dtype``: the same object for every
+    conversion, so a thread that joined one stays joined in the next."""
+    key = (tuple(devices), dtype)
+    if key not in _engines:
+        _engines[key] = Engine(*key)
+    return _engines[key]
+
+
+def in_force():
+    """The Engine in force, or None (engine="python", or not converted)."""
+    return next((e for e in _engines.values() if e.in_force), None)
+
+
+def plain(op):
+    """``op`` without an ``off_around`` layer."""
+    return getattr(op, AROUND, op)
+
+
 class Delegation(NamedTuple):
     """What a conversion leaves to torch.autocast: its engine and the names (kind name -> names)."""
 
@@ -146,7 +169,7 @@ def decide(options, bound, effective):
         for name in entries:
             if all(policy(name, d, options.low_precision_type) == kind for d in on):
                 names.setdefault(kind, set()).add(name)
-    return Delegation(delegation.engine(on, options.low_precision_type), {k: frozenset(v) for k, v in names.items()})
+    return Delegation(engine_for(on, options.low_precision_type), {k: frozenset(v) for k, v in names.items()})
 
 
 def wraps(delegated, binding):
@@ -204,7 +227,7 @@ class _Joined:
 
 def says(decided):
     """``effective_lists(detail=True)``'s entries under the engine in force: which engine casts each."""
-    engine = delegation.in_force()
+    engine = in_force()
     if engine is None:
         return decided
     out = {}

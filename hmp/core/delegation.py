@@ -21,8 +21,8 @@ AROUND = "__hmp_autocast_off__"  # on an off_around function: the op it runs
 
 
 class Engine:
-    """The engine for some devices and a lower dtype (``engine()``: one per
-    pair): the op names the conversion in force leaves to autocast (kind name
+    """The engine for some devices and a lower dtype (hmp/binding/engine.py's ``engine_for()``:
+    one per pair): the op names the conversion in force leaves to autocast (kind name
     -> names) and whether one is in force (``in_force``)."""
 
     def __init__(self, devices, dtype):
@@ -54,24 +54,6 @@ class Engine:
             _set_dtype(device, dtype)
         _set_cache(cache)
         st.engine, st.engine_on, st.engine_found = None, False, None
-
-
-# kept: one engine per devices and dtype, so a thread that joined stays joined across conversions
-_engines = {}  # (devices, dtype) -> Engine
-
-
-def engine(devices, dtype):
-    """The Engine for ``devices`` and ``dtype``: the same object for every
-    conversion, so a thread that joined one stays joined in the next."""
-    key = (tuple(devices), dtype)
-    if key not in _engines:
-        _engines[key] = Engine(*key)
-    return _engines[key]
-
-
-def in_force():
-    """The Engine in force, or None (engine="python", or not converted)."""
-    return next((e for e in _engines.values() if e.in_force), None)
 
 
 def off_around(op, devices):
@@ -107,8 +89,3 @@ def joining(start, engine):
         return start(self)
 
     return stand_in(_bootstrap_inner, start)
-
-
-def plain(op):
-    """``op`` without an ``off_around`` layer."""
-    return getattr(op, AROUND, op)
