@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from hmp.binding.kinds import PROMOTE
 from hmp.binding.wrapper_life import adapt
 from hmp.core import torch_private
 from hmp.core.delegation import AROUND, Engine, joining, off_around
@@ -164,7 +165,7 @@ def decide(options, bound, effective):
         return None
     on = devices()
     names = {}
-    listed = [(kind.name, names) for kind, names in bound.items()] + [("promote", effective.get("promote", ()))]
+    listed = [(kind.name, names) for kind, names in bound.items()] + [("promote", effective.get(PROMOTE, ()))]
     for kind, entries in listed:
         for name in entries:
             if all(policy(name, d, options.low_precision_type) == kind for d in on):

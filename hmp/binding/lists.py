@@ -212,11 +212,10 @@ def _shipped(path):
 
 
 def how_to_add(name, kind, low=None):
-    """Advice that keeps the default list: how to put ``name`` in ``kind``'s list."""
-    k = kinds.kind(kind)
+    """Advice that keeps the default list: how to put ``name`` in ``kind``'s list (a kinds.Kind)."""
     return (
-        f"put '{name}' in a file whose first line is 'include default' and pass it as {k.parameter}, so the "
-        f"default {k.title_in(low)} list stays in force"
+        f"put '{name}' in a file whose first line is 'include default' and pass it as {kind.parameter}, so the "
+        f"default {kind.title_in(low)} list stays in force"
     )
 
 
@@ -244,32 +243,31 @@ def warn_takes_out_nothing(where, count=1):
 
 
 def combine(loaded, sources):
-    """Apply the precedence rules to each kind's Entries (``loaded``) and return kind name
-    -> set of op names. An op a file names itself wins over the same op included in the
+    """Apply the precedence rules to each kind's Entries (``loaded``, by kinds.Kind) and return
+    kind -> set of op names. An op a file names itself wins over the same op included in the
     other list; named or included in both is an error. The lower and FP32 lists win over
     the promote list."""
-    lower, fp32 = loaded[LOWER.name], loaded[FP32.name]
+    lower, fp32 = loaded[LOWER], loaded[FP32]
     low, high = set(lower.ops), set(fp32.ops)
     both = low & high
     clash = sorted(op for op in both if (op in lower.explicit) == (op in fp32.explicit))
     if clash:
         raise ValueError(
-            f"hmp: ops in both the BF16 list {sources[LOWER.name]!r} and the FP32 list "
-            f"{sources[FP32.name]!r}: {', '.join(clash)}"
+            f"hmp: ops in both the BF16 list {sources[LOWER]!r} and the FP32 list {sources[FP32]!r}: {', '.join(clash)}"
         )
     to_lower = sorted(op for op in both if op in lower.explicit)
     to_fp32 = sorted(op for op in both if op in fp32.explicit)
     if to_lower:
-        log.info("hmp: BF16 list %s takes %s out of the FP32 list", sources[LOWER.name], ", ".join(to_lower))
+        log.info("hmp: BF16 list %s takes %s out of the FP32 list", sources[LOWER], ", ".join(to_lower))
     if to_fp32:
-        log.info("hmp: FP32 list %s takes %s out of the BF16 list", sources[FP32.name], ", ".join(to_fp32))
+        log.info("hmp: FP32 list %s takes %s out of the BF16 list", sources[FP32], ", ".join(to_fp32))
     high -= set(to_lower)
     low -= set(to_fp32)
-    out = {LOWER.name: low, FP32.name: high}
+    out = {LOWER: low, FP32: high}
     for k in kinds.KINDS:
-        if k.name not in out:
-            out[k.name] = set(loaded[k.name].ops) - low - high
-    return {k.name: out[k.name] for k in kinds.KINDS}
+        if k not in out:
+            out[k] = set(loaded[k].ops) - low - high
+    return {k: out[k] for k in kinds.KINDS}
 
 
 def given(path):
@@ -317,21 +315,21 @@ def _load_one(source, resolver, title, kind, default):
 
 
 def effective(resolver, opt_level="O1", sources=None, *, fp16="", low=torch.bfloat16, strict=False, environ=None):
-    """Read, validate and combine the lists: ``(kind name -> op names, kind name -> module
-    classes)``. ``sources``: kind name -> a path, a Names, or ``""``/None for the
+    """Read, validate and combine the lists: ``(kind -> op names, kind -> module classes)``,
+    by kinds.Kind. ``sources``: kind -> a path, a Names, or ``""``/None for the
     environment's list, else the shipped default. ``fp16``: the lower list under
     ``low=torch.float16``; ``strict``: Habana's literal rule. Raises before anything changes."""
     environ = os.environ if environ is None else environ
-    sources = {k.name: (sources or {}).get(k.name, "") for k in kinds.KINDS}
-    titles = {k.name: k.file_title for k in kinds.KINDS}
-    sources[LOWER.name], titles[LOWER.name] = _low_list(sources[LOWER.name], fp16, low)
+    sources = {k: (sources or {}).get(k, "") for k in kinds.KINDS}
+    titles = {k: k.file_title for k in kinds.KINDS}
+    sources[LOWER], titles[LOWER] = _low_list(sources[LOWER], fp16, low)
     for k in kinds.KINDS:
-        if k.environ and not given(sources[k.name]):
-            sources[k.name], var = _env_path(k, environ)
+        if k.environ and not given(sources[k]):
+            sources[k], var = _env_path(k, environ)
             if var:
-                titles[k.name] = f"{k.file_title} (from ${var})"
-                log.info("hmp: %s list from $%s: %s", k.name, var, sources[k.name])
-    own = [k.name for k in kinds.KINDS if opt_level in k.own_under]
+                titles[k] = f"{k.file_title} (from ${var})"
+                log.info("hmp: %s list from $%s: %s", k.name, var, sources[k])
+    own = [k for k in kinds.KINDS if opt_level in k.own_under]
     ignored = [f"{titles[n]} {str(getattr(sources[n], 'source', sources[n]))!r}" for n in own if given(sources[n])]
     if ignored:
         warnings.warn(
@@ -344,21 +342,21 @@ def effective(resolver, opt_level="O1", sources=None, *, fp16="", low=torch.bflo
     loaded, printable = {}, {}
     for k in kinds.KINDS:
         default = default_path(k.default_file(opt_level, low, strict))
-        source = sources[k.name] if from_user[k.name] else default
-        loaded[k.name], printable[k.name] = _load_one(source, resolver, titles[k.name], k, default)
-        if not from_user[k.name]:  # a default list names nothing on the user's behalf
-            loaded[k.name] = loaded[k.name]._replace(explicit=frozenset())
+        source = sources[k] if from_user[k] else default
+        loaded[k], printable[k] = _load_one(source, resolver, titles[k], k, default)
+        if not from_user[k]:  # a default list names nothing on the user's behalf
+            loaded[k] = loaded[k]._replace(explicit=frozenset())
     ops = combine(loaded, printable)
     files = {k: from_user[k] and not isinstance(sources[k], Names) for k in sources}
     _warn_dropped(ops, loaded, files, printable, titles, (opt_level, low, strict), resolver)
-    if from_user[LOWER.name] and not strict:
-        pays.warn_left_to_torch(ops[LOWER.name], f"{titles[LOWER.name]} {printable[LOWER.name]!r}")
-    classes = {k.name: loaded[k.name].modules for k in kinds.KINDS if k.takes_modules}
-    both = [c for c in classes[LOWER.name] if c in classes[FP32.name]]
+    if from_user[LOWER] and not strict:
+        pays.warn_left_to_torch(ops[LOWER], f"{titles[LOWER]} {printable[LOWER]!r}")
+    classes = {k: loaded[k].modules for k in kinds.KINDS if k.takes_modules}
+    both = [c for c in classes[LOWER] if c in classes[FP32]]
     if both:
         raise ValueError(
-            f"hmp: module classes in both the BF16 list {printable[LOWER.name]!r} and the FP32 list "
-            f"{printable[FP32.name]!r}: {', '.join(entry_key(c) for c in both)}"
+            f"hmp: module classes in both the BF16 list {printable[LOWER]!r} and the FP32 list "
+            f"{printable[FP32]!r}: {', '.join(entry_key(c) for c in both)}"
         )
     return ops, classes
 
@@ -369,14 +367,13 @@ def _warn_dropped(ops, loaded, from_user, printable, titles, mode, resolver):
     ``(opt_level, low, strict)``, which pick the defaults."""
     opt_level, low, strict = mode
     for k in kinds.KINDS:
-        kind = k.name
-        if not from_user[kind]:  # a default, or a gaudi config's complete list
+        if not from_user[k]:  # a default, or a gaudi config's complete list
             continue
-        entries = loaded[kind]
+        entries = loaded[k]
         if not entries.ops and not entries.modules:
-            if state.first_time(("empty list", kind, printable[kind])):
+            if state.first_time(("empty list", k.name, printable[k])):
                 warnings.warn(
-                    f"hmp: {titles[kind]} {printable[kind]!r} is empty, so the {k.title_in(low)} list "
+                    f"hmp: {titles[k]} {printable[k]!r} is empty, so the {k.title_in(low)} list "
                     f"is empty. To extend the default list instead, start the file with "
                     f"'include default' (docs/lists.md).",
                     UserWarning,
@@ -386,11 +383,11 @@ def _warn_dropped(ops, loaded, from_user, printable, titles, mode, resolver):
         if not k.guards_defaults:
             continue
         default = load(default_path(k.default_file(opt_level, low, strict)), resolver, "default list").ops
-        elsewhere = set().union(*(ops[n] for n in ops if n != kind))
-        dropped = sorted(set(default) - ops[kind] - elsewhere)
-        if dropped and state.first_time(("dropped defaults", kind, printable[kind], tuple(dropped))):
+        elsewhere = set().union(*(ops[n] for n in ops if n is not k))
+        dropped = sorted(set(default) - ops[k] - elsewhere)
+        if dropped and state.first_time(("dropped defaults", k.name, printable[k], tuple(dropped))):
             warnings.warn(
-                f"hmp: {titles[kind]} {printable[kind]!r} replaces the default {k.title_in(low)} list and "
+                f"hmp: {titles[k]} {printable[k]!r} replaces the default {k.title_in(low)} list and "
                 f"leaves out {', '.join(dropped)}: they now run in their inputs' dtypes. Start the file "
                 f"with 'include default' to extend the default list instead (docs/lists.md).",
                 UserWarning,

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from hmp.binding import imports, kinds
+from hmp.binding import imports
 from hmp.binding.aten import aten_op
 
 Module = torch.nn.Module
@@ -196,7 +196,7 @@ def _did_you_mean(pattern, names):
 
 
 def merge(from_files, given):
-    """kind name -> tuple of module entries: the list files' classes (``from_files``),
+    """list kind (kinds.Kind) -> tuple of module entries: the list files' classes (``from_files``),
     then those given to convert() (``given``), for each kind that takes module
     entries; one entry under two kinds' rules is an error."""
     merged = {k: list(from_files.get(k, ())) + list(given.get(k, ())) for k in dict.fromkeys((*from_files, *given))}
@@ -213,7 +213,7 @@ def merge(from_files, given):
 
 
 def _title(kind):
-    return kinds.kind(kind).title_in(torch.bfloat16)  # Habana's name for the lower list's rule
+    return kind.title_in(torch.bfloat16)  # Habana's name for the lower list's rule
 
 
 def shown(entry):

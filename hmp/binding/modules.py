@@ -19,7 +19,7 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hmp.binding import kinds, refusals
+from hmp.binding import refusals
 from hmp.binding.aten import returns_view
 from hmp.binding.module_entries import Pattern, resolved
 from hmp.binding.pays import NORMALIZATIONS
@@ -184,9 +184,9 @@ class Forwards:
         """``name(self, ...)`` (a module's ``forward``, or a class's
         ``__call__``) running ``original`` under ``kind``'s module rule (its
         record's ``module_rule``); a ValueError for a kind that has none."""
-        rule = kinds.kind(kind).module_rule
+        rule = kind.module_rule
         if rule is None:
-            raise ValueError(f"hmp: the {kind} list takes no module entries")
+            raise ValueError(f"hmp: the {kind.name} list takes no module entries")
         fn = getattr(self, rule)(original)
         fn.__name__ = name  # a bound copy pickles as getattr(module, "forward")
         fn.__qualname__ = getattr(original, "__qualname__", name)

@@ -74,8 +74,8 @@ def _note_of(exc):
 def _shipped():
     """Op names of the shipped O1 lists by kind, with O2's lower list in BF16
     (O2's FP32 list holds ops that O1 runs in bf16)."""
-    files = {k.name: [k.defaults["O1"]] for k in kinds.KINDS}
-    files[LOWER.name].append(LOWER.defaults["O2"])
+    files = {k: [k.defaults["O1"]] for k in kinds.KINDS}
+    files[LOWER].append(LOWER.defaults["O2"])
     out = {}
     for kind, names in files.items():
         out[kind] = set()
@@ -90,19 +90,19 @@ def _shipped():
 def probable_list(name):
     """The list an op probably belongs in: the shipped lists first, then its name."""
     shipped = _shipped()
-    for kind in kinds.names():
+    for kind in kinds.KINDS:
         if name in shipped[kind]:
             return kind
     if _BF16_LIKE.search(name):
-        return LOWER.name
+        return LOWER
     if _FP32_LIKE.search(name):
-        return FP32.name
-    return PROMOTE.name
+        return FP32
+    return PROMOTE
 
 
 def _kind_of(name):
     conversion = state.runtime.conversion
-    for kind in kinds.names():
+    for kind in kinds.KINDS:
         if conversion is not None and name in conversion.lists[kind]:
             return kind
     return None
@@ -128,9 +128,9 @@ def _explain_python_check(frame):
     if listed is None:
         return (
             f"hmp: {name} checks in Python that its input and weights share a dtype ({where}); its kernel "
-            f"'{kernel}' is in no hmp list. List '{kernel}' in the {_title(LOWER.name)} or FP32 list and hmp runs "
+            f"'{kernel}' is in no hmp list. List '{kernel}' in the {_title(LOWER)} or FP32 list and hmp runs "
             f"the whole "
-            f"{name} in that dtype, input, hidden state and weights ({lists.how_to_add(kernel, FP32.name, _low())})."
+            f"{name} in that dtype, input, hidden state and weights ({lists.how_to_add(kernel, FP32, _low())})."
         )
     return (
         f"hmp: {name} checks in Python that its input and weights share a dtype ({where}); '{kernel}' is in "
@@ -207,7 +207,7 @@ def _explain(exc, about, in_backward=False):
                 f"hmp: {label} ({_title(kind)} list) got lower-precision and float32 tensors: hmp casts only "
                 f"the input "
                 f"of normalization ops, so its weight, bias and statistics keep their dtypes; give them one "
-                f"dtype, or move '{name}' to the FP32 list ({lists.how_to_add(name, FP32.name, _low())})."
+                f"dtype, or move '{name}' to the FP32 list ({lists.how_to_add(name, FP32, _low())})."
             )
         return (
             f"hmp: {label} ({_title(kind)} list) got lower-precision and float32 tensors "

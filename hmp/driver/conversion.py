@@ -17,7 +17,7 @@ import torch
 
 from hmp import rules, tested
 from hmp.binding import engine as engine_plan
-from hmp.binding import imports, kinds, lists, module_entries, modules, pays, sites, wrapper_life
+from hmp.binding import imports, lists, module_entries, modules, pays, sites, wrapper_life
 from hmp.binding.aten import returns_view
 from hmp.binding.kinds import FP32, LOWER
 from hmp.binding.resolve import Binding, Resolver, attribute_site, owner_label
@@ -186,10 +186,7 @@ def _build(conversion, resolver, recorder, passthrough):
     placed = _placed()
     # entries that gain nothing from their list's rule are not bound: torch runs them (hmp/binding/pays.py)
     one_dtype = lists.one_dtype_names()
-    bound = {
-        k: {n for n in v if pays.decision(k, n, options.strict, one_dtype)[0]}
-        for k, v in ((kinds.kind(name), names) for name, names in effective.items())
-    }
+    bound = {k: {n for n in v if pays.decision(k, n, options.strict, one_dtype)[0]} for k, v in effective.items()}
     delegating = engine_plan.decide(options, bound, effective)  # engine="autocast": what torch.autocast casts
     op_sites = [
         (b.site.namespace, b.site.attr, wrappers.site(b, _original(b.site, placed)))
@@ -200,11 +197,11 @@ def _build(conversion, resolver, recorder, passthrough):
     patches, forwards = [], None
     if not passthrough:  # passthrough casts nothing: no module rules, and RNNs' own dtype check stays
         no_kernel = dict(fallback).get(FP32, ())
-        fp32_names = set(effective[FP32.name]).union(n for n in no_kernel if not _listed(n, effective))
+        fp32_names = set(effective[FP32]).union(n for n in no_kernel if not _listed(n, effective))
         forwards = modules.Forwards(options.low_precision_type, casters, fp32_names)
         patches += modules.patches(by_module, forwards)
         modules.on_import(by_module, watch, forwards, _later)
-    ctx = rules.Context(effective, uncast, watch, not passthrough, bool(by_module.get(LOWER.name)), _later, _again)
+    ctx = rules.Context(effective, uncast, watch, not passthrough, bool(by_module.get(LOWER)), _later, _again)
     delegated = rules.Changes(*engine_plan.changes(delegating, resolver, op_sites))  # engine="autocast": its changes
     changes = [rule.changes(ctx) for rule in rules.RULES] + [delegated]
     _say_lacks(changes)
@@ -344,7 +341,7 @@ def _log_conversion(undo_log):
             log.info("hmp: %s list, %s: %s", kind, why, ", ".join(names))
     for kind, entries in runtime.conversion.modules.items():
         if entries:
-            log.info("hmp: %s modules: %s", kind, ", ".join(module_entries.shown(e) for e in entries))
+            log.info("hmp: %s modules: %s", kind.name, ", ".join(module_entries.shown(e) for e in entries))
     labels = undo_log.labels()
     log.info(
         "hmp: patched %d entry points (each one: logging.getLogger('hmp.patches').setLevel(logging.DEBUG))",

@@ -31,9 +31,9 @@ class Options(NamedTuple):
 class Conversion(NamedTuple):
     """What one convert() installed; ``apply()`` installs it again."""
 
-    lists: dict  # list kind's name (hmp/binding/kinds.py) -> set of op names
+    lists: dict  # list kind (kinds.Kind) -> set of op names
     options: Options
-    modules: dict  # kind name -> module classes and instances (hmp/binding/modules.py), for kinds that take them
+    modules: dict  # list kind -> module classes and instances (hmp/binding/modules.py), for kinds that take them
     uncast: tuple = ()  # uncast_list.Entry: code that runs with casts off (building, averaging, merging)
 
 
@@ -132,13 +132,13 @@ def plan(options, resolver=None):
     effective, classes = lists.effective(
         resolver or Resolver(),
         given["opt_level"],
-        {k.name: given[k.parameter] for k in kinds.KINDS},
+        {k: given[k.parameter] for k in kinds.KINDS},
         fp16=given["fp16_file_path"],
         low=low,
         strict=checked.strict,
     )
     given_entries = {
-        k.name: module_entries.from_parameter(given[k.modules_parameter], given["model"], k.modules_parameter)
+        k: module_entries.from_parameter(given[k.modules_parameter], given["model"], k.modules_parameter)
         for k in kinds.KINDS
         if k.takes_modules
     }

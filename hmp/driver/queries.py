@@ -33,19 +33,19 @@ def effective_lists(detail: bool = False) -> dict:
         return {k: {} if detail else [] for k in kinds.names()}
     named = {
         k: sorted(module_entries.entry_key(t) for t in conversion.modules.get(k, ()) if isinstance(t, (type, Pattern)))
-        for k in kinds.names()
+        for k in kinds.KINDS
     }
     if not detail:
-        return {k: sorted(v) + named[k] for k, v in conversion.lists.items()}
-    decided = engine_plan.says(decisions(conversion))
-    return {k: {**decided[k], **{m: f"module entry: {kinds.kind(k).module_says}" for m in named[k]}} for k in decided}
+        return {k.name: sorted(v) + named[k] for k, v in conversion.lists.items()}
+    # the engine's delegated names are keyed as autocast's probe answers: by the kinds' public names
+    decided = engine_plan.says({k.name: v for k, v in decisions(conversion).items()})
+    return {
+        k.name: {**decided[k.name], **{m: f"module entry: {k.module_says}" for m in named[k]}} for k in conversion.lists
+    }
 
 
 def decisions(conversion):
-    """``{kind: {op name: "cast" or why not}}`` for a Conversion's op entries,
+    """``{kind: {op name: "cast" or why not}}`` (by kinds.Kind) for a Conversion's op entries,
     sorted: what each line of its lists does (hmp/binding/pays.py)."""
     strict, one_dtype = conversion.options.strict, lists.one_dtype_names()
-    return {
-        k: {n: pays.decision(kinds.kind(k), n, strict, one_dtype)[1] for n in sorted(v)}
-        for k, v in conversion.lists.items()
-    }
+    return {k: {n: pays.decision(k, n, strict, one_dtype)[1] for n in sorted(v)} for k, v in conversion.lists.items()}

@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple
 class Context(NamedTuple):
     """What a rule may read while convert() builds it."""
 
-    lists: dict  # list kind -> op names in force ("bf16", "fp32", "promote")
+    lists: dict  # list kind (kinds.Kind) -> op names in force
     uncast: tuple  # the conversion's uncast_calls entries
     watch: object  # hmp.binding.imports.Watch: call back when the program imports a module later
     casting: bool  # False for profile/audit's pass-through run, which casts nothing

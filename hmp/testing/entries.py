@@ -157,12 +157,10 @@ def call_of(op, args):
 
 
 def bound_names(conversion):
-    """``{kind: sorted names}`` of the entries a conversion binds: those that
-    gain from their list's rule (pays.decision), in the kinds' order."""
+    """``{kind: sorted names}`` (by kinds.Kind) of the entries a conversion binds: those
+    that gain from their list's rule (pays.decision), in the kinds' order."""
     strict, one = conversion.options.strict, lists.one_dtype_names()
-    return {
-        k: sorted(n for n in v if pays.decision(kinds.kind(k), n, strict, one)[0]) for k, v in conversion.lists.items()
-    }
+    return {k: sorted(n for n in v if pays.decision(k, n, strict, one)[0]) for k, v in conversion.lists.items()}
 
 
 def binding(conversion, op, call, runtime):
@@ -179,17 +177,17 @@ def binding(conversion, op, call, runtime):
     for kind, names in bound.items():  # listed names first, each kind's names in order
         for name in names:
             if name in call.names:
-                return Bound(kind, name, False)
+                return Bound(kind.name, name, False)
     for kind, names in bound.items():  # then the fused kernels of listed ops
         for name in names:
             for fused in FUSED.get(name, ()):
                 if fused in call.names:
-                    return Bound(kind, fused, False)
+                    return Bound(kind.name, fused, False)
     listed_by_kind = tuple((k, tuple(v)) for k, v in bound.items())
     per_call = spellings.per_call(listed_by_kind, aten.python_builtins(), resolve.RNN_KERNELS)
     for kind, name, spelling in spellings.spellings(listed_by_kind, aten.python_builtins(), resolve.RNN_KERNELS):
         if spelling in call.names and spelling not in per_call:  # another name of a listed op (spellings.py)
-            return Bound(kind, name, False)
+            return Bound(kind.name, name, False)
     listed = set().union(*bound.values())
     for record, names in lists.fallback_names(conversion.options.low_precision_type):
         for name in names:  # a spelling decided per call is bound as one, not by its fallback rule
@@ -230,7 +228,7 @@ def picked_binding(conversion, call, args, kwargs):
         elif not _moves_values(o):
             others.append(name)
     if call.names & picked and len(listed) == 1 and not others:
-        return Bound(*listed[0], False)
+        return Bound(listed[0][0].name, listed[0][1], False)
     if not listed:
         return None
 
@@ -247,7 +245,7 @@ def picked_binding(conversion, call, args, kwargs):
             except Exception:
                 continue
             if got == wanted:
-                return Bound(kind, name, False)
+                return Bound(kind.name, name, False)
     return None
 
 
@@ -276,9 +274,9 @@ def _given(kind, low, args, kwargs):
     float32 to ``low``, the FP32 rule the lower dtypes to float32, the promote rule every floating
     tensor to the widest (those with dimensions first)."""
     tensors = [t for t in flat((*args, *kwargs.values())) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if kind == "bf16":
+    if kind is kinds.LOWER:
         to, src = low, (FP32,)
-    elif kind == "fp32":
+    elif kind is kinds.FP32:
         to, src = FP32, LOW
     else:
         ranked = [t.dtype for t in tensors if t.dim()] or [t.dtype for t in tensors]
@@ -313,9 +311,9 @@ def why_left(conversion, call):
     strict, one = conversion.options.strict, lists.one_dtype_names()
     for kind, names in conversion.lists.items():
         for name in sorted(call.names & names):
-            casts, why = pays.decision(kinds.kind(kind), name, strict, one)
+            casts, why = pays.decision(kind, name, strict, one)
             if not casts:
-                return f"{kinds.kind(kind).title_in(conversion.options.low_precision_type)} list entry {name}: {why}"
+                return f"{kind.title_in(conversion.options.low_precision_type)} list entry {name}: {why}"
     return "in no list"
 
 

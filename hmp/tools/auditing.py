@@ -261,8 +261,8 @@ def in_force_or_default():
     return in_force() or plan({})
 
 
-def kind_of(name, lists):
-    return next((k for k in kinds.names() if name in lists[k]), None)
+def kind_of(name, lists):  # the public name of the list (of ``lists``, by kinds.Kind) holding ``name``
+    return next((k.name for k in kinds.KINDS if name in lists[k]), None)
 
 
 def run_step(
@@ -396,7 +396,7 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold, runs=None):
             "own_by_module": {},
         }
         if stats.casts:
-            only = {k: ({name} if name in lists[k] else set()) for k in kinds.names()}
+            only = {k: ({name} if name in lists[k] else set()) for k in kinds.KINDS}
             own_final, own = run_step(
                 fn, args, kwargs, guard, conversion._replace(lists=only), keep_outputs=True, restore_dtype=True
             )
@@ -461,7 +461,7 @@ def _uncast(decided):
     for kind, entries in decided.items():
         for name, why in entries.items():
             if why != CAST:
-                uncast.setdefault(why, []).append(f"{kind} {name}")
+                uncast.setdefault(why, []).append(f"{kind.name} {name}")
     return uncast
 
 

@@ -127,10 +127,10 @@ class TuneResult:
     def file_parts(self):
         """``{kind: {"start": [...], "tune": [...]}}``: the lines the files write() writes (would write)
         hold after ``include default``, the starting lists' own and tune's changes (tuned_files.split)."""
-        modules = {k: tuple(v) for k, v in self.modules.items()}
+        modules, before = {k: tuple(v) for k, v in self.modules.items()}, (self.before, self.start_modules)
         return {
-            kind: tuned_files.split(kind, self.lists, modules, self.before, self.start_modules, self.low, self.strict)
-            for kind in (kinds.LOWER.name, kinds.FP32.name)
+            kind.name: tuned_files.split(kind, self.lists, modules, *before, self.low, self.strict)
+            for kind in (kinds.LOWER, kinds.FP32)
         }
 
     @property
@@ -317,7 +317,8 @@ class TuneResult:
             f"# added to BF16 (safe and expensive): {', '.join(self.added_to_bf16) or 'none'}\n"
             f"# validation final losses: " + ", ".join(f"{k} {v:.5f}" for k, v in self.validation.items()) + "\n"
         )
-        targets = [("bf16", bf16_path), ("fp32", fp32_path)] + ([("promote", promote_path)] if promote_path else [])
+        targets = [(kinds.LOWER, bf16_path), (kinds.FP32, fp32_path)]
+        targets += [(kinds.PROMOTE, promote_path)] if promote_path else []
         texts = tuned_files.texts(
             self.lists, self.modules, targets, summary, self.low, self.strict, self.before, self.start_modules
         )

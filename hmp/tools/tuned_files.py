@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from hmp.binding import kinds
 from hmp.binding.lists import default_path, load
 from hmp.binding.module_entries import Pattern, class_path, entry_key, module_class, shown
 from hmp.binding.resolve import Resolver
@@ -47,11 +46,10 @@ def importable(cls):
 
 
 def default_entries(kind, low=torch.bfloat16, strict=False):
-    """What ``include default`` reads in a ``kind`` file given to
+    """What ``include default`` reads in a ``kind`` file (a kinds.Kind) given to
     ``hmp.convert()`` (opt_level O1, the lower dtype ``low``, ``strict``)."""
-    record = kinds.kind(kind)
-    path = default_path(record.default_file("O1", low, strict))
-    return load(path, Resolver(), "default list", modules=record.takes_modules)
+    path = default_path(kind.default_file("O1", low, strict))
+    return load(path, Resolver(), "default list", modules=kind.takes_modules)
 
 
 def written(entry):
@@ -81,12 +79,14 @@ def instances(modules):
 
 def split(kind, lists, modules, before=None, before_modules=None, low=torch.bfloat16, strict=False):
     """``{"start": [...], "tune": [...]}``: the lines after ``include default`` that make ``kind``'s
-    list hold ``lists[kind]`` and ``modules[kind]``, parted into those the starting lists (``before``,
-    ``before_modules``; None: the default) have too, and the rest, tune's changes."""
-    lines = changes(kind, lists[kind], modules.get(kind, ()), low, strict)
+    list (a kinds.Kind) hold ``lists[name]`` and ``modules[name]`` (by its public name, as a TuneResult
+    keeps them), parted into those the starting lists (``before``, ``before_modules``; None: the
+    default) have too, and the rest, tune's changes."""
+    name = kind.name
+    lines = changes(kind, lists[name], modules.get(name, ()), low, strict)
     start = set()
     if before is not None:
-        start = set(changes(kind, before[kind], (before_modules or {}).get(kind, ()), low, strict))
+        start = set(changes(kind, before[name], (before_modules or {}).get(name, ()), low, strict))
     return {"start": [x for x in lines if x in start], "tune": [x for x in lines if x not in start]}
 
 
@@ -100,7 +100,7 @@ def body(parts):
 
 
 def texts(lists, modules, targets, summary, low=torch.bfloat16, strict=False, before=None, before_modules=None):
-    """``[(path, text)]`` for ``targets``, ``[(kind, path)]``: each file
+    """``[(path, text)]`` for ``targets``, ``[(kinds.Kind, path)]``: each file
     ``summary`` (comment lines), the header, ``include default`` and the
     lines (split(): the starting lists' own, then tune's changes). Raises
     ValueError for a class that does not load by its path."""
@@ -110,5 +110,5 @@ def texts(lists, modules, targets, summary, low=torch.bfloat16, strict=False, be
     out = []
     for kind, path in targets:
         parts = split(kind, lists, modules, before, before_modules, low, strict)
-        out.append((path, summary + HEADER.format(kind=kinds.kind(kind).title_in(low)) + body(parts)))
+        out.append((path, summary + HEADER.format(kind=kind.title_in(low)) + body(parts)))
     return out

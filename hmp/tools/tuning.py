@@ -31,7 +31,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from hmp.binding import kinds
-from hmp.binding.kinds import FP32, LOWER
+from hmp.binding.kinds import FP32, LOWER, PROMOTE
 from hmp.binding.resolve import Resolver
 from hmp.core.hints import Step
 from hmp.driver.conversion import applied
@@ -47,8 +47,8 @@ from hmp.tools.tune_result import TuneResult
 
 
 def _empty_lists():
-    """Every list kind's name to an empty set: a conversion's lists before its ops are put in."""
-    return {k: set() for k in kinds.names()}
+    """Every list kind to an empty set: a conversion's lists before its ops are put in."""
+    return {k: set() for k in kinds.KINDS}
 
 
 def _as_sets(lists):
@@ -145,8 +145,8 @@ class _Tuner:
 
     def under(self, lists, fp32_modules=()):
         """The starting conversion with ``lists`` and ``fp32_modules`` added to its FP32 module entries."""
-        fp32 = tuple(dict.fromkeys(self.start.modules[FP32.name] + tuple(fp32_modules)))
-        return self.start._replace(lists=lists, modules={**self.start.modules, FP32.name: fp32})
+        fp32 = tuple(dict.fromkeys(self.start.modules[FP32] + tuple(fp32_modules)))
+        return self.start._replace(lists=lists, modules={**self.start.modules, FP32: fp32})
 
     def run_step(self, conversion, **options):
         return run_step(self.run, self.args, self.kwargs, self.guard, conversion, **options)
@@ -180,9 +180,9 @@ class _Tuner:
         )
         self.lists = _as_sets(self.start_lists)
         for op in self.report.flagged:
-            for k in kinds.names():
+            for k in kinds.KINDS:
                 self.lists[k].discard(op)
-            self.lists["fp32"].add(op)
+            self.lists[FP32].add(op)
         self.confined = {
             op: cls for op in self.report.flagged if (cls := confined_to(self.report, op, self.guard.modules))
         }
@@ -208,13 +208,13 @@ class _Tuner:
             op
             for op in costs.seconds
             if costs.share(op) >= self.min_share
-            and op not in self.lists["bf16"]
+            and op not in self.lists[LOWER]
             and op not in self.report.flagged
             and resolver.exists(op)
         ]
         self.authored = [] if self.override_fp32 else sorted(op for op in large if op in costs.authored)
         self.candidates = [op for op in large if op not in self.authored]
-        audited = {**_empty_lists(), LOWER.name: set(self.candidates) | set(self.confined)}
+        audited = {**_empty_lists(), LOWER: set(self.candidates) | set(self.confined)}
         self.runs.expect(1, "a reference step in fp32")
         self.ref_final, self.ref = self.run_step(
             self.under(audited), passthrough=True, keep_outputs=True, module_outputs=True
@@ -252,7 +252,7 @@ class _Tuner:
             # the whole step of the same runs (op_costs.measure): the op's time is a part of it, not of a
             # step timed elsewhere or in another configuration
             "step_seconds": self.cost_step,
-            **self.alone(op, {**_empty_lists(), LOWER.name: {op}}),
+            **self.alone(op, {**_empty_lists(), LOWER: {op}}),
             "time_ratio": None,
         }
         if trial["accepted"]:
@@ -268,7 +268,7 @@ class _Tuner:
         """A step's time with ``op`` added to the BF16 list, relative to the lists so far
         (timing.Ratio): 2 x ``rounds`` adjacent pairs."""
         lists = {k: v - {op} for k, v in self.lists.items()}
-        lists["bf16"].add(op)
+        lists[LOWER].add(op)
         configs = {"without": self.under(self.lists), "with": self.under(lists)}
         self.runs.expect(len(configs) * self.pairs * PAIR_STEPS, f"timing a step with {op} in bf16")
         got = _paired_times(self.run, self.args, self.kwargs, self.guard, configs, self.pairs, "without")
@@ -276,7 +276,7 @@ class _Tuner:
 
     def try_class_instead(self, op, cls):
         """The flagged ``op`` cast where its starting list says, with ``cls`` in FP32."""
-        only = {k: ({op} if op in self.start_lists[k] else set()) for k in kinds.names()}
+        only = {k: ({op} if op in self.start_lists[k] else set()) for k in kinds.KINDS}
         self.runs.expect(1, f"{op} with {cls.__name__} in FP32")
         return {"class": user_name(cls), "type": cls, **self.alone(op, only, [cls])}
 
@@ -305,12 +305,12 @@ class _Tuner:
         candidate = _as_sets(self.lists)
         for op, t in self.trials.items():
             if t["accepted"]:
-                for k in kinds.names():
+                for k in kinds.KINDS:
                     candidate[k].discard(op)
-                candidate["bf16"].add(op)
+                candidate[LOWER].add(op)
         for op, p in self.proposals.items():
             if p["accepted"]:  # the op keeps its starting list; its class goes to FP32
-                for k in kinds.names():
+                for k in kinds.KINDS:
                     candidate[k].discard(op)
                     if op in self.start_lists[k]:
                         candidate[k].add(op)
@@ -368,16 +368,17 @@ class _Tuner:
                 self.same_as[name] = earlier
 
     def result(self):
-        final = {k: sorted(v) for k, v in self.candidate.items()}
-        final["promote"] = sorted(self.candidate["promote"] - self.candidate["bf16"] - self.candidate["fp32"])
+        # the result speaks the public names, as the files and reports do
+        final = {k.name: sorted(v) for k, v in self.candidate.items()}
+        final[PROMOTE.name] = sorted(self.candidate[PROMOTE] - self.candidate[LOWER] - self.candidate[FP32])
         result = TuneResult(
             final,
-            {k: sorted(v) for k, v in self.start_lists.items()},
+            {k.name: sorted(v) for k, v in self.start_lists.items()},
             self.report,
             self.trials,
             self.validation,
             self.timings,
-            self.configs["tuned lists"].modules,
+            {k.name: v for k, v in self.configs["tuned lists"].modules.items()},
             self.proposals,
             self.module_proposals,
             self.samples,
@@ -389,7 +390,7 @@ class _Tuner:
         result.authored = self.authored  # large ops not tried: the author computes their input in float32
         result.runs = self.runs.done
         result.trajectories, result.steps, result.rounds = self.trajectories, self.steps, self.rounds
-        result.start_modules = self.start.modules
+        result.start_modules = {k.name: v for k, v in self.start.modules.items()}
         result.pairs, result.matmul = self.pairs_taken, self.matmul
         return result
 

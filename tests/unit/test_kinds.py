@@ -76,9 +76,6 @@ def test_every_kind_has_a_complete_record_that_matches_convert():
 def test_an_unknown_kind_raises_where_a_kind_is_looked_up(unknown):
     with pytest.raises(ValueError, match="unknown list kind"):
         kinds.kind(unknown)
-    forwards = modules.Forwards(BF16, FINITE_CASTS, set())
-    with pytest.raises(ValueError, match="unknown list kind"):  # the module rule: no fall-through to BF16's
-        forwards.replacing(unknown, torch.nn.Linear.forward)
     with pytest.raises(ValueError, match="kind must be one of"):
         hmp.register(torch, "mm", unknown)
 
@@ -86,7 +83,7 @@ def test_an_unknown_kind_raises_where_a_kind_is_looked_up(unknown):
 def test_a_kind_without_a_rule_says_so():
     forwards = modules.Forwards(BF16, FINITE_CASTS, set())
     with pytest.raises(ValueError, match="takes no module entries"):
-        forwards.replacing("promote", torch.nn.Linear.forward)
+        forwards.replacing(kinds.PROMOTE, torch.nn.Linear.forward)
     with pytest.raises(ValueError, match="no rule to an op in no list"):
         sites.fallback_of(kinds.LOWER)
 
@@ -143,18 +140,18 @@ def test_a_kind_added_to_the_registry_is_picked_up(fp64_kind):
     # the module rule
     forwards = modules.Forwards(BF16, FINITE_CASTS, set())
     original = torch.nn.Linear.forward
-    assert forwards.replacing("fp64", original).__code__ is forwards.in_float32(original).__code__
+    assert forwards.replacing(fp64_kind, original).__code__ is forwards.in_float32(original).__code__
     # which entries bind, and the lists
     assert pays.decision(fp64_kind, "logaddexp", False, frozenset()) == (True, pays.CAST)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ops, classes = lists.effective(Resolver(), environ={})
-    assert ops["fp64"] == {"logaddexp"} and classes["fp64"] == []
+    assert ops[fp64_kind] == {"logaddexp"} and classes[fp64_kind] == []
     # convert(), end to end: the new list's op runs in float64, the others as before
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         planned = plan.plan({})
-        assert planned.modules["fp64"] == ()
+        assert planned.modules[fp64_kind] == ()
         conversion.apply(planned)
     try:
         assert torch.logaddexp(x, x).dtype == FP64

@@ -11,6 +11,7 @@ import torch
 from helpers import assert_same, snapshot, write
 
 import hmp
+from hmp.binding.kinds import FP32
 from hmp.binding.list_files import default_path, names
 from hmp.binding.lists import effective
 from hmp.binding.module_entries import entry_key
@@ -211,10 +212,10 @@ def test_a_minus_pattern_line_takes_out_exactly_that_module_entry(tmp_path, gone
     shipped = _module_entries(hmp.list_path("fp32"))
     assert len(shipped) >= 4  # the shipped rotary and timestep patterns
     fp32 = write(tmp_path, "fp32.txt", f"include default\n-{gone}\n")
-    _, classes = effective(Resolver(), sources={"fp32": fp32}, environ={})
-    assert [entry_key(m) for m in classes["fp32"]] == [m for m in shipped if m != gone]
+    _, classes = effective(Resolver(), sources={FP32: fp32}, environ={})
+    assert [entry_key(m) for m in classes[FP32]] == [m for m in shipped if m != gone]
     _, classes = effective(Resolver(), environ={})
-    assert [entry_key(m) for m in classes["fp32"]] == shipped
+    assert [entry_key(m) for m in classes[FP32]] == shipped
 
 
 def test_a_minus_line_for_a_library_not_installed_loads_and_imports_nothing(tmp_path):
@@ -224,11 +225,12 @@ def test_a_minus_line_for_a_library_not_installed_loads_and_imports_nothing(tmp_
     fp32 = write(tmp_path, "fp32.txt", f"include default\n-nosuchlib_hmp.models.Block\n-{gone}\n")
     code = (
         "import sys, hmp\n"
+        "from hmp.binding.kinds import FP32\n"
         "from hmp.binding.lists import effective\n"
         "from hmp.binding.module_entries import entry_key\n"
         "from hmp.binding.resolve import Resolver\n"
-        f"_, classes = effective(Resolver(), sources={{'fp32': {str(fp32)!r}}}, environ={{}})\n"
-        "keys = [entry_key(m) for m in classes['fp32']]\n"
+        f"_, classes = effective(Resolver(), sources={{FP32: {str(fp32)!r}}}, environ={{}})\n"
+        "keys = [entry_key(m) for m in classes[FP32]]\n"
         f"assert {gone!r} not in keys and keys, keys\n"
         "assert 'nosuchlib_hmp' not in sys.modules and 'diffusers' not in sys.modules\n"
         f"hmp.convert(fp32_file_path={str(fp32)!r}); hmp.revert(); print('ok')\n"

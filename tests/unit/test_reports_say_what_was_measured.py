@@ -21,6 +21,7 @@ import torch
 from helpers import op_row
 
 import hmp
+from hmp.binding import kinds
 from hmp.tools import op_costs, progress, sentences, tuned_files
 from hmp.tools.auditing import AuditReport
 from hmp.tools.record import OpStats
@@ -137,10 +138,10 @@ def test_loss_state(gaps, state):
 def test_the_files_are_described_by_their_lines_the_users_own_and_tunes(tmp_path):
     """The starting lists held a line of the user's (tanh in BF16, not in the default); tune moved
     sub to FP32. The page never says "nothing else"; the file puts each line under whose it is."""
-    default = {k: sorted(tuned_files.default_entries(k).ops) for k in ("bf16", "fp32", "promote")}
+    default = {k.name: sorted(tuned_files.default_entries(k).ops) for k in kinds.KINDS}
     before = {**default, "bf16": sorted({*default["bf16"], "tanh"})}
     mine = recorded(losses([0.0] * 10), lists=before, before=before)
-    mine.modules = {k: tuple(tuned_files.default_entries(k).modules) for k in mine.modules}
+    mine.modules = {k: tuple(tuned_files.default_entries(kinds.kind(k)).modules) for k in mine.modules}
     mine.start_modules = mine.modules
     parts = mine.file_parts()
     assert "tanh" in parts["bf16"]["start"] and "tanh" not in parts["bf16"]["tune"]

@@ -41,7 +41,7 @@ def _default_listed():
     """What the default conversion binds, kind by kind (the names that gain from their list)."""
     with hmp.converted():
         bound = entries.bound_names(in_force())
-    return tuple((k, tuple(v)) for k, v in bound.items())
+    return tuple((k.name, tuple(v)) for k, v in bound.items())  # the kinds by name, as the checks spell them
 
 
 def _found():

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from helpers import training_step
 
 import hmp
+from hmp.binding.kinds import FP32, LOWER
 from hmp.driver.queries import in_force
 
 
@@ -200,7 +201,7 @@ def test_state_is_restored_when_the_step_raises():
         hmp.audit(failing, x, y, state=(model, opt))
     assert_unchanged(params + buffers, before)
     assert torch.equal(torch.get_rng_state(), rng)
-    assert in_force().lists["bf16"] >= {"linear"} and hmp.casts_enabled()
+    assert in_force().lists[LOWER] >= {"linear"} and hmp.casts_enabled()
 
 
 def test_schedulers_and_rng_are_restored_passed_or_not():
@@ -331,7 +332,7 @@ def test_write_is_all_or_nothing_when_writing_fails(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.txt"]  # no temporary file left
     result().write(bf16, fp32)
     hmp.convert(bf16_file_path=bf16, fp32_file_path=fp32)
-    assert in_force().lists["bf16"] == {"linear", "mm"} and in_force().lists["fp32"] == {"softmax"}
+    assert in_force().lists[LOWER] == {"linear", "mm"} and in_force().lists[FP32] == {"softmax"}
 
 
 def test_tune_cli_checks_its_output_paths_before_tuning(tmp_path, monkeypatch, capsys):

@@ -19,6 +19,7 @@ from helpers import planted
 
 import hmp
 from hmp.binding import wrapper_life
+from hmp.binding.kinds import FP32, LOWER
 from hmp.driver.queries import in_force
 from hmp.tools.record import Recorder
 from hmp.tools.tuning import TuneResult
@@ -232,7 +233,7 @@ def test_audit_pairs_calls_within_modules(unsafe_lists):
     assert rows["sub"]["calls"] == 1 and rows["sub"]["max_rel"] < 0.05
     assert report.flagged == [] and report.flagged_modules == []
     # configuration restored (the default FP32 list's module patterns beside the class given)
-    classes = [t for t in in_force().modules["fp32"] if isinstance(t, type)]  # patterns resolve once imported
+    classes = [t for t in in_force().modules[FP32] if isinstance(t, type)]  # patterns resolve once imported
     assert [c for c in classes if c.__module__ == planted.__name__] == [planted.Recenter]
 
 
@@ -251,7 +252,7 @@ def test_audit_removes_its_hooks_when_the_step_raises(unsafe_lists):
         hmp.audit(failing, x, y, state=(model, opt))
     assert len(calls) == 2
     assert hooks_left(model) == []
-    assert in_force().lists["bf16"] >= {"sub"}
+    assert in_force().lists[LOWER] >= {"sub"}
 
 
 def test_write_module_classes_as_import_paths(tmp_path):
@@ -267,8 +268,8 @@ def test_write_module_classes_as_import_paths(tmp_path):
     assert "include default" in written and written[-1] == "helpers.planted.Recenter"
     assert "-softmax" not in written and "-mse_loss" in written  # only the changes to the default
     hmp.convert(bf16_file_path=tmp_path / "b.txt", fp32_file_path=tmp_path / "f.txt")
-    assert in_force().modules["fp32"] == (planted.Recenter,)  # the default's patterns taken out, as asked
-    assert in_force().lists["bf16"] == {"linear", "sub"} and in_force().lists["fp32"] == {"softmax"}
+    assert in_force().modules[FP32] == (planted.Recenter,)  # the default's patterns taken out, as asked
+    assert in_force().lists[LOWER] == {"linear", "sub"} and in_force().lists[FP32] == {"softmax"}
 
     result.modules = {"bf16": (), "fp32": (planted.Recenter, Local)}
     with pytest.raises(
@@ -294,9 +295,9 @@ def test_tune_puts_the_unsafe_module_class_in_fp32_not_its_op(unsafe_lists, tmp_
     result.write(tmp_path / "b.txt", tmp_path / "f.txt")
     assert "helpers.planted.Recenter" in (tmp_path / "f.txt").read_text().splitlines()
     hmp.convert(bf16_file_path=tmp_path / "b.txt", fp32_file_path=tmp_path / "f.txt")
-    classes = [m for m in in_force().modules["fp32"] if isinstance(m, type)]  # with the default's, once imported
+    classes = [m for m in in_force().modules[FP32] if isinstance(m, type)]  # with the default's, once imported
     assert [c for c in classes if c.__module__ == planted.__name__] == [planted.Recenter]
-    assert "sub" in in_force().lists["bf16"]
+    assert "sub" in in_force().lists[LOWER]
     losses = losses_after(module_problem, unsafe_lists, tmp_path / "b.txt", tmp_path / "f.txt")
     assert abs(losses["tuned"] - losses["fp32"]) <= 0.02 * losses["fp32"]
     assert losses["unsafe"] > 1.5 * losses["fp32"]
