@@ -115,6 +115,37 @@ def test_a_planted_second_table_of_kinds_is_caught(tmp_path):
     assert kind_tables(tmp_path) == [("tools/svg.py", 1), ("tools/svg.py", 5)]
 
 
+# where a kind's public name comes in from outside hmp's own structures, which carry the record
+NAMES_COME_IN = {
+    "driver/user.py": "register()'s kind argument",
+    "testing/checking.py": "effective_lists()' keys, the public answer the check reads",
+}
+
+
+def name_lookups(root):
+    """``[(module, line)]`` for each ``kinds.kind(...)`` call under ``root`` outside kinds.py."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        module = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            func = getattr(node, "func", None) if isinstance(node, ast.Call) else None
+            if isinstance(func, ast.Attribute) and func.attr == "kind" and getattr(func.value, "id", None) == "kinds":
+                found.append((module, node.lineno))
+    return [(m, n) for m, n in found if m != "binding/kinds.py"]
+
+
+def test_a_kinds_name_becomes_its_record_only_where_it_comes_in():
+    """Conversions, rules, tools and the testing kit carry kinds.Kind records; ``kinds.kind(name)``
+    runs only where a name comes in."""
+    assert {m for m, _ in name_lookups(PACKAGE)} <= set(NAMES_COME_IN), name_lookups(PACKAGE)
+
+
+def test_a_planted_name_lookup_is_caught(tmp_path):
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "t.py").write_text("from hmp.binding import kinds\n\nk = kinds.kind('fp32')\n")
+    assert name_lookups(tmp_path) == [("tools/t.py", 3)]
+
+
 def test_convert_options_are_spelled_once_in_its_signature():
     """plan() and the integrations take convert()'s options by name, read from
     its signature: none of them spells an option of its own."""
