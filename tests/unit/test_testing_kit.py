@@ -6,6 +6,7 @@ does."""
 import importlib.metadata
 import re
 from pathlib import Path
+from types import FunctionType
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from hmp.testing import (
 )
 from hmp.testing import strategies as hst
 from hmp.testing.follows import first_floating
+from hmp.testing.recording import SEES_BODIES
 from hmp.testing.samples import BUILDERS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,8 +57,16 @@ def _convert(config, tmp_path, **more):
     hmp.convert(**kwargs)
 
 
+def _removed(name):
+    """torch removed the op and left a Python function that raises in its place (torch 2.15's
+    torch.qr): no aten op of that name, and torch's function of it is written in Python."""
+    fn = getattr(torch, name, None)
+    return isinstance(fn, FunctionType) and fn.__module__.startswith("torch._") and not hasattr(torch.ops.aten, name)
+
+
 def _listed_ops():
-    return sorted({n for names in hmp.effective_lists().values() for n in names if "." not in n and "*" not in n})
+    listed = {n for names in hmp.effective_lists().values() for n in names if "." not in n and "*" not in n}
+    return sorted(n for n in listed if not _removed(n))
 
 
 def _copies(value):
@@ -107,6 +117,8 @@ def _agrees(op, args, kwargs):
     assert first_floating(got) == want, f"{op.__name__}: ran in {first_floating(got)}, expected {want} ({expected})"
     if not expected.left_to_torch and recorded is not None and ran and not _delegated(ran[0].name):
         where = ran[0] if unwrap(op) is not op else _cast_at(ran[0])  # op left as torch's: its builtin casts
+        if where is ran[0] and unwrap(op) is op and not SEES_BODIES:
+            return "cast"  # the builtin inside runs unseen: this torch has no torch.overrides.redispatch_function
         assert where.inputs == expected.received, f"{op.__name__}: received {where}, expected {expected}"
     return "left to torch" if expected.left_to_torch else "cast"
 
