@@ -39,7 +39,7 @@ _transforms_active = torch_private.functorch_transforms_active
 _version = torch_private.version_of
 _Parameter = torch.nn.Parameter
 _Fake = torch_private.FakeTensor
-Tensor, _strided, _ref = torch.Tensor, torch.strided, weakref.ref
+Tensor, _ref = torch.Tensor, weakref.ref
 
 
 class _Frozen:
@@ -227,8 +227,11 @@ def caster(dtype):
                 if s is not None and s[0]() is t and s[1] is dtype and s[2] == _version(t) and s[3] == t.data_ptr():
                     return s[4]
                 copy = finite_eager(t)
-                if type(t) is Tensor and t.layout is _strided and not t.is_inference() and not _transforms_active():
-                    st.shared = (_ref(t, _forget), dtype, _version(t), t.data_ptr(), copy)
+                if type(t) is Tensor and not _transforms_active():
+                    try:
+                        st.shared = (_ref(t, _forget), dtype, _version(t), t.data_ptr(), copy)
+                    except RuntimeError:  # an inference tensor keeps no version, a sparse one no data pointer:
+                        pass  # a write could not be seen, so nothing is shared
                 return copy
             ref = tls.keeper  # a frozen parameter: kept inside frozen_weights() only
             keeper = ref() if ref is not None else None

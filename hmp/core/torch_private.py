@@ -56,6 +56,7 @@ tracing_state = getattr(torch._C, "_get_tracing_state", None) or _none
 # exporting: lowering); older ones are in session while dynamo's CompileContext is open.
 _compiler = torch.compiler
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
+dynamo_compiling = _dynamo_compiling  # folded to True while dynamo traces: a wrapper asks it first
 KNOWS_COMPILE_SESSION = hasattr(_compiler, "_compile_session_context")
 # where CompileContext.try_get() reads it; its __dict__ is read directly, ten times cheaper than try_get per call
 _guards_tls = _guards._TLS
@@ -82,21 +83,20 @@ if KNOWS_COMPILE_SESSION:
         dynamo folds is_dynamo_compiling() to True while it traces; export, AOT and the session set the flag."""
         return _dynamo_compiling() or _compiler._is_compiling_flag
 
-    def call_state():
-        if _dynamo_compiling():  # first: dynamo folds it, and reads (guards on) nothing after it
-            return DYNAMO
+    def after_dynamo():
         if _compiler._is_compiling_flag:
             return COMPILING if _exporting() else LOWERING
         return EAGER if tracing_state() is None else JIT_TRACE
+
+    # the flag alone says whether anything but dynamo compiles: read by a C call, no frame
+    compile_flag = functools.partial(getattr, _compiler, "_is_compiling_flag")
 
 else:
 
     def compiling():
         return _dynamo_compiling() or _compiler._is_compiling_flag or _in_session()
 
-    def call_state():
-        if _dynamo_compiling():
-            return DYNAMO
+    def after_dynamo():
         if _compiler._is_compiling_flag:  # export or AOT tracing outside torch.compile
             return COMPILING
         # _in_session(), inlined: this runs once per eager call
@@ -107,6 +107,16 @@ else:
         ):
             return LOWERING if _inlines_modules() else COMPILING
         return EAGER if tracing_state() is None else JIT_TRACE
+
+    # a session shows only in after_dynamo() here (no flag for it): always ask it (a C call saying True)
+    compile_flag = functools.partial(bool, 1)
+
+
+def call_state():
+    """What a wrapper call runs under (above). Dynamo first: it folds is_dynamo_compiling() and
+    reads (guards on) nothing after it. A wrapper inlines this, asking after_dynamo() only where
+    compile_flag() or tracing_state() says something may compile or trace."""
+    return DYNAMO if _dynamo_compiling() else after_dynamo()
 
 
 def _in_session():

@@ -21,7 +21,8 @@ PAUSED = None  # a wrapper's prepare while paused or retired: the call is a plai
 _cast_each, _SAME, _one_dtype, _write_back = policy.cast_each, policy.SAME, policy.one_dtype, cast_copies.write_back
 _PROMOTE = policy.PROMOTE
 _graph_off = graph_off
-_call_state = torch_private.call_state
+_dynamo_compiling, _after_dynamo = torch_private.dynamo_compiling, torch_private.after_dynamo
+_compile_flag, _tracing_state = torch_private.compile_flag, torch_private.tracing_state
 _COMPILING, _DYNAMO, _LOWERING = torch_private.COMPILING, torch_private.DYNAMO, torch_private.LOWERING
 
 
@@ -48,7 +49,13 @@ def _body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs, eage
             except Exception as e:  # costs nothing unless something raises
                 rescue.uncast_error(e, about)
                 raise
-        running = _call_state()  # once per call: compiled, traced or eager (torch_private.call_state)
+        # once per call: compiled, traced or eager (torch_private.call_state, inlined: eager is one frame)
+        if _dynamo_compiling():
+            running = _DYNAMO
+        elif _compile_flag() or _tracing_state() is not None:
+            running = _after_dynamo()
+        else:
+            running = 0
         if running == _LOWERING and lowers or needs is not None and not needs(args, kwargs):
             return op(*args, **kwargs)
         if not running:  # eager: the rule on the casters' eager forms
