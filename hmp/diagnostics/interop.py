@@ -48,7 +48,9 @@ def warn_inside_autocast():
     """Warn (once per process) when convert() runs inside torch.autocast."""
     if "convert inside autocast" in state.warned:
         return
-    devices = autocast_regions()
+    st = state.tls
+    ours = st.engine.devices if st.engine is not None and st.engine_on else ()  # engine="autocast" set them
+    devices = [d for d in autocast_regions() if d not in ours]
     if devices:
         warnings.warn(
             f"hmp: convert() called inside an active torch.autocast region ({', '.join(devices)}). hmp casts nothing "

@@ -413,6 +413,20 @@ def test_convert_inside_autocast_warns_once(fresh_autocast_warning):
     assert hmp.is_converted()
 
 
+def test_converting_again_on_the_autocast_engine_is_not_inside_a_users_autocast(fresh_autocast_warning):
+    # engine="autocast" turns torch's autocast state on in the thread: that is hmp's, not a user's region
+    hmp.convert(engine="autocast")
+    assert torch.is_autocast_enabled("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hmp.convert(engine="autocast", cache=False)
+        with hmp.converted(engine="python"):
+            pass
+    with torch.autocast("cpu", dtype=BF16), hmp.disable_casts():  # a user's region: still warned about
+        with pytest.warns(UserWarning, match=r"inside an active torch.autocast region \(cpu\)"):
+            hmp.convert(engine="autocast")
+
+
 def test_autocast_warning_as_error_patches_nothing(fresh_autocast_warning, pristine):
     with torch.autocast("cpu", dtype=BF16):
         with warnings.catch_warnings():
