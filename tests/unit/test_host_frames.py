@@ -151,6 +151,21 @@ def test_the_frames_counted_are_hmps_and_a_plain_call_runs_none(hmp_converted):
     assert sum(frames(lambda: F.linear(a, w)).values()) == 0
 
 
+def test_an_eager_call_asks_what_it_runs_under_without_a_frame_of_hmps(hmp_converted):
+    """What a wrapper call runs under (compiled, traced, eager) is asked inline: dynamo's folded
+    question, then, where torch holds a flag for a whole compile session, two C calls; hmp's
+    after_dynamo() runs only where something compiles or traces."""
+    from hmp.core import torch_private
+
+    if not torch_private.KNOWS_COMPILE_SESSION:
+        pytest.skip(f"torch {torch.__version__}: a compile session shows only in after_dynamo(), asked per call")
+    a, w = _activation(8, 64, device="meta"), _leaf(64, 64, device="meta")
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            seen = frames(lambda: F.linear(a, w))
+        assert seen["wrap.py:wrapper"] == 1 and not [f for f in seen if f.startswith("torch_private.py")], dict(seen)
+
+
 def test_a_differentiable_cast_binds_no_signature(hmp_converted):
     """The saturating cast's autograd Function is applied through torch's C apply: ``inspect`` never
     runs, and neither does Function.apply's Python, in grad mode on the device path."""
