@@ -9,13 +9,16 @@ the kernels are tiny), and a 2-block transformer (d=64, 16 tokens, batch 2: line
 layer_norm, gelu) forward under ``no_grad`` and training step (forward and backward). Per rep each mode
 takes one sample of ``calls`` calls, entered fresh (its conversion or region set up outside the clock),
 the modes' order rotated each rep; a mode's ratio is the median over reps of its sample over that rep's
-autocast sample. Also counted: hmp's Python frames per call (``sys.setprofile``, frames whose code lives
-under hmp/), deterministic.
+autocast sample. And a decode: the proxy Llama of benchmarks/workloads.py (hidden 64, 4 layers) under
+``no_grad``, one call a prefill of 8 tokens and 8 tokens more with the KV cache, as ``generate()`` runs
+it (taken ``calls / 50`` times per sample). Also counted: hmp's Python frames per call
+(``sys.setprofile``, frames whose code lives under hmp/), deterministic.
 """
 
 import argparse
 import contextlib
 import gc
+import inspect
 import json
 import os
 import statistics
@@ -26,8 +29,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import hmp
-from hmp.tools.timing import per_call, rotated
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)  # workloads.py, beside this file
+
+import hmp  # noqa: E402
+from hmp.tools.timing import per_call, rotated  # noqa: E402
 
 MODES = ("bare", "autocast", "hmp", "hmp engine=autocast")
 HMP_DIR = os.path.dirname(os.path.abspath(hmp.__file__))
@@ -62,11 +69,31 @@ def cases():
         model(tokens).float().square().mean().backward()
 
     return {
+        "decode 8 tokens (proxy Llama)": (False, decoder()),
         "F.linear (training)": (True, lambda: F.linear(h, w, b)),
         "F.linear (no_grad)": (False, lambda: F.linear(x, w, b)),
         "2-block forward (no_grad)": (False, lambda: model(tokens)),
         "2-block training step": (True, step),
     }
+
+
+def decoder():
+    """One call: a prefill of 8 tokens, then 8 tokens fed back with the KV cache (transformers' names)."""
+    import workloads
+
+    model, _ = workloads.llama("proxy")
+    model.eval()
+    prompt, token = torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
+    new = "cache" in inspect.signature(model.forward).parameters  # transformers 5's name, 4.x past_key_values
+
+    def decode():
+        out = model(input_ids=prompt, use_cache=True)
+        for _ in range(8):
+            cache = out.cache if new else out.past_key_values
+            out = model(input_ids=token, use_cache=True, **{"cache" if new else "past_key_values": cache})
+        return out.logits
+
+    return decode
 
 
 @contextlib.contextmanager
@@ -115,7 +142,8 @@ def run(reps, calls, progress=print):
                 gc.collect()
                 with mode(m, grad):
                     fn()
-                    samples[case][m].append(per_call(fn, calls) * 1e6)
+                    n = max(1, calls // 50) if case.startswith("decode") else calls
+                    samples[case][m].append(per_call(fn, n) * 1e6)
         progress(f"rep {rep + 1}/{reps}")
     result = {}
     for case, per_mode in samples.items():
