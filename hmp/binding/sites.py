@@ -14,7 +14,7 @@ from hmp.binding.pays import NORMALIZATIONS
 from hmp.binding.resolve import BUILTINS
 from hmp.binding.wrapper_life import finish, make
 from hmp.core import policy, rescue
-from hmp.core.cast_copies import Cast, numbers_check
+from hmp.core.cast_copies import Cast, overflow_limit
 from hmp.core.rescue import About
 from hmp.core.wrap import NEVER, PAUSED
 
@@ -124,7 +124,7 @@ class Wrappers:
         return make(self._op(op), self._prepare(prepare, site.label, name), about, original, hidden=hidden, needs=needs)
 
     def _lean(self, site, kind, name, fallback):
-        """The lean path of a site (decided here only): ``(src, cast, refuse, inplace_at)`` for
+        """The lean path of a site (decided here only): ``(src, cast, limit, inplace_at)`` for
         wrapper_life.make, so a call without keywords skips ``prepare``; None where every call goes
         through ``prepare`` (logged or recorded, writes a tensor, a strict norm, an op in no list)."""
         if self.passthrough or self.verbose or self.recorder is not None:
@@ -136,7 +136,7 @@ class Wrappers:
         if lean.one_dtype:
             return policy.PROMOTE, None, None, at
         to = self.low if lean.to is None else lean.to
-        return lean.src, self.casters[to], numbers_check(self.low) if lean.numbers else None, at
+        return lean.src, self.casters[to], overflow_limit(self.low) if lean.numbers else None, at
 
     def user_prepare(self, kind, label):
         """The prepare of a user function (``@hmp.*_function``) of list ``kind`` (a kinds.Kind)."""

@@ -23,7 +23,7 @@ def make(
     original=None,
     src=None,
     cast=None,
-    refuse=None,
+    limit=None,
     inplace_at=NEVER,
     hidden=True,
     needs=None,
@@ -35,13 +35,13 @@ def make(
     ``original``: what ``op`` adapts, if it is an adapter. ``hidden``: ``op`` may
     write an argument undeclared (a Python function), so writes into cast copies are
     carried back. ``needs(args, kwargs)``: False for a call left alone. ``src``,
-    ``cast``, ``refuse``, ``inplace_at``: the lean path for calls without keywords
+    ``cast``, ``limit``, ``inplace_at``: the lean path for calls without keywords
     (tensors of a dtype in ``src`` go through ``cast``; ``src=policy.PROMOTE`` runs a
     one-dtype call as given). ``eager_prepare``: ``prepare`` on the casters' eager
     forms, for eager code (None: ``prepare``)."""
     original = op if original is None else original
     eager_prepare = prepare if eager_prepare is None else eager_prepare
-    return finish(_body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs, eager_prepare), original)
+    return finish(_body(op, prepare, about, src, cast, limit, inplace_at, hidden, needs, eager_prepare), original)
 
 
 def finish(wrapper, op):
@@ -71,7 +71,7 @@ def script_as(wrapper, original):
         wrapper.__prepare_scriptable__ = lambda: original
 
 
-_FIELDS = ("op", "prepare", "about", "src", "refuse", "inplace_at", "hidden", "needs", "eager_prepare")  # and cast
+_FIELDS = ("op", "prepare", "about", "src", "limit", "inplace_at", "hidden", "needs", "eager_prepare")  # and cast
 
 
 def fields(wrapper):

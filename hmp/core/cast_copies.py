@@ -1,5 +1,5 @@
 """The copies hmp casts arguments into: a finite value stays finite (``FINITE_CASTS``,
-``numbers_check``), and a write into a copy reaches the caller's tensor
+``overflow_limit``), and a write into a copy reaches the caller's tensor
 (``write_back``): docs/never-changes.md. policy.py decides which arguments are cast."""
 
 import decimal
@@ -151,23 +151,9 @@ def is_number(t):
 
 def overflow_limit(low):
     """Numbers beyond this magnitude are not finite values of ``low``: the largest finite
-    value, the bound that holds whichever way a kernel rounds."""
+    value, the bound that holds whichever way a kernel rounds. The BF16 rule's check of a
+    call's numbers (policy.cast_each's ``limit``): a finite one beyond it refuses the rule."""
     return torch.finfo(low).max
-
-
-_INF = float("inf")
-
-
-def numbers_check(low):
-    """The BF16 rule's check of a number: True (refuse the rule: the call
-    runs under the FP32 rule) for a finite number beyond the lower dtype's
-    largest value."""
-    limit = overflow_limit(low)
-
-    def refuse(a):
-        return (a > limit or a < -limit) and a != _INF and a != -_INF
-
-    return refuse
 
 
 _version = torch_private.version_of

@@ -11,23 +11,24 @@ import logging
 import torch
 
 from hmp.core import dtypes
-from hmp.core.cast_copies import is_number, numbers_check
+from hmp.core.cast_copies import is_number, overflow_limit
 from hmp.core.dtypes import FLOATS, FP32, FP32_ONLY, HALVES, OTHER_FLOATS
 
 log = logging.getLogger("hmp")
 
 Tensor = torch.Tensor
 _promote_types = torch.promote_types  # captured: listing promote_types cannot recurse
+_INF = float("inf")
 
 SAME = object()  # cast_each: nothing was cast
 PROMOTE = object()  # a lean wrapper's src for the promote rule's common case (one floating dtype: as given)
 
 
-def cast_each(seq, src, cast, refuse=None):
+def cast_each(seq, src, cast, limit=None):
     """``seq`` with every tensor whose dtype is in ``src`` passed through ``cast``, at any
     depth of lists and tuples, or ``SAME`` when nothing was cast (a sentinel: dynamo
     cannot compare tuples by identity without a graph break). A tensor subclass whose
-    cast raises stays uncast. ``refuse``: a check of the numbers in ``seq``; when it says
+    cast raises stays uncast. ``limit``: a bound on the numbers in ``seq``; when a finite one lies beyond it
     True the result is None (the BF16 rule's overflow check). The lean path's hot loop:
     common types are tested first, by identity."""
     out = None
@@ -42,10 +43,10 @@ def cast_each(seq, src, cast, refuse=None):
         elif a is None or t is bool or t is str:  # an absent bias, a flag: nothing to cast or check
             continue
         elif t is int or t is float:
-            if refuse is not None and refuse(a):
+            if limit is not None and limit < abs(a) < _INF:  # inline: no frame per number
                 return None
         elif t is list or t is tuple:
-            b = cast_each(a, src, cast, refuse)
+            b = cast_each(a, src, cast, limit)
             if b is None:
                 return None
             if b is not SAME:
@@ -61,16 +62,16 @@ def cast_each(seq, src, cast, refuse=None):
                 if out is None:
                     out = list(seq)
                 out[i] = c
-        elif refuse is not None and is_number(t) and refuse(float(a)):  # numpy's: by their exact value
+        elif limit is not None and is_number(t) and limit < abs(float(a)) < _INF:  # numpy's: by their exact value
             return None
     if out is None:
         return SAME
     return out if type(seq) is list else tuple(out)
 
 
-def cast_seq(seq, src, cast, refuse=None):
+def cast_seq(seq, src, cast, limit=None):
     """``cast_each``, giving ``seq`` itself when nothing was cast."""
-    cast_values = cast_each(seq, src, cast, refuse)
+    cast_values = cast_each(seq, src, cast, limit)
     return seq if cast_values is SAME else cast_values
 
 
@@ -115,17 +116,17 @@ def lower(low, casters, out=None):
     """BF16 list: float32 tensors go to the lower dtype. A call given a Python number the
     lower dtype cannot hold as a finite value (``torch.finfo(torch.float32).min``, a
     usual mask fill) runs under the FP32 rule instead (docs/never-changes.md)."""
-    cast, refuse = casters[low].any, numbers_check(low)
+    cast, limit = casters[low].any, overflow_limit(low)
     up = fp32(low, casters, out)
 
     def prepare(args, kwargs):
         if not kwargs:
-            cast_args = cast_seq(args, FP32_ONLY, cast, refuse)
+            cast_args = cast_seq(args, FP32_ONLY, cast, limit)
             return up(args, kwargs) if cast_args is None else (cast_args, kwargs)
         if out is not None and kwargs.get("out") is not None:
             return out(args, kwargs)
         both = tuple(args) + tuple(kwargs.values())  # one scan: a factor and its tensor may sit on either side
-        cast_both = cast_each(both, FP32_ONLY, cast, refuse)
+        cast_both = cast_each(both, FP32_ONLY, cast, limit)
         if cast_both is None:
             return up(args, kwargs)
         if cast_both is SAME:  # (inline: one frame fewer on the BF16 rule's keyword calls)

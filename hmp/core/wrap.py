@@ -26,7 +26,7 @@ _compile_flag, _tracing_state = torch_private.compile_flag, torch_private.tracin
 _COMPILING, _DYNAMO, _LOWERING = torch_private.COMPILING, torch_private.DYNAMO, torch_private.LOWERING
 
 
-def _body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs, eager_prepare):
+def _body(op, prepare, about, src, cast, limit, inplace_at, hidden, needs, eager_prepare):
     # While torch.compile lowers a captured graph, torch's own code calls this op by name: it runs
     # as torch's (torch_private.call_state: LOWERING). Not an operator (``a @ b``): dynamo records those as
     # Python's operator, never as this wrapper, so the graph reaches it only while lowering.
@@ -70,7 +70,7 @@ def _body(op, prepare, about, src, cast, refuse, inplace_at, hidden, needs, eage
             elif src is _PROMOTE:
                 a, k = (args, kwargs) if _one_dtype(args, None) is not False else rule(args, kwargs)
             else:
-                a, k = _cast_each(args, src, cast_any if running else eager, refuse), kwargs
+                a, k = _cast_each(args, src, cast_any if running else eager, limit), kwargs
                 if a is _SAME:
                     a = args
                 elif a is None:  # a number the lower dtype cannot hold: prepare runs the FP32 rule

@@ -61,7 +61,7 @@ _READ_ANY_TIME = ("torch_private.py", "torch_releases.py")
 # convert-time functions core/ keeps, each with why it is not a binding/ function
 _SHARED = {
     "identity.py:unwrap": "reads a wrapper's mark: at convert time, and in calls that meet a wrapper",
-    "cast_copies.py:overflow_limit": "numbers_check's limit, read as it builds the per-call check",
+    "cast_copies.py:overflow_limit": "the BF16 rule's bound on numbers, read as it builds the per-call check",
     # per thread too, where no hook sees it: a thread started while converted joins before its profile
     # hook is set (test_engine.py::test_threads_started_while_converted_join_and_earlier_ones_do_not)
     "delegation.py:Engine.join": "the converting thread joins the engine; so does each thread it starts",
