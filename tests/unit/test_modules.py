@@ -533,3 +533,37 @@ def test_a_forward_another_library_wraps_on_an_instance_entry_survives_revert():
     assert m(x).dtype == FP32 and len(calls) == 2
     m.forward = held  # the library removes its hook
     assert m(x).dtype == FP32 and torch.equal(m(x), F.linear(x, m.weight, m.bias))
+
+
+class _CosSin(nn.Module):
+    def forward(self, x):
+        return x.cos(), x.sin()
+
+
+class _Nested(nn.Module):
+    def forward(self, x):
+        return {"a": [x, x * 2], "b": None}
+
+
+def test_an_fp32_module_returning_tensors_maps_them_without_pytree():
+    """A module entry's outputs go to float32 at any nesting; a tensor or a plain tuple of tensors
+    (a rotary embedding's cos and sin) without pytree's map, which costs each call some twenty frames."""
+    from helpers import profiled
+
+    x = torch.randn(4).bfloat16()
+    called = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            called.append(frame.f_code.co_name)
+
+    with hmp.converted(fp32_modules=[_CosSin, _Nested]):
+        module = _CosSin()
+        module(x)
+        with profiled(profile):
+            out = module(x)
+        nested = _Nested()(x)  # anything else still goes through pytree: a dict of a list and None
+    assert type(out) is tuple and [t.dtype for t in out] == [torch.float32] * 2
+    assert torch.equal(out[0], x.float().cos()) and torch.equal(out[1], x.float().sin())
+    assert "tree_map_only" not in called and "tree_map" not in called, called
+    assert [t.dtype for t in nested["a"]] == [torch.float32] * 2 and nested["b"] is None
