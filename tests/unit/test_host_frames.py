@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from helpers import profiled
 
 import hmp
+from hmp.core import torch_private
 
 WATCHED = ("/hmp/", "autograd/function.py", "/inspect.py", "_functorch/utils.py", "torch/_ops.py", "/triton/")
 # torch's own kernels written in Python (stock meta tensors run many: a GPU runs C++ there): frames
@@ -111,20 +112,20 @@ def _cases():
 
     return {
         # the training case: activation and trainable weight; off the CPU (meta) and on it
-        "linear, meta, grad": ("meta", True, linear, 15),
-        "linear, meta, no_grad": ("meta", False, linear, 10),
-        "linear, cpu, grad": ("cpu", True, linear, 12),
+        "linear, meta, grad": ("meta", True, linear, 14),
+        "linear, meta, no_grad": ("meta", False, linear, 7),
+        "linear, cpu, grad": ("cpu", True, linear, 10),
         # a keyword call runs the site's rule: one frame more than the positional call, no question per tensor
-        "linear bias=, meta, grad": ("meta", True, linear_bias_keyword, 21),
-        "mm, meta, grad": ("meta", True, mm, 15),
-        "matmul, meta, grad": ("meta", True, matmul, 15),
-        "bmm, meta, grad": ("meta", True, bmm, 11),
-        "conv2d, meta, grad": ("meta", True, conv, 15),
-        "addmm_ in place, cpu": ("cpu", True, inplace, 6),
-        "mm out=, cpu": ("cpu", True, out, 10),
-        "cross_entropy (FP32 list), cpu": ("cpu", True, fp32_list, 8),
-        "kl_div log_target= (FP32 list, keyword), cpu": ("cpu", True, fp32_keyword, 6),
-        "index_add (promote list), cpu": ("cpu", True, promote, 12),
+        "linear bias=, meta, grad": ("meta", True, linear_bias_keyword, 20),
+        "mm, meta, grad": ("meta", True, mm, 14),
+        "matmul, meta, grad": ("meta", True, matmul, 14),
+        "bmm, meta, grad": ("meta", True, bmm, 10),
+        "conv2d, meta, grad": ("meta", True, conv, 14),
+        "addmm_ in place, cpu": ("cpu", True, inplace, 4),
+        "mm out=, cpu": ("cpu", True, out, 8),
+        "cross_entropy (FP32 list), cpu": ("cpu", True, fp32_list, 5),
+        "kl_div log_target= (FP32 list, keyword), cpu": ("cpu", True, fp32_keyword, 5),
+        "index_add (promote list), cpu": ("cpu", True, promote, 10),
     }
 
 
@@ -134,6 +135,7 @@ CASES = _cases()
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_converted_call_runs_few_python_frames(hmp_converted, name):
     device, grad, build, ceiling = CASES[name]
+    ceiling += 0 if torch_private.KNOWS_COMPILE_SESSION else 1  # before 2.13 the call's state costs a frame more
     call = build(device)
     with torch.set_grad_enabled(grad):
         seen = frames(call)
@@ -155,8 +157,6 @@ def test_an_eager_call_asks_what_it_runs_under_without_a_frame_of_hmps(hmp_conve
     """What a wrapper call runs under (compiled, traced, eager) is asked inline: dynamo's folded
     question, then, where torch holds a flag for a whole compile session, two C calls; hmp's
     after_dynamo() runs only where something compiles or traces."""
-    from hmp.core import torch_private
-
     if not torch_private.KNOWS_COMPILE_SESSION:
         pytest.skip(f"torch {torch.__version__}: a compile session shows only in after_dynamo(), asked per call")
     a, w = _activation(8, 64, device="meta"), _leaf(64, 64, device="meta")
