@@ -28,18 +28,19 @@ from typing import Iterator
 
 import torch
 
-from hmp.core import torch_private
+from hmp.core import saturating_cast, torch_private
 from hmp.core.cast_copies import FINITE_CASTS, Cast, shielded
 from hmp.core.state import tls, weight_cache
 
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch_private.compiling  # dynamo traces or the compile session runs (not torch.compiler.is_compiling)
 _tracing_state = torch_private.tracing_state
-_transforms_active = torch_private.functorch_transforms_active
+_transforms_active, _forward_ad_level = torch_private.functorch_transforms_active, torch_private.forward_ad_level
 _version = torch_private.version_of
 _Parameter = torch.nn.Parameter
 _Fake = torch_private.FakeTensor
 Tensor, _ref = torch.Tensor, weakref.ref
+_run_finite = saturating_cast.run
 
 
 class _Frozen:
@@ -226,13 +227,15 @@ def caster(dtype):
                 s = st.shared
                 if s is not None and s[0]() is t and s[1] is dtype and s[2] == _version(t) and s[3] == t.data_ptr():
                     return s[4]
-                copy = finite_eager(t)
                 if type(t) is Tensor and not _transforms_active():
+                    # cast_copies' device path, inlined (a frame per new activation): no gradient to carry
+                    copy = _run_finite(t, dtype) if not t.is_cpu and _forward_ad_level() < 0 else finite_eager(t)
                     try:
                         st.shared = (_ref(t, _forget), dtype, _version(t), t.data_ptr(), copy)
                     except RuntimeError:  # an inference tensor keeps no version, a sparse one no data pointer:
                         pass  # a write could not be seen, so nothing is shared
-                return copy
+                    return copy
+                return finite_eager(t)
             ref = tls.keeper  # a frozen parameter: kept inside frozen_weights() only
             keeper = ref() if ref is not None else None
             if keeper is None or type(keeper) is not _Frozen:
