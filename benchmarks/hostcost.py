@@ -226,6 +226,35 @@ class Decoder:
         return seconds * 1e6, state[1]
 
 
+def calls_per_token(device, decoder, tokens=4):
+    """config -> (Python frames, C calls) one decode token runs over plain torch's (``sys.setprofile``,
+    its events counted, every file): deterministic, so it says what a timing on a busy host cannot.
+    The hmp/floor time ratio has followed the frame ratio."""
+    counts = {}
+    for config in CONFIGS:
+        if config == "autocast":
+            continue  # on fastmeta an emulation, on the CPU C++: no frames to count against
+        seen = {"call": 0, "c_call": 0}
+
+        def profile(frame, event, arg, seen=seen):
+            if event in seen:
+                seen[event] += 1
+
+        with scheme(config), region(config, device, False):
+            decoder.per_token(1)  # the first token casts what a scheme keeps
+            out = decoder.model(input_ids=decoder.prompt, use_cache=True)
+            state = _cache_of(out)
+            sys.setprofile(profile)
+            try:
+                for _ in range(tokens):
+                    state = _cache_of(decoder.model(input_ids=decoder.token, use_cache=True, **{decoder.kw: state}))
+            finally:
+                sys.setprofile(None)
+        counts[config] = (seen["call"] / tokens, seen["c_call"] / tokens)
+    base = counts.pop("torch")
+    return {c: (f - base[0], k - base[1]) for c, (f, k) in counts.items()}
+
+
 # ---------------------------------------------------------------- samples
 
 
@@ -403,6 +432,11 @@ def main(argv=None):
         )
         print()
         print(table(device, results[device]), flush=True)
+        if not a.no_decode:
+            per_token = calls_per_token(device, Decoder(device))
+            results[device]["calls_per_token_over_torch"] = per_token
+            said = ", ".join(f"{c} {f:.0f} / {k:.0f}" for c, (f, k) in per_token.items())
+            print(f"\n{device}: Python frames / C calls per decode token over plain torch: {said}", flush=True)
     meta["load_at_end"] = list(os.getloadavg())
     met = targets(results)
     print("\nTargets (stated, not asserted): ratios of added host time")
