@@ -112,13 +112,6 @@ else:
     compile_flag = functools.partial(bool, 1)
 
 
-def call_state():
-    """What a wrapper call runs under (above). Dynamo first: it folds is_dynamo_compiling() and
-    reads (guards on) nothing after it. A wrapper inlines this, asking after_dynamo() only where
-    compile_flag() or tracing_state() says something may compile or trace."""
-    return DYNAMO if _dynamo_compiling() else after_dynamo()
-
-
 def _in_session():
     """Dynamo's compile context is open, or strict export traces what dynamo captured."""
     return (

@@ -28,7 +28,7 @@ _COMPILING, _DYNAMO, _LOWERING = torch_private.COMPILING, torch_private.DYNAMO, 
 
 def _body(op, prepare, about, src, cast, limit, inplace_at, hidden, needs, eager_prepare):
     # While torch.compile lowers a captured graph, torch's own code calls this op by name: it runs
-    # as torch's (torch_private.call_state: LOWERING). Not an operator (``a @ b``): dynamo records those as
+    # as torch's (torch_private.after_dynamo: LOWERING). Not an operator (``a @ b``): dynamo records those as
     # Python's operator, never as this wrapper, so the graph reaches it only while lowering.
     name = getattr(op, "__name__", "")
     lowers = not (name.startswith("__") and name.endswith("__"))
@@ -49,7 +49,8 @@ def _body(op, prepare, about, src, cast, limit, inplace_at, hidden, needs, eager
             except Exception as e:  # costs nothing unless something raises
                 rescue.uncast_error(e, about)
                 raise
-        # once per call: compiled, traced or eager (torch_private.call_state, inlined: eager is one frame)
+        # once per call: compiled, traced or eager. Dynamo first: it folds is_dynamo_compiling() and reads
+        # (guards on) nothing after it; eager is then two C calls (torch_private.after_dynamo otherwise)
         if _dynamo_compiling():
             running = _DYNAMO
         elif _compile_flag() or _tracing_state() is not None:
