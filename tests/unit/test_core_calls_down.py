@@ -62,6 +62,8 @@ _READ_ANY_TIME = ("torch_private.py", "torch_releases.py")
 _SHARED = {
     "identity.py:unwrap": "reads a wrapper's mark: at convert time, and in calls that meet a wrapper",
     "cast_copies.py:overflow_limit": "the BF16 rule's bound on numbers, read as it builds the per-call check",
+    # a release that lacks something (2.4.1, 2.11) says so at convert(); a region in a call says its own once
+    "state.py:first_time": "what is said once per process: at convert time, and in calls (rules/regions.py)",
     # per thread too, where no hook sees it: a thread started while converted joins before its profile
     # hook is set (test_engine.py::test_threads_started_while_converted_join_and_earlier_ones_do_not)
     "delegation.py:Engine.join": "the converting thread joins the engine; so does each thread it starts",
