@@ -80,13 +80,13 @@ def converted_cases():
     x = torch.randn(8, 8)
     hmp.convert()
     yield "fallback wrapper stepping aside, cdist 8x4", (lambda: torch.cdist(a, b), lambda: cdist(a, b))
-    cast, refuse = cast_copies.FINITE_CASTS[torch.bfloat16].any, cast_copies.numbers_check(torch.bfloat16)
+    cast, limit = cast_copies.FINITE_CASTS[torch.bfloat16].any, cast_copies.overflow_limit(torch.bfloat16)
     y = cast(x)
     args = (y, 0.5, np.float32(0.5), None, True, "mean")  # nothing to cast: only the number check differs
     yield (
         "number check, 6 arguments (float, numpy, None, bool, str)",
         (
-            lambda: policy.cast_seq(args, dtypes.FP32_ONLY, cast, refuse),
+            lambda: policy.cast_seq(args, dtypes.FP32_ONLY, cast, limit),
             lambda: policy.cast_seq(args, dtypes.FP32_ONLY, cast),
         ),
     )
