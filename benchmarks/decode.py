@@ -47,7 +47,6 @@ import copy
 import cProfile
 import functools
 import gc
-import inspect
 import json
 import pstats
 import statistics
@@ -125,15 +124,6 @@ def model_for(models, name):
     return models["bf16" if name == "bf16" else "fp32"]
 
 
-def _cache_kw(model):
-    """transformers 5 names the KV cache argument ``cache``, 4.x ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _cache_of(out):
-    return out.cache if hasattr(out, "cache") else out.past_key_values  # an empty cache is falsy: no `or`
-
-
 def _clone_cache(cache):
     """Replace every tensor the KV cache holds by a clone, in place on the cache object (transformers
     >= 4.56: ``cache.layers``, each layer's tensors its attributes). Raises where it finds none: a cache
@@ -159,7 +149,7 @@ def step(model, marked, **inputs):
     if marked:
         torch.compiler.cudagraph_mark_step_begin()
     out = model(use_cache=True, **inputs)
-    logits, cache = out.logits[:, -1:], _cache_of(out)
+    logits, cache = out.logits[:, -1:], workloads.cache_of(out)
     if marked:
         logits = logits.clone()
         _clone_cache(cache)
@@ -170,7 +160,7 @@ def generate(model, prompt, new, marked=False):
     """Greedy decode of ``new`` tokens: the prefill gives the first, then one
     call per token with the KV cache. Returns (tokens, logits dtype).
     ``marked``: each call a step of its own, its kept outputs cloned (``step``)."""
-    kw = _cache_kw(model)
+    kw = workloads.cache_kw(model)
     logits, cache = step(model, marked, input_ids=prompt)
     tok = logits.argmax(-1)
     toks = [tok]
@@ -183,11 +173,11 @@ def generate(model, prompt, new, marked=False):
 
 def _steps(model, prompt, new):
     """The decode's calls with token 0 fed back (what a token costs, not which): runs on meta tensors."""
-    kw = _cache_kw(model)
+    kw = workloads.cache_kw(model)
     out = model(input_ids=prompt, use_cache=True)
     tok = torch.zeros(1, 1, dtype=torch.long, device=prompt.device)
     for _ in range(new):
-        out = model(input_ids=tok, use_cache=True, **{kw: _cache_of(out)})
+        out = model(input_ids=tok, use_cache=True, **{kw: workloads.cache_of(out)})
 
 
 def kernels_added_per_token(models, name, prompt, device, tokens=4):

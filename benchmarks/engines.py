@@ -18,7 +18,6 @@ it (taken ``calls / 50`` times per sample). Also counted: hmp's Python frames pe
 import argparse
 import contextlib
 import gc
-import inspect
 import json
 import os
 import statistics
@@ -84,13 +83,12 @@ def decoder():
     model, _ = workloads.llama("proxy")
     model.eval()
     prompt, token = torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
-    new = "cache" in inspect.signature(model.forward).parameters  # transformers 5's name, 4.x past_key_values
+    kw = workloads.cache_kw(model)
 
     def decode():
         out = model(input_ids=prompt, use_cache=True)
         for _ in range(8):
-            cache = out.cache if new else out.past_key_values
-            out = model(input_ids=token, use_cache=True, **{"cache" if new else "past_key_values": cache})
+            out = model(input_ids=token, use_cache=True, **{kw: workloads.cache_of(out)})
         return out.logits
 
     return decode

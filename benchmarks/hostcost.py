@@ -189,24 +189,13 @@ def time_call(fn, n):
 # ---------------------------------------------------------------- decode
 
 
-def _cache_kw(model):
-    """transformers 5 names the KV cache argument ``cache``, 4.x ``past_key_values``."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _cache_of(out):
-    return out.cache if hasattr(out, "cache") else out.past_key_values  # an empty cache is falsy: no `or`
-
-
 class Decoder:
     """A tiny Llama on the device, and one token's host time (after a prefill, with the KV cache)."""
 
     def __init__(self, device):
         self.model, _ = workloads.llama("proxy", _tensor_device(device))
         self.model.eval()
-        self.kw = _cache_kw(self.model)
+        self.kw = workloads.cache_kw(self.model)
         d = _tensor_device(device)
         self.prompt = torch.zeros(1, PROMPT, dtype=torch.long, device=d)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=d)  # token 0 fed back: what a token costs
@@ -214,11 +203,11 @@ class Decoder:
     def per_token(self, tokens):
         """(us per token over ``tokens`` tokens, the logits' dtype); the caller holds the region."""
         out = self.model(input_ids=self.prompt, use_cache=True)
-        state = [_cache_of(out), None]
+        state = [workloads.cache_of(out), None]
 
         def step():
             out = self.model(input_ids=self.token, use_cache=True, **{self.kw: state[0]})
-            state[0], state[1] = _cache_of(out), out.logits.dtype
+            state[0], state[1] = workloads.cache_of(out), out.logits.dtype
 
         step()  # the first token: weights cast where a scheme keeps them
         with collector_paused():
@@ -243,11 +232,12 @@ def calls_per_token(device, decoder, tokens=4):
         with scheme(config), region(config, device, False):
             decoder.per_token(1)  # the first token casts what a scheme keeps
             out = decoder.model(input_ids=decoder.prompt, use_cache=True)
-            state = _cache_of(out)
+            state = workloads.cache_of(out)
             sys.setprofile(profile)
             try:
                 for _ in range(tokens):
-                    state = _cache_of(decoder.model(input_ids=decoder.token, use_cache=True, **{decoder.kw: state}))
+                    out = decoder.model(input_ids=decoder.token, use_cache=True, **{decoder.kw: state})
+                    state = workloads.cache_of(out)
             finally:
                 sys.setprofile(None)
         counts[config] = (seen["call"] / tokens, seen["c_call"] / tokens)

@@ -3,6 +3,7 @@ configuration) and what one timed step is; and the models the other scripts
 build by name (a Llama, GPT-2, tune_models.py's CNN, the recurrent kinds), in
 one place so scripts that share a model build the same one."""
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -310,6 +311,16 @@ def llama(size, device="cpu", attn="sdpa", seed=0):
     torch.manual_seed(seed)
     with torch.device(device):
         return transformers.LlamaForCausalLM(cfg), cfg
+
+
+def cache_kw(model):
+    """The name ``model.forward`` takes the KV cache by: transformers 5 ``cache``, 4.x ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_of(out):
+    """A forward's KV cache, under either name."""
+    return out.cache if hasattr(out, "cache") else out.past_key_values  # an empty cache is falsy: no `or`
 
 
 def gpt2(size, device="cpu", attn="sdpa", seed=0):

@@ -129,7 +129,7 @@ def test_every_call_of_a_marked_decode_is_marked_and_fed_no_earlier_output(decod
         model = Recorder(models["fp32"], events)
         decode.generate(model, prompt, new)
     assert events == ["call"] * new
-    assert [k for _, k in model.fed_back] == [decode._cache_kw(models["fp32"])] * (new - 1), model.fed_back
+    assert [k for _, k in model.fed_back] == [decode.workloads.cache_kw(models["fp32"])] * (new - 1), model.fed_back
 
 
 def test_the_compiled_phase_marks_every_call_in_every_configuration(decode, events, monkeypatch):
