@@ -28,8 +28,8 @@ def cast_each(seq, src, cast, limit=None):
     """``seq`` with every tensor whose dtype is in ``src`` passed through ``cast``, at any
     depth of lists and tuples, or ``SAME`` when nothing was cast (a sentinel: dynamo
     cannot compare tuples by identity without a graph break). A tensor subclass whose
-    cast raises stays uncast. ``limit``: a bound on the numbers in ``seq``; when a finite one lies beyond it
-    True the result is None (the BF16 rule's overflow check). The lean path's hot loop:
+    cast raises stays uncast. ``limit``: a bound on the numbers in ``seq``; when a finite
+    one lies beyond it the result is None (the BF16 rule's overflow check). The lean path's hot loop:
     common types are tested first, by identity."""
     out = None
     for i, a in enumerate(seq):

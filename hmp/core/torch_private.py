@@ -55,8 +55,7 @@ tracing_state = getattr(torch._C, "_get_tracing_state", None) or _none
 # with _compile_session_context hold _is_compiling_flag for the whole session (flag set, dynamo not tracing, not
 # exporting: lowering); older ones are in session while dynamo's CompileContext is open.
 _compiler = torch.compiler
-_dynamo_compiling = torch.compiler.is_dynamo_compiling
-dynamo_compiling = _dynamo_compiling  # folded to True while dynamo traces: a wrapper asks it first
+dynamo_compiling = torch.compiler.is_dynamo_compiling  # folded to True while dynamo traces: a wrapper asks it first
 KNOWS_COMPILE_SESSION = hasattr(_compiler, "_compile_session_context")
 # where CompileContext.try_get() reads it; its __dict__ is read directly, ten times cheaper than try_get per call
 _guards_tls = _guards._TLS
@@ -80,8 +79,8 @@ if KNOWS_COMPILE_SESSION:
     def compiling():
         """Anything compiles: dynamo traces, export or AOT traces, or the compile session lowers.
         torch.compiler.is_compiling() without its torch.jit.is_scripting() call, for the per-tensor checks:
-        dynamo folds is_dynamo_compiling() to True while it traces; export, AOT and the session set the flag."""
-        return _dynamo_compiling() or _compiler._is_compiling_flag
+        dynamo folds isdynamo_compiling() to True while it traces; export, AOT and the session set the flag."""
+        return dynamo_compiling() or _compiler._is_compiling_flag
 
     def after_dynamo():
         if _compiler._is_compiling_flag:
@@ -94,7 +93,7 @@ if KNOWS_COMPILE_SESSION:
 else:
 
     def compiling():
-        return _dynamo_compiling() or _compiler._is_compiling_flag or _in_session()
+        return dynamo_compiling() or _compiler._is_compiling_flag or _in_session()
 
     def after_dynamo():
         if _compiler._is_compiling_flag:  # export or AOT tracing outside torch.compile
