@@ -15,8 +15,9 @@ counter. A frozen weight (peft's merge, offloading and loaders write it through
   drop every copy.
 
 An entry is checked at each hit against the source's version counter, data pointer
-and (no grad) shape, and holds the source's storage weakly, so it goes with that
-storage and nothing of hmp's sits on the user's tensor. The cache steps aside for
+and layout (shape and strides: ``p.data = p.data.t()`` moves neither), and holds the
+source's storage weakly, so it goes with that storage and nothing of hmp's sits on
+the user's tensor. The cache steps aside for
 inference tensors, functorch transforms, ``torch.jit.trace`` and compiling."""
 
 from __future__ import annotations
@@ -95,10 +96,10 @@ def _same_step(e, t, steps):
 
 class _CacheEntry:
     """A cached copy and what it was cast from: ``copy`` (a weak reference in grad mode,
-    the copy itself in no-grad stores), the source's ``version``, ``ptr`` and ``shape``,
+    the copy itself in no-grad stores), the source's ``version``, ``ptr``, ``shape`` and ``stride``,
     and a weak reference to its ``storage``, whose death drops the entry."""
 
-    __slots__ = ("copy", "version", "ptr", "shape", "storage", "steps", "grad", "backwards")
+    __slots__ = ("copy", "version", "ptr", "shape", "stride", "storage", "steps", "grad", "backwards")
 
 
 def _drop(store, key, ref):
@@ -114,7 +115,7 @@ def _put(store, t, copy, weak):
     if isinstance(t, _Fake):  # no real storage (FakeTensorMode)
         return False
     try:
-        version, ptr = _version(t), t.data_ptr()
+        version, ptr, stride = _version(t), t.data_ptr(), t.stride()
     except RuntimeError:  # an inference tensor (no version counter); a fake one (torch < 2.6 compiles eagerly)
         return False
     if _transforms_active():  # the copy is wrapped at the transform's level: it must not escape
@@ -123,7 +124,7 @@ def _put(store, t, copy, weak):
     e = _CacheEntry()  # a new entry, stored in one step: a thread reading the old one never sees a mix
     # in grad mode the copy's graph holds the weight (its AccumulateGrad node) while the copy lives
     e.copy = weakref.ref(copy) if weak else copy
-    e.version, e.ptr, e.shape = version, ptr, t.shape
+    e.version, e.ptr, e.shape, e.stride = version, ptr, t.shape, stride
     e.storage = weakref.ref(t.untyped_storage(), _partial(_drop, store, key))
     e.steps = None  # an accumulation() block whose step the copy belongs to (_same_step)
     store[key] = e
@@ -212,6 +213,12 @@ def _forget(ref):
         st.shared = None
 
 
+def _same(e, t):
+    """Whether ``t`` is still what entry ``e`` was cast from: the same version, data pointer and layout
+    (shape and strides: ``p.data = p.data.t()`` moves neither version nor pointer)."""
+    return e.version == _version(t) and e.ptr == t.data_ptr() and e.shape == t.shape and e.stride == t.stride()
+
+
 def caster(dtype):
     """A cast_copies.Cast to ``dtype`` through the cache, for the tensors whose writes hmp
     sees (leaves that require grad; frozen ones inside ``frozen_weights()``). A hit is
@@ -246,7 +253,7 @@ def caster(dtype):
             e = grad_mode.get(id(t))
             if e is not None:
                 copy = e.copy()
-                if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr():
+                if copy is not None and _same(e, t):
                     steps = e.steps
                     if steps is None or _same_step(e, t, steps):
                         return copy
@@ -267,13 +274,14 @@ def caster(dtype):
             keeper = ref() if ref is not None else None
             if keeper is None:
                 return finite_eager(t)
-        # the keeper's copy, checked here: a hit is this one frame
+        # the keeper's copy, checked here (_same, inlined): a hit is this one frame
         store = keeper.stores[dtype]
         e = store.get(id(t))
         if e is not None:
             copy = e.copy
             if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr() and e.shape == t.shape:
-                return copy
+                if e.stride == t.stride():
+                    return copy
         copy = finite_eager(t)
         _put(store, t, copy, False)
         return copy

@@ -2,6 +2,7 @@
 computes exactly what the same run computes with ``convert(cache=False)``
 (the oracle), whatever writes the weights."""
 
+import contextlib
 import copy
 import gc
 import threading
@@ -33,6 +34,8 @@ def _update(kind, model, opts, x):
             p.copy_(torch.randn_like(p))
     elif kind == "data_assign":
         p.data = torch.randn_like(p)
+    elif kind == "data_transposed":  # the square weight's memory, read the other way: no counter, same pointer
+        model.mid.weight.data = model.mid.weight.data.t()
     elif kind == "data_inplace":  # through the alias: bumps no version counter hmp can read
         p.data.mul_(-1)
     elif kind == "data_copy":
@@ -82,6 +85,7 @@ UPDATES = [
     "mul_",
     "copy_",
     "data_assign",
+    "data_transposed",
     "data_inplace",
     "data_copy",
     "data_sgd",
@@ -485,3 +489,36 @@ def test_swap_based_conversion_works_after_hmp_cast_the_weights(swap, when):
     with hmp.converted(), torch.no_grad():
         out = lin(x), lin(x), lin(x)
     assert out[2].dtype == BF16 and torch.equal(out[2], out[0])  # the swapped weights are cast as any others
+
+
+# ``p.data = ...`` moves no version counter; these keep the data pointer too, and change only the layout
+LAYOUT_WRITES = {
+    "transposed": lambda p: p.data.t(),  # a square weight: same shape, other strides
+    "viewed": lambda p: p.data.view(4, 16),  # same memory, another shape
+    "narrowed": lambda p: p.data[:4],  # the first rows: same pointer, fewer of them
+}
+
+
+@pytest.mark.parametrize("write", sorted(LAYOUT_WRITES))
+@pytest.mark.parametrize("region", ["grad", "no_grad", "frozen_weights", "frozen_weights_frozen"])
+def test_a_layout_written_through_data_between_calls_is_seen(region, write):
+    """A kept copy is the weight's while its version, data pointer and layout (shape and strides)
+    are those it was cast from: a ``.data`` assignment that keeps the pointer is seen, in every
+    store (oracle: the same calls with ``cache=False``)."""
+
+    def run(use_cache):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(8, 8), requires_grad=region != "frozen_weights_frozen")
+        x = torch.randn(3, 8)
+        with hmp.converted(cache=use_cache), contextlib.ExitStack() as stack:
+            if region.startswith("frozen_weights"):
+                stack.enter_context(hmp.frozen_weights())
+            if region != "grad":
+                stack.enter_context(torch.no_grad())
+            first = F.linear(x, w)  # grad mode: kept alive, so is the graph holding the copy
+            w.data = LAYOUT_WRITES[write](w)
+            x2 = x if w.shape[1] == 8 else torch.randn(3, w.shape[1])
+            return first.detach(), F.linear(x2, w).detach()
+
+    for got, want in zip(run(True), run(False)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

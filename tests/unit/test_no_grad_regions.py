@@ -292,6 +292,8 @@ def _seen_write(kind, model, opts, x):
             o.param_groups[0]["params"] = list(model.parameters())
     elif kind == "data_assign":
         p.data = torch.randn_like(p)
+    elif kind == "data_transposed":  # the square weight's memory, read the other way: no counter, same pointer
+        model.mid.weight.data = model.mid.weight.data.t()
     elif kind == "refill_freed":  # FSDP2's reshard and unshard
         storage = p.untyped_storage()
         size, new = storage.nbytes(), torch.randn_like(p)
@@ -317,6 +319,7 @@ INFERENCE_SAFE = ["mul_", "copy_", "refill", "load_state_dict"]
 SEEN = INFERENCE_SAFE + [
     "load_state_dict_assign",
     "data_assign",
+    "data_transposed",
     "refill_freed",
     "step_fused",
     "step_foreach",
