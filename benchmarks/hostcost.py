@@ -216,33 +216,44 @@ class Decoder:
 
 
 def calls_per_token(device, decoder, tokens=4):
-    """config -> (Python frames, C calls) one decode token runs over plain torch's (``sys.setprofile``,
-    its events counted, every file): deterministic, so it says what a timing on a busy host cannot.
-    The hmp/floor time ratio has followed the frame ratio."""
+    """config -> (Python frames, C calls, bytecode instructions) one decode token runs over plain torch's
+    (``sys.setprofile``'s events, then ``sys.settrace``'s opcode events; every file): deterministic, so
+    they say what a timing on a busy host cannot. Of the three, the time hmp adds over the floor's has
+    followed the bytecode ratio (2.0x at 1.6-1.8x the time), not the frame ratio (1.25x)."""
     counts = {}
     for config in CONFIGS:
         if config == "autocast":
             continue  # on fastmeta an emulation, on the CPU C++: no frames to count against
-        seen = {"call": 0, "c_call": 0}
+        seen = {"call": 0, "c_call": 0, "opcode": 0}
 
         def profile(frame, event, arg, seen=seen):
             if event in seen:
                 seen[event] += 1
 
+        def opcodes(frame, event, arg, seen=seen):
+            if event == "opcode":
+                seen["opcode"] += 1
+            return opcodes
+
+        def trace(frame, event, arg):
+            frame.f_trace_opcodes, frame.f_trace_lines = True, False
+            return opcodes
+
         with scheme(config), region(config, device, False):
             decoder.per_token(1)  # the first token casts what a scheme keeps
             out = decoder.model(input_ids=decoder.prompt, use_cache=True)
             state = workloads.cache_of(out)
-            sys.setprofile(profile)
-            try:
-                for _ in range(tokens):
-                    out = decoder.model(input_ids=decoder.token, use_cache=True, **{decoder.kw: state})
-                    state = workloads.cache_of(out)
-            finally:
-                sys.setprofile(None)
-        counts[config] = (seen["call"] / tokens, seen["c_call"] / tokens)
+            for hook, counter in ((sys.setprofile, profile), (sys.settrace, trace)):
+                hook(counter)
+                try:
+                    for _ in range(tokens):
+                        out = decoder.model(input_ids=decoder.token, use_cache=True, **{decoder.kw: state})
+                        state = workloads.cache_of(out)
+                finally:
+                    hook(None)
+        counts[config] = tuple(seen[e] / tokens for e in ("call", "c_call", "opcode"))
     base = counts.pop("torch")
-    return {c: (f - base[0], k - base[1]) for c, (f, k) in counts.items()}
+    return {c: tuple(n - b for n, b in zip(ns, base)) for c, ns in counts.items()}
 
 
 # ---------------------------------------------------------------- samples
@@ -407,7 +418,7 @@ def main(argv=None):
         "devices": devices,
     }
     print(f"hostcost: torch {meta['torch']}, hmp at commit {meta['commit']}, {meta['machine']}; {a.rounds} rounds")
-    results, calls = {}, {}  # calls: device -> config -> (Python frames, C calls) per decode token over torch
+    results, calls = {}, {}  # calls: device -> config -> (Python frames, C calls, opcodes) per decode token over torch
     for device in devices:
         if device == "fastmeta":
             meta["fastmeta"] = fastmeta.install()
@@ -424,8 +435,11 @@ def main(argv=None):
         print(table(device, results[device]), flush=True)
         if not a.no_decode:
             per_token = calls[device] = calls_per_token(device, Decoder(device))
-            said = ", ".join(f"{c} {f:.0f} / {k:.0f}" for c, (f, k) in per_token.items())
-            print(f"\n{device}: Python frames / C calls per decode token over plain torch: {said}", flush=True)
+            said = ", ".join(f"{c} {f:.0f} / {k:.0f} / {o:.0f}" for c, (f, k, o) in per_token.items())
+            print(
+                f"\n{device}: Python frames / C calls / opcodes per decode token over plain torch: {said}",
+                flush=True,
+            )
     meta["load_at_end"] = list(os.getloadavg())
     met = targets(results)
     print("\nTargets (stated, not asserted): ratios of added host time")

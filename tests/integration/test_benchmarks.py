@@ -177,6 +177,11 @@ def test_hostcost_quick_reports_every_configuration_on_both_devices(tmp_path):
         ("fastmeta", "decode token", "hmp frozen / hmp"),
     }
     assert "| linear (grad) |" in p.stdout and "| decode token |" in p.stdout
+    # per decode token over plain torch, counted: Python frames, C calls and bytecode instructions (opcodes)
+    for device, per_token in res["calls_per_token_over_torch"].items():
+        assert set(per_token) == {"floor", "hmp", "hmp frozen"}, device
+        for config, (frames, c_calls, opcodes) in per_token.items():
+            assert frames > 0 and c_calls > 0 and opcodes > frames, (device, config, per_token[config])
 
 
 @pytest.mark.slow  # two compiles of a one-layer Llama's decode
