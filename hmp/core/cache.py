@@ -213,12 +213,6 @@ def _forget(ref):
         st.shared = None
 
 
-def _same(e, t):
-    """Whether ``t`` is still what entry ``e`` was cast from: the same version, data pointer and layout
-    (shape and strides: ``p.data = p.data.t()`` moves neither version nor pointer)."""
-    return e.version == _version(t) and e.ptr == t.data_ptr() and e.shape == t.shape and e.stride == t.stride()
-
-
 def caster(dtype):
     """A cast_copies.Cast to ``dtype`` through the cache, for the tensors whose writes hmp
     sees (leaves that require grad; frozen ones inside ``frozen_weights()``). A hit is
@@ -252,11 +246,12 @@ def caster(dtype):
         elif _grad_enabled():
             e = grad_mode.get(id(t))
             if e is not None:
-                copy = e.copy()
-                if copy is not None and _same(e, t):
-                    steps = e.steps
-                    if steps is None or _same_step(e, t, steps):
-                        return copy
+                copy = e.copy()  # a hit: the weight is still what the copy was cast from (as below)
+                if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr() and e.shape == t.shape:
+                    if e.stride == t.stride():
+                        steps = e.steps
+                        if steps is None or _same_step(e, t, steps):
+                            return copy
             copy = finite_eager(t)
             e = _put(grad_mode, t, copy, True)
             if e:
@@ -274,7 +269,8 @@ def caster(dtype):
             keeper = ref() if ref is not None else None
             if keeper is None:
                 return finite_eager(t)
-        # the keeper's copy, checked here (_same, inlined): a hit is this one frame
+        # the keeper's copy, checked here: a hit is this one frame. A copy is the weight's while its version,
+        # data pointer and layout (shape and strides: ``p.data = p.data.t()`` moves neither) are unchanged
         store = keeper.stores[dtype]
         e = store.get(id(t))
         if e is not None:
