@@ -17,8 +17,8 @@ counter. A frozen weight (peft's merge, offloading and loaders write it through
 An entry is checked at each hit against the source's version counter, data pointer
 and layout (shape and strides: ``p.data = p.data.t()`` moves neither), and holds the
 source's storage weakly, so it goes with that storage and nothing of hmp's sits on
-the user's tensor. The cache steps aside for
-inference tensors, functorch transforms, ``torch.jit.trace`` and compiling."""
+the user's tensor. The cache steps aside for inference tensors, functorch transforms,
+``torch.jit.trace`` and compiling."""
 
 from __future__ import annotations
 
@@ -247,11 +247,16 @@ def caster(dtype):
             e = grad_mode.get(id(t))
             if e is not None:
                 copy = e.copy()  # a hit: the weight is still what the copy was cast from (as below)
-                if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr() and e.shape == t.shape:
-                    if e.stride == t.stride():
-                        steps = e.steps
-                        if steps is None or _same_step(e, t, steps):
-                            return copy
+                if (
+                    copy is not None
+                    and e.version == _version(t)
+                    and e.ptr == t.data_ptr()
+                    and e.shape == t.shape
+                    and e.stride == t.stride()
+                ):
+                    steps = e.steps
+                    if steps is None or _same_step(e, t, steps):
+                        return copy
             copy = finite_eager(t)
             e = _put(grad_mode, t, copy, True)
             if e:
@@ -275,9 +280,14 @@ def caster(dtype):
         e = store.get(id(t))
         if e is not None:
             copy = e.copy
-            if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr() and e.shape == t.shape:
-                if e.stride == t.stride():
-                    return copy
+            if (
+                copy is not None
+                and e.version == _version(t)
+                and e.ptr == t.data_ptr()
+                and e.shape == t.shape
+                and e.stride == t.stride()
+            ):
+                return copy
         copy = finite_eager(t)
         _put(store, t, copy, False)
         return copy

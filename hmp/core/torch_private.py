@@ -79,7 +79,7 @@ if KNOWS_COMPILE_SESSION:
     def compiling():
         """Anything compiles: dynamo traces, export or AOT traces, or the compile session lowers.
         torch.compiler.is_compiling() without its torch.jit.is_scripting() call, for the per-tensor checks:
-        dynamo folds isdynamo_compiling() to True while it traces; export, AOT and the session set the flag."""
+        dynamo folds is_dynamo_compiling() to True while it traces; export, AOT and the session set the flag."""
         return dynamo_compiling() or _compiler._is_compiling_flag
 
     def after_dynamo():
