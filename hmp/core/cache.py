@@ -247,16 +247,11 @@ def caster(dtype):
             e = grad_mode.get(id(t))
             if e is not None:
                 copy = e.copy()  # a hit: the weight is still what the copy was cast from (as below)
-                if (
-                    copy is not None
-                    and e.version == _version(t)
-                    and e.ptr == t.data_ptr()
-                    and e.shape == t.shape
-                    and e.stride == t.stride()
-                ):
-                    steps = e.steps
-                    if steps is None or _same_step(e, t, steps):
-                        return copy
+                if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr() and e.shape == t.shape:
+                    if e.stride == t.stride():
+                        steps = e.steps
+                        if steps is None or _same_step(e, t, steps):
+                            return copy
             copy = finite_eager(t)
             e = _put(grad_mode, t, copy, True)
             if e:
@@ -280,14 +275,9 @@ def caster(dtype):
         e = store.get(id(t))
         if e is not None:
             copy = e.copy
-            if (
-                copy is not None
-                and e.version == _version(t)
-                and e.ptr == t.data_ptr()
-                and e.shape == t.shape
-                and e.stride == t.stride()
-            ):
-                return copy
+            if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr() and e.shape == t.shape:
+                if e.stride == t.stride():  # (a second line: caster stays within the house's 80 lines)
+                    return copy
         copy = finite_eager(t)
         _put(store, t, copy, False)
         return copy
