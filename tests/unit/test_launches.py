@@ -228,6 +228,18 @@ def test_the_ops_gradient_is_the_plain_casts():
     assert saturating_cast.to_finite(huge, BF16).tolist()[:3] == [top, -top, float("inf")]
 
 
+def test_an_eager_cast_reaches_each_devices_kernel_and_a_mode_sees_the_one_op():
+    # run() picks the kernel by the tensor's device flags: a CPU tensor takes the registered op (its
+    # stock ops saturate), a meta one the metadata kernel, and under a dispatch mode the mode sees the op
+    huge = torch.tensor([3.4e38, -3.4e38, float("inf"), 1.0])
+    top = torch.finfo(BF16).max
+    assert saturating_cast.run(huge, BF16).tolist() == [top, -top, float("inf"), 1.0]
+    meta = saturating_cast.run(torch.empty(3, 5, device="meta").t(), BF16)
+    assert meta.is_meta and meta.dtype is BF16 and meta.shape == (5, 3) and meta.stride() == (1, 5)
+    counted = count(saturating_cast.run, torch.empty(4, device="meta"), BF16)
+    assert dict(counted.ops) == {"hmp.to_finite": 1}
+
+
 @pytest.mark.parametrize("dtype", [BF16, torch.float16, F32, torch.float64])
 def test_the_op_called_directly_casts_to_any_floating_dtype_and_keeps_finite_values_finite(dtype):
     x = torch.tensor([1.0, 3.4e38, -3.4e38, float("inf"), float("nan"), -2.5], dtype=torch.float64)
