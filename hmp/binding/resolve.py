@@ -235,6 +235,23 @@ def _vf_sites(name):
     return [make_site(vf, name, torch_private.VF_LABEL, False, getattr(vf, name))]
 
 
+def _vf_reached(found):
+    """torch._VF.X for each Python function among ``found`` that calls its kernel as ``_VF.X``
+    (``torch.einsum``): for an op decided call by call, the builtin's arguments are all that
+    picks the kernel, the contraction path torch computes from the sizes (opt_einsum) too, where
+    the Python function's are not."""
+    vf, out = torch_private.VF, []
+    for site in found:
+        fn = site.original()
+        if not isinstance(fn, types.FunctionType) or not _is_op(getattr(vf, site.attr, None)):
+            continue
+        names, scope = fn.__code__.co_names, fn.__globals__
+        if site.attr in names and any(scope.get(g) is vf for g in names):
+            out.append(make_site(vf, site.attr, torch_private.VF_LABEL, False, getattr(vf, site.attr)))
+            break
+    return out
+
+
 def _reaches(fn, builtins):
     """Whether the Python function ``fn`` calls one of ``builtins`` by its name (``torch.kl_div`` in
     ``F.kl_div``): the builtin's wrapper then decides ``fn``'s calls, and a second wrapper on ``fn``
@@ -336,16 +353,20 @@ class Resolver:
         todo += [(k, n, n, (), True) for k, n in extra] + [(None, n, n, computations, False) for n in picks]
         for kind, name, spelling, chosen_from, fell_back in todo:
             found = self.sites(spelling)
+            if chosen_from:  # decided per call: where the call's every argument that picks a kernel is seen
+                found = found + [s for s in _vf_reached(found) if (id(s.namespace), s.attr) not in seen]
             builtins = [s for s in found if isinstance(s.original(), types.BuiltinFunctionType)]
             # a Python function (F.pad, F.kl_div) reaches the kernel through the builtin: one wrapper; not in a
             # kind whose rule may read the entry's name (the lower list's norms cast the input alone, then retry)
             by_name = kind is not None and kind.norms is not None
             for site in found:
+                key = (id(site.namespace), site.attr)
                 if isinstance(site.original(), types.FunctionType) and (
                     chosen_from and builtins or not by_name and _reaches(site.original(), builtins)
                 ):
+                    if chosen_from:  # its builtin's wrapper decides its calls: no other entry binds it
+                        seen.add(key)
                     continue
-                key = (id(site.namespace), site.attr)
                 if key not in seen:
                     seen.add(key)
                     out.append(Binding(site, kind, name, fell_back, chosen_from))
