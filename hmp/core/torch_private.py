@@ -284,6 +284,7 @@ def jit_forget_builtin(key):
 
 # -- pytrees: module outputs and recorded calls are nested containers ------------------------------
 
+tree_map = _pytree.tree_map
 tree_map_only = _pytree.tree_map_only
 tree_flatten = _pytree.tree_flatten
 tree_leaves = _pytree.tree_leaves
