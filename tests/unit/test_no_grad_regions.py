@@ -666,14 +666,15 @@ def test_a_refill_in_compiled_code_is_missed_only_out_of_reach_where_a_region_ke
 
 def test_the_cache_section_of_the_docs_names_tests_that_exist():
     """docs/performance.md's cache section backs each sentence with a test, named ``cache::test_...``
-    (test_cache.py), ``regions::test_...`` (this file) or ``accumulation::test_...``
-    (test_accumulation.py): each one exists."""
+    (test_cache.py), ``regions::test_...`` (this file), ``accumulation::test_...``
+    (test_accumulation.py) or ``activations::test_...`` (test_activation_casts.py): each one exists."""
     here = pathlib.Path(__file__).parent
     docs = (here.parents[1] / "docs" / "performance.md").read_text()
     section = docs[docs.index("## The weight-cast cache") :]
     section = section[: section.index("\n## ", 1)]
-    named = re.findall(r"\b(cache|regions|accumulation)::(test_\w+)", section)
+    named = re.findall(r"\b(cache|regions|accumulation|activations)::(test_\w+)", section)
     assert len(named) >= 15
     files = {"cache": "test_cache.py", "regions": "test_no_grad_regions.py", "accumulation": "test_accumulation.py"}
+    files["activations"] = "test_activation_casts.py"
     for where, name in named:
         assert f"def {name}(" in (here / files[where]).read_text(), (where, name)
