@@ -111,6 +111,9 @@ class Binding(NamedTuple):
     name: str  # the list name
     fallback: bool = False  # an op in no list, bound so a lower-precision input cannot break it
     picks: tuple = ()  # an op in no list whose call picks its kernel: spellings.computations' answer (picked.py)
+    # a Python function decided per call whose builtin (torch._VF.X) decides its eager calls: it decides only
+    # while dynamo traces, which records the function and never runs the builtin's wrapper
+    traced_only: bool = False
 
 
 def make_site(namespace, attr, owner, inplace, fn, inplace_param=None):
@@ -236,7 +239,7 @@ def _vf_sites(name):
 
 
 def _vf_reached(found):
-    """torch._VF.X for each Python function among ``found`` that calls its kernel as ``_VF.X``
+    """torch._VF.X for a Python function among ``found`` that calls its kernel as ``_VF.X``
     (``torch.einsum``): for an op decided call by call, the builtin's arguments are all that
     picks the kernel, the contraction path torch computes from the sizes (opt_einsum) too, where
     the Python function's are not."""
@@ -353,23 +356,25 @@ class Resolver:
         todo += [(k, n, n, (), True) for k, n in extra] + [(None, n, n, computations, False) for n in picks]
         for kind, name, spelling, chosen_from, fell_back in todo:
             found = self.sites(spelling)
-            if chosen_from:  # decided per call: where the call's every argument that picks a kernel is seen
-                found = found + [s for s in _vf_reached(found) if (id(s.namespace), s.attr) not in seen]
+            inner = _vf_reached(found) if chosen_from else []
+            if inner:  # decided per call: in eager code where every argument that picks a kernel is seen
+                found = found + inner
             builtins = [s for s in found if isinstance(s.original(), types.BuiltinFunctionType)]
             # a Python function (F.pad, F.kl_div) reaches the kernel through the builtin: one wrapper; not in a
             # kind whose rule may read the entry's name (the lower list's norms cast the input alone, then retry)
             by_name = kind is not None and kind.norms is not None
             for site in found:
                 key = (id(site.namespace), site.attr)
-                if isinstance(site.original(), types.FunctionType) and (
-                    chosen_from and builtins or not by_name and _reaches(site.original(), builtins)
+                outer = bool(inner) and isinstance(site.original(), types.FunctionType)
+                if (
+                    not outer
+                    and isinstance(site.original(), types.FunctionType)
+                    and (chosen_from and builtins or not by_name and _reaches(site.original(), builtins))
                 ):
-                    if chosen_from:  # its builtin's wrapper decides its calls: no other entry binds it
-                        seen.add(key)
                     continue
                 if key not in seen:
                     seen.add(key)
-                    out.append(Binding(site, kind, name, fell_back, chosen_from))
+                    out.append(Binding(site, kind, name, fell_back, chosen_from, outer))
         return out
 
     def _aten_sites(self, name, found):
