@@ -224,14 +224,14 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--loop", type=int, default=8)
     p.add_argument("--json", type=Path)
-    p.add_argument("--quick", action="store_true", help="3 rounds of 2 regions of a 2-layer 64-wide encoder")
+    p.add_argument("--quick", action="store_true", help="2 rounds of 2 regions of a 2-layer 64-wide encoder")
     p.add_argument("--sample", nargs=2, metavar=("CONFIG", "SHAPE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.sample:
         print(json.dumps(one_sample(*args.sample, args)))
         return
     if args.quick:
-        args.rounds, args.reps, args.tokens, args.layers, args.width, args.loop = 3, 2, 8, 2, 64, 3
+        args.rounds, args.reps, args.tokens, args.layers, args.width, args.loop = 2, 2, 8, 2, 64, 3
     torch.set_num_threads(1)
     results, weights = measure(args)
     print(report(results, weights, args))
