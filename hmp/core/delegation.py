@@ -4,19 +4,33 @@ hmp/binding/engine.py).
 
 A joined thread has autocast on for the engine's devices exactly where hmp casts
 (``tls.off == 0``): ``state.enter``/``leave`` keep it so (``state.follow``), so
-every rule that turns hmp's casts off turns autocast off too. Autocast's weight cache
-stays off: it never checks a tensor's version. ``off_around(op)`` runs ``op`` with
-autocast off, for the ops hmp runs itself and for sites the lists leave uncast. In a
-user's own torch.autocast region ``engine_on`` is False, so the region stays theirs."""
+every rule that turns hmp's casts off turns autocast off too. ``off_around(op)`` runs
+``op`` with autocast off, for the ops hmp runs itself and for sites the lists leave
+uncast. In a user's own torch.autocast region ``engine_on`` is False, so the region
+stays theirs.
+
+Autocast's weight cache is on in joined threads (``convert(cache=True)``). It never
+checks a tensor's version, so its copies are dropped (``drop``) at every point where
+hmp sees a weight may change: optimizer steps, a backward pass's start, the outermost
+no-grad region's entry and exit, ``frozen_weights()``/``accumulation()`` blocks,
+``clear_cache()``, refills, ``load_state_dict``, ``Module._apply`` and revert. Inside
+``frozen_weights()`` regions, and inside ``accumulation()`` backward passes, keep them;
+where ``convert(model=...)`` names the model its float32 weights' versions, pointers
+and layouts are checked there instead (``passed``). Its cache is one for the process
+(torch 2.4 to 2.15: a map under a lock), so a drop in any thread drops every thread's."""
 
 import torch
 
+from hmp.core import torch_private
 from hmp.core.identity import stand_in
-from hmp.core.state import follow, tls
+from hmp.core.state import follow, runtime, tls
 
 _set_enabled, _is_enabled = torch.set_autocast_enabled, torch.is_autocast_enabled
 _set_dtype, _get_dtype = torch.set_autocast_dtype, torch.get_autocast_dtype
 _set_cache, _is_cache = torch.set_autocast_cache_enabled, torch.is_autocast_cache_enabled
+_clear, _version = torch.clear_autocast_cache, torch_private.version_of
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
+_F32 = torch.float32
 AROUND = "__hmp_autocast_off__"  # on an off_around function: the op it runs
 
 
@@ -30,6 +44,9 @@ class Engine:
         self.dtype = dtype
         self.delegated = {}
         self.in_force = False
+        self.cache = False  # autocast's weight cache on in joined threads (convert's cache=)
+        self.model = None  # a weak reference to convert(model=...)'s model, whose weights ``passed`` checks
+        self.seen = None  # that model's weights at the last drop: {id: (version, pointer, shape, stride)}
 
     def join(self, st):
         """Program the calling thread (``st``: its ``tls``); what it had is kept for ``depart``."""
@@ -40,7 +57,7 @@ class Engine:
         st.engine_found = ([(d, _is_enabled(d), _get_dtype(d)) for d in self.devices], _is_cache())
         for device in self.devices:
             _set_dtype(device, self.dtype)
-        _set_cache(False)
+        _set_cache(self.cache)
         st.engine, st.engine_on = self, None  # None: follow() sets the state whatever it is
         follow(st, st.off)
 
@@ -54,6 +71,108 @@ class Engine:
             _set_dtype(device, dtype)
         _set_cache(cache)
         st.engine, st.engine_on, st.engine_found = None, False, None
+        _clear()  # the copies its cache made: none outlives the conversion
+
+    def keep_copies(self, cache, model):
+        """The conversion now in force: autocast's cache on (``cache``) and the model whose
+        weights are checked (a weak reference, or None); the calling thread's cache follows."""
+        self.cache, self.model, self.seen = cache, model, None
+        runtime.caching = self if cache else None
+        _clear()
+        if tls.engine is self:
+            _set_cache(cache)
+
+    def let_go(self):
+        """Out of force: no copy of autocast's is kept past it."""
+        if runtime.caching is self:
+            runtime.caching = None
+        self.seen = None
+        _clear()
+
+
+def drop():
+    """A weight may have changed where hmp sees it: autocast's copies go, in every thread. Where
+    ``convert(model=...)`` names the model and this thread keeps copies past a boundary (inside
+    ``frozen_weights()`` or ``accumulation()``), its weights are noted for ``passed``."""
+    engine = runtime.caching
+    if engine is None:
+        return
+    _clear()
+    if _dynamo_tracing():
+        return  # (a node of the graph: the compiled step clears when it runs)
+    st = tls
+    model = engine.model() if engine.model is not None else None
+    keeps = st.frozen_depth or st.accumulating is not None
+    engine.seen = _weights(model) if model is not None and keeps else None
+
+
+def passed(kept):
+    """A boundary where copies may stay: the outermost no-grad region's entry or exit, a backward
+    pass's start. ``kept``: the thread's block keeps them past it (``frozen_weights()`` for a
+    region, ``accumulation()`` for a backward). They stay only there, and where the model
+    ``convert(model=...)`` names is found as it was at the last drop; else they go."""
+    engine = runtime.caching
+    if engine is None:
+        return
+    if kept:
+        model = engine.model() if engine.model is not None else None
+        if model is None or _weights(model) == engine.seen:
+            return
+    drop()
+
+
+def region_edge():
+    """The outermost no-grad region enters or exits: copies are kept past it inside ``frozen_weights()``."""
+    passed(tls.frozen_depth)
+
+
+def backward_starts():
+    """A backward pass starts: copies are kept past it inside ``accumulation()``."""
+    passed(tls.accumulating is not None)
+
+
+def _weights(model):
+    """What a write to ``model``'s weights that autocast caches (float32, requiring grad) moves:
+    version counter, data pointer, shape and strides, by id (a weight replaced by another tensor
+    is another cache key)."""
+    out = {}
+    for p in model.parameters():
+        if p.requires_grad and p.dtype is _F32:
+            try:
+                out[id(p)] = (_version(p), p.data_ptr(), p.shape, p.stride())
+            except RuntimeError:  # an inference tensor: no version to read
+                out[id(p)] = None
+    return out
+
+
+def dropping(fn):
+    """``fn`` (a write hmp sees: ``Module._apply``) with autocast's copies dropped before it
+    and after it: before, so a copy's graph does not hold the weight (``swap_tensors``)."""
+
+    def dropping_copies(*args, **kwargs):
+        drop()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            drop()
+
+    return stand_in(dropping_copies, fn)
+
+
+def uncached(fn):
+    """``fn`` (``Module._slow_forward``, which torch.jit.trace runs) with autocast's cache off
+    in a joined thread: a copy kept from before the trace would be recorded as a constant."""
+
+    def without_copies(*args, **kwargs):
+        if not tls.engine_on or not _is_cache():
+            return fn(*args, **kwargs)
+        _set_cache(False)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _set_cache(True)
+
+    return stand_in(without_copies, fn)
 
 
 def off_around(op, devices):

@@ -176,6 +176,9 @@ class Runtime:
         self.displaced = {}
         self.adopted = []  # the displaced records whose wrapper the conversion in force re-armed
         self.ready_for_compile = False  # wrapper_life.ready_for_compile has run in this process (conversion.apply)
+        # engine="autocast" with cache=True in force: its Engine, whose joined threads keep autocast's weight
+        # copies until hmp drops them (delegation.drop); None otherwise
+        self.caching = None
 
 
 runtime = Runtime()

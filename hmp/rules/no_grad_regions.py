@@ -12,7 +12,7 @@ Grad turned off by a call opens nothing; torch.compile never runs these methods.
 import torch
 from torch.autograd import grad_mode
 
-from hmp.core import cache, torch_private
+from hmp.core import cache, delegation, torch_private
 from hmp.core.identity import stand_in, unwrap
 from hmp.rules.interface import Changes
 
@@ -35,7 +35,10 @@ def _opens_set_grad_enabled(block):  # grad already set by its __init__: what it
 
 def _entering(original, opens):
     def __enter__(self):
-        region = cache.open_region() if not _compiling() and opens(self) else None
+        opening = not _compiling() and opens(self)
+        if opening:
+            delegation.region_edge()  # engine="autocast": autocast's copies, as the cache's stores below
+        region = cache.open_region() if opening else None
         try:
             result = original(self)
         except BaseException:
@@ -61,6 +64,7 @@ def _exiting(original):
             region = found.pop(_KEY, None) if found else None
             if region is not None:
                 cache.close_region(region)
+                delegation.region_edge()
 
     return stand_in(__exit__, original)
 

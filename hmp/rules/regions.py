@@ -21,6 +21,7 @@ from torch.amp.autocast_mode import autocast
 from hmp.binding.resolve import subclasses
 from hmp.core import dtypes, state, torch_private
 from hmp.core.cache import release
+from hmp.core.delegation import backward_starts
 from hmp.core.identity import mark, stand_in, unwrap
 from hmp.core.state import OFF, enter, leave, tls
 from hmp.core.switches import uncast
@@ -103,6 +104,7 @@ def _uncast_backward(original):
 
     def backward(*args, **kwargs):
         release()  # the copies graphs hold for reuse: a backward pass ends their forward
+        backward_starts()  # engine="autocast": so do autocast's, outside accumulation()
         try:
             return original(*args, **kwargs)
         except Exception as e:
