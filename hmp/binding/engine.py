@@ -214,14 +214,16 @@ def changes(delegated, resolver, op_sites):
 
 def _copies(delegated):
     """The writes hmp sees only here, for autocast's weight cache: ``Module._apply`` (``model.to()``,
-    ``.float()``, ``to_empty``) drops its copies; ``Module._slow_forward`` (torch.jit.trace's) runs
-    with the cache off."""
+    ``.float()``, ``to_empty``) and ``torch.utils.swap_tensors`` (which refuses a tensor autocast's
+    cache points to) drop its copies; ``Module._slow_forward`` (torch.jit.trace's) runs with the
+    cache off."""
     if not delegated.cache:
         return []
     module = torch.nn.Module
     apply_, traced = torch_private.MODULE_APPLY, torch_private.MODULE_TRACED_FORWARD
     return [
         (module, apply_, dropping(unwrap(module.__dict__[apply_]))),
+        (torch.utils, "swap_tensors", dropping(unwrap(torch.utils.swap_tensors))),
         (module, traced, uncached(unwrap(module.__dict__[traced]))),
     ]
 

@@ -19,6 +19,8 @@ where ``convert(model=...)`` names the model its float32 weights' versions, poin
 and layouts are checked there instead (``passed``). Its cache is one for the process
 (torch 2.4 to 2.15: a map under a lock), so a drop in any thread drops every thread's."""
 
+import functools
+
 import torch
 
 from hmp.core import torch_private
@@ -29,8 +31,10 @@ _set_enabled, _is_enabled = torch.set_autocast_enabled, torch.is_autocast_enable
 _set_dtype, _get_dtype = torch.set_autocast_dtype, torch.get_autocast_dtype
 _set_cache, _is_cache = torch.set_autocast_cache_enabled, torch.is_autocast_cache_enabled
 _clear, _version = torch.clear_autocast_cache, torch_private.version_of
+_nest, _unnest = torch.autocast_increment_nesting, torch.autocast_decrement_nesting
 _dynamo_tracing = torch.compiler.is_dynamo_compiling
 _F32 = torch.float32
+_set_grad, _linear = torch_private.set_grad_enabled, torch.ops.aten.linear.default
 AROUND = "__hmp_autocast_off__"  # on an off_around function: the op it runs
 
 
@@ -58,6 +62,7 @@ class Engine:
         for device in self.devices:
             _set_dtype(device, self.dtype)
         _set_cache(self.cache)
+        _nest()  # as inside a torch.autocast region: a region's exit inside (enabled=False) keeps the copies
         st.engine, st.engine_on = self, None  # None: follow() sets the state whatever it is
         follow(st, st.off)
 
@@ -70,6 +75,7 @@ class Engine:
             _set_enabled(device, on)
             _set_dtype(device, dtype)
         _set_cache(cache)
+        _unnest()
         st.engine, st.engine_on, st.engine_found = None, False, None
         _clear()  # the copies its cache made: none outlives the conversion
 
@@ -77,6 +83,8 @@ class Engine:
         """The conversion now in force: autocast's cache on (``cache``) and the model whose
         weights are checked (a weak reference, or None); the calling thread's cache follows."""
         self.cache, self.model, self.seen = cache, model, None
+        if cache:
+            copies_keep_graphs()  # probed now, outside any region or compiled code
         runtime.caching = self if cache else None
         _clear()
         if tls.engine is self:
@@ -121,9 +129,45 @@ def passed(kept):
     drop()
 
 
-def region_edge():
-    """The outermost no-grad region enters or exits: copies are kept past it inside ``frozen_weights()``."""
+def region_enters():
+    """The outermost no-grad region starts: copies are kept past it inside ``frozen_weights()``."""
     passed(tls.frozen_depth)
+
+
+def region_exits():
+    """It ends, grad back on: inside ``frozen_weights()`` the copies stay, where they have graphs."""
+    if not (tls.frozen_depth and copies_keep_graphs()):
+        passed(False)
+
+
+def grad_turns_on():
+    """``enable_grad()`` inside a no-grad region: copies made there must have graphs."""
+    if not copies_keep_graphs():
+        passed(False)
+
+
+# kept: what the installed torch's autocast cache does, probed once
+@functools.lru_cache(maxsize=None)
+def copies_keep_graphs():
+    """Whether a copy autocast's cache makes with grad off keeps its graph (pytorch#158232: 2.13 and
+    2.15 here): torch 2.4's has none, so a training forward served it gives the weight no gradient.
+    Probed with aten's op (no wrapper of hmp's) and grad set directly (no region of hmp's)."""
+    w, x = torch.ones(1, 1, requires_grad=True), torch.ones(1, 1)
+    found = _is_enabled("cpu"), _get_dtype("cpu"), _is_cache(), torch.is_grad_enabled()
+    _set_enabled("cpu", True)
+    _set_dtype("cpu", torch.bfloat16)
+    _set_cache(True)
+    try:
+        _set_grad(False)
+        _linear(x, w)
+        _set_grad(True)
+        return _linear(x, w).requires_grad
+    finally:
+        _clear()
+        _set_grad(found[3])
+        _set_enabled("cpu", found[0])
+        _set_dtype("cpu", found[1])
+        _set_cache(found[2])
 
 
 def backward_starts():
@@ -146,8 +190,8 @@ def _weights(model):
 
 
 def dropping(fn):
-    """``fn`` (a write hmp sees: ``Module._apply``) with autocast's copies dropped before it
-    and after it: before, so a copy's graph does not hold the weight (``swap_tensors``)."""
+    """``fn`` (a write hmp sees: ``Module._apply``, ``swap_tensors``) with autocast's copies dropped
+    before it and after it: before, as ``swap_tensors`` refuses a tensor the cache points to."""
 
     def dropping_copies(*args, **kwargs):
         drop()
