@@ -682,3 +682,20 @@ def test_revert_drops_the_copies_and_puts_the_threads_cache_switch_back():
         torch.set_autocast_cache_enabled(True)
     with torch.autocast("cpu", dtype=BF16):
         assert casts(lambda: lin(x), [lin.weight])[1] == 1  # nothing of the conversion's left to hit
+
+
+def test_a_compiled_optimizer_step_drops_the_copies(fresh_dynamo):
+    """The step hooks run inside the compiled step: their drop is a node of the graph (torch 2.13,
+    2.15) or a graph break (2.4), so the copies go when the compiled step runs."""
+    lin, x = _linear()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    step = torch.compile(opt.step, backend="eager")
+    with hmp.converted(engine="autocast"), hmp.accumulation():  # the backward keeps the copies
+        for _ in range(2):
+            before = lin(x)
+            before.float().sum().backward()
+            step()
+            after = lin(x)
+            torch.clear_autocast_cache()
+            fresh = lin(x)
+            assert torch.equal(after, fresh) and not torch.equal(before, fresh)
