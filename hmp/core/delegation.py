@@ -13,11 +13,14 @@ Autocast's weight cache is on in joined threads (``convert(cache=True)``). It ne
 checks a tensor's version, so its copies are dropped (``drop``) at every point where
 hmp sees a weight may change: optimizer steps, a backward pass's start, the outermost
 no-grad region's entry and exit, ``frozen_weights()``/``accumulation()`` blocks,
-``clear_cache()``, refills, ``load_state_dict``, ``Module._apply`` and revert. Inside
-``frozen_weights()`` regions, and inside ``accumulation()`` backward passes, keep them;
-where ``convert(model=...)`` names the model its float32 weights' versions, pointers
-and layouts are checked there instead (``passed``). Its cache is one for the process
-(torch 2.4 to 2.15: a map under a lock), so a drop in any thread drops every thread's."""
+``clear_cache()``, refills, ``load_state_dict``, ``Module._apply``, ``swap_tensors``,
+an author's autocast region in another dtype, and revert. Inside ``frozen_weights()``
+regions, and inside ``accumulation()`` backward passes, keep them; where
+``convert(model=...)`` names the model its float32 weights' versions, pointers and
+layouts are checked there instead (``passed``). Where the installed torch caches a copy
+made with grad off without its graph, grad turning back on drops them too
+(``copies_keep_graphs``). The cache is one for the process (torch 2.4 to 2.15: a map
+under a lock), so a drop in any thread drops every thread's (docs/engines.md)."""
 
 import functools
 
@@ -136,14 +139,14 @@ def region_enters():
 
 def region_exits():
     """It ends, grad back on: inside ``frozen_weights()`` the copies stay, where they have graphs."""
-    if not (tls.frozen_depth and copies_keep_graphs()):
-        passed(False)
+    if runtime.caching is not None and not (tls.frozen_depth and copies_keep_graphs()):
+        drop()
 
 
 def grad_turns_on():
     """``enable_grad()`` inside a no-grad region: copies made there must have graphs."""
-    if not copies_keep_graphs():
-        passed(False)
+    if runtime.caching is not None and not copies_keep_graphs():
+        drop()
 
 
 # kept: what the installed torch's autocast cache does, probed once
