@@ -28,7 +28,7 @@ import torch
 
 from hmp.core import torch_private
 from hmp.core.identity import stand_in
-from hmp.core.state import follow, runtime, tls
+from hmp.core.state import follow, tls, weight_cache
 
 _set_enabled, _is_enabled = torch.set_autocast_enabled, torch.is_autocast_enabled
 _set_dtype, _get_dtype = torch.set_autocast_dtype, torch.get_autocast_dtype
@@ -88,15 +88,15 @@ class Engine:
         self.cache, self.model, self.seen = cache, model, None
         if cache:
             copies_keep_graphs()  # probed now, outside any region or compiled code
-        runtime.caching = self if cache else None
+        weight_cache.autocasts = self if cache else None
         _clear()
         if tls.engine is self:
             _set_cache(cache)
 
     def let_go(self):
         """Out of force: no copy of autocast's is kept past it."""
-        if runtime.caching is self:
-            runtime.caching = None
+        if weight_cache.autocasts is self:
+            weight_cache.autocasts = None
         self.seen = None
         _clear()
 
@@ -105,7 +105,7 @@ def drop():
     """A weight may have changed where hmp sees it: autocast's copies go, in every thread. Where
     ``convert(model=...)`` names the model and this thread keeps copies past a boundary (inside
     ``frozen_weights()`` or ``accumulation()``), its weights are noted for ``passed``."""
-    engine = runtime.caching
+    engine = weight_cache.autocasts
     if engine is None:
         return
     _clear()
@@ -122,7 +122,7 @@ def passed(kept):
     pass's start. ``kept``: the thread's block keeps them past it (``frozen_weights()`` for a
     region, ``accumulation()`` for a backward). They stay only there, and where the model
     ``convert(model=...)`` names is found as it was at the last drop; else they go."""
-    engine = runtime.caching
+    engine = weight_cache.autocasts
     if engine is None:
         return
     if kept:
@@ -139,13 +139,13 @@ def region_enters():
 
 def region_exits():
     """It ends, grad back on: inside ``frozen_weights()`` the copies stay, where they have graphs."""
-    if runtime.caching is not None and not (tls.frozen_depth and copies_keep_graphs()):
+    if weight_cache.autocasts is not None and not (tls.frozen_depth and copies_keep_graphs()):
         drop()
 
 
 def grad_turns_on():
     """``enable_grad()`` inside a no-grad region: copies made there must have graphs."""
-    if runtime.caching is not None and not copies_keep_graphs():
+    if weight_cache.autocasts is not None and not copies_keep_graphs():
         drop()
 
 

@@ -176,9 +176,6 @@ class Runtime:
         self.displaced = {}
         self.adopted = []  # the displaced records whose wrapper the conversion in force re-armed
         self.ready_for_compile = False  # wrapper_life.ready_for_compile has run in this process (conversion.apply)
-        # engine="autocast" with cache=True in force: its Engine, whose joined threads keep autocast's weight
-        # copies until hmp drops them (delegation.drop); None otherwise
-        self.caching = None
 
 
 runtime = Runtime()
@@ -231,6 +228,9 @@ class WeightCache:
         # what keeps copies past one call, in every thread: frozen_weights() blocks, no-grad regions, accumulation()
         self.keepers = SharedWeakSet()
         self.held = SharedWeakSet()  # what graphs hold (wrap.hold), until the next backward pass
+        # engine="autocast" with cache=True in force: its Engine, whose joined threads keep torch.autocast's
+        # own weight copies until hmp drops them (delegation.drop); None otherwise
+        self.autocasts = None
         self.dtypes = dtypes
 
 
