@@ -19,7 +19,7 @@ import torch
 from hmp.binding.kinds import PROMOTE
 from hmp.binding.wrapper_life import adapt
 from hmp.core import torch_private
-from hmp.core.delegation import AROUND, Engine, joining, off_around
+from hmp.core.delegation import AROUND, Engine, dropping, joining, off_around, uncached
 from hmp.core.identity import unwrap
 from hmp.core.state import runtime, tls
 
@@ -154,6 +154,8 @@ class Delegation(NamedTuple):
 
     engine: object  # delegation.Engine
     names: dict
+    cache: bool = False  # autocast's weight cache on (convert's cache=)
+    model: object = None  # a weak reference to convert(model=...)'s model, or None
 
 
 def decide(options, bound, effective):
@@ -170,7 +172,8 @@ def decide(options, bound, effective):
         for name in entries:
             if all(policy(name, d, options.low_precision_type) == kind for d in on):
                 names.setdefault(kind, set()).add(name)
-    return Delegation(engine_for(on, options.low_precision_type), {k: frozenset(v) for k, v in names.items()})
+    names = {k: frozenset(v) for k, v in names.items()}
+    return Delegation(engine_for(on, options.low_precision_type), names, options.cache, options.model)
 
 
 def wraps(delegated, binding):
@@ -205,7 +208,24 @@ def changes(delegated, resolver, op_sites):
             patches.append((site.namespace, site.attr, off_around(original, engine.devices)))
     start = unwrap(threading.Thread.__dict__["_bootstrap_inner"])
     patches.append((threading.Thread, "_bootstrap_inner", joining(start, engine)))
+    patches += _copies(delegated)
     return tuple(patches), (functools.partial(_Joined, delegated),)
+
+
+def _copies(delegated):
+    """The writes hmp sees only here, for autocast's weight cache: ``Module._apply`` (``model.to()``,
+    ``.float()``, ``to_empty``) and ``torch.utils.swap_tensors`` (which refuses a tensor autocast's
+    cache points to) drop its copies; ``Module._slow_forward`` (torch.jit.trace's) runs with the
+    cache off."""
+    if not delegated.cache:
+        return []
+    module = torch.nn.Module
+    apply_, traced = torch_private.MODULE_APPLY, torch_private.MODULE_TRACED_FORWARD
+    return [
+        (module, apply_, dropping(unwrap(module.__dict__[apply_]))),
+        (torch.utils, "swap_tensors", dropping(unwrap(torch.utils.swap_tensors))),
+        (module, traced, uncached(unwrap(module.__dict__[traced]))),
+    ]
 
 
 class _Joined:
@@ -215,12 +235,14 @@ class _Joined:
     def __init__(self, delegated):
         self.engine = engine = delegated.engine
         engine.delegated, engine.in_force = delegated.names, True
+        engine.keep_copies(delegated.cache, delegated.model)
         engine.join(tls)
         for wrapper in list(runtime.decorated):  # @hmp.*_function bodies: their ops run as in any hmp wrapper
             adapt(wrapper, functools.partial(off_around, devices=engine.devices))
 
     def remove(self):
         self.engine.in_force, self.engine.delegated = False, {}
+        self.engine.let_go()
         self.engine.depart(tls)
         for wrapper in list(runtime.decorated):
             adapt(wrapper, plain)

@@ -31,6 +31,7 @@ import torch
 
 from hmp.core import saturating_cast, torch_private
 from hmp.core.cast_copies import FINITE_CASTS, Cast, shielded
+from hmp.core.delegation import drop as _drop_autocasts
 from hmp.core.state import tls, weight_cache
 
 _grad_enabled = torch.is_grad_enabled
@@ -234,6 +235,7 @@ def refilled() -> None:
         store.clear()
     for keeper in weight_cache.keepers.alive():
         keeper.clear()  # accumulation() blocks' copies too: the optimizer step rewrote their weights
+    _drop_autocasts()  # engine="autocast": autocast's copies too
 
 
 def caster(dtype):
@@ -335,6 +337,8 @@ def frozen_weights() -> Iterator[None]:
         found, ref = st.keeper, weakref.ref(keeper)
         st.keeper = ref
     st.frozen_depth += 1
+    if st.frozen_depth == 1:
+        _drop_autocasts()  # engine="autocast": the block's copies are its own
     try:
         yield
     finally:
@@ -343,6 +347,7 @@ def frozen_weights() -> Iterator[None]:
             keeper.clear()
             if st.keeper is ref:
                 st.keeper = found
+            _drop_autocasts()
 
 
 @contextlib.contextmanager
@@ -365,11 +370,13 @@ def accumulation() -> Iterator[None]:
     steps = _Steps()
     weight_cache.keepers.add(steps)
     st.accumulating = steps
+    _drop_autocasts()  # engine="autocast": the block's copies are its own
     try:
         yield
     finally:
         st.accumulating = None
         steps.clear()
+        _drop_autocasts()
 
 
 def open_region():

@@ -226,6 +226,9 @@ class WeightCache:
         # what keeps copies past one call, in every thread: frozen_weights() blocks, no-grad regions, accumulation()
         self.keepers = SharedWeakSet()
         self.held = SharedWeakSet()  # what graphs hold (wrap.hold), until the next backward pass
+        # engine="autocast" with cache=True in force: its Engine, whose joined threads keep torch.autocast's
+        # own weight copies until hmp drops them (delegation.drop); None otherwise
+        self.autocasts = None
         self.dtypes = dtypes
 
 

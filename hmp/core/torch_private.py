@@ -299,6 +299,11 @@ def autocast_enabled(region):
     return bool(getattr(region, "_enabled", False))
 
 
+# nn.Module's methods by name (engine="autocast"'s weight cache: hmp/binding/engine.py): what model.to(),
+# .float() and to_empty run on every parameter; the forward torch.jit.trace runs in place of _call_impl's (2.4 to 2.15)
+MODULE_APPLY, MODULE_TRACED_FORWARD = "_apply", "_slow_forward"
+
+
 # backward() and grad() both call this at call time (every release from the floor on)
 ENGINE_RUN_BACKWARD = "_engine_run_backward"
 

@@ -5,6 +5,7 @@ hmp/driver/conversion.py installs."""
 import inspect
 import os
 import warnings
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -26,6 +27,7 @@ class Options(NamedTuple):
     cache: bool  # the weight-cast cache (hmp/core/cache.py)
     strict: bool  # Habana's literal rule: every listed op casts, pointwise ones too (None given: HMP_STRICT)
     engine: str = "python"  # who casts: hmp's wrappers, or torch.autocast where the lists agree (docs/engines.md)
+    model: object = None  # a weak reference to convert(model=...)'s model: engine="autocast" checks its weights
 
 
 class Conversion(NamedTuple):
@@ -129,6 +131,8 @@ def plan(options, resolver=None):
     checked = check_options(
         given["opt_level"], given["isVerbose"], low, given["cache"], given["strict"], given["engine"]
     )
+    if isinstance(given["model"], torch.nn.Module):
+        checked = checked._replace(model=weakref.ref(given["model"]))
     effective, classes = lists.effective(
         resolver or Resolver(),
         given["opt_level"],

@@ -212,6 +212,18 @@ def per_call(fn, calls=1, sync=None, clock=time.perf_counter):
     return (clock() - start) / calls
 
 
+def per_call_wall_and_thread(fn, calls=1, wall=time.perf_counter, thread=time.thread_time):
+    """``(wall, thread)`` seconds per call of ``calls`` back-to-back calls of ``fn()``: the wall clock
+    and the calling thread's CPU time, read around the same calls. On a host other processes load,
+    the thread's CPU time leaves out the time it waited for a core, so its ratios survive load that
+    wall ratios do not (on a CPU run with one torch thread: work in torch's own threads, or on a
+    device, is not the calling thread's)."""
+    start = wall(), thread()
+    for _ in range(calls):
+        fn()
+    return (wall() - start[0]) / calls, (thread() - start[1]) / calls
+
+
 def rotated(names: Sequence, i: int) -> list:
     """``names`` started at its ``i``-th (modulo its length): round i's order (A B C, B C A, ...)."""
     k = i % len(names) if names else 0

@@ -156,6 +156,26 @@ def test_per_call_without_a_sync_calls_fn_as_often_as_asked():
     assert len(calls) == 7 and took >= 0.0  # no hidden warm-up call
 
 
+def test_per_call_wall_and_thread_reads_both_clocks_around_the_same_calls():
+    log = []
+    wall, thread = FakeClock(log), FakeClock(log)
+
+    def fn():
+        log.append("call")
+        wall.now += 3.0
+        thread.now += 1.0  # a third of the wall time spent on a core
+
+    assert timing.per_call_wall_and_thread(fn, calls=4, wall=wall, thread=thread) == pytest.approx((3.0, 1.0))
+    assert log == ["clock", "clock"] + ["call"] * 4 + ["clock", "clock"]
+
+
+def test_a_sleep_is_wall_time_and_not_the_threads():
+    import time
+
+    took_wall, took_thread = timing.per_call_wall_and_thread(lambda: time.sleep(0.01), calls=3)
+    assert took_wall >= 0.01 and took_thread < 0.005
+
+
 def test_per_call_of_a_sleep_is_at_least_the_sleep():
     import time
 
