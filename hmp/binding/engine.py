@@ -19,9 +19,9 @@ import torch
 from hmp.binding.kinds import PROMOTE
 from hmp.binding.wrapper_life import adapt
 from hmp.core import torch_private
-from hmp.core.delegation import AROUND, Engine, dropping, joining, off_around, uncached
+from hmp.core.delegation import AROUND, Engine, copies_keep_graphs, dropping, joining, off_around, uncached
 from hmp.core.identity import unwrap
-from hmp.core.state import runtime, tls
+from hmp.core.state import runtime, tls, weight_cache
 
 ENGINES = ("python", "autocast")
 DELEGATED = "cast: torch.autocast's dispatcher (engine='autocast')"
@@ -235,14 +235,24 @@ class _Joined:
     def __init__(self, delegated):
         self.engine = engine = delegated.engine
         engine.delegated, engine.in_force = delegated.names, True
-        engine.keep_copies(delegated.cache, delegated.model)
+        # autocast's cache on in joined threads, and the model whose weights are checked
+        engine.cache, engine.model, engine.seen = delegated.cache, delegated.model, None
+        if delegated.cache:
+            copies_keep_graphs()  # probed now, outside any region or compiled code
+        weight_cache.autocasts = engine if delegated.cache else None
+        torch.clear_autocast_cache()
+        if tls.engine is engine:  # joined already: its cache follows
+            torch.set_autocast_cache_enabled(delegated.cache)
         engine.join(tls)
         for wrapper in list(runtime.decorated):  # @hmp.*_function bodies: their ops run as in any hmp wrapper
             adapt(wrapper, functools.partial(off_around, devices=engine.devices))
 
     def remove(self):
         self.engine.in_force, self.engine.delegated = False, {}
-        self.engine.let_go()
+        if weight_cache.autocasts is self.engine:  # no copy of autocast's is kept past the conversion
+            weight_cache.autocasts = None
+        self.engine.seen = None
+        torch.clear_autocast_cache()
         self.engine.depart(tls)
         for wrapper in list(runtime.decorated):
             adapt(wrapper, plain)

@@ -23,6 +23,7 @@ made with grad off without its graph, grad turning back on drops them too
 under a lock), so a drop in any thread drops every thread's (docs/engines.md)."""
 
 import functools
+import threading
 
 import torch
 
@@ -54,6 +55,7 @@ class Engine:
         self.cache = False  # autocast's weight cache on in joined threads (convert's cache=)
         self.model = None  # a weak reference to convert(model=...)'s model, whose weights ``passed`` checks
         self.seen = None  # that model's weights at the last drop: {id: (version, pointer, shape, stride)}
+        self.threads = set()  # the joined threads' idents, while they run (``region_enters``)
 
     def join(self, st):
         """Program the calling thread (``st``: its ``tls``); what it had is kept for ``depart``."""
@@ -67,6 +69,7 @@ class Engine:
         _set_cache(self.cache)
         _nest()  # as inside a torch.autocast region: a region's exit inside (enabled=False) keeps the copies
         st.engine, st.engine_on = self, None  # None: follow() sets the state whatever it is
+        self.threads.add(threading.get_ident())
         follow(st, st.off)
 
     def depart(self, st):
@@ -80,25 +83,8 @@ class Engine:
         _set_cache(cache)
         _unnest()
         st.engine, st.engine_on, st.engine_found = None, False, None
+        self.threads.discard(threading.get_ident())
         _clear()  # the copies its cache made: none outlives the conversion
-
-    def keep_copies(self, cache, model):
-        """The conversion now in force: autocast's cache on (``cache``) and the model whose
-        weights are checked (a weak reference, or None); the calling thread's cache follows."""
-        self.cache, self.model, self.seen = cache, model, None
-        if cache:
-            copies_keep_graphs()  # probed now, outside any region or compiled code
-        weight_cache.autocasts = self if cache else None
-        _clear()
-        if tls.engine is self:
-            _set_cache(cache)
-
-    def let_go(self):
-        """Out of force: no copy of autocast's is kept past it."""
-        if weight_cache.autocasts is self:
-            weight_cache.autocasts = None
-        self.seen = None
-        _clear()
 
 
 def drop():
@@ -133,12 +119,24 @@ def passed(kept):
 
 
 def region_enters():
-    """The outermost no-grad region starts: copies are kept past it inside ``frozen_weights()``."""
+    """The outermost no-grad region starts: copies are kept past it inside ``frozen_weights()``.
+    Where the installed torch's copies made with grad off have no graph and other threads are
+    joined, the thread's cache is off for the region (the cache is the process's: a thread
+    training beside it would read them); returns what ``region_exits`` puts back (None: nothing)."""
     passed(tls.frozen_depth)
+    engine = weight_cache.autocasts
+    if engine is None or len(engine.threads) < 2 or copies_keep_graphs():
+        return None  # (one thread: hmp sees each of its regions end, where the copies go)
+    found = _is_cache()
+    _set_cache(False)
+    return found
 
 
-def region_exits():
-    """It ends, grad back on: inside ``frozen_weights()`` the copies stay, where they have graphs."""
+def region_exits(found=None):
+    """It ends, grad back on: inside ``frozen_weights()`` the copies stay, where they have graphs.
+    ``found``: what ``region_enters`` returned."""
+    if found is not None:
+        _set_cache(found)
     if weight_cache.autocasts is not None and not (tls.frozen_depth and copies_keep_graphs()):
         drop()
 
@@ -252,6 +250,9 @@ def joining(start, engine):
     def _bootstrap_inner(self):
         if engine.in_force:
             engine.join(tls)
-        return start(self)
+        try:
+            return start(self)
+        finally:
+            engine.threads.discard(threading.get_ident())
 
     return stand_in(_bootstrap_inner, start)

@@ -11,7 +11,9 @@ Grad turned off by a call opens nothing; torch.compile never runs these methods.
 
 Grad turned back on by a block inside one (``enable_grad()``, ``set_grad_enabled(True)``)
 drops engine="autocast"'s copies: torch 2.4's autocast cache serves a copy it made with
-grad off, which has no graph, to a training forward (its weight gets no gradient)."""
+grad off, which has no graph, to a training forward (its weight gets no gradient). On such a
+torch the region's thread caches nothing (the cache is the process's: a thread training beside
+it would be served those copies)."""
 
 import torch
 from torch.autograd import grad_mode
@@ -53,8 +55,9 @@ def _turns_grad_on_again(block):  # set_grad_enabled(True): grad already set by 
 def _entering(original, opens, grad_on):
     def __enter__(self):
         opening = not _compiling() and opens(self)
+        found = None
         if opening:
-            delegation.region_enters()  # engine="autocast": autocast's copies, as the cache's stores below
+            found = delegation.region_enters()  # engine="autocast": autocast's copies, as the cache's stores below
         elif grad_on(self) and not _compiling():
             delegation.grad_turns_on()
         region = cache.open_region() if opening else None
@@ -63,12 +66,14 @@ def _entering(original, opens, grad_on):
         except BaseException:
             if region is not None:
                 cache.close_region(region)
+            if found is not None:
+                delegation.region_exits(found)
             raise
         if opening:
             try:
-                self.__dict__[_EDGE] = True
+                self.__dict__[_EDGE] = (found,)
             except AttributeError:  # (below)
-                delegation.region_exits()
+                delegation.region_exits(found)
         if region is not None:
             try:
                 self.__dict__[_KEY] = region
@@ -88,8 +93,9 @@ def _exiting(original):
             region = found.pop(_KEY, None) if found else None
             if region is not None:
                 cache.close_region(region)
-            if found and found.pop(_EDGE, False):
-                delegation.region_exits()
+            edge = found.pop(_EDGE, None) if found else None
+            if edge is not None:
+                delegation.region_exits(*edge)
 
     return stand_in(__exit__, original)
 
