@@ -74,8 +74,15 @@ def _names(lines, shown=8):
 
 
 def file_words(path, parts):
-    """What a written file holds, from its lines (tuned_files.split's ``{"start", "tune"}``)."""
+    """What a written file holds, from its lines (tuned_files.split's ``{"start", "tune"}``; ``"whole"``: the
+    whole list, replacing the default as the starting list did)."""
     start, tune = parts["start"], parts["tune"]
+    if parts.get("whole"):
+        held = [f"{len(start)} entr{'y' if len(start) == 1 else 'ies'} of the list you started from ({_names(start)})"]
+        held += [f"{len(tune)} of tune's ({_names(tune)})"] if tune else []
+        dropped = parts.get("dropped") or []
+        held += [f"without {len(dropped)} tune took out ({_names(dropped)})"] if dropped else []
+        return f"{path}: the whole list, replacing the default as the list you started from did: " + ", ".join(held)
     if not start and not tune:
         return f"{path}: include default and nothing else"
     held = []
@@ -158,7 +165,7 @@ def tune_todo(tune):
     reasons = change_reasons(tune)
     held = files_sentence(tune, (bf16, fp32))
     if tune.written:
-        files = f"Files written: {bf16} (the BF16 list) and {fp32} (the FP32 list), each extending the default list: "
+        files = f"Files written: {bf16} (the BF16 list) and {fp32} (the FP32 list): "
     else:
         files = f"Write the files first: result.write({bf16!r}, {fp32!r}); they would hold: "
     files += held

@@ -61,6 +61,7 @@ class TuneResult:
         self.steps = None  # validation steps, rounds of timing: what "run longer" doubles
         self.rounds = None
         self.start_modules = None  # the starting conversion's module entries: whose lines the files keep
+        self.start_whole = frozenset()  # the kinds (public names) whose starting list replaced the default
         # name -> [(fp32 step seconds, its step seconds)]: adjacent pairs in the order taken (timing.paired)
         self.pairs = {}
         # a matrix product in the lower dtype relative to fp32, timed in pairs in the same run
@@ -126,7 +127,9 @@ class TuneResult:
         hold after ``include default``, the starting lists' own and tune's changes (tuned_files.split)."""
         modules, before = {k: tuple(v) for k, v in self.modules.items()}, (self.before, self.start_modules)
         return {
-            kind.name: tuned_files.split(kind, self.lists, modules, *before, self.low, self.strict)
+            kind.name: tuned_files.split(
+                kind, self.lists, modules, *before, self.low, self.strict, kind.name in self.start_whole
+            )
             for kind in (kinds.LOWER, kinds.FP32)
         }
 
@@ -289,7 +292,8 @@ class TuneResult:
         """Write list files that hmp.convert() loads, each extending the
         default list (tuned_files.texts: ``include default``, the starting
         lists' own lines and tune's changes, each under a comment saying
-        which, module classes as their import paths). All or nothing
+        which, module classes as their import paths), or, where the starting
+        list replaced the default, replacing it again (every entry a line). All or nothing
         (files.write_all): raises ValueError, writing nothing, when a class
         does not load by its import path, when two paths are the same file,
         or when a path cannot be written."""
@@ -305,7 +309,15 @@ class TuneResult:
         targets = [(kinds.LOWER, bf16_path), (kinds.FP32, fp32_path)]
         targets += [(kinds.PROMOTE, promote_path)] if promote_path else []
         texts = tuned_files.texts(
-            self.lists, self.modules, targets, summary, self.low, self.strict, self.before, self.start_modules
+            self.lists,
+            self.modules,
+            targets,
+            summary,
+            self.low,
+            self.strict,
+            self.before,
+            self.start_modules,
+            self.start_whole,
         )
         write_all(texts, "hmp.tune")
         self.written = (os.fspath(bf16_path), os.fspath(fp32_path))

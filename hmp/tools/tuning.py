@@ -419,6 +419,7 @@ class _Tuner:
         result.runs = self.runs.done
         result.trajectories, result.steps, result.rounds = self.trajectories, self.steps, self.rounds
         result.start_modules = {k.name: v for k, v in self.start.modules.items()}
+        result.start_whole = frozenset(k.name for k in self.start.replacing)
         result.pairs, result.matmul, result.control = self.pairs_taken, self.matmul, self.control
         return result
 

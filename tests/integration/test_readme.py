@@ -85,3 +85,17 @@ def test_tables_are_not_broken_by_blank_lines():
             if starts_table and not (i + 1 < len(lines) and re.match(r"^\|\s*:?-{3}", lines[i + 1])):
                 broken.append(f"{doc.relative_to(ROOT)}:{i + 1}: {line[:60]}")
     assert not broken, broken
+
+
+def test_ci_finds_command_1_and_the_quick_check():
+    """.ci/run's step 1c reads README's command 1 (run without its demo) and the quick check, and runs
+    them in a clone folder named hmp: run its awk and grep on README."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    program = re.search(r"readme_install=\$\(awk '(.*)' README\.md\)", ci).group(1)
+    done = subprocess.run(["awk", program, "README.md"], cwd=ROOT, capture_output=True, text=True, check=True)
+    ((_, body),) = fenced_blocks_after(README, "<!-- ci: install command", 1)
+    assert done.stdout == body and body.strip().endswith(" && python -m hmp demo")
+    assert body.startswith("python3 -m venv .venv && . .venv/bin/activate && ")
+    pattern = re.search(r"quick=\$\(grep -oE '(.*?)' README\.md", ci).group(1)
+    found = re.findall(pattern, README)
+    assert found and found[0].strip("`").endswith("python -m pytest tests/unit")
