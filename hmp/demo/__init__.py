@@ -65,8 +65,10 @@ def add_parser(subparsers):
         "demo",
         help="train a small transformer on the stdlib's source, fp32 vs hmp",
         description="Train the same character-level transformer language model twice from the same seed, "
-        "on the Python standard library's source files: in fp32, then under hmp.convert(). "
-        "Prints speed, memory, losses and hmp's casts per op. The model is the same on every run on a "
+        "on the Python standard library's source files: in fp32 and under hmp.convert(), a few steps of each in "
+        "turn (interleaved, so load on this machine falls on both alike). "
+        "Prints speed (where this machine lets it be measured: a busy one is said to be), memory, losses and "
+        "hmp's casts per op. The model is the same on every run on a "
         "kind of device (a larger one on a GPU); only the number of steps follows this machine's speed.",
     )
     length = p.add_mutually_exclusive_group()
