@@ -55,8 +55,9 @@ def results(cfg, corpus, runs, casts, facts):
         samples = [(base, r)[i].get("step_samples") or (base, r)[i]["step_s"] for i in (0, 1)]
         ratio = timing.ratio(samples[0][warm:], samples[1][warm:])
         r["time_ratio"] = ratio.as_dict() if ratio is not None else None
-        # below 1 is faster; None where the machine did not let it be measured (speed.py says why)
-        r["time_vs_fp32"] = ratio.median if ratio is not None and ratio.judged else None
+        # below 1 is faster (fp32's own: 1.0); None where the machine did not let it be measured (speed.py says why)
+        judged = ratio is not None and ratio.judged
+        r["time_vs_fp32"] = 1.0 if r is base else ratio.median if judged else None
     per_op, total, calls = casts
     meta = {
         "device": cfg.device,

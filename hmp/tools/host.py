@@ -135,8 +135,10 @@ class Host:
         waits: Callable[[], float | None] = _schedstat_waits,
         machine: Callable[[], tuple] = _proc_stat,
         cpus: Callable[[], int] = cpus,
+        threads: Callable[[], int] = torch.get_num_threads,
     ):
-        self.clock, self.cpu_clock, self.waits, self.machine, self.cpus = clock, cpu_clock, waits, machine, cpus
+        self.clock, self.cpu_clock, self.waits, self.machine = clock, cpu_clock, waits, machine
+        self.cpus, self.threads = cpus, threads
 
     def read(self):
         steal, runnable = self.machine()
@@ -154,7 +156,7 @@ class Host:
             stolen,
             after.runnable,
             after.cpu - before.cpu,
-            torch.get_num_threads(),
+            self.threads(),
             self.cpus(),
         )
 

@@ -58,8 +58,8 @@ def load_words(load):
     if load.waited is None:
         said.append("this host does not report how long its threads wait for a CPU")
     else:
-        said.append(f"this process's threads waited for a CPU {load.waited:.0%} of the runs' time")
-    if load.stolen:
+        said.append(f"this process's threads waited for a CPU {load.waited:.0%} of the runs' time, on average")
+    if load.stolen and load.stolen >= 0.005:
         said.append(f"the hypervisor took {load.stolen:.0%} of the machine's CPU time (steal)")
     if load.runnable is not None:
         cpus = f"{load.cpus} CPU{'s' * (load.cpus != 1)}"
@@ -86,6 +86,15 @@ def busy_words(ratio):
         f"in {load.contended} of {load.taken} pairs a run lost more than {ratio.margin:.0%} of its time to other "
         f"programs ({load_words(load)})"
     )
+
+
+def takes(subject, ratio, of="fp32's time"):
+    """``subject takes 0.62x fp32's time (...)``, or where the machine did not let it be measured,
+    ``subject against fp32: could not measure here (...)``."""
+    if ratio is not None and not ratio.judged:
+        against = of.removesuffix("'s time")
+        return f"{subject} against {against}: {words(ratio, of)}"
+    return f"{subject} takes {words(ratio, of)}"
 
 
 def control_words(control, what="the same lists"):
@@ -260,7 +269,7 @@ def hardware_words(matmul):
     (a timing.Ratio, or None when none was timed: then nothing is said of the hardware)."""
     if matmul is None:
         return ""
-    said = f"A matrix product in the lower dtype, timed in this run against fp32's, takes {words(matmul)}"
+    said = takes("A matrix product in the lower dtype, timed in this run", matmul)
     if matmul.faster:
         return (
             f"{said}: this machine computes it faster, so what costs here is the rest of the step (hmp's casts "
@@ -341,22 +350,22 @@ def expectation(matmul, native, device="cpu"):
     says what the matmul alone cannot: hmp's host time per call, which only a large enough model hides."""
     has, why = native
     if isinstance(matmul, timing.Ratio):
-        takes = f"a bf16 matmul takes {words(matmul)} ({why})"
+        said = f"{takes('a bf16 matmul', matmul)} ({why})"
         faster, slower, judged = matmul.faster, matmul.slower, matmul.judged
     else:
-        takes = f"a bf16 matmul takes {matmul:.2f}x fp32's time ({why})"
+        said = f"a bf16 matmul takes {matmul:.2f}x fp32's time ({why})"
         faster, slower, judged = matmul < 0.9, matmul > 1.1, True
     if faster:
-        line = f"expect hmp to train faster than fp32 here: {takes}"
+        line = f"expect hmp to train faster than fp32 here: {said}"
     elif slower:
         line = (
-            f"expect hmp to train SLOWER than fp32 here: {takes}; no bf16 scheme gains on this machine. The losses "
+            f"expect hmp to train SLOWER than fp32 here: {said}; no bf16 scheme gains on this machine. The losses "
             "and casts are still hmp's; the speed-up comes where the matmul measures faster in bf16"
         )
     elif not judged:
-        line = f"no expectation of speed here: {takes}"
+        line = f"no expectation of speed here: {said}"
     else:
-        line = f"expect about fp32's speed here: {takes}; hmp's numbers (losses, casts) are what this run shows"
+        line = f"expect about fp32's speed here: {said}; hmp's numbers (losses, casts) are what this run shows"
     if device == "cpu":
         return line
     return (
@@ -391,10 +400,14 @@ def demo_time_line(ratio, block, warmup, device="cpu"):
 
 def demo_matmul_line(device, matmul):
     """The demo report's line on the bf16 matmul timed before training."""
-    said = f"{matmul:.2f}x float32's time" if isinstance(matmul, float) else words(matmul, "float32's time")
+    subject = "a bfloat16 matmul of the model's size"
+    if isinstance(matmul, float):
+        said = f"{subject} takes {matmul:.2f}x float32's time"
+    else:
+        said = takes(subject, matmul, "float32's time")
     return (
-        f"this {device}: a bfloat16 matmul of the model's size takes {said} (measured now, in adjacent pairs; "
-        "below 1 is faster); no bf16 scheme gains more than that on the matmuls"
+        f"this {device}: {said} (measured now, in adjacent pairs; below 1 is faster); no bf16 scheme gains more "
+        "than that on the matmuls"
     )
 
 

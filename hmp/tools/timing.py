@@ -60,8 +60,9 @@ SURE = 0.02
 class Load(NamedTuple):
     """What the machine did during a comparison's pairs (host.Sample's counters over every pair taken):
     ``taken`` pairs, ``contended`` of them left out, the runs' threads' run-queue wait as a share of the
-    runs' wall time, the steal as a share of the machine's CPU time over them (None: not reported here),
-    the most tasks runnable at a run's end, torch's threads and this process's CPUs."""
+    runs' wall time per torch thread (the average thread's), the steal as a share of the machine's CPU
+    time over them (None: not reported here), the most tasks runnable at a run's end, torch's threads
+    and this process's CPUs."""
 
     taken: int
     contended: int
@@ -206,7 +207,7 @@ def load_of(pairs, contended):
     return Load(
         len(pairs),
         contended,
-        share([s.waited for s in samples], [s.wall for s in samples]),
+        share([s.waited for s in samples], [s.wall * max(s.threads or 1, 1) for s in samples]),
         share([s.stolen for s in samples], [s.wall * s.cpus for s in samples]),
         max(runnable) if runnable else None,
         max(threads) if threads else None,
