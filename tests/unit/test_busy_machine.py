@@ -215,3 +215,13 @@ def test_the_same_lists_get_one_verdict_on_a_tune_page():
     result.same_as, result.control = {"tuned lists": "starting lists"}, got.control("starting lists", "again")
     assert result.time_cell("tuned lists") == result.time_cell("starting lists")
     assert result.ratio("tuned lists") == result.ratio("starting lists")
+
+
+def test_a_profile_says_how_many_of_its_runs_other_programs_delayed():
+    machine = Machine({"a": 1.0}, busy=lambda t: 2.0 if t < 3.5 else 1.0)
+    on = machine.host()
+    samples = [host.measure(lambda: machine.run("a"), host=on) for _ in range(5)]
+    busy = sum((s.contention() or 0.0) > timing.MARGIN for s in samples)
+    said = speed.profile_noise([(0.001, 0.0001)] * 5, timing.load_of([(s,) for s in samples], busy))
+    assert busy == 2 and "; 2 of 5 runs lost more than 2% of their time to other programs" in said
+    assert "this process's threads waited for a CPU" in said
