@@ -29,7 +29,7 @@ from hmp.core.identity import unwrap
 from hmp.core.state import close_block, first_time, runtime, user_stacklevel
 from hmp.diagnostics import errors, interop  # noqa: F401 (errors registers its note on the wrappers' errors)
 from hmp.driver.patch import MISSING, PatchLog
-from hmp.driver.plan import Conversion, options_of, plan
+from hmp.driver.plan import options_of, plan
 from hmp.driver.queries import effective_lists, in_force
 from hmp.rules import pickling, regions, steps
 
@@ -174,7 +174,7 @@ class _Built(NamedTuple):
 
 
 def _build(conversion, resolver, recorder, passthrough):
-    effective, options, by_module, uncast = conversion
+    effective, options, by_module, uncast = conversion.lists, conversion.options, conversion.modules, conversion.uncast
     casters = cache.cached_casts() if options.cache else dict(FINITE_CASTS)
     watch = imports.Watch()
     wrappers = sites.Wrappers(
@@ -236,8 +236,8 @@ def _install_built(conversion, built):
         raise
     for w, prepare in built.user.items():
         wrapper_life.resume(w, prepare)
-    effective, options, by_module, uncast = conversion
-    runtime.conversion = Conversion({k: frozenset(v) for k, v in effective.items()}, options, by_module, uncast)
+    options = conversion.options
+    runtime.conversion = conversion._replace(lists={k: frozenset(v) for k, v in conversion.lists.items()})
     runtime.wrappers = built.wrappers
     if options.isVerbose:
         _log_conversion(undo_log)

@@ -37,6 +37,9 @@ class Conversion(NamedTuple):
     options: Options
     modules: dict  # list kind -> module classes and instances (hmp/binding/modules.py), for kinds that take them
     uncast: tuple = ()  # uncast_list.Entry: code that runs with casts off (building, averaging, merging)
+    # the kinds whose list a user's file (or names) gave whole, without 'include default': what tune's files
+    # keep whole too, so a list that replaced the default still does when nothing changes
+    replacing: frozenset = frozenset()
 
 
 def _looks_like_path(text):
@@ -133,6 +136,7 @@ def plan(options, resolver=None):
     )
     if isinstance(given["model"], torch.nn.Module):
         checked = checked._replace(model=weakref.ref(given["model"]))
+    replacing = set()
     effective, classes = lists.effective(
         resolver or Resolver(),
         given["opt_level"],
@@ -140,6 +144,7 @@ def plan(options, resolver=None):
         fp16=given["fp16_file_path"],
         low=low,
         strict=checked.strict,
+        replacing=replacing,
     )
     given_entries = {
         k: module_entries.from_parameter(given[k.modules_parameter], given["model"], k.modules_parameter)
@@ -147,7 +152,7 @@ def plan(options, resolver=None):
         if k.takes_modules
     }
     uncast = uncast_list.load(given["uncast_file_path"])
-    return Conversion(effective, checked, module_entries.merge(classes, given_entries), uncast)
+    return Conversion(effective, checked, module_entries.merge(classes, given_entries), uncast, frozenset(replacing))
 
 
 # kept: convert()'s signature, read once
