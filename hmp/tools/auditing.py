@@ -27,7 +27,7 @@ from hmp.binding import kinds
 from hmp.binding.pays import CAST
 from hmp.core.hints import Step
 from hmp.driver.conversion import applied
-from hmp.driver.plan import plan
+from hmp.driver.plan import Requested, plan
 from hmp.driver.queries import decisions, in_force
 from hmp.tools import host, speed
 from hmp.tools.guard import StateGuard
@@ -258,7 +258,7 @@ def _class_rows(module_rows, threshold):
 
 def in_force_or_default():
     """The Conversion in force, or the one a plain ``hmp.convert()`` makes."""
-    return in_force() or plan({})
+    return in_force() or plan(Requested())
 
 
 def kind_of(name, lists):  # the public name of the list (of ``lists``, by kinds.Kind) holding ``name``

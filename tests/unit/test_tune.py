@@ -379,7 +379,7 @@ def test_a_list_that_replaced_the_default_is_written_whole_again(tmp_path, monke
     """A replacing FP32 file (no 'include default': the user's complete list) that tune leaves as it is is
     written whole again, not as 'include default' and ninety removals whose meaning a later hmp's defaults
     would change; an extending one stays extending. plan() records which lists replaced the default."""
-    from hmp.driver.plan import plan
+    from hmp.driver.plan import Requested, plan
 
     monkeypatch.delenv("HMP_STRICT")
     whole = tmp_path / "mine_fp32.txt"
@@ -387,8 +387,9 @@ def test_a_list_that_replaced_the_default_is_written_whole_again(tmp_path, monke
     extending = tmp_path / "more_fp32.txt"
     extending.write_text("include default\ncumsum\n")
     with pytest.warns(UserWarning, match="replaces the default FP32 list"):  # once per file
-        assert plan({"fp32_file_path": whole}).replacing == {FP32}
-    assert plan({"fp32_file_path": extending}).replacing == frozenset() and plan({}).replacing == frozenset()
+        assert plan(Requested(fp32_file_path=whole)).replacing == {FP32}
+    assert plan(Requested(fp32_file_path=extending)).replacing == frozenset()
+    assert plan(Requested()).replacing == frozenset()
     model, opt, step, x, y = problem()
     hmp.convert(fp32_file_path=whole)
     result = hmp.tune(step, x, y, state=(model, opt), steps=2, rounds=1, min_share=1.0, progress=False)
