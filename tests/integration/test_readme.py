@@ -92,7 +92,8 @@ def test_ci_runs_readmes_test_command_in_a_folder_named_hmp():
     reader of README runs it: in a folder named hmp with its .venv inside. Command 1 installs and runs the
     demo, and the quick check is a pytest of tests/unit."""
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert "readme_dir=$clone_tmp/hmp\n" in ci and "\"cd '$readme_dir' && export PYTEST_ADDOPTS='--durations=40' && $cmd\"" in ci
+    assert "readme_dir=$clone_tmp/hmp\n" in ci
+    assert "\"cd '$readme_dir' && export PYTEST_ADDOPTS='--durations=40' && $cmd\"" in ci
     ((_, body),) = fenced_blocks_after(README, "<!-- ci: install command", 1)
     assert body.strip().endswith(" && python -m hmp demo")
     assert body.startswith("python3 -m venv .venv && . .venv/bin/activate && ")
