@@ -152,6 +152,7 @@ class _Joined:
     def remove(self):
         self.engine.in_force, self.engine.delegated = False, {}
         self.engine.depart(tls)
+        self.engine.leave_main_thread()
         for wrapper in list(runtime.decorated):
             adapt(wrapper, plain)
 

@@ -9,6 +9,9 @@ stays off: it never checks a tensor's version. ``off_around(op)`` runs ``op`` wi
 autocast off, for the ops hmp runs itself and for sites the lists leave uncast. In a
 user's own torch.autocast region ``engine_on`` is False, so the region stays theirs."""
 
+import ctypes
+import threading
+
 import torch
 
 from hmp.core.identity import stand_in
@@ -30,6 +33,7 @@ class Engine:
         self.dtype = dtype
         self.delegated = {}
         self.in_force = False
+        self.joined = set()  # threading.get_ident() of the threads joined now
 
     def join(self, st):
         """Program the calling thread (``st``: its ``tls``); what it had is kept for ``depart``."""
@@ -42,6 +46,7 @@ class Engine:
             _set_dtype(device, self.dtype)
         _set_cache(False)
         st.engine, st.engine_on = self, None  # None: follow() sets the state whatever it is
+        self.joined.add(threading.get_ident())
         follow(st, st.off)
 
     def depart(self, st):
@@ -54,6 +59,51 @@ class Engine:
             _set_dtype(device, dtype)
         _set_cache(cache)
         st.engine, st.engine_on, st.engine_found = None, False, None
+        self.joined.discard(threading.get_ident())
+
+    def leave_main_thread(self):
+        """Out of force (revert() in another thread): the main thread, if joined, departs at its
+        next bytecode, before any op of its next line runs. Autocast's state is the thread's own
+        and no other thread can write it; Python runs a pending call in the main thread only, so
+        any other thread departs at its next switch of hmp's (docs/engines.md)."""
+        main = threading.main_thread().ident
+        if main in self.joined and threading.get_ident() != main:
+            in_main_thread(self._depart_main)
+
+    def _depart_main(self):
+        st = tls
+        if st.engine is self and not self.in_force:
+            self.depart(st)
+
+
+# kept: pending calls' C callbacks and whether each has run, alive past their run (freed at the next schedule)
+_pending = []
+_PENDING_CALL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+def in_main_thread(fn):
+    """Run ``fn()`` in the main thread at its next bytecode (CPython's Py_AddPendingCall);
+    False where it cannot be scheduled."""
+    add = getattr(getattr(ctypes, "pythonapi", None), "Py_AddPendingCall", None)
+    if add is None:
+        return False
+    _pending[:] = [p for p in _pending if not p[1]]
+    entry = [None, False]
+
+    def call(_):
+        try:
+            fn()
+        except Exception:  # a pending call must not raise into whatever the main thread runs
+            pass
+        entry[1] = True
+        return 0
+
+    entry[0] = _PENDING_CALL(call)
+    _pending.append(entry)
+    if add(entry[0], None) != 0:
+        _pending.remove(entry)
+        return False
+    return True
 
 
 def off_around(op, devices):
@@ -64,6 +114,9 @@ def off_around(op, devices):
         st = tls
         if not st.engine_on:
             return op(*args, **kwargs)
+        # the state found, not the one ``engine_on`` says: while dynamo traces, a traced switch has
+        # changed the state and its write of ``engine_on`` waits for the graph (a fake-value run)
+        found = [_is_enabled(device) for device in devices]
         st.engine_on = False
         for device in devices:
             _set_enabled(device, False)
@@ -71,8 +124,8 @@ def off_around(op, devices):
             return op(*args, **kwargs)
         finally:
             st.engine_on = True
-            for device in devices:
-                _set_enabled(device, True)
+            for device, on in zip(devices, found):
+                _set_enabled(device, on)
 
     stand_in(autocast_off, op)
     setattr(autocast_off, AROUND, op)

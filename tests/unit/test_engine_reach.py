@@ -4,6 +4,7 @@ whose kernels call ops autocast casts, in fused fast paths, and after revert() i
 thread. tests/property/test_engines_agree.py sweeps every OpInfo op; these are the cases
 issue 78 found, fast."""
 
+import threading
 import warnings
 
 import pytest
@@ -123,3 +124,19 @@ def test_fused_fast_paths_follow_the_lists_that_hold_their_parts(fast, tmp_path)
     assert _equal(ours, plain) and _equal(theirs, plain)
     ours, theirs = _both(run)
     assert _equal(ours, theirs)
+
+
+def test_revert_in_another_thread_leaves_the_main_thread_as_before():
+    """The converting (main) thread departs at its next bytecode after another thread's revert():
+    nothing hmp turned on stays on; what it had before convert() is back."""
+    assert threading.current_thread() is threading.main_thread()
+    found = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled()
+    lin, x = nn.Linear(8, 8), torch.randn(2, 8)
+    hmp.convert(engine="autocast")
+    t = threading.Thread(target=hmp.revert)
+    t.start()
+    t.join()
+    assert not hmp.is_converted()
+    assert lin(x).dtype == torch.mm(x, x.t()).dtype == torch.float32
+    now = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled()
+    assert now == found
