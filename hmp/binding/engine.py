@@ -19,11 +19,10 @@ import torch
 from hmp.binding import autocast_policy, autocast_reach
 from hmp.binding.kinds import PROMOTE
 from hmp.binding.resolve import Site
-from hmp.binding.wrapper_life import adapt
 from hmp.core import torch_private
-from hmp.core.delegation import AROUND, Engine, joining, off_around
+from hmp.core.delegation import Engine, joining, off_around
 from hmp.core.identity import unwrap
-from hmp.core.state import runtime, tls
+from hmp.core.state import tls
 
 ENGINES = ("python", "autocast")
 DELEGATED = "cast: torch.autocast's dispatcher (engine='autocast')"
@@ -53,11 +52,6 @@ def engine_for(devices, dtype):
 def in_force():
     """The Engine in force, or None (engine="python", or not converted)."""
     return next((e for e in _engines.values() if e.in_force), None)
-
-
-def plain(op):
-    """``op`` without an ``off_around`` layer."""
-    return getattr(op, AROUND, op)
 
 
 class Delegation(NamedTuple):
@@ -110,8 +104,6 @@ def changes(delegated, resolver, op_sites):
     if delegated is None:
         return (), ()
     engine = delegated.engine
-    for _, _, wrapper in op_sites:
-        adapt(wrapper, functools.partial(off_around, devices=engine.devices))
     wrapped = {(id(ns), attr) for ns, attr, _ in op_sites}
     left = autocast_reach.acted_on(engine.devices).difference(*delegated.names.values())
     patches = []
@@ -146,15 +138,11 @@ class _Joined:
         self.engine = engine = delegated.engine
         engine.delegated, engine.in_force = delegated.names, True
         engine.join(tls)
-        for wrapper in list(runtime.decorated):  # @hmp.*_function bodies: their ops run as in any hmp wrapper
-            adapt(wrapper, functools.partial(off_around, devices=engine.devices))
 
     def remove(self):
         self.engine.in_force, self.engine.delegated = False, {}
         self.engine.depart(tls)
         self.engine.leave_main_thread()
-        for wrapper in list(runtime.decorated):
-            adapt(wrapper, plain)
 
 
 def says(decided):

@@ -121,12 +121,6 @@ def resume(wrapper, prepare, eager_prepare=None):
     _set(wrapper, "prepare", prepare)
 
 
-def adapt(wrapper, how):
-    """Make a wrapper call ``how(op)`` in place of its op (engine="autocast":
-    hmp/core/delegation.py's ``off_around``); retire() puts the original back."""
-    _set(wrapper, "op", how(_cell(wrapper, "op").cell_contents))
-
-
 def take_over(wrapper, donor):
     """Give ``wrapper`` (an hmp wrapper another library holds: it wrapped it,
     or saved it to put back later) everything ``donor``, a wrapper built for

@@ -30,6 +30,7 @@ class Engine:
 
     def __init__(self, devices, dtype):
         self.devices = tuple(devices)
+        self.on = (True,) * len(self.devices)  # autocast on for each of them (pause)
         self.dtype = dtype
         self.delegated = {}
         self.in_force = False
@@ -104,6 +105,27 @@ def in_main_thread(fn):
         _pending.remove(entry)
         return False
     return True
+
+
+def pause(st, running):
+    """A joined thread's autocast off for a call hmp runs itself (core/wrap.py: its casts and its op),
+    where hmp had it on; returns what to give ``resume``. In compiled or traced code (``running``) the
+    state found is what comes back, not the one ``engine_on`` says: while dynamo traces, a traced switch
+    has changed the state and its write of ``engine_on`` waits for the graph (dynamo runs wrappers
+    for their fake values meanwhile). In eager code ``engine_on`` is the state: nothing is read."""
+    engine = st.engine
+    found = tuple([_is_enabled(device) for device in engine.devices]) if running else engine.on
+    st.engine_on = False
+    for device in engine.devices:
+        _set_enabled(device, False)
+    return found
+
+
+def resume(st, found):
+    """Undo ``pause``."""
+    st.engine_on = True
+    for device, on in zip(st.engine.devices, found):
+        _set_enabled(device, on)
 
 
 def off_around(op, devices):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hmp.core import cast_copies, policy, rescue, torch_private, wrapper_frames
+from hmp.core import cast_copies, delegation, policy, rescue, torch_private, wrapper_frames
 from hmp.core.state import OFF, graph_off, tls, weight_cache
 
 NEVER = 1 << 62  # inplace_at of a site without an ``inplace`` parameter
@@ -21,6 +21,7 @@ PAUSED = None  # a wrapper's prepare while paused or retired: the call is a plai
 _cast_each, _SAME, _one_dtype, _write_back = policy.cast_each, policy.SAME, policy.one_dtype, cast_copies.write_back
 _PROMOTE = policy.PROMOTE
 _graph_off = graph_off
+_pause, _resume = delegation.pause, delegation.resume
 _dynamo_compiling, _after_dynamo = torch_private.dynamo_compiling, torch_private.after_dynamo
 _compile_flag, _tracing_state = torch_private.compile_flag, torch_private.tracing_state
 _COMPILING, _DYNAMO, _LOWERING = torch_private.COMPILING, torch_private.DYNAMO, torch_private.LOWERING
@@ -30,8 +31,7 @@ def _body(op, prepare, about, src, cast, limit, inplace_at, hidden, needs, eager
     # While torch.compile lowers a captured graph, torch's own code calls this op by name: it runs
     # as torch's (torch_private.after_dynamo: LOWERING). Not an operator (``a @ b``): dynamo records those as
     # Python's operator, never as this wrapper, so the graph reaches it only while lowering.
-    name = getattr(op, "__name__", "")
-    lowers = not (name.startswith("__") and name.endswith("__"))
+    lowers = not (getattr(op, "__name__", "").startswith("__") and getattr(op, "__name__", "").endswith("__"))
     # the lean path's cast (a cast_copies.Cast): in eager code its eager form, which asks nothing per tensor
     cast_any, eager = (None, None) if cast is None else cast
     inplace = inplace_at != NEVER  # the op has an ``inplace`` parameter
@@ -49,8 +49,8 @@ def _body(op, prepare, about, src, cast, limit, inplace_at, hidden, needs, eager
             except Exception as e:  # costs nothing unless something raises
                 rescue.uncast_error(e, about)
                 raise
-        # once per call: compiled, traced or eager. Dynamo first: it folds is_dynamo_compiling() and reads
-        # (guards on) nothing after it; eager is then two C calls (torch_private.after_dynamo otherwise)
+        # once per call: compiled, traced or eager. Dynamo first: it folds is_dynamo_compiling() and
+        # reads nothing after it; eager is then two C calls (torch_private.after_dynamo otherwise)
         if _dynamo_compiling():
             running = _DYNAMO
         elif _compile_flag() or _tracing_state() is not None:
@@ -62,8 +62,9 @@ def _body(op, prepare, about, src, cast, limit, inplace_at, hidden, needs, eager
         if not running:  # eager: the rule on the casters' eager forms
             rule = eager_prepare
         # casts off from here: for the casts' own ops (a BF16 module's mode must not see them) and for
-        # the ops this one calls (the outermost op decides: state.enter/leave, inlined)
+        # the ops this one calls (the outermost op decides: state.enter/leave, inlined, engine="autocast" too)
         st.off = OFF
+        paused = st.engine_on and _pause(st, running)
         a = graph = None
         try:
             if src is None or kwargs or inplace and len(args) > inplace_at and args[inplace_at]:
@@ -97,6 +98,8 @@ def _body(op, prepare, about, src, cast, limit, inplace_at, hidden, needs, eager
             return result
         finally:
             st.off = 0
+            if paused:
+                _resume(st, paused)
             if graph:
                 _graph_off(0)
 
