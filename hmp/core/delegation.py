@@ -1,13 +1,14 @@
-"""engine="autocast" at call time: torch's autocast casts the ops where hmp's lists and
-autocast's policy agree, with no Python per call (docs/engines.md; which ops:
+"""engine="autocast" at call time: torch's autocast casts the ops where it gives what hmp's
+rule gives for every mix of input dtypes, with no Python per call (docs/engines.md; which ops:
 hmp/binding/engine.py).
 
 A joined thread has autocast on for the engine's devices exactly where hmp casts
-(``tls.off == 0``): ``state.enter``/``leave`` keep it so (``state.follow``), so
-every rule that turns hmp's casts off turns autocast off too. Autocast's weight cache
-stays off: it never checks a tensor's version. ``off_around(op)`` runs ``op`` with
-autocast off, for the ops hmp runs itself and for sites the lists leave uncast. In a
-user's own torch.autocast region ``engine_on`` is False, so the region stays theirs."""
+(``tls.off == 0``): ``state.enter``/``leave`` keep it so (``state.follow``), and so does
+the wrapper body where it inlines them (``pause``/``resume``, core/wrap.py), so every rule
+that turns hmp's casts off turns autocast off too. Autocast's weight cache stays off: it
+never checks a tensor's version. ``off_around(op)`` runs ``op`` with autocast off, for
+sites of ops the lists leave to torch that autocast would act on. In a user's own
+torch.autocast region ``engine_on`` is False, so the region stays theirs."""
 
 import ctypes
 import threading
