@@ -129,6 +129,16 @@ def resume(st, found):
         _set_enabled(device, on)
 
 
+def as_torch(st, running, op, args, kwargs):
+    """``op`` (a builtin) called as torch's, with a joined thread's autocast paused: a wrapper's call
+    that needs no cast (an op in no list, bound for the calls that do) is one autocast must not cast."""
+    found = pause(st, running)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        resume(st, found)
+
+
 def off_around(op, devices):
     """``op`` run with autocast off where hmp turned it on (see the module's doc)."""
     op = getattr(op, AROUND, op)

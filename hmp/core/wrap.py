@@ -21,7 +21,7 @@ PAUSED = None  # a wrapper's prepare while paused or retired: the call is a plai
 _cast_each, _SAME, _one_dtype, _write_back = policy.cast_each, policy.SAME, policy.one_dtype, cast_copies.write_back
 _PROMOTE = policy.PROMOTE
 _graph_off = graph_off
-_pause, _resume = delegation.pause, delegation.resume
+_pause, _resume, _as_torch = delegation.pause, delegation.resume, delegation.as_torch
 _dynamo_compiling, _after_dynamo = torch_private.dynamo_compiling, torch_private.after_dynamo
 _compile_flag, _tracing_state = torch_private.compile_flag, torch_private.tracing_state
 _COMPILING, _DYNAMO, _LOWERING = torch_private.COMPILING, torch_private.DYNAMO, torch_private.LOWERING
@@ -58,7 +58,9 @@ def _body(op, prepare, about, src, cast, limit, inplace_at, hidden, needs, eager
         else:
             running = 0
         if running == _LOWERING and lowers or needs is not None and not needs(args, kwargs):
-            return op(*args, **kwargs)
+            # a builtin's own ops are none of hmp's: autocast off for them (a Python function's calls
+            # cast as usual, autocast following ``off``)
+            return _as_torch(st, running, op, args, kwargs) if st.engine_on and not hidden else op(*args, **kwargs)
         if not running:  # eager: the rule on the casters' eager forms
             rule = eager_prepare
         # casts off from here: for the casts' own ops (a BF16 module's mode must not see them) and for
