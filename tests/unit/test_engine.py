@@ -304,6 +304,20 @@ def test_the_difference_docs_engines_md_names():
     assert torch.allclose(*grads, rtol=2**-7, atol=0)  # within a bfloat16 rounding of the sum
 
 
+def test_an_op_removed_from_its_list_runs_as_torchs_on_both_engines(tmp_path):
+    """addmm removed from the BF16 list keeps a wrapper for the calls that need one dtype; a
+    float32 call needs none and runs as torch's: autocast, which would cast it, is off there."""
+    no_addmm = tmp_path / "bf16.txt"
+    no_addmm.write_text("include default\n-addmm\n")
+    a, b, c = torch.randn(2, 3), torch.randn(2, 4), torch.randn(4, 3)
+    found = {}
+    for engine in ENGINES:
+        with hmp.converted(engine=engine, bf16_file_path=no_addmm):
+            found[engine] = torch.addmm(a, b, c)
+    assert found["python"].dtype == found["autocast"].dtype == torch.float32
+    assert torch.equal(found["python"], found["autocast"])
+
+
 def test_what_were_differences_are_equal(tmp_path):
     """The saturating cast holds on both engines (no op that casts down is delegated: autocast
     would cast a float16 input too), and a composite in no list whose kernels call ops autocast
