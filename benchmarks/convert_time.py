@@ -13,7 +13,7 @@ import statistics
 import hmp
 from hmp.binding.resolve import Resolver
 from hmp.driver import conversion
-from hmp.driver.plan import plan
+from hmp.driver.plan import Requested, plan
 from hmp.tools.timing import interleaved, per_call
 
 
@@ -25,7 +25,7 @@ def once():
 
 def _resolve_twice():
     with conversion.runtime.lock:
-        wanted = plan({}, Resolver())
+        wanted = plan(Requested(), Resolver())
         conversion.apply(wanted, Resolver())
 
 

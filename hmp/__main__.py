@@ -1,7 +1,9 @@
-"""Command line: ``python -m hmp demo``, ``python -m hmp run script.py [args]``."""
+"""Command line: ``python -m hmp demo``, ``python -m hmp run script.py [args]`` (or ``hmp demo``, ...: the
+installed script)."""
 
 import argparse
 import importlib
+import os
 import platform
 import sys
 
@@ -35,9 +37,15 @@ def _version():
     return f"hmp {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
 
 
+def invoked_as(argv0=None):
+    """How the user ran hmp, for usage lines: ``hmp`` (the installed script) or ``python -m hmp``."""
+    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    return "hmp" if name in ("hmp", "hmp.exe") else "python -m hmp"
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="python -m hmp", description="hmp: list-driven mixed precision for PyTorch")
+    parser = argparse.ArgumentParser(prog=invoked_as(), description="hmp: list-driven mixed precision for PyTorch")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     wanted = [argv[0]] if argv and argv[0] in SUBCOMMANDS else list(SUBCOMMANDS)

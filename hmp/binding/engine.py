@@ -20,9 +20,9 @@ from hmp.binding import autocast_policy, autocast_reach
 from hmp.binding.kinds import PROMOTE
 from hmp.binding.resolve import Site
 from hmp.core import torch_private
-from hmp.core.delegation import Engine, joining, off_around
+from hmp.core.delegation import Engine, copies_keep_graphs, dropping, joining, off_around, uncached
 from hmp.core.identity import unwrap
-from hmp.core.state import tls
+from hmp.core.state import tls, weight_cache
 
 ENGINES = ("python", "autocast")
 DELEGATED = "cast: torch.autocast's dispatcher (engine='autocast')"
@@ -59,6 +59,8 @@ class Delegation(NamedTuple):
 
     engine: object  # delegation.Engine
     names: dict
+    cache: bool = False  # autocast's weight cache on (convert's cache=)
+    model: object = None  # a weak reference to convert(model=...)'s model, or None
 
 
 def decide(options, bound, effective, resolver):
@@ -85,7 +87,8 @@ def decide(options, bound, effective, resolver):
     names = {}
     for kind, name in autocast_policy.in_clean_thread(agreed) if candidates else ():
         names.setdefault(kind.name, set()).add(name)
-    return Delegation(engine_for(on, low), {k: frozenset(v) for k, v in names.items()})
+    names = {k: frozenset(v) for k, v in names.items()}
+    return Delegation(engine_for(on, low), names, options.cache, options.model)
 
 
 def wraps(delegated, binding):
@@ -98,9 +101,9 @@ def wraps(delegated, binding):
 
 def changes(delegated, resolver, op_sites):
     """What the engine changes, ``(patches, hooks)`` as a rule's Changes: each
-    op hmp wraps runs with autocast off (its wrapper's op, changed here, before
-    anything is installed), so do the other ops autocast casts, a thread
-    started while converted joins the engine, and so does the converting thread."""
+    op hmp wraps runs with autocast off (its wrapper's body pauses it), so do the
+    other ops autocast acts on (patched here), a thread started while converted
+    joins the engine, and so does the converting thread."""
     if delegated is None:
         return (), ()
     engine = delegated.engine
@@ -116,6 +119,7 @@ def changes(delegated, resolver, op_sites):
             patches.append((site.namespace, site.attr, off_around(original, engine.devices)))
     start = unwrap(threading.Thread.__dict__["_bootstrap_inner"])
     patches.append((threading.Thread, "_bootstrap_inner", joining(start, engine)))
+    patches += _copies(delegated)
     return tuple(patches), (functools.partial(_Joined, delegated),)
 
 
@@ -130,6 +134,22 @@ def _vf_site(name):
     return [Site(torch_private.VF, name, torch_private.VF_LABEL, False)]
 
 
+def _copies(delegated):
+    """The writes hmp sees only here, for autocast's weight cache: ``Module._apply`` (``model.to()``,
+    ``.float()``, ``to_empty``) and ``torch.utils.swap_tensors`` (which refuses a tensor autocast's
+    cache points to) drop its copies; ``Module._slow_forward`` (torch.jit.trace's) runs with the
+    cache off."""
+    if not delegated.cache:
+        return []
+    module = torch.nn.Module
+    apply_, traced = torch_private.MODULE_APPLY, torch_private.MODULE_TRACED_FORWARD
+    return [
+        (module, apply_, dropping(unwrap(module.__dict__[apply_]))),
+        (torch.utils, "swap_tensors", dropping(unwrap(torch.utils.swap_tensors))),
+        (module, traced, uncached(unwrap(module.__dict__[traced]))),
+    ]
+
+
 class _Joined:
     """The engine in force and the converting thread joined; ``remove()``
     (revert(), in the reverting thread) undoes both."""
@@ -137,10 +157,22 @@ class _Joined:
     def __init__(self, delegated):
         self.engine = engine = delegated.engine
         engine.delegated, engine.in_force = delegated.names, True
+        # autocast's cache on in joined threads, and the model whose weights are checked
+        engine.cache, engine.model, engine.seen = delegated.cache, delegated.model, None
+        if delegated.cache:
+            copies_keep_graphs()  # probed now, outside any region or compiled code
+        weight_cache.autocasts = engine if delegated.cache else None
+        torch.clear_autocast_cache()
+        if tls.engine is engine:  # joined already: its cache follows
+            torch.set_autocast_cache_enabled(delegated.cache)
         engine.join(tls)
 
     def remove(self):
         self.engine.in_force, self.engine.delegated = False, {}
+        if weight_cache.autocasts is self.engine:  # no copy of autocast's is kept past the conversion
+            weight_cache.autocasts = None
+        self.engine.seen = None
+        torch.clear_autocast_cache()
         self.engine.depart(tls)
         self.engine.leave_main_thread()
 

@@ -206,6 +206,15 @@ class _Reading:
         return Entries(ops, list(dict.fromkeys(found)), frozenset(explicit))
 
 
+def replaces_default(source):
+    """True for a list the user gives whole: names (a config's complete list), or a file with no
+    ``include default`` line (an include of another shipped list is part of its own text)."""
+    if isinstance(source, Names):
+        return True
+    lines, _ = read_lines(source, "list file")
+    return not any(line.include and line.name == "default" for line in lines)
+
+
 def _shipped(path):
     """True for a file among the shipped lists."""
     return Path(os.fspath(path)).resolve().parent == list_dir().resolve()
@@ -314,11 +323,14 @@ def _load_one(source, resolver, title, kind, default):
     return load(source, resolver, title, modules=kind.takes_modules, default=default), printable
 
 
-def effective(resolver, opt_level="O1", sources=None, *, fp16="", low=torch.bfloat16, strict=False, environ=None):
+def effective(
+    resolver, opt_level="O1", sources=None, *, fp16="", low=torch.bfloat16, strict=False, environ=None, replacing=None
+):
     """Read, validate and combine the lists: ``(kind -> op names, kind -> module classes)``,
     by kinds.Kind. ``sources``: kind -> a path, a Names, or ``""``/None for the
     environment's list, else the shipped default. ``fp16``: the lower list under
-    ``low=torch.float16``; ``strict``: Habana's literal rule. Raises before anything changes."""
+    ``low=torch.float16``; ``strict``: Habana's literal rule. ``replacing``: a set given gets the
+    kinds whose list the user's source gives whole (replaces_default). Raises before anything changes."""
     environ = os.environ if environ is None else environ
     sources = {k: (sources or {}).get(k, "") for k in kinds.KINDS}
     titles = {k: k.file_title for k in kinds.KINDS}
@@ -347,6 +359,8 @@ def effective(resolver, opt_level="O1", sources=None, *, fp16="", low=torch.bflo
         if not from_user[k]:  # a default list names nothing on the user's behalf
             loaded[k] = loaded[k]._replace(explicit=frozenset())
     ops = combine(loaded, printable)
+    if replacing is not None:
+        replacing.update(k for k in kinds.KINDS if from_user[k] and replaces_default(sources[k]))
     files = {k: from_user[k] and not isinstance(sources[k], Names) for k in sources}
     _warn_dropped(ops, loaded, files, printable, titles, (opt_level, low, strict), resolver)
     if from_user[LOWER] and not strict:
@@ -385,11 +399,12 @@ def _warn_dropped(ops, loaded, from_user, printable, titles, mode, resolver):
         default = load(default_path(k.default_file(opt_level, low, strict)), resolver, "default list").ops
         elsewhere = set().union(*(ops[n] for n in ops if n is not k))
         dropped = sorted(set(default) - ops[k] - elsewhere)
-        if dropped and state.first_time(("dropped defaults", k.name, printable[k], tuple(dropped))):
+        if dropped and state.first_time(("dropped defaults", k.name, printable[k])):  # one short line per file
             warnings.warn(
-                f"hmp: {titles[k]} {printable[k]!r} replaces the default {k.title_in(low)} list and "
-                f"leaves out {', '.join(dropped)}: they now run in their inputs' dtypes. Start the file "
-                f"with 'include default' to extend the default list instead (docs/lists.md).",
+                f"hmp: {titles[k]} {printable[k]!r} replaces the default {k.title_in(low)} list and leaves out "
+                f"{len(dropped)} of its {len(default)} ops, which now run in their inputs' dtypes (compare "
+                f"hmp.effective_lists()[{k.name!r}] with hmp.list_path({k.name!r})); 'include default' as the "
+                "file's first line keeps them (docs/lists.md).",
                 UserWarning,
                 stacklevel=state.user_stacklevel(),
             )

@@ -13,6 +13,8 @@ backward and an enclosing listed op win over all of them. A class entry patches
 stays the class's; an instance entry sets ``forward`` on the instance. Both go
 through the patch log, so revert() restores them exactly."""
 
+import copy
+import dataclasses
 import inspect
 import types
 
@@ -27,7 +29,7 @@ from hmp.binding.resolve import writes
 from hmp.core import cast_copies, dtypes, policy
 from hmp.core.identity import mark, unwrap
 from hmp.core.state import MODULE, OFF, enter, leave, tls
-from hmp.core.torch_private import tree_map_only
+from hmp.core.torch_private import tree_map
 
 Module = torch.nn.Module
 _is_compiling = torch.compiler.is_compiling
@@ -166,10 +168,21 @@ def _lower_forward(original, cast_in, mode, forwards):
 
 
 def _each_tensor(up):
-    """``out`` with ``up`` applied to each of its tensors at any nesting (tuples, ModelOutput):
-    a tensor and a plain tuple or list of tensors (a rotary embedding's cos and sin) directly,
-    anything else through pytree, whose map costs a module entry some twenty frames per call."""
+    """``out`` with ``up`` applied to each of its tensors at any nesting, each container keeping its
+    type: a tensor and a plain tuple or list of tensors (a rotary embedding's cos and sin) directly;
+    anything else through pytree (dicts, namedtuples, ``ModelOutput``; its map costs a module entry
+    some twenty frames per call), and what pytree takes for a leaf though it holds tensors (a
+    dataclass, a tuple, list or dict subclass) walked field by field."""
     Tensor = torch.Tensor
+
+    def leaf(v):
+        if isinstance(v, Tensor):
+            return up(v)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return _rebuilt(v, {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}, each)
+        if isinstance(v, (tuple, list, dict)):  # a subclass pytree does not know
+            return _rebuilt(v, dict(v.items()) if isinstance(v, dict) else dict(enumerate(v)), each)
+        return v
 
     def each(out):
         t = type(out)
@@ -181,9 +194,34 @@ def _each_tensor(up):
                     break
             else:
                 return t(map(up, out))
-        return tree_map_only(Tensor, up, out)
+        return tree_map(leaf, out)
 
     return each
+
+
+def _rebuilt(container, parts, each):
+    """``container`` with ``each`` applied to its ``parts`` (field or key or index -> value), of its own
+    type; the container itself where nothing changed."""
+    mapped = {k: each(v) for k, v in parts.items()}
+    if all(mapped[k] is v for k, v in parts.items()):
+        return container
+    if isinstance(container, tuple):
+        new = tuple.__new__(type(container), mapped.values())
+        if hasattr(container, "__dict__"):
+            new.__dict__.update(container.__dict__)
+        return new
+    new = copy.copy(container)
+    if isinstance(container, list):
+        new[:] = mapped.values()
+    elif isinstance(container, dict) and not dataclasses.is_dataclass(container):
+        new.update(mapped)
+    else:
+        for name, value in mapped.items():
+            try:
+                setattr(new, name, value)
+            except dataclasses.FrozenInstanceError:
+                object.__setattr__(new, name, value)
+    return new
 
 
 class Forwards:

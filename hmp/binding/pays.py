@@ -158,22 +158,24 @@ def unless_one_dtype(name, one_dtype):
     return None if name in one_dtype else "not wrapped: torch's type promotion already gives its inputs one dtype"
 
 
+SHORT = {POINTWISE: "pointwise", RANDOM: "random", NORMALIZATION: "normalisations"}  # WHY in a word
+
+
 def warn_left_to_torch(names, where):
-    """One warning for a user's lower-precision list (``where``: its title and
-    path) naming entries that cast only under strict=True: it names them and
-    why, so no line of the file seems to do what it does not."""
+    """One short warning per file for a user's lower-precision list (``where``: its title and path)
+    naming entries that cast only under strict=True, each group with why in a word, so no line of the
+    file seems to do what it does not; effective_lists(detail=True) says why each at length."""
     left = {n: why_not(n) for n in sorted(names)}
     left = {n: why for n, why in left.items() if why is not None}
-    if not left or not state.first_time(("left to torch", where, tuple(left))):
+    if not left or not state.first_time(("left to torch", where)):
         return
     by_reason = {}
     for name, why in left.items():
         by_reason.setdefault(why, []).append(name)
-    said = "; ".join(f"{', '.join(names)}: {WHY[why]}" for why, names in by_reason.items())
+    said = "; ".join(f"{', '.join(names)} ({SHORT[why]})" for why, names in by_reason.items())
     warnings.warn(
-        f"hmp: {where} names ops that are not cast outside strict mode, since they gain nothing from the "
-        f"lower dtype ({said}). They run as torch runs them. convert(strict=True) casts them, as Habana's "
-        f"HMP did (docs/never-changes.md says what that risks).",
+        f"hmp: {where}: not cast outside strict mode, left to torch (they gain nothing from the lower dtype): "
+        f"{said}. hmp.effective_lists(detail=True) says why; strict=True casts them.",
         UserWarning,
         stacklevel=state.user_stacklevel(),
     )

@@ -111,6 +111,9 @@ class Binding(NamedTuple):
     name: str  # the list name
     fallback: bool = False  # an op in no list, bound so a lower-precision input cannot break it
     picks: tuple = ()  # an op in no list whose call picks its kernel: spellings.computations' answer (picked.py)
+    # a Python function decided per call whose builtin (torch._VF.X) decides its eager calls: it decides only
+    # while dynamo traces, which records the function and never runs the builtin's wrapper
+    traced_only: bool = False
 
 
 def make_site(namespace, attr, owner, inplace, fn, inplace_param=None):
@@ -235,6 +238,23 @@ def _vf_sites(name):
     return [make_site(vf, name, torch_private.VF_LABEL, False, getattr(vf, name))]
 
 
+def _vf_reached(found):
+    """torch._VF.X for a Python function among ``found`` that calls its kernel as ``_VF.X``
+    (``torch.einsum``): for an op decided call by call, the builtin's arguments are all that
+    picks the kernel, the contraction path torch computes from the sizes (opt_einsum) too, where
+    the Python function's are not."""
+    vf, out = torch_private.VF, []
+    for site in found:
+        fn = site.original()
+        if not isinstance(fn, types.FunctionType) or not _is_op(getattr(vf, site.attr, None)):
+            continue
+        names, scope = fn.__code__.co_names, fn.__globals__
+        if site.attr in names and any(scope.get(g) is vf for g in names):
+            out.append(make_site(vf, site.attr, torch_private.VF_LABEL, False, getattr(vf, site.attr)))
+            break
+    return out
+
+
 def _reaches(fn, builtins):
     """Whether the Python function ``fn`` calls one of ``builtins`` by its name (``torch.kl_div`` in
     ``F.kl_div``): the builtin's wrapper then decides ``fn``'s calls, and a second wrapper on ``fn``
@@ -336,19 +356,25 @@ class Resolver:
         todo += [(k, n, n, (), True) for k, n in extra] + [(None, n, n, computations, False) for n in picks]
         for kind, name, spelling, chosen_from, fell_back in todo:
             found = self.sites(spelling)
+            inner = _vf_reached(found) if chosen_from else []
+            if inner:  # decided per call: in eager code where every argument that picks a kernel is seen
+                found = found + inner
             builtins = [s for s in found if isinstance(s.original(), types.BuiltinFunctionType)]
             # a Python function (F.pad, F.kl_div) reaches the kernel through the builtin: one wrapper; not in a
             # kind whose rule may read the entry's name (the lower list's norms cast the input alone, then retry)
             by_name = kind is not None and kind.norms is not None
             for site in found:
-                if isinstance(site.original(), types.FunctionType) and (
-                    chosen_from and builtins or not by_name and _reaches(site.original(), builtins)
+                key = (id(site.namespace), site.attr)
+                outer = bool(inner) and isinstance(site.original(), types.FunctionType)
+                if (
+                    not outer
+                    and isinstance(site.original(), types.FunctionType)
+                    and (chosen_from and builtins or not by_name and _reaches(site.original(), builtins))
                 ):
                     continue
-                key = (id(site.namespace), site.attr)
                 if key not in seen:
                     seen.add(key)
-                    out.append(Binding(site, kind, name, fell_back, chosen_from))
+                    out.append(Binding(site, kind, name, fell_back, chosen_from, outer))
         return out
 
     def _aten_sites(self, name, found):

@@ -13,10 +13,12 @@ from hmp.binding import picked
 from hmp.binding.pays import NORMALIZATIONS
 from hmp.binding.resolve import BUILTINS
 from hmp.binding.wrapper_life import finish, make
-from hmp.core import policy, rescue
+from hmp.core import policy, rescue, torch_private
 from hmp.core.cast_copies import Cast, overflow_limit
 from hmp.core.rescue import About
 from hmp.core.wrap import NEVER, PAUSED
+
+_dynamo_compiling = torch_private.dynamo_compiling
 
 
 def about_of(binding):
@@ -118,6 +120,12 @@ class Wrappers:
 
         def needs(args, kwargs):
             return choose(args, kwargs) is not None or fallback is not None and fallback_needs(args, kwargs)
+
+        if binding.traced_only:  # eager calls: its builtin's wrapper decides, given what picks the kernel
+            decides = needs
+
+            def needs(args, kwargs):
+                return _dynamo_compiling() and decides(args, kwargs)
 
         about = about_of(binding)
         hidden = not isinstance(original, BUILTINS)

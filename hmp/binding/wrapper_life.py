@@ -1,8 +1,8 @@
 """A wrapper's life, decided at convert time: made (``make``: the body standing in for its op and
-scripted by TorchScript as the original), what it does (``fields``), paused to a plain call,
-resumed with a conversion's rule, re-armed for a site another library holds (``take_over``),
-retired by revert(), and dynamo made ready before wrappers go in. The body that runs per call
-is hmp/core/wrap.py's."""
+scripted by TorchScript as the original), what it does (``record``, a core.wrap.Spec, changed
+only whole by ``swap``), paused to a plain call, resumed with a conversion's rule, re-armed for a
+site another library holds (``take_over``), retired by revert(), and dynamo made ready before
+wrappers go in. The body that runs per call is hmp/core/wrap.py's."""
 
 import threading
 import types
@@ -13,7 +13,7 @@ import torch
 from hmp.core import cast_copies, torch_private
 from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import graph_off
-from hmp.core.wrap import _BODY, NEVER, PAUSED, _body
+from hmp.core.wrap import _BODY, NEVER, PAUSED, Spec, made
 
 
 def make(
@@ -41,7 +41,12 @@ def make(
     forms, for eager code (None: ``prepare``)."""
     original = op if original is None else original
     eager_prepare = prepare if eager_prepare is None else eager_prepare
-    return finish(_body(op, prepare, about, src, cast, limit, inplace_at, hidden, needs, eager_prepare), original)
+    cast_any, eager = (None, None) if cast is None else cast
+    # torch's own code may call ``op`` by name while a captured graph is lowered; never an operator
+    name = getattr(op, "__name__", "")
+    lowers = not (name.startswith("__") and name.endswith("__"))
+    spec = Spec(op, prepare, about, src, cast_any, eager, limit, inplace_at, hidden, needs, eager_prepare, lowers)
+    return finish(made(spec), original)
 
 
 def finish(wrapper, op):
@@ -71,15 +76,26 @@ def script_as(wrapper, original):
         wrapper.__prepare_scriptable__ = lambda: original
 
 
-_FIELDS = ("op", "prepare", "about", "src", "limit", "inplace_at", "hidden", "needs", "eager_prepare")  # and cast
+def record(wrapper):
+    """What a wrapper does now: its core.wrap.Spec."""
+    return Spec(*wrapper.__closure__[0].cell_contents)
+
+
+def swap(wrapper, spec):
+    """Make ``wrapper`` do what ``spec`` (a core.wrap.Spec) says, in one step: a call in progress
+    finishes under the record it started with."""
+    wrapper.__closure__[0].cell_contents = tuple(spec)
 
 
 def fields(wrapper):
     """What a wrapper does: ``make``'s arguments, by name."""
-    found = {name: _cell(wrapper, name).cell_contents for name in _FIELDS}
-    cast_any, eager = _cell(wrapper, "cast_any").cell_contents, _cell(wrapper, "eager").cell_contents
-    found["cast"] = None if cast_any is None else cast_copies.Cast(cast_any, eager)
+    spec = record(wrapper)
+    found = {name: getattr(spec, name) for name in _MADE}
+    found["cast"] = None if spec.cast_any is None else cast_copies.Cast(spec.cast_any, spec.eager)
     return found
+
+
+_MADE = ("op", "prepare", "about", "src", "limit", "inplace_at", "hidden", "needs", "eager_prepare")  # and cast
 
 
 _ready_lock = threading.Lock()  # two threads' first convert() do it one after the other
@@ -97,36 +113,26 @@ def ready_for_compile():
         torch.fx.node.has_side_effect(graph_off)
 
 
-def _cell(wrapper, name):
-    return wrapper.__closure__[wrapper.__code__.co_freevars.index(name)]
-
-
-def _set(wrapper, name, value):
-    """Set field ``name`` (``op`` or ``prepare``) of a wrapper."""
-    _cell(wrapper, name).cell_contents = value
-
-
 def is_wrapper(obj):
     return getattr(obj, "__code__", None) is _BODY
 
 
 def pause(wrapper):
     """Make a wrapper a plain call of what it wraps (its ``prepare`` PAUSED)."""
-    _set(wrapper, "prepare", PAUSED)
+    swap(wrapper, record(wrapper)._replace(prepare=PAUSED))
 
 
 def resume(wrapper, prepare, eager_prepare=None):
     """Make a paused wrapper cast again, through ``prepare`` (and ``eager_prepare`` in eager code)."""
-    _set(wrapper, "eager_prepare", prepare if eager_prepare is None else eager_prepare)
-    _set(wrapper, "prepare", prepare)
+    eager_prepare = prepare if eager_prepare is None else eager_prepare
+    swap(wrapper, record(wrapper)._replace(prepare=prepare, eager_prepare=eager_prepare))
 
 
 def take_over(wrapper, donor):
     """Give ``wrapper`` (an hmp wrapper another library holds: it wrapped it,
     or saved it to put back later) everything ``donor``, a wrapper built for
-    the same op by this conversion, would do: the closures, cell for cell."""
-    for mine, theirs in zip(wrapper.__closure__, donor.__closure__):
-        mine.cell_contents = theirs.cell_contents
+    the same op by this conversion, would do: its record."""
+    swap(wrapper, record(donor))
     wrapper.__qualname__ = donor.__qualname__
 
 
@@ -136,9 +142,7 @@ def retire(wrapper):
     why pickling it fails. Non-wrappers are left alone."""
     if not is_wrapper(wrapper):
         return
-    original = unwrap(wrapper)
-    _set(wrapper, "op", original)
-    pause(wrapper)
+    swap(wrapper, record(wrapper)._replace(op=unwrap(wrapper), prepare=PAUSED))
     # pickle saves a function by name and the name now finds the original:
     # the error it raises shows this name, which says what to do
     wrapper.__qualname__ = (

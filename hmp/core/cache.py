@@ -31,6 +31,7 @@ import torch
 
 from hmp.core import saturating_cast, torch_private
 from hmp.core.cast_copies import FINITE_CASTS, Cast, shielded
+from hmp.core.delegation import drop as _drop_autocasts
 from hmp.core.state import tls, weight_cache
 
 _grad_enabled = torch.is_grad_enabled
@@ -45,12 +46,14 @@ _run_finite = saturating_cast.run
 
 
 class _Frozen:
-    """One thread's no-grad stores for a frozen_weights() block; ``tls.keeper`` refers to them weakly."""
+    """One thread's no-grad stores for a frozen_weights() block; ``tls.keeper`` refers to them weakly.
+    ``keeps``: a weight's copy is kept from its first use; ``reused``: a kept copy served a call."""
 
-    __slots__ = ("stores", "__weakref__")
+    __slots__ = ("stores", "keeps", "reused", "__weakref__")
 
     def __init__(self):
         self.stores = {d: {} for d in weight_cache.dtypes}
+        self.keeps, self.reused = True, False
 
     def clear(self):
         for store in self.stores.values():
@@ -59,9 +62,38 @@ class _Frozen:
 
 class _Region(_Frozen):
     """A no-grad region's stores, owned by torch's context manager object (a region whose
-    exit hmp misses lets them go with it); emptied when a backward pass starts."""
+    exit hmp misses lets them go with it); emptied when a backward pass starts.
 
-    __slots__ = ()
+    A kept copy must pay: a region of one forward (an evaluation step, a served request)
+    uses each weight once, and keeping every copy to its exit costs the allocator fresh memory
+    for each (its pages given back at the exit and faulted in again at the next region), where
+    a cast per call reuses one buffer. So a region keeps copies from a weight's first use where
+    the thread's last region that cast a weight used a kept copy again (``tls.region_keeps``:
+    ``generate()``, a loop inside one block); otherwise it casts per call until a weight comes
+    back (``seen``), and keeps from then on."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self, keeps):
+        super().__init__()
+        self.keeps, self.seen = keeps, set()
+
+    def first_use(self, store, t, copy):
+        """A weight cast while the region keeps nothing yet: its second use shows the region loops."""
+        key = id(t)
+        if key in self.seen:
+            self.keeps = self.reused = True
+            _put(store, t, copy, False)
+        else:
+            self.seen.add(key)
+
+    def cast_weights(self):
+        """Whether the region cast a weight (what says whether keeping pays in this thread)."""
+        return self.reused or bool(self.seen) or any(self.stores.values())
+
+    def clear(self):
+        super().clear()
+        self.seen = set()
 
 
 class _Steps:
@@ -176,7 +208,6 @@ def release() -> None:
     """A backward pass starts: let go what graphs hold and no-grad regions keep, so a weight
     written after it (a hand-written update) is cast again. A copy autograd saved lives
     as long as its graph."""
-    tls.shared = None
     if weight_cache.held:  # (empty after the backward pass's own release, at the step's)
         for h in weight_cache.held.take():
             h.copies = None
@@ -189,28 +220,22 @@ def release() -> None:
 
 
 def clear_cache() -> None:
-    """Drop every cached lower-precision copy, and every entry with it."""
+    """Drop every cached lower-precision copy, and every entry with it; the calling thread's
+    next no-grad region keeps copies from a weight's first use again (``_Region``)."""
     release()
     refilled()
+    tls.region_keeps = True
 
 
 def refilled() -> None:
     """A tensor's version counter was put back (hmp/rules/refills.py): drop every copy.
     Finding which came from that memory would cost every refill (FSDP2 refills each
     forward); emptying the stores costs at most one recast per copy."""
-    tls.shared = None
     for store in weight_cache.grad_mode.values():
         store.clear()
     for keeper in weight_cache.keepers.alive():
         keeper.clear()  # accumulation() blocks' copies too: the optimizer step rewrote their weights
-
-
-def _forget(ref):
-    """The source of the thread's shared activation copy died: the copy goes with it (tls.shared)."""
-    st = tls
-    s = st.shared
-    if s is not None and s[0] is ref:
-        st.shared = None
+    _drop_autocasts()  # engine="autocast": autocast's copies too
 
 
 def caster(dtype):
@@ -223,19 +248,11 @@ def caster(dtype):
 
     def eager(t):
         if not t.requires_grad:
-            if type(t) is not _Parameter:  # an activation (no graph): shared by the listed ops it feeds
-                st = tls
-                s = st.shared
-                if s is not None and s[0]() is t and s[1] is dtype and s[2] == _version(t) and s[3] == t.data_ptr():
-                    return s[4]
-                if type(t) is Tensor and not _transforms_active():
-                    # cast_copies' device path, inlined (a frame per new activation): no gradient to carry
-                    copy = _run_finite(t, dtype) if not t.is_cpu and _forward_ad_level() < 0 else finite_eager(t)
-                    try:
-                        st.shared = (_ref(t, _forget), dtype, _version(t), t.data_ptr(), copy)
-                    except RuntimeError:  # an inference tensor keeps no version, a sparse one no data pointer:
-                        pass  # a write could not be seen, so nothing is shared
-                    return copy
+            if type(t) is not _Parameter:
+                # an activation (no graph): cast per call, as torch.autocast casts it. Nothing sees every write
+                # to it (numpy and DLPack views, .data, storage), so no copy of it is kept (docs/performance.md)
+                if type(t) is Tensor and not t.is_cpu and _forward_ad_level() < 0 and not _transforms_active():
+                    return _run_finite(t, dtype)  # cast_copies' device path, inlined: one frame per cast
                 return finite_eager(t)
             ref = tls.keeper  # a frozen parameter: kept inside frozen_weights() only
             keeper = ref() if ref is not None else None
@@ -277,9 +294,13 @@ def caster(dtype):
             copy = e.copy
             if copy is not None and e.version == _version(t) and e.ptr == t.data_ptr() and e.shape == t.shape:
                 if e.stride == t.stride():  # (a second line: caster stays within the house's 80 lines)
+                    keeper.reused = True
                     return copy
         copy = finite_eager(t)
-        _put(store, t, copy, False)
+        if keeper.keeps:
+            _put(store, t, copy, False)
+        else:
+            keeper.first_use(store, t, copy)
         return copy
 
     def cast(t):
@@ -316,6 +337,8 @@ def frozen_weights() -> Iterator[None]:
         found, ref = st.keeper, weakref.ref(keeper)
         st.keeper = ref
     st.frozen_depth += 1
+    if st.frozen_depth == 1:
+        _drop_autocasts()  # engine="autocast": the block's copies are its own
     try:
         yield
     finally:
@@ -324,6 +347,7 @@ def frozen_weights() -> Iterator[None]:
             keeper.clear()
             if st.keeper is ref:
                 st.keeper = found
+            _drop_autocasts()
 
 
 @contextlib.contextmanager
@@ -346,11 +370,13 @@ def accumulation() -> Iterator[None]:
     steps = _Steps()
     weight_cache.keepers.add(steps)
     st.accumulating = steps
+    _drop_autocasts()  # engine="autocast": the block's copies are its own
     try:
         yield
     finally:
         st.accumulating = None
         steps.clear()
+        _drop_autocasts()
 
 
 def open_region():
@@ -359,7 +385,7 @@ def open_region():
     st = tls
     if st.frozen_depth:
         return None
-    keeper = _Region()
+    keeper = _Region(st.region_keeps)
     weight_cache.keepers.add(keeper)
     found, ref = st.keeper, weakref.ref(keeper)
     st.keeper = ref
@@ -367,9 +393,12 @@ def open_region():
 
 
 def close_region(region):
-    """The region ``open_region`` returned ``region`` for exits: its copies go."""
+    """The region ``open_region`` returned ``region`` for exits: its copies go, and whether
+    they paid decides how the thread's next region keeps (``_Region``)."""
     keeper, ref, found = region
-    keeper.clear()
     st = tls
+    if keeper.cast_weights():
+        st.region_keeps = keeper.reused
+    keeper.clear()
     if st.keeper is ref:
         st.keeper = found

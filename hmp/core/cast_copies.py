@@ -136,6 +136,7 @@ FINITE_CASTS = {
 ROUNDING_CASTS = {dtype: Cast(cast, cast) for dtype, cast in _ROUNDING.items()}
 
 
+# kept: a memo per Python type, written during calls; a type is a number or not for its whole life
 _NUMBER_TYPES = {bool: False, type(None): False, str: False}  # type -> a real number other than bool
 
 

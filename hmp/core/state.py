@@ -43,11 +43,9 @@ class ThreadState(threading.local):
         self.steps = []  # per step in progress: (what enter() returned, the frame calling its hooks) (steps.py)
         self.frozen_depth = 0  # frozen_weights() nesting (cache.py)
         self.keeper = None  # weak reference to the no-grad stores in use: a frozen_weights() block's or a region's
+        self.region_keeps = True  # the next no-grad region keeps copies from a weight's first use (cache._Region)
         self.accumulating = None  # the accumulation() block's copies (cache.py), or None
         self.fresh = []  # grad-mode copies the call in progress made, for its output's graph to hold (cache.py)
-        # the last activation (no graph) cast in eager code: (weak reference, dtype, version, data pointer, copy),
-        # served to the next listed op given the same unchanged tensor (q, k, v projections; cache.py)
-        self.shared = None
         # engine="autocast" (hmp/core/delegation.py): the Engine this thread joined, whose devices' autocast
         # state follows ``off`` (``follow``); whether hmp turned it on here; what the thread had before joining
         self.engine = None
@@ -228,6 +226,9 @@ class WeightCache:
         # what keeps copies past one call, in every thread: frozen_weights() blocks, no-grad regions, accumulation()
         self.keepers = SharedWeakSet()
         self.held = SharedWeakSet()  # what graphs hold (wrap.hold), until the next backward pass
+        # engine="autocast" with cache=True in force: its Engine, whose joined threads keep torch.autocast's
+        # own weight copies until hmp drops them (delegation.drop); None otherwise
+        self.autocasts = None
         self.dtypes = dtypes
 
 

@@ -296,6 +296,7 @@ def jit_forget_builtin(key):
 
 # -- pytrees: module outputs and recorded calls are nested containers ------------------------------
 
+tree_map = _pytree.tree_map
 tree_map_only = _pytree.tree_map_only
 tree_flatten = _pytree.tree_flatten
 tree_leaves = _pytree.tree_leaves
@@ -308,6 +309,11 @@ def autocast_enabled(region):
     """Whether a torch.autocast instance enables autocast (its ``_enabled``;
     a region entered disabled changes nothing and is not warned about)."""
     return bool(getattr(region, "_enabled", False))
+
+
+# nn.Module's methods by name (engine="autocast"'s weight cache: hmp/binding/engine.py): what model.to(),
+# .float() and to_empty run on every parameter; the forward torch.jit.trace runs in place of _call_impl's (2.4 to 2.15)
+MODULE_APPLY, MODULE_TRACED_FORWARD = "_apply", "_slow_forward"
 
 
 # backward() and grad() both call this at call time (every release from the floor on)

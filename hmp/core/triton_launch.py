@@ -11,10 +11,21 @@ launcher itself with the arguments Triton's ``JITFunction.run`` gives it::
 ``kernel_args``: the non-constexpr arguments on Triton 3.0 to 3.2, every argument from
 3.3, as the compiled kernel's signature says. Other releases, other backends, the
 interpreter or a failed direct launch: the JIT, for good. Triton's launcher is reached
-from this module only."""
+from this module only.
+
+The layout was read from Triton's source, and a launcher given the wrong arguments may
+still run and write wrong bits. So each specialisation's first direct launch runs on the
+input the JIT just cast, into a scratch tensor, and must give the JIT's bits; any other
+bits turn the JIT on for good, with one warning. Once per specialisation, never while a
+CUDA graph is captured (a comparison reads the device): the next launch outside one checks."""
 
 import importlib
 import re
+import warnings
+
+import torch
+
+from hmp.core.state import user_stacklevel
 
 # releases whose JIT launches as above: read in 3.0, 3.6 and 3.9's source, 3.2 to 3.4 in copies of their
 # JITFunction.run; the releases between launch alike (a launcher given other arguments raises: the JIT's then)
@@ -29,6 +40,14 @@ def release(version):
     return (int(found[1]), int(found[2])) if found else None
 
 
+def _capturing():
+    """Whether the current CUDA stream is being captured into a graph (False without CUDA)."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except (AssertionError, RuntimeError, AttributeError):  # a build without CUDA
+        return False
+
+
 def _active(hook):
     # a launch hook in force: a function, or (3.6 on) a HookChain with calls in it
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -40,9 +59,11 @@ class Launcher:
     gets the kernel Triton would pick; with launch or pre-run hooks in force the call goes
     through the JIT."""
 
-    def __init__(self, triton, jit, block, driver=None):
+    def __init__(self, triton, jit, block, driver=None, capturing=None):
         self.jit, self.block = jit, block
-        found = release(getattr(triton, "__version__", ""))
+        self.capturing = capturing or _capturing
+        self.version = getattr(triton, "__version__", "")
+        found = release(self.version)
         self.direct = found is not None and FIRST <= found <= LAST  # False for good once a try fails
         self.all_args = found is not None and found >= ALL_ARGS
         knobs = getattr(triton, "knobs", None)
@@ -67,12 +88,33 @@ class Launcher:
                 except Exception:  # a launcher this release calls otherwise: the JIT's launch from now on
                     self.direct = False
         compiled = self.jit[(grid,)](src, dst, n, top, BLOCK=self.block, BF16=bf16)
-        if self.direct and key not in self.kernels:
+        if self.direct and key not in self.kernels and not self.capturing():
             direct = self._direct(compiled, key[1])
-            if direct is None:
+            if direct is None or not self._agrees(direct, (grid, src, dst, n, top, bf16)):
                 self.direct = False
             else:
                 self.kernels[key] = direct
+
+    def _agrees(self, direct, launch):
+        """Whether ``direct`` gives the bits the JIT's launch just wrote into ``dst``, on the same
+        input, into a tensor of ``dst``'s layout holding none of them; if not, says so once."""
+        grid, src, dst, n, top, bf16 = launch
+        out = dst.view(torch.int16).bitwise_not().view(dst.dtype)  # no bit right: a launch that writes nothing fails
+        try:
+            direct(grid, src, out, n, top, bf16)
+        except Exception:  # a launcher this release calls otherwise: the JIT's launch, as below
+            return False
+        if torch.equal(out.view(torch.int16), dst.view(torch.int16)):
+            return True
+        warnings.warn(
+            f"hmp: the saturating cast's direct launch of its Triton kernel gave other bits than Triton's "
+            f"own launch on the same input (Triton {self.version}): hmp launches it through Triton's JIT "
+            f"from now on (correct, a few microseconds more per cast). Please report it with your Triton "
+            f"version (hmp/core/triton_launch.py).",
+            RuntimeWarning,
+            stacklevel=user_stacklevel(),
+        )
+        return False
 
     def _direct(self, compiled, device):
         """The direct launch of ``compiled`` on ``device``, or None where this release, backend or

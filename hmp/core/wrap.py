@@ -11,6 +11,8 @@ What each site's wrapper does is decided in hmp/binding/sites.py."""
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 
 from hmp.core import cast_copies, delegation, policy, rescue, torch_private, wrapper_frames
@@ -27,30 +29,53 @@ _compile_flag, _tracing_state = torch_private.compile_flag, torch_private.tracin
 _COMPILING, _DYNAMO, _LOWERING = torch_private.COMPILING, torch_private.DYNAMO, torch_private.LOWERING
 
 
-def _body(op, prepare, about, src, cast, limit, inplace_at, hidden, needs, eager_prepare):
-    # While torch.compile lowers a captured graph, torch's own code calls this op by name: it runs
-    # as torch's (torch_private.after_dynamo: LOWERING). Not an operator (``a @ b``): dynamo records those as
-    # Python's operator, never as this wrapper, so the graph reaches it only while lowering.
-    lowers = not (getattr(op, "__name__", "").startswith("__") and getattr(op, "__name__", "").endswith("__"))
-    # the lean path's cast (a cast_copies.Cast): in eager code its eager form, which asks nothing per tensor
-    cast_any, eager = (None, None) if cast is None else cast
-    inplace = inplace_at != NEVER  # the op has an ``inplace`` parameter
+class Spec(NamedTuple):
+    """What a wrapper does: one frozen record, held by the body in one cell (as a plain tuple,
+    which a call unpacks at C speed) and changed only whole (binding/wrapper_life.py's ``swap``).
+
+    ``op``: what it calls; ``prepare(args, kwargs) -> (args, kwargs)``: the rule, or PAUSED (a
+    plain call); ``about``: a rescue.About for the error path; ``src``, ``cast_any``/``eager``
+    (a cast_copies.Cast's two forms), ``limit``, ``inplace_at``: the lean path for calls without
+    keywords (tensors of a dtype in ``src`` go through the cast; ``src=policy.PROMOTE`` runs a
+    one-dtype call as given); ``hidden``: ``op`` may write an argument undeclared (a Python
+    function), so writes into cast copies are carried back; ``needs(args, kwargs)``: False for
+    a call left alone; ``eager_prepare``: ``prepare`` on the casters' eager forms; ``lowers``:
+    while torch.compile lowers a captured graph the op runs as torch's (not an operator, ``a @
+    b``, which dynamo records as Python's, never as this wrapper)."""
+
+    op: Callable
+    prepare: Callable | None
+    about: object
+    src: object = None
+    cast_any: Callable | None = None
+    eager: Callable | None = None
+    limit: float | None = None
+    inplace_at: int = NEVER
+    hidden: bool = True
+    needs: Callable | None = None
+    eager_prepare: Callable | None = None
+    lowers: bool = True
+
+
+def _body(spec):
+    # ``spec``: a Spec as a plain tuple, the wrapper's one cell
 
     def wrapper(*args, **kwargs):
         st = tls
-        # read once: another thread's revert() may retire this wrapper (its prepare set to PAUSED)
-        # while a call is inside it; the call then finishes under the configuration it started in
-        rule = prepare
-        if rule is PAUSED:
-            return op(*args, **kwargs)
+        # read once: another thread's revert() may retire this wrapper (swap its record) while a
+        # call is inside it; the call then finishes under the record it started with
+        s = spec
+        if s[1] is PAUSED:
+            return s[0](*args, **kwargs)
         if st.off:
             try:
-                return op(*args, **kwargs)
+                return s[0](*args, **kwargs)
             except Exception as e:  # costs nothing unless something raises
-                rescue.uncast_error(e, about)
+                rescue.uncast_error(e, s[2])
                 raise
-        # once per call: compiled, traced or eager. Dynamo first: it folds is_dynamo_compiling() and
-        # reads nothing after it; eager is then two C calls (torch_private.after_dynamo otherwise)
+        op, rule, about, src, cast_any, eager, limit, inplace_at, hidden, needs, eager_prepare, lowers = s
+        # once per call: compiled, traced or eager. Dynamo first: it folds is_dynamo_compiling() and reads
+        # (guards on) nothing after it; eager is then two C calls (torch_private.after_dynamo otherwise)
         if _dynamo_compiling():
             running = _DYNAMO
         elif _compile_flag() or _tracing_state() is not None:
@@ -69,7 +94,7 @@ def _body(op, prepare, about, src, cast, limit, inplace_at, hidden, needs, eager
         paused = st.engine_on and _pause(st, running)
         a = graph = None
         try:
-            if src is None or kwargs or inplace and len(args) > inplace_at and args[inplace_at]:
+            if src is None or kwargs or inplace_at != NEVER and len(args) > inplace_at and args[inplace_at]:
                 a, k = rule(args, kwargs)
             elif src is _PROMOTE:
                 a, k = (args, kwargs) if _one_dtype(args, None) is not False else rule(args, kwargs)
@@ -108,6 +133,11 @@ def _body(op, prepare, about, src, cast, limit, inplace_at, hidden, needs, eager
     return wrapper
 
 
+def made(spec):
+    """A new wrapper doing what ``spec`` (a Spec) says."""
+    return _body(tuple(spec))
+
+
 _METADATA_KEY = "hmp_copies"
 
 
@@ -139,5 +169,5 @@ def hold(result, fresh):
     fresh.clear()
 
 
-_BODY = _body(None, None, None, None, None, None, None, None, None, None).__code__
-wrapper_frames.register_wrapper(_BODY)  # the op a frame calls: its local ``op``
+_BODY = _body(None).__code__
+wrapper_frames.register_wrapper(_BODY, lambda frame: (frame.f_locals.get("s") or (None,))[0])  # the op it calls

@@ -34,6 +34,7 @@ from hmp.demo.training import (
     train_interleaved,
 )
 from hmp.driver.plan import PARAMETERS
+from hmp.tools import speed
 from hmp.tools.arguments import list_file_problem, positive_int, seed
 from hmp.tools.progress import Progress
 
@@ -64,8 +65,10 @@ def add_parser(subparsers):
         "demo",
         help="train a small transformer on the stdlib's source, fp32 vs hmp",
         description="Train the same character-level transformer language model twice from the same seed, "
-        "on the Python standard library's source files: in fp32, then under hmp.convert(). "
-        "Prints speed, memory, losses and hmp's casts per op. The model is the same on every run on a "
+        "on the Python standard library's source files: in fp32 and under hmp.convert(), a few steps of each in "
+        "turn (interleaved, so load on this machine falls on both alike). "
+        "Prints speed (where this machine lets it be measured: a busy one is said to be), memory, losses and "
+        "hmp's casts per op. The model is the same on every run on a "
         "kind of device (a larger one on a GPU); only the number of steps follows this machine's speed.",
     )
     length = p.add_mutually_exclusive_group()
@@ -203,12 +206,12 @@ def _plan(args, device, options):
     _note(_model_line(cfg, params, args.batch_size is not None))  # the first line names the model
     ratio = matmul_time_vs_fp32(cfg)
     native = sizing.native_bf16(device)
-    _note(f"this {device}: {sizing.expectation(ratio, native, device)}")
+    _note(f"this {device}: {speed.expectation(ratio, native, device)}")
     facts = {
         "params": params,
         "opt_level": args.opt_level,
         "bf16_matmul_time_vs_fp32": ratio.median if ratio is not None else None,
-        "bf16_matmul_ratio": ratio._asdict() if ratio is not None else None,  # the pairs' judgement (timing.Ratio)
+        "bf16_matmul_ratio": ratio.as_dict() if ratio is not None else None,  # the pairs' judgement (timing.Ratio)
         "native_bf16": native[0],
         "native_bf16_why": native[1],
         "measured_step_s": None,
@@ -230,9 +233,9 @@ def _sized(cfg, options, facts):
         else ""
     )
     _note(
-        f"sized to this machine: a step takes {fp32_s * 1e3:.0f} ms in fp32 and {hmp_s * 1e3:.0f} ms under hmp "
-        f"(measured now); {budget.steps} steps per configuration, about {budget.seconds:.0f} s of training for "
-        f"both{over}, more or less as this machine's load changes (the time left is updated as it trains); "
+        f"sized to this machine: {speed.step_seconds_words(fp32_s, hmp_s)}; {budget.steps} steps per configuration, "
+        f"about {budget.seconds:.0f} s of training for both{over}, more or less as this machine's load changes "
+        "(the time left is updated as it trains); "
         "--steps N or --long to choose"
     )
     facts["measured_step_s"] = {"fp32": fp32_s, "hmp": hmp_s}

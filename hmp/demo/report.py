@@ -7,7 +7,7 @@ import torch
 
 import hmp
 from hmp.demo.training import BLOCK, CAST_STEPS, MEMORY_STEPS
-from hmp.tools import timing
+from hmp.tools import speed, timing
 
 META_FIELDS = (
     "steps",
@@ -52,9 +52,12 @@ def results(cfg, corpus, runs, casts, facts):
     base = runs[0]
     warm = cfg.timing_warmup if cfg.steps > cfg.timing_warmup else 0  # as tokens/s: a short run keeps them all
     for r in runs:  # the i-th steps of the two, taken at most 2 x BLOCK steps apart, are a pair
-        ratio = timing.ratio(base["step_s"][warm:], r["step_s"][warm:])
-        r["time_ratio"] = ratio._asdict() if ratio is not None else None
-        r["time_vs_fp32"] = ratio.median if ratio is not None else None  # below 1 is faster
+        samples = [(base, r)[i].get("step_samples") or (base, r)[i]["step_s"] for i in (0, 1)]
+        ratio = timing.ratio(samples[0][warm:], samples[1][warm:])
+        r["time_ratio"] = ratio.as_dict() if ratio is not None else None
+        # below 1 is faster (fp32's own: 1.0); None where the machine did not let it be measured (speed.py says why)
+        judged = ratio is not None and ratio.judged
+        r["time_vs_fp32"] = 1.0 if r is base else ratio.median if judged else None
     per_op, total, calls = casts
     meta = {
         "device": cfg.device,
@@ -96,43 +99,13 @@ def _casts_line(per_op, top=6):
 
 
 def _ratio(fields):
-    return None if fields is None else timing.Ratio(**fields)
-
-
-def _matmul_words(meta):
-    ratio = _ratio(meta.get("bf16_matmul_ratio"))
-    if ratio is None:
-        return f"{meta['bf16_matmul_time_vs_fp32']:.2f}x float32's time"
-    return ratio.words("float32's time")
-
-
-def _time_cell(fields):
-    ratio = _ratio(fields)
-    return "not timed" if ratio is None else f"{ratio.median:.2f}x" if ratio.measurable else "no difference"
+    return None if fields is None else timing.Ratio.from_dict(fields)
 
 
 def time_line(res):
-    """What the time column says and how sure it is: the one statement of noise (timing.py)."""
+    """What the time column says and how sure it is (speed.py words it)."""
     m, r = res["meta"], res["results"][-1]
-    ratio = _ratio(r["time_ratio"])
-    how = (
-        f"time vs fp32: the median of the step pairs' ratios, fp32 and hmp trained interleaved ({BLOCK} steps of each "
-        f"in turn, which first alternating, after {m['timing_warmup']} warm-up steps), so load on this machine "
-        "falls on both alike; "
-    )
-    if ratio is None:
-        return how + "not timed"
-    said = (
-        f"hmp takes {ratio.words()}: a measured difference"
-        if ratio.measurable
-        else f"{ratio.words()} between hmp and fp32 here (more --steps narrow it)"
-    )
-    return (
-        how
-        + said
-        + "; this column and this line are the comparison: tokens/s (each configuration's median step) and train "
-        "time (its steps added up) are each configuration's own steps, which load on this machine can move apart"
-    )
+    return speed.demo_time_line(_ratio(r["time_ratio"]), BLOCK, m["timing_warmup"], m["device"])
 
 
 def _table(res, mem_title):
@@ -144,7 +117,7 @@ def _table(res, mem_title):
             (
                 r["configuration"],
                 _fmt_int(r["tokens_per_s"]),
-                "1.00x" if r is res["results"][0] else _time_cell(r["time_ratio"]),
+                "1.00x" if r is res["results"][0] else speed.cell(_ratio(r["time_ratio"])),
                 mem,
                 f"{r['train_loss']:.4f}",
                 f"{r['val_loss']:.4f}",
@@ -175,8 +148,7 @@ def format_report(res):
         "",
         f"val loss: hmp {res['val_loss_change_pct']:+.2f}% vs fp32; unigram baseline {m['unigram_baseline']:.4f} "
         f"(losses are cross-entropy in nats/char)",
-        f"this {m['device']}: a bfloat16 matmul of the model's size takes {_matmul_words(m)} (measured now, "
-        "in adjacent pairs; below 1 is faster); no bf16 scheme gains more than that on the matmuls",
+        speed.demo_matmul_line(m["device"], _ratio(m.get("bf16_matmul_ratio")) or m["bf16_matmul_time_vs_fp32"]),
         f"casts hmp made per training step (forward; {c['total_per_step']:g} casts in {c['op_calls_per_step']:g} "
         f"op calls): {_casts_line(c['per_op'])}",
         f"tokens/s: median step after {m['timing_warmup']} warm-up steps; train loss: mean of the last "

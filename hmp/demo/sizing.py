@@ -6,7 +6,8 @@ every GPU run the same larger one), so two runs anywhere compare like with
 like; only the number of steps follows the measured time of a step. Before
 training, the demo measures instead of assuming: whether the CPU has native
 bf16 instructions, how a bf16 matmul of the model's size compares with fp32
-here, and how long one training step takes in each configuration."""
+here (worded by hmp/tools/speed.py, with every speed sentence), and how long
+one training step takes in each configuration."""
 
 import contextlib
 import dataclasses
@@ -18,7 +19,6 @@ import torch
 
 import hmp
 from hmp.demo.training import build, random_batch, train_step
-from hmp.tools import timing
 
 # the shortest run the demo sizes itself to: fewer steps and the val loss says little
 MIN_STEPS = 40
@@ -76,38 +76,6 @@ def native_bf16(device="cpu", cpuinfo=None, machine=None):
             return True, "this ARM CPU has the bf16 extension"
         return False, "this ARM CPU lacks the bf16 extension: bf16 arithmetic is emulated"
     return None, f"hmp cannot tell whether this {machine} CPU has bf16 instructions"
-
-
-def expectation(matmul_ratio, native, device="cpu"):
-    """One line: what the hmp run's speed will be against fp32, and why, from the bf16 matmul timed
-    now (a timing.Ratio from adjacent pairs: faster or slower only where its pairs say so, outside the
-    margin; a plain number is read against 0.9 and 1.1). On an accelerator it also says what the
-    matmul alone cannot: hmp's host time per call, which only a large enough model hides."""
-    has, why = native
-    if isinstance(matmul_ratio, timing.Ratio):
-        median, faster, slower = matmul_ratio.median, matmul_ratio.faster, matmul_ratio.slower
-        spread = f" ({matmul_ratio.middle_half()})"
-    else:
-        median, faster, slower, spread = matmul_ratio, matmul_ratio < 0.9, matmul_ratio > 1.1, ""
-    takes = f"a bf16 matmul takes {median:.2f}x fp32's time{spread} ({why})"
-    if faster:
-        line = f"expect hmp to train faster than fp32 here: {takes}"
-    elif not slower:
-        line = (
-            f"expect about fp32's speed here: {takes}, no measurable difference; "
-            "hmp's numbers (losses, casts) are what this run shows"
-        )
-    else:
-        line = (
-            f"expect hmp to train SLOWER than fp32 here: {takes}; no bf16 scheme gains on this machine. The losses "
-            "and casts are still hmp's; the speed-up comes where the matmul measures faster in bf16"
-        )
-    if device == "cpu":
-        return line
-    return (
-        f"{line}. On {device} a small model is launch-bound (each call's host time, hmp's included, exceeds "
-        "its kernel's) and bf16 gains nothing there: this model is sized so its matmuls outweigh that"
-    )
 
 
 def step_seconds(cfg, configurations, steps=3):

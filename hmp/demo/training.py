@@ -19,7 +19,7 @@ import hmp
 from hmp.demo import data as data_mod
 from hmp.demo.model import CharTransformer, n_params
 from hmp.demo.procmem import start_peak
-from hmp.tools import timing
+from hmp.tools import host, timing
 
 
 @dataclass
@@ -239,10 +239,14 @@ class _Run:
         gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.batches = data_mod.batches(corpus.train, cfg.batch_size, cfg.seq_len, gen)
         self.rng = _rng_state(cfg.device)  # dropout draws from it: each run's as if it trained alone
-        self.times, self.losses = [], []
+        self.times, self.losses, self.samples = [], [], []  # samples: host.Sample, what the machine did too
 
     def converted(self):
         return hmp.converted(**self.options) if self.options is not None else contextlib.nullcontext()
+
+    def step(self, cfg, x, y):
+        """One training step, timed (host.measure): ``(loss, sample)``; ``.item()`` waits for the step."""
+        return host.timed(lambda: train_step(self.model, self.opt, self.sched, x, y, cfg).item(), cfg.device)
 
     def block(self, cfg, steps, on_step):
         _set_rng(self.rng)
@@ -250,11 +254,9 @@ class _Run:
             for _ in range(steps):
                 x, y = next(self.batches)
                 x, y = x.to(cfg.device), y.to(cfg.device)
-                _sync(cfg.device)
-                t0 = time.perf_counter()
-                loss = train_step(self.model, self.opt, self.sched, x, y, cfg).item()  # waits for the step
-                _sync(cfg.device)
-                self.times.append(time.perf_counter() - t0)
+                loss, sample = self.step(cfg, x, y)
+                self.samples.append(sample)
+                self.times.append(sample.seconds)
                 self.losses.append(loss)
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"training loss became {loss} at step {len(self.losses)}")
@@ -271,7 +273,9 @@ def train_interleaved(cfg, corpus, configurations, on_step=None):
     order of the blocks in a round is rotated round by round.
 
     Returns train()'s dict per configuration, with ``wall_s`` the sum of its
-    step times and ``step_s`` every step's time; hmp is reverted after each
+    step times, ``step_s`` every step's time and ``step_samples`` its
+    host.Sample (the time, and what the machine did meanwhile: a pair of
+    steps another program delayed is not judged); hmp is reverted after each
     block, also on error. The i-th steps of two configurations were taken
     BLOCK steps apart, in adjacent blocks: timing.ratio pairs them and judges
     the pairs' ratios."""
@@ -296,6 +300,7 @@ def train_interleaved(cfg, corpus, configurations, on_step=None):
                 "val_loss": val_loss,
                 "wall_s": sum(run.times),
                 "step_s": run.times,
+                "step_samples": run.samples,
                 "losses": run.losses,
                 "peak_memory_mib": None,
             }

@@ -29,7 +29,7 @@ from hmp.core.identity import unwrap
 from hmp.core.state import close_block, first_time, runtime, user_stacklevel
 from hmp.diagnostics import errors, interop  # noqa: F401 (errors registers its note on the wrappers' errors)
 from hmp.driver.patch import MISSING, PatchLog
-from hmp.driver.plan import Conversion, options_of, plan
+from hmp.driver.plan import Requested, options_of, plan
 from hmp.driver.queries import effective_lists, in_force
 from hmp.rules import pickling, regions, steps
 
@@ -81,7 +81,22 @@ def convert(
     promotion (hmp/binding/pays.py; ``effective_lists(detail=True)`` says per entry). ``engine="autocast"``:
     torch.autocast casts the ops where it agrees with the lists, hmp's wrappers the rest (docs/engines.md).
     """
-    options = dict(locals())  # convert's own arguments, by name: their one spelling is the signature above
+    options = Requested(
+        opt_level=opt_level,
+        bf16_file_path=bf16_file_path,
+        fp32_file_path=fp32_file_path,
+        isVerbose=isVerbose,
+        low_precision_type=low_precision_type,
+        promote_file_path=promote_file_path,
+        cache=cache,
+        fp16_file_path=fp16_file_path,
+        fp32_modules=fp32_modules,
+        bf16_modules=bf16_modules,
+        model=model,
+        uncast_file_path=uncast_file_path,
+        strict=strict,
+        engine=engine,
+    )
     with runtime.lock:
         resolver = Resolver()  # one for checking the lists and binding them: names resolve once
         install(plan(options, resolver), resolver)
@@ -174,7 +189,7 @@ class _Built(NamedTuple):
 
 
 def _build(conversion, resolver, recorder, passthrough):
-    effective, options, by_module, uncast = conversion
+    effective, options, by_module, uncast = conversion.lists, conversion.options, conversion.modules, conversion.uncast
     casters = cache.cached_casts() if options.cache else dict(FINITE_CASTS)
     watch = imports.Watch()
     wrappers = sites.Wrappers(
@@ -236,8 +251,8 @@ def _install_built(conversion, built):
         raise
     for w, prepare in built.user.items():
         wrapper_life.resume(w, prepare)
-    effective, options, by_module, uncast = conversion
-    runtime.conversion = Conversion({k: frozenset(v) for k, v in effective.items()}, options, by_module, uncast)
+    options = conversion.options
+    runtime.conversion = conversion._replace(lists={k: frozenset(v) for k, v in conversion.lists.items()})
     runtime.wrappers = built.wrappers
     if options.isVerbose:
         _log_conversion(undo_log)

@@ -5,6 +5,7 @@ hmp/driver/conversion.py installs."""
 import inspect
 import os
 import warnings
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -13,7 +14,29 @@ from hmp.binding import engine as engine_plan
 from hmp.binding import kinds, lists, module_entries, uncast_list
 from hmp.binding.resolve import Resolver
 from hmp.core.dtypes import LOW
+from hmp.core.hints import ListPath, ModuleTargets
 from hmp.core.state import first_time, user_stacklevel
+
+
+class Requested(NamedTuple):
+    """What a convert() call asks for, as given, by convert()'s parameter names: convert() builds
+    it from its named parameters and plan() takes it (tests/unit/test_conversion.py checks that
+    these defaults are convert()'s)."""
+
+    opt_level: str = "O1"
+    bf16_file_path: ListPath = ""
+    fp32_file_path: ListPath = ""
+    isVerbose: bool = False
+    low_precision_type: torch.dtype = torch.bfloat16
+    promote_file_path: ListPath = ""
+    cache: bool = True
+    fp16_file_path: ListPath = ""
+    fp32_modules: ModuleTargets = None
+    bf16_modules: ModuleTargets = None
+    model: torch.nn.Module | None = None
+    uncast_file_path: ListPath = ""
+    strict: bool | None = None
+    engine: str | None = None
 
 
 class Options(NamedTuple):
@@ -26,6 +49,7 @@ class Options(NamedTuple):
     cache: bool  # the weight-cast cache (hmp/core/cache.py)
     strict: bool  # Habana's literal rule: every listed op casts, pointwise ones too (None given: HMP_STRICT)
     engine: str = "python"  # who casts: hmp's wrappers, or torch.autocast where the lists agree (docs/engines.md)
+    model: object = None  # a weak reference to convert(model=...)'s model: engine="autocast" checks its weights
 
 
 class Conversion(NamedTuple):
@@ -35,6 +59,9 @@ class Conversion(NamedTuple):
     options: Options
     modules: dict  # list kind -> module classes and instances (hmp/binding/modules.py), for kinds that take them
     uncast: tuple = ()  # uncast_list.Entry: code that runs with casts off (building, averaging, merging)
+    # the kinds whose list a user's file (or names) gave whole, without 'include default': what tune's files
+    # keep whole too, so a list that replaced the default still does when nothing changes
+    replacing: frozenset = frozenset()
 
 
 def _looks_like_path(text):
@@ -121,29 +148,29 @@ def check_options(opt_level, isVerbose, low_precision_type, cache, strict, engin
 
 
 def plan(options, resolver=None):
-    """The Conversion convert() would install, checked; changes nothing.
-    ``options``: convert()'s arguments by name (``requested`` binds a call;
-    convert's signature is their one spelling); one left out takes its default."""
-    given = {name: options.get(name, p.default) for name, p in PARAMETERS.items()}
-    low = given["low_precision_type"]
-    checked = check_options(
-        given["opt_level"], given["isVerbose"], low, given["cache"], given["strict"], given["engine"]
-    )
+    """The Conversion convert() would install, checked; changes nothing. ``options``: a Requested
+    (``requested`` binds a call's arguments to one)."""
+    low = options.low_precision_type
+    checked = check_options(options.opt_level, options.isVerbose, low, options.cache, options.strict, options.engine)
+    if isinstance(options.model, torch.nn.Module):
+        checked = checked._replace(model=weakref.ref(options.model))
+    replacing = set()
     effective, classes = lists.effective(
         resolver or Resolver(),
-        given["opt_level"],
-        {k: given[k.parameter] for k in kinds.KINDS},
-        fp16=given["fp16_file_path"],
+        options.opt_level,
+        {k: getattr(options, k.parameter, "") for k in kinds.KINDS},  # a kind convert() takes no file for: its default
+        fp16=options.fp16_file_path,
         low=low,
         strict=checked.strict,
+        replacing=replacing,
     )
-    given_entries = {
-        k: module_entries.from_parameter(given[k.modules_parameter], given["model"], k.modules_parameter)
-        for k in kinds.KINDS
-        if k.takes_modules
-    }
-    uncast = uncast_list.load(given["uncast_file_path"])
-    return Conversion(effective, checked, module_entries.merge(classes, given_entries), uncast)
+    given_entries = {}
+    for k in kinds.KINDS:
+        if k.takes_modules:
+            given = getattr(options, k.modules_parameter, None)
+            given_entries[k] = module_entries.from_parameter(given, options.model, k.modules_parameter)
+    uncast = uncast_list.load(options.uncast_file_path)
+    return Conversion(effective, checked, module_entries.merge(classes, given_entries), uncast, frozenset(replacing))
 
 
 # kept: convert()'s signature, read once

@@ -42,7 +42,7 @@ except ImportError:  # a torch built without torch.distributed: FSDP cannot run 
 from hmp.binding.resolve import Resolver
 from hmp.core.switches import casts_enabled, disable_casts, enable_casts
 from hmp.driver import conversion, queries
-from hmp.driver.plan import PARAMETERS, plan, requested
+from hmp.driver.plan import PARAMETERS, Requested, plan, requested
 
 log = logging.getLogger("hmp")
 
@@ -79,7 +79,7 @@ class HMPPrecision(Precision):
             raise TypeError("hmp: the plugin matches fp32_modules/bf16_modules against the LightningModule itself")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # convert() warns about O2 and files when the run starts
-            plan({**self.options, "fp32_modules": None, "bf16_modules": None})  # names need the model
+            plan(Requested(**{**self.options, "fp32_modules": None, "bf16_modules": None}))  # names need the model
         self.precision = "bf16-mixed" if self.low_precision_type is torch.bfloat16 else "16-mixed"
         self._active = False
         self._previous = None
@@ -102,7 +102,7 @@ class HMPPrecision(Precision):
         """Convert hmp with this plugin's settings (the Trainer calls it with
         the model, which module names are matched against)."""
         resolver = Resolver()  # one for checking the lists and binding them: names resolve once
-        wanted = plan({**self.options, "model": model}, resolver)
+        wanted = plan(Requested(**{**self.options, "model": model}), resolver)
         if not self._active:
             self._previous = queries.in_force()  # None when hmp is not converted
         conversion.install(wanted, resolver)

@@ -21,6 +21,7 @@ from torch.amp.autocast_mode import autocast
 from hmp.binding.resolve import subclasses
 from hmp.core import dtypes, state, torch_private
 from hmp.core.cache import release
+from hmp.core.delegation import backward_starts, drop
 from hmp.core.identity import mark, stand_in, unwrap
 from hmp.core.state import OFF, enter, leave, tls
 from hmp.core.switches import uncast
@@ -49,17 +50,21 @@ def _engines_own(region):
     )
 
 
+def _casts_another_dtype(region):
+    """A region that casts, not in the engine's dtype and devices (a float16 region, say)."""
+    return torch_private.autocast_enabled(region) and not _engines_own(region)
+
+
 def _autocast_enter(original):
     def __enter__(self):
-        if (
-            torch_private.autocast_enabled(self)
-            and not _engines_own(self)
-            and state.first_time("autocast region entered")
-        ):
+        another = _casts_another_dtype(self)
+        if another and state.first_time("autocast region entered"):
             _warn_enabled_region(self)  # first: a warnings filter set to "error" changes nothing
         # before torch's own __enter__: engine="autocast" turns autocast off with hmp's casts, and the
         # region's own state must be what torch sets last (hmp/core/delegation.py)
         found = enter(OFF)
+        if another:
+            drop()  # autocast's cache is keyed by weight alone: the engine's copies are not this region's
         try:
             result = original(self)
         except BaseException:
@@ -76,6 +81,8 @@ def _autocast_exit(original):
         try:
             return original(self, *exc)
         finally:
+            if _casts_another_dtype(self):
+                drop()  # nor are its copies the engine's
             # only a region this thread entered under hmp puts a state back:
             # one entered before convert() leaves the thread's state as it is
             regions, key = tls.autocast_regions, id(self)
@@ -103,6 +110,7 @@ def _uncast_backward(original):
 
     def backward(*args, **kwargs):
         release()  # the copies graphs hold for reuse: a backward pass ends their forward
+        backward_starts()  # engine="autocast": so do autocast's, outside accumulation()
         try:
             return original(*args, **kwargs)
         except Exception as e:

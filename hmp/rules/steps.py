@@ -21,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from hmp.core import dtypes, torch_private
 from hmp.core.cache import clear_cache
+from hmp.core.delegation import drop
 from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import OFF, current, enter, first_time, leave, tls, user_stacklevel
 from hmp.core.switches import run_as
@@ -69,6 +70,7 @@ def _pre_hook(optimizer, args, kwargs):
     # cannot trace frame access, and a compiled step runs no block
     owner = None if _is_compiling() else sys._getframe(1)
     tls.steps.append((enter(OFF, graph=False), owner))
+    drop()  # engine="autocast": autocast's copies were made from the weights the step writes
     # the closure (LBFGS) passes its arguments on, for optimizers that give any
     if kwargs and kwargs.get("closure") is not None:
         return args, dict(kwargs, closure=run_as(kwargs["closure"], caller))

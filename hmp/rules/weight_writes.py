@@ -9,6 +9,7 @@ import warnings
 import torch
 
 from hmp.core import dtypes
+from hmp.core.delegation import drop
 from hmp.core.identity import stand_in, unwrap
 from hmp.core.state import OFF, first_time, runtime, tls, user_stacklevel
 from hmp.rules.interface import Changes
@@ -48,7 +49,11 @@ def _checked(load_state_dict):
                     UserWarning,
                     stacklevel=user_stacklevel(),
                 )
-        return load_state_dict(self, state_dict, *args, **kwargs)
+        drop()  # engine="autocast": its copies' graphs hold the weights (assign=True may swap them)
+        try:
+            return load_state_dict(self, state_dict, *args, **kwargs)
+        finally:
+            drop()  # and the weights are written
 
     return stand_in(checked_load_state_dict, load_state_dict)
 

@@ -27,9 +27,9 @@ from hmp.binding import kinds
 from hmp.binding.pays import CAST
 from hmp.core.hints import Step
 from hmp.driver.conversion import applied
-from hmp.driver.plan import plan
+from hmp.driver.plan import Requested, plan
 from hmp.driver.queries import decisions, in_force
-from hmp.tools import timing
+from hmp.tools import host, speed
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
 from hmp.tools.op_costs import NOT_TIMED, TIMED_PAIRS, op_times
@@ -103,7 +103,7 @@ class AuditReport:
     def table(self):
         lines = [
             f"output (loss) relative error under hmp: {self.output_error:.3g}",
-            f"listed ops' forward time under the lists: {timing.words(self.time_ratio)}",
+            f"listed ops' forward time under the lists: {speed.words(self.time_ratio, control_of='the lists')}",
             "",
             "| op | list | calls | max rel err | mean rel err | own max rel err | inf/NaN introduced "
             "| error passed to loss | flagged |",
@@ -258,7 +258,7 @@ def _class_rows(module_rows, threshold):
 
 def in_force_or_default():
     """The Conversion in force, or the one a plain ``hmp.convert()`` makes."""
-    return in_force() or plan({})
+    return in_force() or plan(Requested())
 
 
 def kind_of(name, lists):  # the public name of the list (of ``lists``, by kinds.Kind) holding ``name``
@@ -424,11 +424,10 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold, runs=None):
         _flag(row, threshold, loss_threshold)
         rows.append(row)
     made = made_by_class(fn, args, kwargs, guard, conversion, ref, full, runs)
-    runs.expect(2 * (TIMED_PAIRS + 1), "audit: timing the ops")
-    walls = {}  # the steps the op times are parts of: the same runs' wall times
-    times, total = op_times(
-        lambda fp32: run_step(fn, args, kwargs, guard, conversion, passthrough=fp32)[1].stats, walls=walls
-    )
+    runs.expect(3 * (TIMED_PAIRS + 1), "audit: timing the ops (in fp32, and twice under the lists: the control)")
+    walls, device = {}, host.device_of(guard.modules)  # walls: the steps the op times are parts of
+    run = lambda fp32: run_step(fn, args, kwargs, guard, conversion, passthrough=fp32)[1].stats  # noqa: E731
+    times, total = op_times(run, walls=walls, device=device)
     for row in rows:
         row.update(times.get(row["op"], NOT_TIMED))
     paths = module_paths(guard.modules)

@@ -2,6 +2,10 @@
 (hmp/tools/target.py), the list files to run under, and the output paths,
 all checked before anything runs; each problem is one line and exit 2."""
 
+import os
+
+from hmp.binding.kinds import FP32, LOWER
+from hmp.binding.list_files import list_path
 from hmp.driver.conversion import converted
 from hmp.tools.arguments import add_list_files, fail, list_file_problem, said
 from hmp.tools.files import check_outputs
@@ -20,6 +24,18 @@ def add_common(p):
 def lists(args):
     """The convert() arguments of the list-file flags."""
     return {"bf16_file_path": args.bf16_file, "fp32_file_path": args.fp32_file}
+
+
+def lists_words(args, environ=None):
+    """Which list files the command runs under, as convert() finds them: the flag's file, else the
+    environment's (``$LOWER_LIST``, ...), else hmp's default (O1, bfloat16)."""
+    environ = os.environ if environ is None else environ
+    said = []
+    for kind, given in ((LOWER, args.bf16_file), (FP32, args.fp32_file)):
+        var = next((v for v in kind.environ if environ.get(v)), None)
+        where = given or (f"{environ[var]} (from ${var})" if var else f"hmp's default, {list_path(kind.name)}")
+        said.append(f"the {kind.name.upper()} list {where}")
+    return "ran under " + " and ".join(said)
 
 
 def check_lists(args, prog):
@@ -63,6 +79,7 @@ def run(args, prog, measure, save_html, to_json):
             report = measure(*target, progress)
     finally:
         shown.close(None if report is None else f"measured in {shown.elapsed():.0f} s ({shown.done} runs of the step)")
+    print(lists_words(args))
     print(report.table())
     for path, write in ((args.report, save_html), (args.json, to_json)):
         if path:

@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from hmp.core.switches import casts_enabled
 from hmp.core.torch_private import tree_leaves
+from hmp.tools import host as host_mod
 from hmp.tools import timing
 from hmp.tools.record import ThreadModules, module_paths
 from hmp.tools.timing import collector_paused
@@ -229,9 +230,10 @@ def measure(run, modules, runs=3):
 
 NOT_TIMED = {"fp32_ms": None, "lists_ms": None, "cast_ms": None, "time_ratio": None}
 TIMED_PAIRS = 5  # an fp32 run and a run under the lists, this many times, interleaved, after one of each
+AGAIN = "lists again"  # the control arm: the lists timed a second time
 
 
-def op_times(stats_of, repeats=TIMED_PAIRS, walls=None):
+def op_times(stats_of, repeats=TIMED_PAIRS, walls=None, device="cpu", host=None):
     """``({op: {"fp32_ms", "lists_ms", "cast_ms", "time_ratio"}}, total)``:
     the wall time of each recorded op's calls in a step in fp32
     (``stats_of(True)``: a recorded run casting nothing, its
@@ -241,41 +243,45 @@ def op_times(stats_of, repeats=TIMED_PAIRS, walls=None):
     with Python's garbage collector paused, and the time under the lists
     relative to fp32 (timing.ratio), for the ops recorded in every run on
     both sides (both_sides()); ``total``: that ratio for those same ops'
-    time together, from the same runs (total_ratio()). Both runs go through the recording wrappers, so the same
+    time together, from the same runs (total_ratio()), with the lists timed
+    a second time in the same rounds as its control. Each run is a
+    host.Sample: a pair in which other programs took more than the margin
+    of a run's time is left out. Both runs go through the recording wrappers, so the same
     calls are timed under the names the rows have: a TorchFunctionMode is
     handed ``Tensor.div`` for ``/`` and cannot tell ``truediv`` from
     ``div``. None: not run in that step. ``walls``: a dict given gets each
     side's median wall time of those same runs in ms (``{"fp32", "lists"}``):
     the steps the ops' times are parts of, never less than any op's (a
-    run's op time is inside its wall time, so their medians keep the order)."""
+    run's op time is inside its wall time, so their medians keep the order). ``host``: the machine's
+    counters (host.Host; this machine's by default)."""
+    on = host
 
     def sample(fp32):
-        start = time.perf_counter()
-        stats = stats_of(fp32)
-        return time.perf_counter() - start, stats
+        stats, taken = host_mod.timed(lambda: stats_of(fp32), device, on)
+        return taken, stats
 
     # adjacent pairs in alternating order after a warm-up pair (first calls fill caches): timing.paired
+    samplers = {"fp32": lambda: sample(True), "lists": lambda: sample(False), AGAIN: lambda: sample(False)}
     with collector_paused():
-        got = timing.paired({"fp32": lambda: sample(True), "lists": lambda: sample(False)}, "fp32", repeats, warmup=1)
-    taken = {"fp32": got.reference, "lists": got.samples("lists")}
-    runs = {kind: [stats for _, stats in taken[kind]] for kind in taken}
-    seconds = {kind: [s for s, _ in taken[kind]] for kind in taken}
+        got = timing.paired(samplers, "fp32", repeats, warmup=1)
+    runs = {"fp32": got.reference, "lists": got.samples("lists"), AGAIN: got.samples(AGAIN)}
     if walls is not None:
-        walls.update({kind: statistics.median(s) * 1e3 for kind, s in seconds.items()})
+        walls.update({kind: statistics.median(s.seconds for s, _ in runs[kind]) * 1e3 for kind in ("fp32", "lists")})
 
     def ms(kind, name, part):
-        got = [part(stats[name]) * 1e3 for stats in runs[kind] if name in stats]
-        return got or None
+        return [s._replace(seconds=part(stats[name]) * 1e3) for s, stats in runs[kind] if name in stats] or None
+
+    def median(taken):
+        return taken and statistics.median(s.seconds for s in taken)
 
     out, common = {}, both_sides(runs)
-    for name in set().union(*runs["fp32"], *runs["lists"]):
+    for name in set().union(*(stats for kind in ("fp32", "lists") for _, stats in runs[kind])):
         a = ms("fp32", name, lambda s: s.op_seconds)
         b = ms("lists", name, lambda s: s.op_seconds + s.cast_seconds)
-        cast = ms("lists", name, lambda s: s.cast_seconds)
         out[name] = {
-            "fp32_ms": a and statistics.median(a),
-            "lists_ms": b and statistics.median(b),
-            "cast_ms": cast and statistics.median(cast),
+            "fp32_ms": median(a),
+            "lists_ms": median(b),
+            "cast_ms": median(ms("lists", name, lambda s: s.cast_seconds)),
             "time_ratio": timing.ratio(a, b) if name in common else None,
         }
     return out, total_ratio(runs)
@@ -285,23 +291,25 @@ def both_sides(runs):
     """The ops recorded in every run on both sides: the op set a total is taken over. An op recorded on one
     side only (an op in no list that hmp wraps under the lists and the fp32 run does not record) has no
     fp32 time to set against its time under the lists, and its row says not timed."""
-    every = [set(stats) for kind in ("fp32", "lists") for stats in runs[kind]]
+    every = [set(stats) for kind in runs for _, stats in runs[kind]]
     return set.intersection(*every) if every else set()
 
 
 def total_ratio(runs):
     """The listed ops' time under the lists relative to fp32, from the same runs as the rows' times and over
-    the same ops (both_sides(): those whose rows have a ratio), pair by pair: the audit's headline."""
+    the same ops (both_sides(): those whose rows have a ratio), pair by pair: the audit's headline; its
+    control, the lists' second arm against the first (``runs`` without it: no control)."""
     ops = both_sides(runs)
     if not ops:
         return None
     totals = {
-        kind: [sum(stats[op].op_seconds + _cast(kind, stats[op]) for op in ops) for stats in runs[kind]]
-        for kind in runs
+        kind: [s._replace(seconds=sum(stats[op].op_seconds + _cast(kind, stats[op]) for op in ops)) for s, stats in got]
+        for kind, got in runs.items()
     }
-    return timing.ratio(totals["fp32"], totals["lists"])
+    control = timing.ratio(totals["lists"], totals[AGAIN]) if AGAIN in totals else None
+    return timing.ratio(totals["fp32"], totals["lists"], control=control)
 
 
 def _cast(kind, stats):
     """The casts hmp makes count under the lists, as in the rows' ``lists_ms``; the fp32 runs make none."""
-    return stats.cast_seconds if kind == "lists" else 0.0
+    return stats.cast_seconds if kind != "fp32" else 0.0

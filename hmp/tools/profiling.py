@@ -19,6 +19,7 @@ import torch
 from hmp.core.hints import Step
 from hmp.driver.conversion import applied
 from hmp.driver.queries import in_force
+from hmp.tools import host, speed, timing
 from hmp.tools.files import write_all
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
@@ -41,28 +42,19 @@ def _top(counter):
 class ProfileReport:
     """Per-op statistics of the profiled runs: ``stats``, op name ->
     record.OpStats (counts from one run, times the median over the runs);
-    ``totals``, per run, the listed ops' time and the cast time (seconds)."""
+    ``totals``, per run, the listed ops' time and the cast time (seconds);
+    ``under``, the lists the runs ran under, in words; ``load``, what the
+    machine did while they ran (timing.Load, None: not read)."""
 
-    def __init__(self, stats, totals=()):
+    def __init__(self, stats, totals=(), under="", load=None):
         self.stats = stats
         self.totals = list(totals)
+        self.under, self.load = under, load
 
     def noise(self):
-        """One line: how many runs the times are medians of, and the middle half of the runs' totals."""
-        runs = len(self.totals)
-        if runs < 2:
-            return f"times from {runs} run after a warm-up: one run cannot say how much of a difference is noise"
-
-        def middle(values):
-            ms = [v * 1e3 for v in values]
-            low, _, high = statistics.quantiles(ms, n=4, method="inclusive")
-            return f"{statistics.median(ms):.3f} ms (middle half {low:.3f} to {high:.3f})"
-
-        return (
-            f"times are medians of {runs} runs after a warm-up; per run, the listed ops took "
-            f"{middle([op for op, _ in self.totals])} and hmp's casts {middle([cast for _, cast in self.totals])}: "
-            "a difference inside those ranges is noise"
-        )
+        """One line: how many runs the times are medians of, the middle half of the runs' totals, and how busy
+        the machine was (speed.profile_noise)."""
+        return speed.profile_noise(self.totals, self.load)
 
     def rows(self):
         rows = []
@@ -97,7 +89,7 @@ class ProfileReport:
         """A markdown table sorted by time (op plus casting), and the noise line."""
         lines = ["| " + " | ".join(COLUMNS) + " |", "|---|---:|---|---|---:|---:|---:|---:|"]
         lines += ["| " + " | ".join(map(str, cells)) + " |" for cells in self.cells()]
-        return "\n".join(lines + ["", self.noise()])
+        return "\n".join(([self.under, ""] if self.under else []) + lines + ["", self.noise()])
 
     def to_html(self, title="hmp profile report"):
         """One self-contained HTML page: a summary line and the table."""
@@ -118,6 +110,7 @@ class ProfileReport:
                     f"<h1>{esc(title)}</h1>",
                     f'<p class="meta">{esc(f"measured {stamp} | hmp {__version__} | torch {torch.__version__}")}</p>',
                     f"<p>{esc(summary)}</p>",
+                    *([f"<p>{esc(self.under)}</p>"] if self.under else []),
                     '<p class="caption">One row per listed op the function ran, most time first: the dtypes its inputs '
                     "came in and it ran in (most common), its forward calls, the time in the op and in hmp's casts, "
                     f"and how much data was cast. {esc(self.noise().capitalize())}.</p>",
@@ -137,7 +130,7 @@ class ProfileReport:
 
     def to_json(self):
         runs = [{"op_ms": op * 1e3, "cast_ms": cast * 1e3} for op, cast in self.totals]
-        return json.dumps({"ops": self.rows(), "runs": runs, "noise": self.noise()}, indent=2)
+        return json.dumps({"under": self.under, "ops": self.rows(), "runs": runs, "noise": self.noise()}, indent=2)
 
     def save(self, path):
         Path(path).write_text(self.to_json() + "\n")
@@ -172,7 +165,8 @@ def profile(
     runs = StepRuns("hmp.profile", progress)
     counted = runs.counted(fn)
     runs.expect(repeats + 1, "profile")
-    recorded = []
+    recorded, samples = [], []
+    device = host.device_of(guard.modules)
     try:
         with guard.running(), applied(conversion):
             step_loss(counted(*args, **kwargs), "hmp.profile")  # warm-up: first calls fill caches
@@ -180,13 +174,22 @@ def profile(
             for _ in range(repeats):
                 recorder = Recorder()
                 with guard.running(), applied(conversion, recorder=recorder):
-                    value = counted(*args, **kwargs)
+                    value, sample = host.timed(lambda: counted(*args, **kwargs), device)
+                samples.append(sample)
                 step_loss(value, "hmp.profile")
                 recorded.append(recorder.stats)
     finally:
         guard.restore()
         runs.close()
-    return ProfileReport(_medians(recorded), [_total(stats) for stats in recorded])
+    busy = sum(1 for s in samples if (s.contention() or 0.0) > timing.MARGIN)
+    load = timing.load_of([(s,) for s in samples], busy)
+    return ProfileReport(_medians(recorded), [_total(stats) for stats in recorded], lists_in_force(conversion), load)
+
+
+def lists_in_force(conversion):
+    """The lists a conversion casts by, in words: ``under opt_level O1: the bf16 list (12 ops), ...``."""
+    counts = ", ".join(f"the {kind.name} list ({len(ops)} ops)" for kind, ops in conversion.lists.items())
+    return f"under opt_level {conversion.options.opt_level}: {counts}"
 
 
 def _total(stats):

@@ -141,13 +141,16 @@ class StepRuns:
     """The runs of the user's step a tool makes, counted for progress:
     ``counted(fn)`` wraps the step so each call is one done; ``expect(n)``
     adds ``n`` runs to the total as a phase learns how many it needs;
-    ``phase(what)`` names what the next runs are for. ``report(done, total,
+    ``phase(what)`` names what the next runs are for; ``later(n)``: the runs of
+    the phases still to come, as far as known, so the total (and the time
+    left) counts them before they start. ``report(done, total,
     what)`` is called after each run (hmp.tune's ``progress`` argument), or
     with ``report=None`` a Progress bar on stderr shows them (after a few
     seconds; ``report=False``: nothing)."""
 
     def __init__(self, tool, report=None, delay_s=3.0, label="measuring"):
         self.done, self.total, self.what = 0, 0, ""
+        self.ahead = 0  # runs the phases after the current one will make, as far as known now (later())
         self.bar = None
         if report is None:
             self.bar = Progress(label, None, tool, unit="run", delay_s=delay_s)
@@ -165,7 +168,7 @@ class StepRuns:
             finally:
                 self.done += 1
                 self.total = max(self.total, self.done)
-                self.report(self.done, self.total, self.what)
+                self.report(self.done, self.total + self.ahead, self.what)
 
         return run
 
@@ -176,6 +179,11 @@ class StepRuns:
 
     def phase(self, what):
         self.what = what
+
+    def later(self, runs):
+        """The runs the phases after the current one will make, as far as known now: counted in the total
+        (so the time left counts the phases left), replaced at each call, never part of ``total``."""
+        self.ahead = max(0, runs)
 
     def close(self, message=None):
         if self.bar is not None:

@@ -5,11 +5,9 @@ A verdict is given only where its interval lies wholly on one side of
 the threshold it is judged against; otherwise the sentence says that it
 cannot tell yet and how much longer to run:
 
-- speed: the middle half of the adjacent pairs' ratios (timing.Ratio)
-  against the margin around 1.0, both halves of the pairs agreeing; else
-  "cannot tell yet", with the ``--rounds`` to try;
-- the hardware: what a bf16 matrix product timed in the same run against
-  fp32's (paired too, timing.matmul_ratio) says, never a guess;
+- speed: worded in speed.py, the one home of every speed sentence (a
+  verdict only where the machine let the runs be measured and the control
+  agreed, else why and how to get one);
 - loss: the tuned lists' loss relative to fp32's over the last half of the
   validation steps (``loss_gaps``) against the tolerance: every step within
   it, within; every step outside it, outside; some of each, "cannot tell
@@ -25,34 +23,11 @@ data with known numbers.
 import math
 
 from hmp.binding import kinds
-from hmp.tools import timing
+from hmp.tools import speed
 from hmp.tools.report.svg import _num, esc
 
 DEFAULT_FILES = ("tuned_bf16.txt", "tuned_fp32.txt")
 WITHIN, OUTSIDE, UNKNOWN = "within", "outside", "cannot tell yet"
-
-
-# --- speed ----------------------------------------------------------------------------------------------------------
-
-
-def speed_sentence(ratio, what, longer=None):
-    """``what``'s time relative to fp32 as a sentence: faster or slower where the middle half of the
-    pairs lies wholly outside the margin around 1.0 and both halves of the pairs say so (Ratio.measurable);
-    else no measurable difference, cannot tell yet (``longer``: what to run to tell, ``--rounds 10``)."""
-    if ratio is None:
-        return f"Speed: {what} was not timed."
-    if ratio.measurable:
-        return f"{ratio.direction().capitalize()}: {what} takes {ratio.words()}."
-    more = f"; run longer ({longer}) to tell" if longer else ""
-    return (
-        f"Speed: {timing.UNCLEAR} between {what} and fp32 ({ratio.middle_half()}{ratio.unmeasured_because()}, "
-        "adjacent pairs): "
-        f"it cannot tell yet whether it is faster or slower{more}."
-    )
-
-
-def more_rounds(rounds):
-    return f"--rounds {2 * rounds}" if rounds else None
 
 
 # --- loss -----------------------------------------------------------------------------------------------------------
@@ -99,8 +74,15 @@ def _names(lines, shown=8):
 
 
 def file_words(path, parts):
-    """What a written file holds, from its lines (tuned_files.split's ``{"start", "tune"}``)."""
+    """What a written file holds, from its lines (tuned_files.split's ``{"start", "tune"}``; ``"whole"``: the
+    whole list, replacing the default as the starting list did)."""
     start, tune = parts["start"], parts["tune"]
+    if parts.get("whole"):
+        held = [f"{len(start)} entr{'y' if len(start) == 1 else 'ies'} of the list you started from ({_names(start)})"]
+        held += [f"{len(tune)} of tune's ({_names(tune)})"] if tune else []
+        dropped = parts.get("dropped") or []
+        held += [f"without {len(dropped)} tune took out ({_names(dropped)})"] if dropped else []
+        return f"{path}: the whole list, replacing the default as the list you started from did: " + ", ".join(held)
     if not start and not tune:
         return f"{path}: include default and nothing else"
     held = []
@@ -126,8 +108,10 @@ def tune_outcome(tune):
     gaps = tune.loss_gaps("tuned lists")
     state = loss_state(gaps, tune.tolerance)
     first = loss_sentence(gaps, tune.tolerance, tune.steps or len(gaps), tune.loss_gap("starting lists"))
-    speed = speed_sentence(tune.ratio("tuned lists"), "a step under the tuned lists", more_rounds(tune.rounds))
-    out = [first, speed]
+    said = speed.speed_sentence(
+        tune.ratio("tuned lists"), "a step under the tuned lists", speed.more_rounds(tune.rounds)
+    )
+    out = [first, said]
     if state == OUTSIDE:
         if not tune.audit.flagged and not tune.modules_to_fp32:
             why = (
@@ -181,7 +165,7 @@ def tune_todo(tune):
     reasons = change_reasons(tune)
     held = files_sentence(tune, (bf16, fp32))
     if tune.written:
-        files = f"Files written: {bf16} (the BF16 list) and {fp32} (the FP32 list), each extending the default list: "
+        files = f"Files written: {bf16} (the BF16 list) and {fp32} (the FP32 list): "
     else:
         files = f"Write the files first: result.write({bf16!r}, {fp32!r}); they would hold: "
     files += held
@@ -207,7 +191,7 @@ def tune_todo(tune):
             *reference,
             _p(files),
         ]
-    slower = slower_words(tune)
+    slower = speed.slower_words(tune.ratio("tuned lists"), getattr(tune, "matmul", None))
     if not reasons:
         return [
             _p(
@@ -224,34 +208,6 @@ def tune_todo(tune):
         f'<pre class="call">{esc(call)}</pre>',
         *([_p(slower)] if slower else []),
     ]
-
-
-def slower_words(tune):
-    """Where a step under the tuned lists is measurably slower than fp32, that said with its numbers, and
-    what the matrix product timed in the same run (``tune.matmul``) says of this machine's arithmetic."""
-    ratio = tune.ratio("tuned lists")
-    if ratio is None or not ratio.slower:
-        return ""
-    return (
-        f"On this machine a step under these lists takes {ratio.words()}: fp32 without hmp is faster here. "
-        + hardware_words(getattr(tune, "matmul", None))
-    ).strip()
-
-
-def hardware_words(matmul):
-    """What this machine's arithmetic in the lower dtype does, from the matrix product timed in the run
-    (a timing.Ratio, or None when none was timed: then nothing is said of the hardware)."""
-    if matmul is None:
-        return ""
-    said = f"A matrix product in the lower dtype, timed in this run against fp32's, takes {matmul.words()}"
-    if matmul.faster:
-        return (
-            f"{said}: this machine computes it faster, so what costs here is the rest of the step (hmp's casts "
-            "and its wrappers' time per call; the op rows below show where)."
-        )
-    if matmul.slower:
-        return f"{said}: this machine computes the lower dtype slower than fp32, so no list gains here."
-    return f"{said}: the lower dtype's arithmetic gains nothing measurable here."
 
 
 # --- audit ----------------------------------------------------------------------------------------------------------
@@ -274,7 +230,9 @@ def audit_outcome(audit):
     return (OUTSIDE if flagged else WITHIN), [
         first,
         f"After one step under the lists the loss is {_num(audit.output_error)} off fp32's (relative).",
-        speed_sentence(audit.time_ratio, "the listed ops' forward time under the lists" + timed_ops(audit)),
+        speed.speed_sentence(
+            audit.time_ratio, "the listed ops' forward time under the lists" + timed_ops(audit), control_of="the lists"
+        ),
     ]
 
 

@@ -1,25 +1,28 @@
-"""Step times relative to fp32, with the spread that says when they are noise;
-and the one way the benchmarks take their samples.
+"""Step times relative to fp32, judged only where the machine let them be
+measured; and the one way the benchmarks take their samples.
 
 One unit everywhere: a configuration's time divided by fp32's, so below 1
-is faster. Samples come interleaved (an fp32 run, a run under the lists, an
-fp32 run, ...), so the i-th sample of each was taken at about the same
-moment; a ratio per pair cancels load from elsewhere that lasts longer than
-a pair, and the median of the pairs' ratios is the time relative to fp32.
+is faster. Samples come in adjacent pairs (``paired``): the two members of
+a pair run one after the other, in alternating order, so load that lasts a
+pair multiplies both and cancels in its ratio, and the median of the pairs'
+ratios is the time relative to fp32.
 
-One statement of noise, the same in every tool: the middle half of the
-pairs' ratios (25th to 75th percentile). A difference is measured only when
-that middle half lies wholly outside the band of MARGIN around 1.0 (the
-tools' own margin: 2 % of fp32's time is not told from none) AND the run
-says the same twice: the first half of the pairs and the second half, each
-judged alone by its median, lie outside the band on the same side. Then it
-is said with its size and that range (``0.62x fp32's time (middle half of
-10 pairs: 0.58x to 0.66x)``); otherwise, or with fewer than MIN_PAIRS
-pairs, no difference was measured, and that is said with the range and
-why. Pairs are taken adjacent (``paired``): the two members of a pair run
-one after the other, in alternating order, so load that lasts a pair
-multiplies both and cancels in its ratio; a burst that starts or ends
-inside a pair spoils that one pair, which the middle half leaves out.
+Load in bursts longer than a step but not a pair reverses such ratios (a
+demo said 0.22x, then 1.16x, on a 2-core machine at load 2-5), so a sample
+also says what the machine did while it ran (host.Sample: its threads'
+run-queue waits, steal). A pair counts only when neither run lost more than
+MARGIN of its time to other programs (``contended``); a comparison most of
+whose pairs were contended, or with fewer than MIN_PAIRS clean ones, is
+``busy``: no verdict, and the sentence (speed.py) says why and how to get
+one. Where a comparison has a control (the same lists timed twice, two
+arms), the control's two arms must agree within the margin too.
+
+A difference is measured only then, when the clean pairs' middle half (25th
+to 75th percentile of their ratios) lies wholly outside the band of MARGIN
+around 1.0 AND the run says the same twice: the first half of the pairs and
+the second, each judged alone by its median, lie outside the band on the
+same side. Everything a user reads about speed is worded in speed.py, from
+the Ratio here.
 
 And one way of taking the samples, the only one benchmarks/*.py use (a test
 reads their source for any other clock): ``per_call`` times back-to-back
@@ -42,18 +45,38 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
+from hmp.tools import host as host_mod
+from hmp.tools.host import Sample
+
 MIN_PAIRS = 3  # fewer pairs have no middle half worth the name
-UNCLEAR = "no measurable difference"
-# the tools' own margin: a step within 2 % of fp32's time (0.98x to 1.02x) is not told from fp32's
+# the tools' own margin: a step within 2 % of fp32's time (0.98x to 1.02x) is not told from fp32's; and the most
+# of a run's time other programs may have taken (its threads' waits for a CPU, steal) for it to count
 MARGIN = 0.02
 # a change tune keeps for its speed must beat chance this clearly: the share of pairs faster with it would
 # come up by chance, with no difference at all, less than once in fifty (a one-sided sign test)
 SURE = 0.02
 
 
+class Load(NamedTuple):
+    """What the machine did during a comparison's pairs (host.Sample's counters over every pair taken):
+    ``taken`` pairs, ``contended`` of them left out, the runs' threads' run-queue wait as a share of the
+    runs' wall time per torch thread (the average thread's), the steal as a share of the machine's CPU
+    time over them (None: not reported here), the most tasks runnable at a run's end, torch's threads
+    and this process's CPUs."""
+
+    taken: int
+    contended: int
+    waited: float | None
+    stolen: float | None
+    runnable: int | None
+    threads: int | None
+    cpus: int
+
+
 class Ratio(NamedTuple):
-    """Time relative to fp32 from paired samples: the median of the pairs'
-    ratios, the 25th and 75th percentiles of them, and how many pairs."""
+    """Time relative to fp32 from paired samples: the median of the clean pairs' ratios, the 25th and
+    75th percentiles of them, and how many pairs; ``load``, what the machine did meanwhile (None: plain
+    numbers, no host read); ``control``, the same lists timed twice (None: no control)."""
 
     median: float
     low: float
@@ -65,10 +88,38 @@ class Ratio(NamedTuple):
     first: float | None = None
     second: float | None = None
     margin: float = MARGIN
+    load: Load | None = None
+    control: Ratio | None = None
 
     def side(self, value):
         """-1 below the band of ``margin`` around 1.0, +1 above it, 0 inside it."""
         return -1 if value < 1.0 - self.margin else 1 if value > 1.0 + self.margin else 0
+
+    @property
+    def busy(self):
+        """Other programs took too much of the runs for a verdict: most pairs contended, or fewer than
+        MIN_PAIRS clean ones left where some were contended. A host that does not report its threads'
+        waits is busy when it does not say how many tasks were runnable, or more were than it has CPUs."""
+        load = self.load
+        if load is None:
+            return False
+        if (load.stolen or 0.0) > self.margin:  # a hypervisor took the machine's CPUs (judged over all the runs)
+            return True
+        if load.waited is None:
+            return load.runnable is None or load.runnable > load.cpus
+        return load.contended > 0 and (self.pairs < MIN_PAIRS or 2 * load.contended > load.taken)
+
+    @property
+    def control_agrees(self):
+        """No control, or the same lists timed twice agree: not busy, enough pairs, and their median within
+        the margin of 1.0."""
+        c = self.control
+        return c is None or (not c.busy and c.pairs >= MIN_PAIRS and self.side(c.median) == 0)
+
+    @property
+    def judged(self):
+        """The machine let this comparison be judged: not busy, and its control (if any) agrees."""
+        return not self.busy and self.control_agrees
 
     @property
     def outside_band(self):
@@ -98,15 +149,10 @@ class Ratio(NamedTuple):
         return self.faster and self.chance() < SURE
 
     @property
-    def spread(self):
-        """Half the middle half's width relative to the median."""
-        return (self.high - self.low) / 2 / self.median if self.median > 0 else float("inf")
-
-    @property
     def measurable(self):
-        """Enough pairs, a middle half wholly outside the band of ``margin`` around 1.0, and both halves of
-        the run on that side too."""
-        return self.outside_band != 0 and self.halves_agree
+        """Judged (the machine let it be), enough pairs, a middle half wholly outside the band of
+        ``margin`` around 1.0, and both halves of the run on that side too."""
+        return self.judged and self.outside_band != 0 and self.halves_agree
 
     @property
     def faster(self):
@@ -116,65 +162,80 @@ class Ratio(NamedTuple):
     def slower(self):
         return self.measurable and self.outside_band > 0
 
-    def unmeasured_because(self):
-        """Why no difference was measured, for the sentence (empty when one was, or the range says it)."""
-        if self.pairs < MIN_PAIRS or self.measurable:
-            return ""
-        if self.outside_band == 0:
-            if self.high < 1.0 or self.low > 1.0:
-                return f"; within the {self.margin:.0%} margin of 1.0"
-            return ""
-        return (
-            f"; the first half of the pairs says {self.first:.2f}x and the second {self.second:.2f}x, "
-            "not the same when repeated"
-        )
+    def as_dict(self):
+        """A plain dict for JSON (load and control as dicts too); from_dict() reads it back."""
+        d = self._asdict()
+        d["load"] = self.load._asdict() if self.load is not None else None
+        d["control"] = self.control.as_dict() if self.control is not None else None
+        return d
 
-    def middle_half(self):
-        """``middle half of 10 pairs: 0.58x to 0.66x`` (or why there is none)."""
-        if self.pairs < MIN_PAIRS:
-            return f"{self.pairs} pair{'s' * (self.pairs != 1)}, too few to tell"
-        return f"middle half of {self.pairs} pairs: {self.low:.2f}x to {self.high:.2f}x"
-
-    def words(self, of="fp32's time"):
-        """``0.62x fp32's time (middle half of 10 pairs: 0.58x to 0.66x)``, or
-        ``no measurable difference (middle half of 10 pairs: 0.95x to 1.04x)``;
-        ``of``: what the ratio is relative to."""
-        if not self.measurable:
-            return f"{UNCLEAR} ({self.middle_half()}{self.unmeasured_because()})"
-        return f"{self.median:.2f}x {of} ({self.middle_half()})"
-
-    def short(self):
-        """The same for a table cell or a chart: ``0.62x (0.58-0.66)``, or ``no measurable difference (0.95-1.04)``."""
-        span = f"{self.low:.2f}-{self.high:.2f}" if self.pairs >= MIN_PAIRS else "too few pairs"
-        return f"{self.median:.2f}x ({span})" if self.measurable else f"{UNCLEAR} ({span})"
-
-    def direction(self):
-        """``faster``, ``slower`` or UNCLEAR."""
-        return "faster" if self.faster else "slower" if self.slower else UNCLEAR
+    @classmethod
+    def from_dict(cls, d):
+        d = dict(d)
+        d["load"] = Load(**d["load"]) if d.get("load") else None
+        d["control"] = cls.from_dict(d["control"]) if d.get("control") else None
+        return cls(**d)
 
 
-def ratio(fp32: Sequence[float], other: Sequence[float], margin: float = MARGIN) -> Ratio | None:
-    """The Ratio of ``other``'s times to ``fp32``'s, paired by position
-    (both taken in pairs, paired(), in the order taken: the first half of
-    the pairs and the second are judged apart too); None when there is no
-    pair or an fp32 time is not positive."""
-    pairs = list(zip(fp32, other))
-    if not pairs or any(a <= 0 for a, _ in pairs):
+def _seconds(sample):
+    return sample.seconds if isinstance(sample, Sample) else sample
+
+
+def _clean(pair, margin):
+    """Neither run of the pair lost more than ``margin`` of its time to other programs (a plain number,
+    or a host that does not report its waits: nothing says it did)."""
+    for sample in pair:
+        share = sample.contention() if isinstance(sample, Sample) else None
+        if share is not None and share > margin:
+            return False
+    return True
+
+
+def load_of(pairs, contended):
+    """The Load of ``pairs`` (of host.Samples; None for plain numbers), ``contended`` of them left out."""
+    samples = [s for pair in pairs for s in pair if isinstance(s, Sample)]
+    if not samples:
         return None
-    taken = [b / a for a, b in pairs]
+
+    def share(values, of):
+        known = [(v, t) for v, t in zip(values, of) if v is not None]
+        total = sum(t for _, t in known)
+        return sum(v for v, _ in known) / total if known and total > 0 else None
+
+    runnable = [s.runnable for s in samples if s.runnable is not None]
+    threads = [s.threads for s in samples if s.threads is not None]
+    return Load(
+        len(pairs),
+        contended,
+        share([s.waited for s in samples], [s.wall * max(s.threads or 1, 1) for s in samples]),
+        share([s.stolen for s in samples], [s.wall * s.cpus for s in samples]),
+        max(runnable) if runnable else None,
+        max(threads) if threads else None,
+        max(s.cpus for s in samples),
+    )
+
+
+def ratio(fp32: Sequence, other: Sequence, margin: float = MARGIN, control: Ratio | None = None) -> Ratio | None:
+    """The Ratio of ``other``'s times to ``fp32``'s, paired by position (both taken in pairs, paired(),
+    in the order taken: the first half of the pairs and the second are judged apart too). Samples are
+    seconds or host.Samples; a pair in which a run lost more than ``margin`` of its time to other
+    programs is left out (load says how many). None when there is no pair or an fp32 time is not
+    positive."""
+    pairs = list(zip(fp32, other))
+    if not pairs or any(_seconds(a) <= 0 for a, _ in pairs):
+        return None
+    clean = [p for p in pairs if _clean(p, margin)]
+    load = load_of(pairs, len(pairs) - len(clean))
+    taken = [_seconds(b) / _seconds(a) for a, b in (clean or pairs)]  # none clean: the numbers, for the record
+    kept = len(clean)
     ratios = sorted(taken)
-    below = sum(r < 1.0 for r in ratios)
+    below = sum(r < 1.0 for r in ratios) if clean else 0
     if len(ratios) == 1:
-        return Ratio(ratios[0], ratios[0], ratios[0], 1, below, margin=margin)
+        return Ratio(ratios[0], ratios[0], ratios[0], kept, below, margin=margin, load=load, control=control)
     low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
     half = len(taken) // 2
     first, second = statistics.median(taken[:half]), statistics.median(taken[half:])
-    return Ratio(statistics.median(ratios), low, high, len(ratios), below, first, second, margin)
-
-
-def words(ratio_or_none):
-    """Ratio.words(), or UNCLEAR when nothing was timed."""
-    return f"{UNCLEAR} (not timed)" if ratio_or_none is None else ratio_or_none.words()
+    return Ratio(statistics.median(ratios), low, high, kept, below, first, second, margin, load, control)
 
 
 @contextlib.contextmanager
@@ -210,6 +271,18 @@ def per_call(fn, calls=1, sync=None, clock=time.perf_counter):
         fn()
     sync()
     return (clock() - start) / calls
+
+
+def per_call_wall_and_thread(fn, calls=1, wall=time.perf_counter, thread=time.thread_time):
+    """``(wall, thread)`` seconds per call of ``calls`` back-to-back calls of ``fn()``: the wall clock
+    and the calling thread's CPU time, read around the same calls. On a host other processes load,
+    the thread's CPU time leaves out the time it waited for a core, so its ratios survive load that
+    wall ratios do not (on a CPU run with one torch thread: work in torch's own threads, or on a
+    device, is not the calling thread's)."""
+    start = wall(), thread()
+    for _ in range(calls):
+        fn()
+    return (wall() - start[0]) / calls, (thread() - start[1]) / calls
 
 
 def rotated(names: Sequence, i: int) -> list:
@@ -254,10 +327,17 @@ class Paired(NamedTuple):
         """``name``'s own samples, in the order taken."""
         return [b for _, b in self.pairs[name]]
 
-    def ratio(self, name, margin=MARGIN):
-        """``name``'s Ratio to the reference, from its pairs."""
+    def ratio(self, name, margin=MARGIN, control=None):
+        """``name``'s Ratio to the reference, from its pairs; ``control``: a Ratio of the same lists timed
+        twice (control()), which must agree for a verdict."""
         got = self.pairs[name]
-        return ratio([a for a, _ in got], [b for _, b in got], margin)
+        return ratio([a for a, _ in got], [b for _, b in got], margin, control)
+
+    def control(self, first, second, margin=MARGIN):
+        """The same lists timed twice, as ``first`` and ``second`` (each paired with the reference in the
+        same rounds): ``second``'s samples relative to ``first``'s, round by round (1.0 when this machine
+        times alike what is alike)."""
+        return ratio(self.samples(first), self.samples(second), margin)
 
 
 def paired(
@@ -294,10 +374,11 @@ def paired(
     return Paired(pairs, kept)
 
 
-def matmul_ratio(low=None, device="cpu", shape=(512, 512, 1024), rounds=8, clock=time.perf_counter):
+def matmul_ratio(low=None, device="cpu", shape=(512, 512, 1024), rounds=8, host=None):
     """A matrix product of ``shape`` (rows, inner, columns) in ``low`` (bfloat16 by default) relative to
-    float32 on ``device``, timed in adjacent pairs (paired(), one warm-up round): what this machine's
-    arithmetic in the lower dtype gains or loses, measured now rather than read from its name."""
+    float32 on ``device``, timed in adjacent pairs (paired(), one warm-up round; each sample host.measure's,
+    with what the machine did meanwhile, read from ``host``): what this machine's arithmetic in the lower
+    dtype gains or loses, measured now rather than read from its name."""
     low = low or torch.bfloat16
     rows, inner, cols = shape
     gen = torch.Generator().manual_seed(0)
@@ -305,12 +386,8 @@ def matmul_ratio(low=None, device="cpu", shape=(512, 512, 1024), rounds=8, clock
     operands = {
         name: (a.to(device, dtype), b.to(device, dtype)) for name, dtype in (("fp32", torch.float32), ("low", low))
     }
-    sync = None
-    if device != "cpu":
-        accelerator = getattr(torch, str(device).split(":")[0], None)
-        sync = getattr(accelerator, "synchronize", None)
     samplers = {
-        name: (lambda x=x, w=w: per_call(lambda: torch.mm(x, w), sync=sync, clock=clock))
+        name: (lambda x=x, w=w: host_mod.measure(lambda: torch.mm(x, w), device, host))
         for name, (x, w) in operands.items()
     }
     return paired(samplers, "fp32", rounds, warmup=1).ratio("low")

@@ -104,6 +104,7 @@ def run(args):
         return fail(PROG, f"{where}: {said(e)}", 1)
     finally:
         bar.close(None if result is None else f"tuned in {bar.elapsed():.0f} s ({result.runs} runs of the step)")
+    print(inspect_cli.lists_words(args))
     print(result.table())
     classes = ", ".join(result.class_names())
     if classes:

@@ -10,18 +10,10 @@ from datetime import datetime, timezone
 import torch
 
 from hmp.binding import kinds
-from hmp.tools import sentences, timing, tuned_files
+from hmp.tools import sentences, speed, timing, tuned_files
 from hmp.tools.files import write_all
 from hmp.tools.report.page import write as write_html
 from hmp.tools.target import user_name
-
-
-def op_time(trial):
-    """A trial's op time with its share of the step it is a part of: ``1.234 (41.1% of its step)``; the step
-    is the same runs' (op_costs.Costs.step_seconds), so the share is never above 100 %. A share, not the
-    step's milliseconds: the page states one step time per configuration, the paired timing's."""
-    step = trial.get("step_seconds")
-    return f"{trial['seconds'] * 1e3:.3f}" + (f" ({trial['seconds'] / step:.1%} of its step)" if step else "")
 
 
 class TuneResult:
@@ -69,11 +61,15 @@ class TuneResult:
         self.steps = None  # validation steps, rounds of timing: what "run longer" doubles
         self.rounds = None
         self.start_modules = None  # the starting conversion's module entries: whose lines the files keep
+        self.start_whole = frozenset()  # the kinds (public names) whose starting list replaced the default
         # name -> [(fp32 step seconds, its step seconds)]: adjacent pairs in the order taken (timing.paired)
         self.pairs = {}
         # a matrix product in the lower dtype relative to fp32, timed in pairs in the same run
         # (timing.matmul_ratio): what the page says of this machine's arithmetic; None: not measured
         self.matmul = None
+        # the starting lists timed twice, two arms paired with the same fp32 steps (timing.Paired.control):
+        # every step-time verdict on the page needs it to agree; None: no control was timed
+        self.control = None
 
     def spread(self, name):
         """The relative spread of ``name``'s step times: (75th - 25th
@@ -91,15 +87,17 @@ class TuneResult:
         return diff / ref
 
     def ratio(self, name):
-        """``name``'s step time relative to fp32's (timing.Ratio: below 1 is
-        faster), from its adjacent pairs with fp32's steps (else the samples
-        paired by position); None when either was not timed."""
+        """``name``'s step time relative to fp32's (timing.Ratio: below 1 is faster), from its adjacent pairs
+        with fp32's steps (else the samples paired by position), with the control (the starting lists timed
+        twice) that must agree for a verdict; a configuration with the same lists as an earlier one
+        (``same_as``) is that one's measurement, one verdict for one set of lists. None when not timed."""
+        name = self.same_as.get(name, name)
         if name in self.pairs:
             got = self.pairs[name]
-            return timing.ratio([a for a, _ in got], [b for _, b in got])
+            return timing.ratio([a for a, _ in got], [b for _, b in got], control=self.control)
         if name not in self.samples or "fp32" not in self.samples:
             return None
-        return timing.ratio(self.samples["fp32"], self.samples[name])
+        return timing.ratio(self.samples["fp32"], self.samples[name], control=self.control)
 
     def loss_gaps(self, name):
         """``name``'s loss relative to fp32's (loss_gap) after each of the last half of the validation
@@ -129,7 +127,9 @@ class TuneResult:
         hold after ``include default``, the starting lists' own and tune's changes (tuned_files.split)."""
         modules, before = {k: tuple(v) for k, v in self.modules.items()}, (self.before, self.start_modules)
         return {
-            kind.name: tuned_files.split(kind, self.lists, modules, *before, self.low, self.strict)
+            kind.name: tuned_files.split(
+                kind, self.lists, modules, *before, self.low, self.strict, kind.name in self.start_whole
+            )
             for kind in (kinds.LOWER, kinds.FP32)
         }
 
@@ -153,28 +153,16 @@ class TuneResult:
                 "lower dtype's on this model: put the model's most sensitive module classes in the FP32 list "
                 "(the audit's module table), or validate over more steps"
             )
-        ratio = self.ratio("tuned lists")
-        if ratio is not None:
-            line += "; step time: " + ratio.words()
-            if not ratio.measurable:
-                line += ", cannot tell yet whether faster or slower" + (
-                    f": run longer to tell ({sentences.more_rounds(self.rounds)})" if self.rounds else ""
-                )
+        line += speed.tune_verdict(self.ratio("tuned lists"), self.rounds)
         return line
 
     def time_cell(self, name):
-        """``name``'s step time relative to fp32 for a table: 1 for fp32, the ratio or 'no measurable ...'."""
-        if name == "fp32":
-            return "1 (reference)"
-        ratio = self.ratio(name)
-        return "not timed" if ratio is None else ratio.short()
+        """``name``'s step time relative to fp32 for a table: 1 for fp32, else speed.short's words."""
+        return "1 (reference)" if name == "fp32" else speed.time_cell(self.ratio(name))
 
     def fp32_step(self):
         """What the ratios are relative to: fp32's median step and how many steps it is the median of."""
-        return (
-            f"fp32 step: {self.timings['fp32'] * 1e3:.3g} ms (median of {len(self.samples.get('fp32', ()))} steps, "
-            f"each taken adjacent to a step of each other configuration: the pairs the ratios come from)"
-        )
+        return speed.fp32_step(self.timings["fp32"] * 1e3, len(self.samples.get("fp32", ())))
 
     def class_proposals(self):
         """The module classes measured again with the flagged ops moved: ``(over, under)``, the proposals
@@ -222,13 +210,13 @@ class TuneResult:
             "",
             "## ops tried in bf16",
             "",
-            "| op | was in | fp32 time ms (share of its step) | own max rel err | error passed to loss | inf/NaN "
-            "| outcome |",
+            "| op | was in | fp32 time (share of the step it was measured in) | own max rel err | error passed to loss "
+            "| inf/NaN | outcome |",
             "|---|---|---:|---:|---:|---:|---|",
         ]
         for op, t in sorted(self.trials.items(), key=lambda kv: -kv[1]["seconds"]):
             lines.append(
-                f"| {op} | {t['was'] or 'no list'} | {op_time(t)} | {t['own_max_rel']:.3g} | "
+                f"| {op} | {t['was'] or 'no list'} | {speed.op_share(t)} | {t['own_max_rel']:.3g} | "
                 f"{t['loss_error']:.3g} | {t['nonfinite']} | {t.get('why') or ('kept' if t['accepted'] else 'no')} |"
             )
         if self.authored:
@@ -304,7 +292,8 @@ class TuneResult:
         """Write list files that hmp.convert() loads, each extending the
         default list (tuned_files.texts: ``include default``, the starting
         lists' own lines and tune's changes, each under a comment saying
-        which, module classes as their import paths). All or nothing
+        which, module classes as their import paths), or, where the starting
+        list replaced the default, replacing it again (every entry a line). All or nothing
         (files.write_all): raises ValueError, writing nothing, when a class
         does not load by its import path, when two paths are the same file,
         or when a path cannot be written."""
@@ -320,7 +309,15 @@ class TuneResult:
         targets = [(kinds.LOWER, bf16_path), (kinds.FP32, fp32_path)]
         targets += [(kinds.PROMOTE, promote_path)] if promote_path else []
         texts = tuned_files.texts(
-            self.lists, self.modules, targets, summary, self.low, self.strict, self.before, self.start_modules
+            self.lists,
+            self.modules,
+            targets,
+            summary,
+            self.low,
+            self.strict,
+            self.before,
+            self.start_modules,
+            self.start_whole,
         )
         write_all(texts, "hmp.tune")
         self.written = (os.fspath(bf16_path), os.fspath(fp32_path))

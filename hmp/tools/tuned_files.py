@@ -2,7 +2,10 @@
 (``include default``) and holds only what differs from it: ``-name`` for an
 entry taken out of the default, a name for one added. So the defaults' module
 patterns (rotary and timestep embeddings, op_lists/fp32.txt) and every op
-nobody touched stay as shipped, and a later hmp's defaults apply.
+nobody touched stay as shipped, and a later hmp's defaults apply. A list
+the user gave whole (a file without ``include default``: Conversion.replacing)
+is written whole again, every entry a line: it replaced the default and still
+does, whatever a later hmp's defaults hold.
 
 Those lines are of two origins, written under a comment each and told apart
 by ``split()``: the lines the lists tune started from already had (the
@@ -22,6 +25,10 @@ TOOL = "hmp.tune"
 HEADER = (
     "# extends the default {kind} list: 'include default' keeps all of it (its ops and its module\n"
     "# patterns); each line after it changes it: '-name' takes a default entry out, a name adds one\n"
+)
+WHOLE = (
+    "# replaces the default {kind} list, as the list tune started from did: each line is an entry, and\n"
+    "# nothing else is in it (no 'include default': a later hmp's defaults do not change it)\n"
 )
 FROM_START = "# from the lists tune started from (already yours before tune ran):"
 FROM_TUNE = "# tune's changes:"
@@ -77,12 +84,31 @@ def instances(modules):
     return [shown(t) for targets in modules.values() for t in targets if not isinstance(t, (type, Pattern))]
 
 
-def split(kind, lists, modules, before=None, before_modules=None, low=torch.bfloat16, strict=False):
+def entries(kind, ops, modules=()):
+    """Every entry of ``kind``'s list as a line of a file that replaces the default: its ops, then its classes
+    and patterns."""
+    found = {entry_key(m): m for m in modules if isinstance(m, (type, Pattern))}
+    return sorted(ops) + [written(m) for m in found.values()]
+
+
+def split(kind, lists, modules, before=None, before_modules=None, low=torch.bfloat16, strict=False, whole=False):
     """``{"start": [...], "tune": [...]}``: the lines after ``include default`` that make ``kind``'s
     list (a kinds.Kind) hold ``lists[name]`` and ``modules[name]`` (by its public name, as a TuneResult
     keeps them), parted into those the starting lists (``before``, ``before_modules``; None: the
-    default) have too, and the rest, tune's changes."""
+    default) have too, and the rest, tune's changes. ``whole``: the starting list replaced the default:
+    every entry is a line (no ``include default``), ``"whole"`` is True and ``"dropped"`` names the
+    starting list's entries tune took out."""
     name = kind.name
+    if whole:
+        lines = entries(kind, lists[name], modules.get(name, ()))
+        start = entries(kind, before[name], (before_modules or {}).get(name, ())) if before is not None else []
+        dropped = [x for x in start if x not in lines]
+        return {
+            "start": [x for x in lines if x in start],
+            "tune": [x for x in lines if x not in start],
+            "whole": True,
+            "dropped": dropped,
+        }
     lines = changes(kind, lists[name], modules.get(name, ()), low, strict)
     start = set()
     if before is not None:
@@ -91,24 +117,31 @@ def split(kind, lists, modules, before=None, before_modules=None, low=torch.bflo
 
 
 def body(parts):
-    """The text after the header: ``include default``, then each origin's lines under its comment."""
-    lines = ["include default"]
+    """The text after the header: ``include default`` (not in a whole list), then each origin's lines under its
+    comment."""
+    lines = [] if parts.get("whole") else ["include default"]
     for heading, key in ((FROM_START, "start"), (FROM_TUNE, "tune")):
         if parts[key]:
             lines += [heading, *parts[key]]
+    if parts.get("dropped"):
+        lines.append(f"# tune took out: {', '.join(parts['dropped'])}")
     return "\n".join(lines) + "\n"
 
 
-def texts(lists, modules, targets, summary, low=torch.bfloat16, strict=False, before=None, before_modules=None):
+def texts(
+    lists, modules, targets, summary, low=torch.bfloat16, strict=False, before=None, before_modules=None, whole=()
+):
     """``[(path, text)]`` for ``targets``, ``[(kinds.Kind, path)]``: each file
     ``summary`` (comment lines), the header, ``include default`` and the
-    lines (split(): the starting lists' own, then tune's changes). Raises
-    ValueError for a class that does not load by its path."""
+    lines (split(): the starting lists' own, then tune's changes); a kind in
+    ``whole`` (public names: the starting list replaced the default) written
+    whole. Raises ValueError for a class that does not load by its path."""
     note = instances(modules)
     if note:
         summary += f"# not in these files, give them to convert() again: module instances {', '.join(note)}\n"
     out = []
     for kind, path in targets:
-        parts = split(kind, lists, modules, before, before_modules, low, strict)
-        out.append((path, summary + HEADER.format(kind=kind.title_in(low)) + body(parts)))
+        parts = split(kind, lists, modules, before, before_modules, low, strict, kind.name in whole)
+        header = (WHOLE if parts.get("whole") else HEADER).format(kind=kind.title_in(low))
+        out.append((path, summary + header + body(parts)))
     return out

@@ -27,7 +27,6 @@ stderr or handed to ``progress``.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Callable, Iterable
 
 from hmp.binding import kinds
@@ -35,10 +34,10 @@ from hmp.binding.kinds import FP32, LOWER, PROMOTE
 from hmp.binding.resolve import Resolver
 from hmp.core.hints import Step
 from hmp.driver.conversion import applied
-from hmp.tools import op_costs, timing
+from hmp.tools import host, op_costs, speed, timing
 from hmp.tools.auditing import audit_with, by_op, compare, in_force_or_default, kind_of, made_in, pairs, run_step, worst
 from hmp.tools.guard import StateGuard
-from hmp.tools.loss import step_loss
+from hmp.tools.loss import StepDoesNotTrain, check_trains, step_loss  # noqa: F401 (tune_cli's)
 from hmp.tools.progress import StepRuns
 from hmp.tools.record import within
 from hmp.tools.sentences import bounds_broken
@@ -72,41 +71,27 @@ def _train(fn, args, kwargs, guard, steps, conversion, losses=None):
     return _as_float(value)
 
 
-class StepDoesNotTrain(ValueError):
-    """The step's loss does not move from one step to the next: it does not train."""
-
-
-def check_trains(fn, args, kwargs, guard, steps=3):
-    """Raise StepDoesNotTrain when ``steps`` fp32 steps from the guarded
-    state all return the same loss: a step that only runs the forward
-    (no backward, no optimizer step) gives tune nothing to compare."""
-    with guard.running(), applied(None):
-        losses = [_as_float(fn(*args, **kwargs)) for _ in range(steps)]
-    if len(set(losses)) == 1:
-        raise StepDoesNotTrain(
-            f"hmp.tune: the step's loss did not move over {steps} steps in fp32 (each {losses[0]:.6g}), so it does "
-            f"not train: tune compares training under the lists with training in fp32. The step must run "
-            f"loss.backward() and optimizer.step() and return the loss."
-        )
-
-
-def _step_time(fn, args, kwargs, guard, conversion, clock=time.perf_counter):
-    """One step's seconds under ``conversion`` (None: plain torch) from the guarded state, after one
-    untimed step (the first after convert pays its first calls): one sample of paired()."""
+def _step_time(fn, args, kwargs, guard, conversion, device="cpu"):
+    """One step's time under ``conversion`` (None: plain torch) from the guarded state, after one
+    untimed step (the first after convert pays its first calls): one sample of paired(), a host.Sample
+    with what the machine did while it ran."""
     with guard.running(), applied(conversion):
         fn(*args, **kwargs)
-        return timing.per_call(lambda: fn(*args, **kwargs), clock=clock)
+        return host.measure(lambda: fn(*args, **kwargs), device)
 
 
 PAIR_STEPS = 2  # steps a configuration runs per sample: one untimed, one timed
+CONTROL = "starting lists, again"  # the control arm: the starting lists timed a second time
 
 
 def _paired_times(fn, args, kwargs, guard, configs, pairs, reference):
     """Step times of every configuration in ``pairs`` adjacent pairs with ``reference``'s
     (timing.paired: a pair's two steps run one after the other, in alternating order, so load on this
     machine that lasts a pair falls on both), with Python's garbage collector paused."""
+    device = host.device_of(guard.modules)
     samplers = {
-        name: (lambda c=conversion: _step_time(fn, args, kwargs, guard, c)) for name, conversion in configs.items()
+        name: (lambda c=conversion: _step_time(fn, args, kwargs, guard, c, device))
+        for name, conversion in configs.items()
     }
     with timing.collector_paused():
         return timing.paired(samplers, reference, pairs)
@@ -157,21 +142,53 @@ class _Tuner:
     def __call__(self, state):
         self.guard = StateGuard("hmp.tune", state, self.args, self.kwargs, self.fn)
         self.run = self.runs.counted(self.fn)  # every run of the step, counted for progress
+        self.candidates = self.confined = self.classes = None  # not known before the audit and the costs
         try:
+            self.ahead("trains")
             self.runs.expect(3, "checking that the step trains")
             check_trains(self.run, self.args, self.kwargs, self.guard)
+            self.ahead("audit")
             self.audit()
+            self.ahead("costs")
             self.find_candidates()
-            self.trials = {op: self.try_in_bf16(op) for op in self.candidates}
+            self.trials = {}
+            for i, op in enumerate(self.candidates):
+                self.ahead("trials", len(self.candidates) - i - 1)
+                self.trials[op] = self.try_in_bf16(op)
+            self.ahead("proposals")
             self.proposals = {op: self.try_class_instead(op, cls) for op, cls in self.confined.items()}
             self.module_proposals = {}
+            self.ahead("classes")
             for row in self.classes:
                 self.try_class(row)
+            self.ahead("validation")
             self.validate()
+            self.ahead("timing")
             self.time()
         finally:
             self.guard.restore()
         return self.result()
+
+    def ahead(self, phase, trials_left=None):
+        """Tell progress the runs of the phases after ``phase``, as far as known now: a phase's runs are
+        counted before it starts, so the time left counts every phase left, not the current one alone.
+        Where a count is not known yet (the ops the audit casts, the candidates), its least."""
+        timing_pairs = self.pairs * PAIR_STEPS
+        trial = 1 + 2 * timing_pairs  # an op tried alone, then timed with and without it (at most)
+        runs = {
+            "trains": 3,
+            "audit": 2
+            + 3 * (op_costs.TIMED_PAIRS + 1),  # a step in fp32 and under the lists; the ops timed (three arms)
+            "costs": 2 + COST_RUNS,
+            "trials": trial * (len(self.candidates) if trials_left is None else trials_left) if self.candidates else 0,
+            "proposals": len(self.confined or ()),
+            "classes": 2 * len(self.classes or ()),
+            "validation": 3 * self.steps,
+            "timing": 4 * timing_pairs,  # fp32, the starting lists twice, the tuned lists
+        }
+        phases = list(runs)
+        left = sum(runs[p] for p in phases[phases.index(phase) + 1 :])
+        self.runs.later(left + (runs["trials"] if phase == "trials" else 0))  # the trials after this one
 
     def audit(self):
         """Audit the starting lists; the flagged ops move to FP32 (self.lists)."""
@@ -351,21 +368,32 @@ class _Tuner:
         return gap <= self.tolerance * abs(v["fp32"]) or gap <= abs(v["starting lists"] - v["fp32"])
 
     def time(self):
-        """Step times of every configuration in adjacent pairs with fp32's (one fp32 sample between the
-        two others each round: adjacent to both); which configurations are the same lists; a bf16 matrix
-        product against fp32's, paired too (what the page says of this machine's arithmetic)."""
-        self.runs.expect(len(self.configs) * self.pairs * PAIR_STEPS, "timing a step of each configuration")
-        got = _paired_times(self.run, self.args, self.kwargs, self.guard, self.configs, self.pairs, "fp32")
-        self.pairs_taken = got.pairs
-        self.samples = {"fp32": got.reference, **{name: got.samples(name) for name in got.pairs}}
-        self.timings = {name: statistics.median(s) for name, s in self.samples.items()}
-        self.matmul = timing.matmul_ratio(self.start.options.low_precision_type, _device(self.guard.modules))
+        """Step times in adjacent pairs with fp32's (one fp32 sample between two others each round: adjacent
+        to both): fp32, the starting lists twice (two arms: the control, which must agree for any verdict),
+        and the tuned lists where they differ from the starting lists (the same lists are one measurement,
+        one verdict); a bf16 matrix product against fp32's, paired too (what the page says of this
+        machine's arithmetic)."""
         names = list(self.configs)
         self.same_as = {}
         for i, name in enumerate(names):
             earlier = next((o for o in names[:i] if _same(self.configs[o], self.configs[name])), None)
             if earlier is not None:
                 self.same_as[name] = earlier
+        timed = {
+            "fp32": None,
+            "starting lists": self.configs["starting lists"],
+            CONTROL: self.configs["starting lists"],
+        }
+        # the control's arms around one fp32 step each round (timing.paired groups the others in twos)
+        timed.update({name: c for name, c in self.configs.items() if name not in self.same_as and name not in timed})
+        self.runs.expect(len(timed) * self.pairs * PAIR_STEPS, "timing a step of each configuration")
+        got = _paired_times(self.run, self.args, self.kwargs, self.guard, timed, self.pairs, "fp32")
+        self.control = got.control("starting lists", CONTROL)
+        self.pairs_taken = {name: p for name, p in got.pairs.items() if name != CONTROL}
+        self.samples = {"fp32": got.reference, **{name: got.samples(name) for name in self.pairs_taken}}
+        self.samples = {name: [s.seconds for s in taken] for name, taken in self.samples.items()}
+        self.timings = {name: statistics.median(s) for name, s in self.samples.items()}
+        self.matmul = timing.matmul_ratio(self.start.options.low_precision_type, host.device_of(self.guard.modules))
 
     def result(self):
         # the result speaks the public names, as the files and reports do
@@ -391,7 +419,8 @@ class _Tuner:
         result.runs = self.runs.done
         result.trajectories, result.steps, result.rounds = self.trajectories, self.steps, self.rounds
         result.start_modules = {k.name: v for k, v in self.start.modules.items()}
-        result.pairs, result.matmul = self.pairs_taken, self.matmul
+        result.start_whole = frozenset(k.name for k in self.start.replacing)
+        result.pairs, result.matmul, result.control = self.pairs_taken, self.matmul, self.control
         return result
 
 
@@ -448,44 +477,12 @@ def tune(
 
 
 def trial_outcome(trial, threshold, loss_threshold):
-    """``(short, long)``: why a trial's op was kept in bf16 or not, for a chart's cell and in words."""
-    ratio = trial.get("time_ratio")
-    than = "the time without"
-    if trial["accepted"]:
-        return (
-            f"kept: step {ratio.median:.2f}x",
-            f"kept: within the bounds, and a step with it in bf16 takes {ratio.words(than)}",
-        )
-    why = bounds_broken(trial, threshold, loss_threshold)
+    """``(short, long)``: why a trial's op was kept in bf16 or not, for a chart's cell and in words: the bounds it
+    broke, else what its step time said (speed.trial_speed)."""
+    why = [] if trial["accepted"] else bounds_broken(trial, threshold, loss_threshold)
     if why:
         return "; ".join(why), "not kept: " + "; ".join(why)
-    if ratio is None:
-        return "casts nothing", "not kept: nothing was cast (torch runs it in its inputs' dtype, as a pointwise op)"
-    if ratio.slower:
-        return f"slower: step {ratio.median:.2f}x", f"not kept: a step with it in bf16 is slower, {ratio.words(than)}"
-    if ratio.surely_faster:  # faster beyond chance, by more than the op's whole time: not the op's doing
-        return (
-            "gain is noise",
-            f"not kept: a step with it in bf16 measured {ratio.words(than)}, a gain of at least {1 - ratio.high:.1%} "
-            f"of a step, more than the op's whole fp32 time ({trial['ceiling']:.2%} of a step) could give: the "
-            "difference is this machine's timing, not the op",
-        )
-    if ratio.faster:  # the middle half below 1, but too few pairs below 1 to rule out chance
-        return (
-            "gain within chance",
-            f"not kept: a step with it in bf16 takes {ratio.words(than)}, but only {ratio.below} of {ratio.pairs} "
-            f"pairs were faster, as often as chance alone gives it (p = {ratio.chance():.2g}); more --rounds narrow it",
-        )
-    return "no measurable gain", f"not kept: no measurable gain; a step with it in bf16: {ratio.words(than)}"
-
-
-def _device(modules):
-    """The device the step's first parameter lives on (``cpu`` without one): where the matrix product
-    is timed."""
-    for module in modules:
-        for parameter in module.parameters():
-            return parameter.device.type
-    return "cpu"
+    return speed.trial_speed(trial)
 
 
 def _same(a, b):

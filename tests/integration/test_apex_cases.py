@@ -402,9 +402,9 @@ def test_rnns_are_bit_equal_between_engines(name, layers, bidirectional):
     assert_bit_equal(on_each_engine(rnn_case, name, layers, bidirectional))
 
 
-# A weight used at several listed calls of one forward shares one cached copy, as under torch.autocast's
-# cache: its gradients are summed in the copy's dtype before the cast back, where casting per use
-# (cache=False, engine="autocast"'s delegated ops) sums them in the weight's dtype (docs/performance.md,
+# A weight used at several listed calls of one forward shares one cached copy on both engines (hmp's
+# cache; torch.autocast's on engine="autocast"): its gradients are summed in the copy's dtype before the
+# cast back, where casting per use (cache=False) sums them in the weight's dtype (docs/performance.md,
 # docs/engines.md): equal within the rounding of that sum in bfloat16, a few units of its last
 # place on the gradient's scale (the terms may cancel, so not of each element).
 def assert_within_bf16_sum_rounding(found):
@@ -418,7 +418,7 @@ def assert_within_bf16_sum_rounding(found):
 @pytest.mark.parametrize(
     "ops,wtype,compare",
     [
-        ("mm", FLOAT, assert_within_bf16_sum_rounding),  # the float32 weight feeds two mm calls
+        ("mm", FLOAT, assert_bit_equal),  # the float32 weight feeds two mm calls: one copy on both engines
         ("mm", BF16, assert_bit_equal),
         ("mul", FLOAT, assert_bit_equal),
         ("mul", BF16, assert_bit_equal),
@@ -453,3 +453,16 @@ def test_a_weight_used_twice_gets_its_gradient_within_a_bf16_sum_of_cache_off(en
         with hmp.converted(engine=engine, cache=cache):
             found["python" if cache else "autocast"] = used_twice(name)
     assert_within_bf16_sum_rounding(found)
+
+
+@pytest.mark.parametrize(
+    "name,compare",
+    [("mm", assert_bit_equal), ("RNNCell", assert_bit_equal), ("mse_loss", assert_within_bf16_sum_rounding)],
+    ids=["mm", "RNNCell", "mse_loss"],
+)
+def test_a_weight_used_twice_gets_the_same_gradient_on_both_engines(name, compare):
+    """Both engines keep one copy of a float32 weight cast down for the forward (docs/engines.md): the
+    gradient of a weight several calls use is summed in the copy's dtype on each, bit for bit. A
+    bfloat16 weight cast up by FP32-list calls (mse_loss) is the named difference: autocast's cache
+    keeps casts down from float32 only, so the engine casts it per call and sums in bfloat16."""
+    compare(on_each_engine(used_twice, name))

@@ -108,3 +108,33 @@ def test_a_module_entry_that_matches_nothing_says_what_was_meant(given, model, m
     with pytest.raises(ValueError, match=rf"hmp: {argument}\[0\]: .*did you mean {re.escape(meant)}\?") as e:
         hmp.convert(**{argument: [given]}, model=model)
     assert not hmp.is_converted() and given in str(e.value)
+
+
+def test_help_names_the_command_as_it_was_run():
+    """`hmp --help` (the installed script) says `hmp`; `python -m hmp --help` says `python -m hmp`."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hmp.__main__ import invoked_as
+
+    assert invoked_as("/venv/bin/hmp") == "hmp" and invoked_as("/x/hmp/__main__.py") == "python -m hmp"
+    module = subprocess.run([sys.executable, "-m", "hmp", "--help"], capture_output=True, text=True, timeout=120)
+    assert module.returncode == 0 and module.stdout.startswith("usage: python -m hmp ")
+    script = Path(sys.executable).with_name("hmp")
+    if not script.exists():
+        pytest.skip("hmp is not installed as a script beside this Python")
+    run = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("usage: hmp "), run.stdout[:200]
+    demo = subprocess.run([str(script), "demo", "--help"], capture_output=True, text=True, timeout=120)
+    assert demo.stdout.startswith("usage: hmp demo ") and "a few steps of each in" in demo.stdout
+
+
+def test_profile_says_which_lists_it_ran_under(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.txt").write_text("include default\ncumsum\n")
+    assert main(["profile", f"{TARGET}:make_step", "--fp32-file", "mine.txt"]) == 0
+    out = capsys.readouterr().out
+    default = hmp.list_path("bf16")
+    assert f"ran under the BF16 list hmp's default, {default} and the FP32 list mine.txt" in out
+    assert "under opt_level O1: the bf16 list (" in out and "the fp32 list (" in out

@@ -85,3 +85,16 @@ def test_tables_are_not_broken_by_blank_lines():
             if starts_table and not (i + 1 < len(lines) and re.match(r"^\|\s*:?-{3}", lines[i + 1])):
                 broken.append(f"{doc.relative_to(ROOT)}:{i + 1}: {line[:60]}")
     assert not broken, broken
+
+
+def test_ci_runs_readmes_test_command_in_a_folder_named_hmp():
+    """.ci/run's leg 1 runs README's test command (every test, README's quick check among them) where a
+    reader of README runs it: in a folder named hmp with its .venv inside. Command 1 installs and runs the
+    demo, and the quick check is a pytest of tests/unit."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "readme_dir=$clone_tmp/hmp\n" in ci and "\"cd '$readme_dir' && export PYTEST_ADDOPTS='--durations=40' && $cmd\"" in ci
+    ((_, body),) = fenced_blocks_after(README, "<!-- ci: install command", 1)
+    assert body.strip().endswith(" && python -m hmp demo")
+    assert body.startswith("python3 -m venv .venv && . .venv/bin/activate && ")
+    found = re.findall(r"`pip install pytest [^`]*python -m pytest tests/unit`", README)
+    assert found

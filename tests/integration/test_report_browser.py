@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import hmp
+from hmp.tools import speed
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -45,7 +46,16 @@ MEASURE = """
     var r = s.getBoundingClientRect(), p = s.parentElement.getBoundingClientRect();
     charts.push([s.getAttribute("class"), r.left, r.right, p.left, p.right, r.width, +s.getAttribute("width")]);
   });
+  // the loss curves: each line's name and box, and the box of the chart that holds them
+  var curves = [], plot = document.querySelector("svg.losses");
+  document.querySelectorAll("svg.losses polyline").forEach(function (p) {
+    var r = p.getBoundingClientRect();
+    curves.push([p.getAttribute("data-name"), r.left, r.top, r.right, r.bottom]);
+  });
+  var box = plot ? plot.getBoundingClientRect() : null;
   document.title = JSON.stringify({
+    curves: curves,
+    lossBox: box ? [box.left, box.top, box.right, box.bottom] : null,
     innerWidth: window.innerWidth,
     innerHeight: window.innerHeight,
     scrollWidth: document.documentElement.scrollWidth,
@@ -167,7 +177,10 @@ def test_the_tune_page_says_what_the_verdict_and_the_table_say(pages, tmp_path):
     # the same ratio, from the same samples, in the verdict and the validation table
     verdict = html.unescape(page[page.index('id="verdict"') : page.index('id="todo"')])
     ratio = tuned.ratio("tuned lists")
-    assert ratio.words() in verdict if ratio.measurable else ratio.middle_half() in verdict
+    if ratio.measurable:
+        assert speed.words(ratio) in verdict
+    else:
+        assert (speed.middle_half(ratio) if ratio.judged else speed.NOT_HERE) in verdict
     assert f'<td class="num">{cell}</td>' in page
     assert ("Within" in verdict) == tuned.within
     # what to do says what the verdict says: nothing to change, the changes and the call, or not to use them
@@ -181,3 +194,19 @@ def test_the_tune_page_says_what_the_verdict_and_the_table_say(pages, tmp_path):
         assert "Use them" in todo and call in todo
     else:
         assert "Nothing to change" in todo and "Use them" not in todo and call not in todo
+
+
+def test_the_tune_page_draws_a_loss_curve_per_configuration(pages, tmp_path):
+    """The validation's loss after each step (tune.trajectories, in the JSON too), one line per
+    configuration, each drawn inside the chart that holds it; the same lists' line dashed over the one it
+    repeats, and named so in the legend."""
+    page, tuned = pages
+    got = layout(page["tune"], tmp_path)
+    names = [name for name, *_ in got["curves"]]
+    assert sorted(set(names)) == sorted(tuned.trajectories) and got["lossBox"], got["curves"]
+    left, top, right, bottom = got["lossBox"]
+    for name, x0, y0, x1, y1 in got["curves"]:
+        assert left - 1 <= x0 <= x1 <= right + 1 and top - 1 <= y0 <= y1 <= bottom + 1, name
+        assert x1 - x0 > 0.5 * (right - left), name  # across the steps, not a dot
+    for name, earlier in tuned.same_as.items():
+        assert f"{name} (same lists as {earlier})" in html.unescape(page["tune"])

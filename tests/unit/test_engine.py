@@ -119,7 +119,7 @@ def test_no_hmp_frame_runs_in_a_delegated_call():
 def test_every_switch_of_hmp_turns_autocast_off():
     x, w = torch.randn(4, 8), torch.randn(6, 8)
     hmp.convert(engine="autocast")
-    assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
+    assert torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled()
     with hmp.disable_casts():
         assert not torch.is_autocast_enabled("cpu")
         assert F.linear(x, w).dtype == torch.float32
@@ -161,7 +161,7 @@ def test_revert_puts_the_threads_autocast_state_back(before):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             hmp.convert(engine="autocast")
-            assert autocast_state() == (True, torch.bfloat16, False)
+            assert autocast_state() == (True, torch.bfloat16, True)
             hmp.convert(engine="autocast")  # again: what the thread had before the first stays kept
             hmp.revert()
         assert autocast_state() == before
@@ -229,7 +229,7 @@ def test_a_users_own_autocast_region_runs_stock_autocast():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert dtypes() == stock
         assert dtypes() == (torch.float32, torch.bfloat16)
-        assert autocast_state() == (True, torch.bfloat16, False)
+        assert autocast_state() == (True, torch.bfloat16, True)
 
 
 def _in_thread(fn, start_gate=None):

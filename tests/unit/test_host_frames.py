@@ -9,6 +9,10 @@ the range instead. The ceilings are today's counts: a change that adds a frame p
 """
 
 import collections
+import functools
+import importlib.util
+import inspect
+import os
 
 import pytest
 import torch
@@ -18,16 +22,41 @@ from helpers import profiled
 import hmp
 from hmp.core import torch_private
 
-WATCHED = ("/hmp/", "autograd/function.py", "/inspect.py", "_functorch/utils.py", "torch/_ops.py", "/triton/")
+
+def _folder(module_file):
+    return os.path.dirname(os.path.abspath(module_file)) + os.sep
+
+
+# hmp's frames are those of files in hmp's package directory, and torch's by torch's: never a path that only
+# contains "/hmp/" (a clone named hmp holds its .venv, torch and all, under .../hmp/)
+HMP, TORCH = _folder(hmp.__file__), _folder(torch.__file__)
+_TRITON = importlib.util.find_spec("triton")
+WATCHED_FOLDERS = (HMP,) + ((_folder(_TRITON.origin),) if _TRITON is not None and _TRITON.origin else ())
+WATCHED_FILES = frozenset(
+    [os.path.abspath(inspect.__file__)]
+    + [os.path.join(TORCH, *p.split("/")) for p in ("autograd/function.py", "_functorch/utils.py", "_ops.py")]
+)
 # torch's own kernels written in Python (stock meta tensors run many: a GPU runs C++ there): frames
 # they call are the kernel's, not the path to it
-KERNELS = ("torch/_prims_common/", "torch/_refs/", "torch/_decomp/", "torch/_prims/", "torch/_meta_registrations.py")
+KERNELS = tuple(os.path.join(TORCH, p) for p in ("_prims_common/", "_refs/", "_decomp/", "_prims/"))
+KERNELS += (os.path.join(TORCH, "_meta_registrations.py"),)
+
+
+@functools.lru_cache(maxsize=None)
+def _where(filename):
+    return os.path.abspath(filename)
+
+
+def watched(filename):
+    """A frame's file is hmp's (in its package directory), Triton's, or one of torch's watched files."""
+    where = _where(filename)
+    return where in WATCHED_FILES or where.startswith(WATCHED_FOLDERS)
 
 
 def _in_kernel(frame):
     frame = frame.f_back
     while frame is not None:
-        if any(k in frame.f_code.co_filename for k in KERNELS):
+        if _where(frame.f_code.co_filename).startswith(KERNELS):
             return True
         frame = frame.f_back
     return False
@@ -43,7 +72,7 @@ def frames(fn):
     def profile(frame, event, arg):
         if event == "call":
             name = frame.f_code.co_filename
-            if any(w in name for w in WATCHED) and not _in_kernel(frame):
+            if watched(name) and not _in_kernel(frame):
                 seen[f"{name.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"] += 1
 
     with profiled(profile):
@@ -142,6 +171,16 @@ def test_a_converted_call_runs_few_python_frames(hmp_converted, name):
     total = sum(seen.values())
     assert total <= ceiling, (total, dict(seen))
     assert not [f for f in seen if f.startswith("inspect.py")], dict(seen)  # no signature bound per call
+
+
+def test_hmps_frames_are_told_by_its_package_directory_not_a_path_that_contains_hmp():
+    """A clone named ``hmp`` keeps README's .venv, torch and all, under ``.../hmp/``: none of it is hmp's."""
+    clone = os.path.join(os.sep, "work", "hmp")
+    assert watched(hmp.__file__) and watched(os.path.join(HMP, "core", "wrap.py"))
+    assert watched(os.path.join(TORCH, "_ops.py")) and watched(inspect.__file__)
+    for other in (".venv/lib/python3/site-packages/torch/nn/functional.py", "hmp_extra/hmp/x.py", "tests/x.py"):
+        assert not watched(os.path.join(clone, *other.split("/"))), other
+    assert not watched(os.path.join(TORCH, "nn", "functional.py"))
 
 
 def test_the_frames_counted_are_hmps_and_a_plain_call_runs_none(hmp_converted):

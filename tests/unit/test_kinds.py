@@ -150,7 +150,7 @@ def test_a_kind_added_to_the_registry_is_picked_up(fp64_kind):
     # convert(), end to end: the new list's op runs in float64, the others as before
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        planned = plan.plan({})
+        planned = plan.plan(plan.Requested())
         assert planned.modules[fp64_kind] == ()
         conversion.apply(planned)
     try:

@@ -100,10 +100,7 @@ def test_a_weight_served_from_the_cache_costs_no_launch(converted):
     with torch.no_grad(), hmp.frozen_weights():
         count(F.linear, x, w, b)
         again = count(F.linear, x, w, b)
-        assert dict(again.ops) == {"aten.addmm": 1}  # the activation's copy too: the same unchanged tensor
-        x.mul_(1.0)  # written: its version moves, so its copy is made again
-        written = count(F.linear, x, w, b)
-        assert dict(written.ops) == {"hmp.to_finite": 1, "aten.addmm": 1}
+        assert dict(again.ops) == {"hmp.to_finite": 1, "aten.addmm": 1}  # the activation's own cast, as autocast's
     out = F.linear(x, w, b)  # grad mode: the graph holds the weights' copies for its backward
     again = count(F.linear, x.clone(), w, b)  # a new activation: its own cast, the weights' served
     assert again.ops["hmp.to_finite"] == 1

@@ -3,6 +3,7 @@ bf16_modules, on real models (a tiny Llama from transformers, nn.LSTM),
 with the rules checked against an oracle written here."""
 
 import copy
+import dataclasses
 import io
 import statistics
 import threading
@@ -567,3 +568,97 @@ def test_an_fp32_module_returning_tensors_maps_them_without_pytree():
     assert torch.equal(out[0], x.float().cos()) and torch.equal(out[1], x.float().sin())
     assert "tree_map_only" not in called and "tree_map" not in called, called
     assert [t.dtype for t in nested["a"]] == [torch.float32] * 2 and nested["b"] is None
+
+
+class _Pair(tuple):
+    """A tuple subclass, as some libraries return."""
+
+
+class _Items(list):
+    """A list subclass with an attribute of its own."""
+
+
+class _Table(dict):
+    """A dict subclass pytree does not know."""
+
+
+@dataclasses.dataclass
+class _Out:
+    a: torch.Tensor
+    rest: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    a: torch.Tensor
+
+
+def _containers(y):
+    items = _Items([y, 1])
+    items.tag = "kept"
+    return {
+        "tuple subclass": _Pair((y, y)),
+        "list subclass": items,
+        "dict subclass": _Table(a=y, b="text"),
+        "dataclass": _Out(y, rest=[y, _Pair((y,))]),
+        "frozen dataclass": _Frozen(y),
+        "dataclass in a dict": {"out": _Out(y)},
+    }
+
+
+def _tensors(o):
+    """Every tensor in ``o``, walked by hand (the oracle: no pytree, no hmp)."""
+    if isinstance(o, torch.Tensor):
+        return [o]
+    if dataclasses.is_dataclass(o):
+        o = [getattr(o, f.name) for f in dataclasses.fields(o)]
+    if isinstance(o, dict):
+        o = list(o.values())
+    if isinstance(o, (list, tuple)):
+        return [t for v in o for t in _tensors(v)]
+    return []
+
+
+class _Emits(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x):
+        return _containers(x.bfloat16() * 1.0)[self.kind]
+
+
+@pytest.mark.parametrize("kind", list(_containers(torch.zeros(1))), ids=list(_containers(torch.zeros(1))))
+def test_an_fp32_module_maps_tensors_in_any_container_and_keeps_its_type(kind):
+    """The FP32 list's rule, outputs in float32, reaches tensors inside containers pytree takes for
+    leaves (tuple, list and dict subclasses, dataclasses, frozen ones too), each keeping its type and
+    what else it holds."""
+    x = torch.randn(3)
+    with hmp.converted(fp32_modules=[_Emits]):
+        out = _Emits(kind)(x)
+    want = _containers(x.bfloat16() * 1.0)[kind]
+    assert type(out) is type(want)
+    got, expected = _tensors(out), _tensors(want)
+    assert len(got) == len(expected) > 0
+    assert all(g.dtype == torch.float32 and torch.equal(g, e.float()) for g, e in zip(got, expected))
+    if kind == "list subclass":
+        assert out.tag == "kept" and out[1] == 1
+    if kind == "dict subclass":
+        assert out["b"] == "text"
+
+
+def test_an_fp32_module_returning_a_model_output_keeps_its_type_and_both_views():
+    outputs = pytest.importorskip("transformers.modeling_outputs")
+
+    class Encoder(nn.Module):
+        def forward(self, x):
+            y = x.bfloat16() * 1.0
+            return outputs.BaseModelOutput(last_hidden_state=y, hidden_states=(y, y))
+
+    x = torch.randn(2, 3)
+    with hmp.converted(fp32_modules=[Encoder]):
+        out = Encoder()(x)
+    assert type(out) is outputs.BaseModelOutput
+    assert out.last_hidden_state.dtype == out["last_hidden_state"].dtype == torch.float32
+    assert [t.dtype for t in out.hidden_states] == [torch.float32] * 2
+    assert out[0] is out.last_hidden_state

@@ -46,8 +46,8 @@ class Casts(TorchDispatchMode):
 
 def casts(fn, *args):
     """The conversions one call of ``fn`` dispatches, given fresh copies of its tensor arguments: the
-    weights' copies are what is counted here (an unchanged activation's copy is shared by the calls
-    given it: tests/unit/test_shared_activations.py)."""
+    weights' copies are what is counted here (an activation is cast at every call:
+    tests/unit/test_activation_casts.py)."""
     args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     with Casts() as counted:
         fn(*args)
@@ -106,6 +106,79 @@ def test_the_outermost_region_decides_and_nested_blocks_share_it():
                 assert [casts(lin, x) for _ in range(3)] == [3, 1, 1]
         assert casts(lin, x) == 1  # the outer region's copies again
     assert cache.size() == 0
+
+
+def _free_pages_touched(model, x, region):
+    """Bytes of the copies a region of one forward holds at once: the largest ``hmp.cache_bytes()``
+    seen after each listed call (what the allocator must find fresh memory for)."""
+    most = [0]
+
+    def after(module, args, out):
+        most[0] = max(most[0], hmp.cache_bytes())
+
+    handles = [m.register_forward_hook(after) for m in model.modules()]
+    try:
+        with region():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return most[0]
+
+
+def test_a_kept_copy_pays_one_forward_regions_cast_per_call_and_loops_keep_from_the_first_use():
+    """A region of one forward uses each weight once: keeping its copies to the exit would cost fresh
+    memory for each (given back at the exit, faulted in again at the next region) where a cast per call
+    reuses one buffer (benchmarks/regions.py). So a thread's regions keep from a weight's first use
+    while its last region that cast a weight used a kept copy again, and otherwise from a weight's
+    second use in the region."""
+    hmp.convert()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    copies = _bf16_bytes(model)
+    assert _free_pages_touched(model, x, torch.no_grad) == copies  # a converted thread's first region keeps
+    for _ in range(3):  # then one-forward regions (an evaluation step, a request) keep nothing
+        assert _free_pages_touched(model, x, torch.no_grad) == 0
+        with torch.no_grad():
+            assert casts(model, x) == 1 + 4  # the input, and each weight and bias: as cache=False
+            assert hmp.cache_bytes() == 0
+    with torch.no_grad():  # a region over a loop (generate()): a weight's second use shows it, kept from there
+        assert [casts(model, x) for _ in range(4)] == [5, 5, 1, 1]
+        assert hmp.cache_bytes() == copies
+    with torch.no_grad():  # the next region keeps from the first use: each weight cast once
+        assert [casts(model, x) for _ in range(3)] == [5, 1, 1]
+    with torch.no_grad():  # a region that casts no weight (an EMA update, a metric) changes nothing
+        (x * 2).sum()
+    with torch.no_grad():
+        assert [casts(model, x) for _ in range(2)] == [5, 1]
+    assert _free_pages_touched(model, x, torch.no_grad) == copies  # this one-forward region kept, and paid nothing
+    assert _free_pages_touched(model, x, torch.no_grad) == 0  # so the next does not keep
+    hmp.clear_cache()  # clear_cache() (and convert()) start over: the next region keeps from the first use
+    with torch.no_grad():
+        assert [casts(model, x) for _ in range(2)] == [5, 1]
+
+
+def test_a_one_forward_region_computes_what_cache_off_computes():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    xs = [torch.randn(2, 8) for _ in range(4)]
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def run(**options):
+        model.load_state_dict(start)
+        with hmp.converted(**options):
+            out = []
+            for x in xs:
+                with torch.no_grad():
+                    out.append(model(x))
+                with torch.no_grad():
+                    out += [model(x), model(x)]
+                with torch.no_grad():
+                    model[0].weight.mul_(0.9)  # a write inside a region between two uses (seen through the counter)
+                    out.append(model(x))
+            return out
+
+    assert all(torch.equal(a, b) for a, b in zip(run(), run(cache=False)))
 
 
 def test_grad_turned_off_by_a_call_keeps_nothing():
@@ -460,6 +533,56 @@ def test_an_alias_write_is_missed_only_inside_a_region_that_kept_a_trainable_wei
     assert torch.equal(after, _fresh(lin, x)) and not torch.equal(after, before)
 
 
+def _load_candidate(how, model, vector, buffer):
+    """Evolution strategies, a line search: a candidate's parameters put into the model inside the
+    no-grad block that scores it."""
+    if how == "vector_to_parameters, new vector":  # a new tensor per candidate: its memory is new
+        torch.nn.utils.vector_to_parameters(vector.clone(), model.parameters())
+    elif how == "vector_to_parameters, one buffer":  # p.data = a view of the same buffer: nothing moves
+        buffer.copy_(vector)
+        torch.nn.utils.vector_to_parameters(buffer, model.parameters())
+    else:  # "p.data.copy_()": through the alias, whose version counter is not the parameter's
+        i = 0
+        for p in model.parameters():
+            p.data.copy_(vector[i : i + p.numel()].view_as(p))
+            i += p.numel()
+
+
+@pytest.mark.parametrize(
+    "how", ["vector_to_parameters, new vector", "vector_to_parameters, one buffer", "p.data.copy_()"]
+)
+def test_candidates_loaded_inside_one_region_are_seen_or_need_clear_cache(how):
+    """What docs/performance.md and README say: candidates loaded inside one no-grad block through memory
+    the parameters already had (one buffer, ``p.data.copy_()``) move no counter hmp can read, so the
+    region's copies of the first candidate serve the others until ``hmp.clear_cache()`` after each
+    load (or ``convert(cache=False)``); a load that gives the parameters new memory is seen."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    x = torch.randn(32, 8)
+    base = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    candidates = [base + 0.5 * torch.randn_like(base) for _ in range(4)]
+
+    def scores(clear=False, **options):
+        torch.nn.utils.vector_to_parameters(base.clone(), model.parameters())
+        buffer = base.clone()
+        with hmp.converted(**options), torch.no_grad():
+            out = []
+            for vector in candidates:
+                _load_candidate(how, model, vector, buffer)
+                if clear:
+                    hmp.clear_cache()
+                out.append(model(x))
+            return out
+
+    truth = scores(cache=False)
+    assert all(torch.equal(a, b) for a, b in zip(scores(clear=True), truth))
+    got = scores()
+    if how == "vector_to_parameters, new vector":
+        assert all(torch.equal(a, b) for a, b in zip(got, truth))
+    else:  # the limit: every candidate after the first scored as the first
+        assert torch.equal(got[0], truth[0]) and all(torch.equal(g, got[0]) for g in got[1:])
+
+
 @pytest.mark.parametrize("write", ["mul_", "copy_"])
 def test_an_alias_write_inside_a_region_to_a_frozen_weight_is_seen(write):
     """A frozen weight (requires_grad=False: peft's base layers, a diffusers pipeline) is never kept
@@ -543,14 +666,15 @@ def test_a_refill_in_compiled_code_is_missed_only_out_of_reach_where_a_region_ke
 
 def test_the_cache_section_of_the_docs_names_tests_that_exist():
     """docs/performance.md's cache section backs each sentence with a test, named ``cache::test_...``
-    (test_cache.py), ``regions::test_...`` (this file) or ``accumulation::test_...``
-    (test_accumulation.py): each one exists."""
+    (test_cache.py), ``regions::test_...`` (this file), ``accumulation::test_...``
+    (test_accumulation.py) or ``activations::test_...`` (test_activation_casts.py): each one exists."""
     here = pathlib.Path(__file__).parent
     docs = (here.parents[1] / "docs" / "performance.md").read_text()
     section = docs[docs.index("## The weight-cast cache") :]
     section = section[: section.index("\n## ", 1)]
-    named = re.findall(r"\b(cache|regions|accumulation)::(test_\w+)", section)
+    named = re.findall(r"\b(cache|regions|accumulation|activations)::(test_\w+)", section)
     assert len(named) >= 15
     files = {"cache": "test_cache.py", "regions": "test_no_grad_regions.py", "accumulation": "test_accumulation.py"}
+    files["activations"] = "test_activation_casts.py"
     for where, name in named:
         assert f"def {name}(" in (here / files[where]).read_text(), (where, name)

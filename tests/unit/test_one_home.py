@@ -147,9 +147,13 @@ def test_a_planted_name_lookup_is_caught(tmp_path):
 
 
 def test_convert_options_are_spelled_once_in_its_signature():
-    """plan() and the integrations take convert()'s options by name, read from
-    its signature: none of them spells an option of its own."""
-    options = set(inspect.signature(hmp.convert).parameters)
+    """plan() takes convert()'s options as one Requested, whose fields and defaults are convert()'s
+    parameters and defaults, in order; the integrations read them from its signature: none of them
+    spells an option of its own."""
+    parameters = inspect.signature(hmp.convert).parameters
+    assert list(plan.Requested._fields) == list(parameters)
+    assert plan.Requested._field_defaults == {name: p.default for name, p in parameters.items()}
+    options = set(parameters)
     assert set(plan.PARAMETERS) == options
     assert not options & set(inspect.signature(plan.plan).parameters)
     assert set(plan.requested("O2", strict=True)) == {"opt_level", "strict"}

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hmp.tools import timing
+from hmp.tools import host, speed, timing
 from hmp.tools.tune_result import TuneResult
 
 
@@ -58,11 +58,11 @@ def verdict(true_ratio, pairs, seed, others=1):
 def test_the_verdict_under_load_bursts_is_the_true_one_and_the_same_with_more_pairs(seed, true, others):
     """0.82x is faster at 10, 20, 40 and 80 pairs, however hard the bursts (3x-20x) hit; 1.0x and
     1.01x (inside the margin) are no measurable difference at every count; never the other way round."""
-    expected = "faster" if true < 1 - timing.MARGIN else "slower" if true > 1 + timing.MARGIN else timing.UNCLEAR
+    expected = "faster" if true < 1 - timing.MARGIN else "slower" if true > 1 + timing.MARGIN else speed.UNCLEAR
     said = {n: verdict(true, n, seed, others) for n in (10, 20, 40, 80)}
-    assert {r.direction() for r in said.values()} == {expected}
+    assert {speed.direction(r) for r in said.values()} == {expected}
     for r in said.values():
-        if expected != timing.UNCLEAR:  # the size said is the true one: the bursts cancelled
+        if expected != speed.UNCLEAR:  # the size said is the true one: the bursts cancelled
             assert r.median == pytest.approx(true, rel=1e-9)
 
 
@@ -81,8 +81,8 @@ def test_pairs_that_are_not_adjacent_are_what_made_verdicts_flip():
         step = machine.samplers()
         fp32 = [step["fp32"]() for _ in range(10)]
         lists = [step["lists"]() for _ in range(10)]
-        wrong.add(timing.ratio(fp32, lists).direction())
-        assert verdict(0.82, 10, seed).direction() == "faster"  # adjacent pairs on the same machine
+        wrong.add(speed.direction(timing.ratio(fp32, lists)))
+        assert speed.direction(verdict(0.82, 10, seed)) == "faster"  # adjacent pairs on the same machine
     assert wrong != {"faster"}  # blocks: some seeds say slower or no difference
 
 
@@ -100,13 +100,13 @@ def test_halves_that_disagree_are_no_verdict():
     """The middle half of 10 pairs below the margin, but the second half of the run at 1.0x: the run does
     not say the same twice, so no difference is stated, and the sentence says why."""
     r = timing.ratio([1.0] * 10, [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0][::-1])
-    assert r.high < 1 - timing.MARGIN and not r.measurable and r.direction() == timing.UNCLEAR
-    assert "not the same when repeated" in r.words()
+    assert r.high < 1 - timing.MARGIN and not r.measurable and speed.direction(r) == speed.UNCLEAR
+    assert "not the same when repeated" in speed.words(r)
 
 
 def test_a_difference_inside_the_margin_is_none_and_says_so():
     r = timing.ratio([1.0] * 10, [0.99] * 10)
-    assert not r.measurable and "within the 2% margin" in r.words()
+    assert not r.measurable and "within the 2% margin" in speed.words(r)
 
 
 def test_the_tune_verdict_from_paired_steps_on_the_loaded_machine():
@@ -133,9 +133,14 @@ def test_the_tune_verdict_from_paired_steps_on_the_loaded_machine():
     assert all(line.startswith("0.82x fp32's time") for line in lines)
 
 
-def test_the_matrix_product_is_timed_in_pairs_on_the_clock_given():
-    """matmul_ratio takes its samples through per_call on the clock it is given: a clock that advances
-    2 s per read makes every pair 1.0x, no measurable difference (no real time is read)."""
+def test_the_matrix_product_is_timed_in_pairs_on_the_host_given():
+    """matmul_ratio takes its samples through host.measure on the host it is given: a clock that advances
+    2 s per read makes every pair 1.0x, no measurable difference (no real time is read); the host's
+    waits, none here, are what each sample says the machine did."""
     ticks = iter(range(0, 10**6, 2))
-    r = timing.matmul_ratio(shape=(4, 4, 4), rounds=6, clock=lambda: float(next(ticks)))
-    assert r.pairs == 6 and r.median == pytest.approx(1.0) and r.direction() == timing.UNCLEAR
+    quiet = host.Host(
+        clock=lambda: float(next(ticks)), cpu_clock=lambda: 0.0, waits=lambda: 0.0, machine=lambda: (0.0, 1)
+    )
+    r = timing.matmul_ratio(shape=(4, 4, 4), rounds=6, host=quiet)
+    assert r.pairs == 6 and r.median == pytest.approx(1.0) and speed.direction(r) == speed.UNCLEAR
+    assert r.load.taken == 6 and r.load.contended == 0 and r.load.waited == 0.0

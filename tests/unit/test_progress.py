@@ -93,3 +93,20 @@ def test_work_that_ends_within_the_delay_says_nothing(monkeypatch, capsys):
         fn()
     runs.close("audited")
     assert capsys.readouterr().err == "" and runs.done == 5
+
+
+def test_tunes_time_left_counts_the_phases_still_to_come():
+    """The total tune reports at each run counts the phases after the current one, as far as known: at its
+    first run already the validation (3 configurations x steps) and the timing (fp32 and the starting lists
+    twice, 2 x rounds pairs of two steps each), not the 3 runs of the first phase alone; from the validation
+    on, every phase is known, so the total is the runs made to within one configuration's timing."""
+    step, runs, state, batch = problem()
+    seen = []
+    report = lambda done, total, what: seen.append((done, total, what))  # noqa: E731
+    steps, rounds = 2, 2
+    hmp.tune(step, *batch, state=state, steps=steps, rounds=rounds, min_share=0.0, progress=report)
+    timing = 2 * rounds * 2  # one configuration's pairs, two steps a sample
+    assert seen[0][1] >= 3 + 3 * steps + 3 * timing, seen[0]
+    validating = next(total for _, total, what in seen if what.startswith("validation"))
+    assert len(runs) - steps <= validating <= len(runs) + timing, (validating, len(runs))
+    assert seen[-1][:2] == (len(runs), len(runs))

@@ -482,7 +482,7 @@ def test_the_audit_page_leads_with_its_verdict(audited):
     verdict = section(page, 'id="verdict"', 'id="todo"')
     assert ("Nothing flagged" in verdict) == (not audited.flagged and not audited.flagged_modules)
     assert "the listed ops' forward time under the lists" in verdict
-    assert audited.time_ratio is not None and audited.time_ratio.pairs == TIMED_PAIRS
+    assert audited.time_ratio is not None and audited.time_ratio.load.taken == TIMED_PAIRS
 
 
 def test_what_to_do_agrees_with_the_verdict_and_says_why_each_change_is_there():

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hmp.tools import timing
+from hmp.tools import speed, timing
 
 times = st.floats(1e-4, 10.0)
 loads = st.floats(0.2, 5.0)  # load from elsewhere slowing both runs of a pair alike
@@ -30,7 +30,7 @@ def paired(draw, ratios):
 
 def said_range(words):
     """The (low, high) a sentence or cell gives for the middle half."""
-    low, high = re.search(r"(\d+\.\d+)x? ?(?:to|-) ?(\d+\.\d+)x?\)", words).groups()
+    low, high = re.search(r"(\d+\.\d+)x? ?(?:to|-) ?(\d+\.\d+)x?[);]", words).groups()
     return float(low), float(high)
 
 
@@ -49,15 +49,15 @@ def test_a_ratio_off_one_is_a_number_a_direction_and_its_range(data, centre, wid
     assert lo * (1 - 1e-9) <= r.low <= r.median <= r.high <= hi * (1 + 1e-9)
     band = timing.MARGIN
     if hi < 1 - band:  # every pair, so both halves of the run too, beyond the margin
-        assert r.faster and r.direction() == "faster" and "x fp32's time" in r.words()
+        assert r.faster and speed.direction(r) == "faster" and "x fp32's time" in speed.words(r)
     elif lo > 1 + band:
-        assert r.slower and r.direction() == "slower"
+        assert r.slower and speed.direction(r) == "slower"
     elif 1 - band <= lo and hi <= 1 + band:  # every pair within the margin: none measured
         assert not r.measurable
     if hi < 1 - band or lo > 1 + band:
-        assert r.words().startswith(f"{r.median:.2f}x fp32's time") and timing.UNCLEAR not in r.words()
-        assert f"of {len(ratios)} pairs" in r.words()
-    for text in (r.words(), r.short()):  # the range is always said, to the shown precision
+        assert speed.words(r).startswith(f"{r.median:.2f}x fp32's time") and speed.UNCLEAR not in speed.words(r)
+        assert f"of {len(ratios)} pairs" in speed.words(r)
+    for text in (speed.words(r), speed.short(r)):  # the range is always said, to the shown precision
         low, high = said_range(text)
         assert low == pytest.approx(r.low, abs=0.006) and high == pytest.approx(r.high, abs=0.006)
 
@@ -67,38 +67,38 @@ def test_a_wide_spread_wholly_on_one_side_is_still_a_measured_difference(data, k
     """0.18x-0.37x from a few runs is faster, however wide: said as a measured difference with its range."""
     fp32, other = data.draw(paired([base] * k + [factor * base] * k))
     r = timing.ratio(fp32, other)
-    assert r.low > 1 and r.slower and r.words().startswith(f"{r.median:.2f}x fp32's time")
-    assert said_range(r.words()) == pytest.approx((r.low, r.high), abs=0.006)
+    assert r.low > 1 and r.slower and speed.words(r).startswith(f"{r.median:.2f}x fp32's time")
+    assert said_range(speed.words(r)) == pytest.approx((r.low, r.high), abs=0.006)
 
 
 @given(st.data(), st.integers(2, 15), st.floats(0.5, 0.99), st.floats(1.01, 2.0))
 def test_as_many_pairs_faster_as_slower_is_no_measurable_difference(data, k, below, above):
     fp32, other = data.draw(paired([below] * k + [above] * k))
     r = timing.ratio(fp32, other)
-    assert not r.measurable and r.direction() == timing.UNCLEAR
-    assert r.words().startswith(timing.UNCLEAR) and r.short().startswith(timing.UNCLEAR)
-    low, high = said_range(r.words())
+    assert not r.measurable and speed.direction(r) == speed.UNCLEAR
+    assert speed.words(r).startswith(speed.UNCLEAR) and speed.short(r).startswith(speed.UNCLEAR)
+    low, high = said_range(speed.words(r))
     assert low <= 1.0 + 0.005 and high >= 1.0 - 0.005  # the range said covers 1
 
 
 @given(st.data(), st.lists(st.floats(0.1, 0.5), min_size=1, max_size=2))
 def test_too_few_pairs_is_no_measurable_difference(data, ratios):
     fp32, other = data.draw(paired(ratios))
-    words = timing.ratio(fp32, other).words()
-    assert words.startswith(timing.UNCLEAR) and "too few to tell" in words
+    words = speed.words(timing.ratio(fp32, other))
+    assert words.startswith(speed.UNCLEAR) and "too few to tell" in words
 
 
 def test_no_pair_or_no_fp32_time_is_none():
     assert timing.ratio([], [1.0]) is None and timing.ratio([0.0, 1.0], [1.0, 1.0]) is None
-    assert timing.words(None).startswith(timing.UNCLEAR)
+    assert speed.words(None).startswith(speed.UNCLEAR)
 
 
 def test_the_words_for_a_known_ratio():
     r = timing.ratio([1.0] * 5, [0.5, 0.5, 0.5, 0.5, 0.5])
-    assert r.words() == "0.50x fp32's time (middle half of 5 pairs: 0.50x to 0.50x)"
-    assert r.short() == "0.50x (0.50-0.50)" and r.spread == pytest.approx(0.0)
+    assert speed.words(r) == "0.50x fp32's time (middle half of 5 pairs: 0.50x to 0.50x)"
+    assert speed.short(r) == "0.50x (0.50-0.50)"
     wide = timing.ratio([1.0] * 4, [0.18, 0.2, 0.35, 0.37])
-    assert wide.faster and "fp32's time" in wide.words() and timing.UNCLEAR not in wide.words()
+    assert wide.faster and "fp32's time" in speed.words(wide) and speed.UNCLEAR not in speed.words(wide)
 
 
 @given(st.integers(1, 40), st.data())
@@ -154,6 +154,26 @@ def test_per_call_without_a_sync_calls_fn_as_often_as_asked():
     calls = []
     took = timing.per_call(lambda: calls.append(1), calls=7)
     assert len(calls) == 7 and took >= 0.0  # no hidden warm-up call
+
+
+def test_per_call_wall_and_thread_reads_both_clocks_around_the_same_calls():
+    log = []
+    wall, thread = FakeClock(log), FakeClock(log)
+
+    def fn():
+        log.append("call")
+        wall.now += 3.0
+        thread.now += 1.0  # a third of the wall time spent on a core
+
+    assert timing.per_call_wall_and_thread(fn, calls=4, wall=wall, thread=thread) == pytest.approx((3.0, 1.0))
+    assert log == ["clock", "clock"] + ["call"] * 4 + ["clock", "clock"]
+
+
+def test_a_sleep_is_wall_time_and_not_the_threads():
+    import time
+
+    took_wall, took_thread = timing.per_call_wall_and_thread(lambda: time.sleep(0.01), calls=3)
+    assert took_wall >= 0.01 and took_thread < 0.005
 
 
 def test_per_call_of_a_sleep_is_at_least_the_sleep():

@@ -3,8 +3,10 @@
 
 On any CPU: the version guard, the argument layout given to a compiled kernel's launcher on each
 release family, the fallback to ``kernel[grid](...)`` (for good, on a mismatch or a failed first
-direct launch), one compiled kernel per specialisation, and Triton's interpreter (no compiled
-kernel: the JIT's launch, and torch's bits). The launch itself runs on a GPU only
+direct launch), one compiled kernel per specialisation, each one's first direct launch checked
+against the JIT's bits (issue 78 item 6: a launcher that writes other bits, faked here, turns the
+JIT on for good with one warning), and Triton's interpreter (no compiled kernel: the JIT's launch,
+and torch's bits). The launch itself runs on a GPU only
 (``test_the_direct_launch_on_a_gpu``; benchmarks/gpu_checks.sh runs this file there).
 """
 
@@ -15,6 +17,7 @@ import sys
 import textwrap
 import time
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -43,10 +46,11 @@ class Compiled:
     """A compiled kernel as Triton returns it: ``run`` is its launcher, taking ``arity`` kernel
     arguments (a C launcher refuses any other count: TypeError) and writing the saturated cast."""
 
-    def __init__(self, arity, backend="cuda", fail=False):
+    def __init__(self, arity, backend="cuda", fail=False, wrong=None):
         self.src = types.SimpleNamespace(signature=dict.fromkeys(range(arity)))
         self.metadata = types.SimpleNamespace(target=types.SimpleNamespace(backend=backend))
         self.function, self.packed_metadata, self.arity, self.fail = 7, ("packed",), arity, fail
+        self.wrong = wrong  # what a launcher given the wrong arguments writes instead: fn(src, dst)
         self.calls = []
 
     def run(self, *args):
@@ -54,6 +58,9 @@ class Compiled:
         if self.fail or len(args) != 9 + self.arity:
             raise TypeError(f"function takes exactly {9 + self.arity} arguments ({len(args)} given)")
         src, dst = args[9], args[10]
+        if self.wrong is not None:
+            self.wrong(src, dst)
+            return
         dst.copy_(saturating_cast.stock(src, dst.dtype))
 
 
@@ -92,10 +99,11 @@ def fake_triton(version, knobs=True):
 DRIVER = types.SimpleNamespace(active=types.SimpleNamespace(get_current_stream=lambda device: 5000 + device))
 
 
-def launcher(version="3.9.0", compiled=None, knobs=True):
+def launcher(version="3.9.0", compiled=None, knobs=True, capturing=None):
     arity = 6 if triton_launch.release(version) >= (3, 3) else 4
     jit = Jit(compiled or (lambda: Compiled(arity)))
-    return triton_launch.Launcher(fake_triton(version, knobs), jit, 1024, driver=DRIVER), jit
+    found = triton_launch.Launcher(fake_triton(version, knobs), jit, 1024, driver=DRIVER, capturing=capturing)
+    return found, jit
 
 
 def cast(launch, t, dtype=BF16):
@@ -130,8 +138,8 @@ def test_each_release_gets_its_launchers_arguments_or_the_jits_launch(version, a
         assert not launch.direct and len(jit.launches) == 3 and launch.kernels == {}
         return
     assert launch.direct and len(jit.launches) == 2  # one per target dtype, then the compiled kernel's own
-    (args,) = jit.made[0].calls
-    assert len(args) == arguments
+    check, args = jit.made[0].calls  # its first direct launch, checked against the JIT's bits; then the third cast
+    assert check[9] is t and check[10] is not args[10] and len(check) == len(args) == arguments
     assert args[:9] == (4, 1, 1, 4999, 7, ("packed",), None, None, None)  # 4096 / 1024 blocks; device -1's stream
     assert args[9] is t and args[11:13] == (4096, TOP[BF16])
     assert args[13:] == ((1024, True) if arguments == 15 else ())
@@ -149,7 +157,7 @@ def test_one_compiled_kernel_per_specialisation():
     for t in kinds:
         cast(launch, t)
     assert len(jit.launches) == 4 and len(launch.kernels) == 4
-    assert [len(c.calls) for c in jit.made] == [3, 1, 1, 1]
+    assert [len(c.calls) for c in jit.made] == [4, 2, 2, 2]  # each one's check, then its casts
 
 
 @pytest.mark.parametrize(
@@ -171,17 +179,81 @@ def test_a_mismatch_takes_the_jits_launch_for_good(compiled, why):
 
 
 def test_a_failed_first_direct_launch_falls_back_once_and_for_good():
-    """The direct launch raises (a launcher that takes other arguments): that cast is made by the
-    JIT, still with torch's bits, and every later one too; the direct launch is not tried again."""
+    """The direct launch raises (a launcher that takes other arguments): its first try, the check
+    beside the JIT's first launch, raises; that cast and every later one are the JIT's, with torch's
+    bits; the direct launch is not tried again."""
     launch, jit = launcher(compiled=lambda: Compiled(6, fail=True))
     t = values(2048)
-    cast(launch, t)
-    assert launch.direct
-    cast(launch, t)  # the one direct try: it raises, the JIT casts
-    assert not launch.direct and len(jit.launches) == 2 and len(jit.made[0].calls) == 1
+    cast(launch, t)  # the JIT's launch, then the one direct try: it raises
+    assert not launch.direct and len(jit.launches) == 1 and len(jit.made[0].calls) == 1
     for dtype in (BF16, F16, BF16):
         cast(launch, t, dtype)
-    assert len(jit.launches) == 5 and sum(len(c.calls) for c in jit.made) == 1
+    assert len(jit.launches) == 4 and sum(len(c.calls) for c in jit.made) == 1
+
+
+def _truncated(src, dst):  # bfloat16 by dropping the low bits: no rounding, no saturation
+    dst.copy_(src.view(torch.int32).bitwise_right_shift(16).to(torch.int16).view(dst.dtype))
+
+
+def _one_bit_off(src, dst):
+    dst.copy_(saturating_cast.stock(src, dst.dtype))
+    dst.view(-1)[-1:].view(torch.int16).bitwise_xor_(1)
+
+
+WRONG = {  # what a launcher that accepts its arguments and misreads them might write
+    "nothing": lambda src, dst: None,
+    "one bit off": _one_bit_off,
+    "truncated, not rounded": _truncated,
+}
+
+
+@pytest.mark.parametrize("wrong", sorted(WRONG))
+def test_a_launcher_that_writes_other_bits_turns_the_jit_on_for_good_with_one_warning(wrong):
+    """A launcher that accepts the arguments it is given and writes wrong bits (the argument layout
+    misread for a release): the first direct launch of a specialisation runs on the input the JIT
+    just cast, and its bits differ, so every cast, that one included, is the JIT's, with torch's
+    bits; one warning, and no direct launch again (other specialisations included)."""
+    launch, jit = launcher(compiled=lambda: Compiled(6, wrong=WRONG[wrong]))
+    x = values(3000)
+    with pytest.warns(RuntimeWarning, match="gave other bits than Triton's own launch") as said:
+        cast(launch, x)
+    assert len(said) == 1 and not launch.direct and launch.kernels == {}
+    assert len(jit.launches) == 1 and len(jit.made[0].calls) == 1  # the check: its output went nowhere
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for dtype in (BF16, F16):
+            for t in (x, x[1:], x[:17], x):
+                cast(launch, t, dtype)
+    assert len(jit.launches) == 9 and sum(len(c.calls) for c in jit.made) == 1
+
+
+def test_a_right_launcher_is_checked_once_per_specialisation():
+    """The check costs one direct launch and one comparison per specialisation, not per cast."""
+    launch, jit = launcher()
+    x = values(3000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            for t in (x, x[1:], x[:32]):  # aligned; not aligned; n divisible by 16
+                cast(launch, t)
+    assert launch.direct and len(launch.kernels) == 3 and len(jit.launches) == 3
+    assert [len(c.calls) for c in jit.made] == [1 + 2] * 3  # its check, then two direct casts
+
+
+def test_no_check_while_a_cuda_graph_is_captured():
+    """A comparison reads the device, which a capture forbids: while one runs the JIT launches and
+    nothing is kept; the next launch outside it makes the direct launch and checks it."""
+    capturing = [True]
+    launch, jit = launcher(capturing=lambda: capturing[0])
+    t = values(2048)
+    cast(launch, t)
+    cast(launch, t)
+    assert launch.direct and launch.kernels == {} and len(jit.launches) == 2
+    assert all(c.calls == [] for c in jit.made)
+    capturing[0] = False
+    cast(launch, t)  # the JIT's launch, its check
+    cast(launch, t)  # direct
+    assert len(launch.kernels) == 1 and len(jit.launches) == 3 and len(jit.made[2].calls) == 2
 
 
 def test_a_layout_the_compiled_kernel_disagrees_with_falls_back():
@@ -241,7 +313,7 @@ def test_the_cast_takes_the_launcher(monkeypatch):
             y = saturating_cast._cast(t, dtype)
             assert same_bits(y, saturating_cast.stock(t, dtype)) and y.dtype is dtype
     assert launch.direct and len(jit.launches) == 2  # one specialisation per dtype: the rest direct
-    assert sum(len(c.calls) for c in jit.made) == 4
+    assert sum(len(c.calls) for c in jit.made) == 6  # each one's check, then the four casts it did not launch
 
 
 # -- one home for Triton's launcher ------------------------------------------------------------------

@@ -373,3 +373,37 @@ def test_tune_proposes_the_sinusoidal_embedding_for_fp32(tmp_path):
     assert "module classes to FP32: helpers.planted.TimestepEmbedding" in result.table()
     result.write(tmp_path / "b.txt", tmp_path / "f.txt")
     assert "helpers.planted.TimestepEmbedding" in (tmp_path / "f.txt").read_text().splitlines()
+
+
+def test_a_list_that_replaced_the_default_is_written_whole_again(tmp_path, monkeypatch):
+    """A replacing FP32 file (no 'include default': the user's complete list) that tune leaves as it is is
+    written whole again, not as 'include default' and ninety removals whose meaning a later hmp's defaults
+    would change; an extending one stays extending. plan() records which lists replaced the default."""
+    from hmp.driver.plan import Requested, plan
+
+    monkeypatch.delenv("HMP_STRICT")
+    whole = tmp_path / "mine_fp32.txt"
+    whole.write_text("cross_entropy\nlog_softmax\nsoftmax\nmse_loss\n")
+    extending = tmp_path / "more_fp32.txt"
+    extending.write_text("include default\ncumsum\n")
+    with pytest.warns(UserWarning, match="replaces the default FP32 list"):  # once per file
+        assert plan(Requested(fp32_file_path=whole)).replacing == {FP32}
+    assert plan(Requested(fp32_file_path=extending)).replacing == frozenset()
+    assert plan(Requested()).replacing == frozenset()
+    model, opt, step, x, y = problem()
+    hmp.convert(fp32_file_path=whole)
+    result = hmp.tune(step, x, y, state=(model, opt), steps=2, rounds=1, min_share=1.0, progress=False)
+    assert result.lists["fp32"] == sorted(["cross_entropy", "log_softmax", "softmax", "mse_loss"])  # unchanged
+    result.write(tmp_path / "b.txt", tmp_path / "f.txt")
+    written = (tmp_path / "f.txt").read_text()
+    lines = [line for line in written.splitlines() if line and not line.startswith("#")]
+    assert "include default" not in lines and not any(line.startswith("-") for line in lines)
+    assert sorted(lines) == result.lists["fp32"] and "replaces the default FP32 list" in written
+    from hmp.tools.sentences import files_sentence
+
+    assert "f.txt: the whole list, replacing the default" in files_sentence(result, ("b.txt", "f.txt"))
+    hmp.convert(fp32_file_path=tmp_path / "f.txt")
+    assert in_force().lists[FP32] == {"cross_entropy", "log_softmax", "softmax", "mse_loss"}
+    assert in_force().replacing == {FP32}  # still replacing
+    bf16 = [line for line in (tmp_path / "b.txt").read_text().splitlines() if line and not line.startswith("#")]
+    assert bf16 == ["include default"]  # the default BF16 list it started from: extending, nothing added

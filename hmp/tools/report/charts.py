@@ -4,8 +4,10 @@ per op, per module and per op tune tried, and the legend that reads them."""
 import math
 import re
 
+from hmp.tools import speed
 from hmp.tools.report.svg import (
     BAD,
+    FONT_FAMILY,
     FP32_TIME,
     LIST_COLOURS,
     LOW_TIME,
@@ -13,17 +15,21 @@ from hmp.tools.report.svg import (
     OUTPUT,
     OVER,
     SLOWER,
+    TICK_FONT,
     UNCLEAR_TIME,
     BadgeColumn,
     BarColumn,
+    LinearAxis,
     LogAxis,
     TextColumn,
     TimeColumn,
     _num,
+    _round_step,
     chart,
     esc,
     svg_line,
     svg_rect,
+    svg_text,
 )
 from hmp.tools.sentences import bounds_broken
 
@@ -233,7 +239,14 @@ def trial_chart(tune):
         BadgeColumn("was in", rows, lambda r: _list_badge(r["was"])),
         _error_column("own max rel error in bf16", rows, "own_max_rel", own, threshold),
         _error_column("error it passes to the loss", rows, "loss_error", loss, loss_threshold, mark="loss threshold"),
-        TimeColumn("fp32 time in the step it was measured in", rows, lambda r: r["seconds"] * 1e3, lambda r: None),
+        BarColumn(
+            "fp32 time: % of the step it was measured in",
+            rows,
+            lambda r: 100 * r["seconds"] / r["step_seconds"] if r.get("step_seconds") else None,
+            LinearAxis([100 * r["seconds"] / r["step_seconds"] for r in rows if r.get("step_seconds")], 150),
+            colour=lambda row, value: FP32_TIME,
+            fmt=lambda value: f"{value:.1f}%",
+        ),
         TextColumn("outcome", rows, outcome),
     ]
     return chart(rows, columns, lambda r: f"{r['op']}: {r.get('why') or outcome(r)[0]}", "trials")
@@ -255,7 +268,7 @@ def legend(tune=None):
             + "".join(
                 svg_rect(1 + 7 * i, 7, 6, 4, "swatch", c) for i, c in enumerate((LOW_TIME, SLOWER, UNCLEAR_TIME))
             ),
-            "time in fp32 (grey) and under the lists: green faster, orange slower, light grey no measurable difference",
+            speed.LEGEND,
         ),
     ]
     items += [
@@ -263,3 +276,72 @@ def legend(tune=None):
         for kind, colour in LIST_COLOURS.items()
     ]
     return '<ul class="legend">' + "".join(f"<li>{_swatch(shape)}{esc(label)}</li>" for shape, label in items) + "</ul>"
+
+
+# a configuration's loss curve: fp32 grey, the starting lists blue, the tuned lists green (dashed where they are
+# the same lists as an earlier curve, drawn over it)
+CURVE_COLOURS = ("#555555", "#4c78a8", "#54a24b", "#f58518", "#b279a2")
+
+
+def _segments(values, x, y):
+    """Polylines through the finite values (a non-finite loss breaks the line)."""
+    out, run = [], []
+    for i, v in enumerate(values):
+        if math.isfinite(v):
+            run.append(f"{x(i):.1f},{y(v):.1f}")
+        elif run:
+            out.append(run)
+            run = []
+    return out + ([run] if run else [])
+
+
+def loss_chart(tune, width=720, height=260):
+    """The loss after each validation step, one line per configuration (tune.trajectories), on one axis; a
+    legend names each line, its final loss and the lists it repeats."""
+    curves = {name: list(losses) for name, losses in getattr(tune, "trajectories", {}).items() if losses}
+    finite = [v for losses in curves.values() for v in losses if math.isfinite(v)]
+    if not finite:
+        return '<p class="empty">No loss was recorded per validation step.</p>'
+    lo, hi = min(finite), max(finite)
+    step = _round_step((hi - lo) / 4 if hi > lo else max(abs(hi), 1e-3) / 4)
+    lo, hi = step * math.floor(lo / step), step * math.ceil(hi / step + 1e-9)
+    hi = hi if hi > lo else lo + step
+    steps = max(len(losses) for losses in curves.values())
+    left, right, top, bottom = 64, 16, 14, 40
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def x(i):
+        return left + (i / (steps - 1) if steps > 1 else 0.5) * plot_w
+
+    def y(v):
+        return top + (hi - v) / (hi - lo) * plot_h
+
+    out = [
+        f'<svg class="losses" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'font-family="{esc(FONT_FAMILY)}" role="img"><title>loss after each validation step</title>'
+    ]
+    ticks = [lo + k * step for k in range(int(round((hi - lo) / step)) + 1)]
+    for v in ticks:
+        out.append(svg_line(left, y(v), left + plot_w, y(v), "grid", "#e3e3e3"))
+        out.append(svg_text(left - 6, y(v) + 4, f"{v:.4g}", "tick-label", anchor="end", size=TICK_FONT))
+    for i in sorted({0, steps - 1, (steps - 1) // 2}):
+        out.append(svg_text(x(i), top + plot_h + 16, str(i + 1), "tick-label", anchor="middle", size=TICK_FONT))
+    out.append(svg_text(left + plot_w / 2, height - 6, "validation step", "head", anchor="middle"))
+    out.append(svg_line(left, top + plot_h, left + plot_w, top + plot_h, "axis", "#666666"))
+    out.append(svg_line(left, top, left, top + plot_h, "axis", "#666666"))
+    same = getattr(tune, "same_as", {})
+    items = []
+    for k, (name, losses) in enumerate(curves.items()):
+        colour = CURVE_COLOURS[k % len(CURVE_COLOURS)]
+        dash = ' stroke-dasharray="6,4"' if name in same else ""
+        for run in _segments(losses, x, y):
+            out.append(
+                f'<polyline class="loss" data-name="{esc(name)}" points="{" ".join(run)}" fill="none" '
+                f'stroke="{colour}" stroke-width="2"{dash}/>'
+            )
+        note = f" (same lists as {same[name]})" if name in same else ""
+        swatch = svg_line(1, 6, 21, 6, "swatch", colour, f' stroke-width="2"{dash}')
+        items.append((swatch, f"{name}{note}: final loss {_num(losses[-1], 5)}"))
+    out.append("</svg>")
+    listed = "".join(f"<li>{_swatch(shape)}{esc(label)}</li>" for shape, label in items)
+    return "\n".join(out) + f'<ul class="legend">{listed}</ul>'

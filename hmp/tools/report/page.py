@@ -6,10 +6,11 @@ The page leads with its verdict (the outcome: within or outside the
 tolerance, faster, slower or no measurable difference), then what to do
 (the files written, what their lines hold and the call that loads them),
 then the evidence. The verdict's and what to do's sentences are made from
-the numbers on the page (sentences.py): a verdict only where its interval
-lies on one side of its threshold, else "cannot tell yet" and what to run. Every
-timing is relative to fp32 (timing.py), from the same measurement wherever
-it shows. Nothing is wider than the page's 1280 px and nothing hides behind
+the numbers on the page (sentences.py; every word on speed, speed.py): a
+verdict only where its interval lies on one side of its threshold, else
+"cannot tell yet" and what to run, or where the machine did not let the
+runs be measured, that. Every timing is relative to fp32 (timing.py), from
+the same measurement wherever it shows. Nothing is wider than the page's 1280 px and nothing hides behind
 a scroll bar of its own: a chart wider than its box scales down to fit it
 (its viewBox keeps the proportions), a table's cells wrap.
 
@@ -25,18 +26,17 @@ from pathlib import Path
 
 import torch
 
-from hmp.tools import timing
+from hmp.tools import speed
 from hmp.tools.files import check_outputs
-from hmp.tools.report.charts import _sort_key, legend, module_chart, nothing_cast, op_chart, trial_chart
+from hmp.tools.report.charts import _sort_key, legend, loss_chart, module_chart, nothing_cast, op_chart, trial_chart
 from hmp.tools.report.svg import _num, esc
-from hmp.tools.sentences import (  # noqa: F401 (speed_sentence, DEFAULT_FILES: this module's names before)
+from hmp.tools.sentences import (  # noqa: F401 (DEFAULT_FILES: this module's name before)
     DEFAULT_FILES,
     OUTSIDE,
     WITHIN,
     audit_outcome,
     audit_todo,
     loss_state,
-    speed_sentence,
     tune_outcome,
     tune_todo,
 )
@@ -171,41 +171,25 @@ def summary(audit, tune):
         ("module classes flagged", ", ".join(audit.flagged_modules) or "none"),
     ]
     if tune is None:
-        items.append(("listed ops' forward time under the lists", timing.words(audit.time_ratio)))
+        items.append(
+            ("listed ops' forward time under the lists", speed.words(audit.time_ratio, control_of="the lists"))
+        )
     else:
         items.append(("step time under the tuned lists", tune.time_cell("tuned lists")))
     return _summary(items)
 
 
 def op_section(audit, tune):
+    pairs = audit.time_ratio.load.taken if getattr(audit.time_ratio, "load", None) else _pairs(audit)
+    steps = speed.recorded_steps(getattr(audit, "step_ms", None) or {}) if tune is None else speed.ONE_STEP
     return [
         "<h2>Ops: the error bf16 makes and the time it saves</h2>",
         '<p class="caption">One row per listed op the step ran, largest own error first. Own error: the op alone '
         "cast, against the fp32 run; error passed to the loss: the step's loss with only that op cast. An op whose "
-        "inputs already arrive in its dtype casts nothing and has no own error. Time: the op's forward calls in a "
-        f"step, the median of {_pairs(audit)} runs in fp32 and as many under the lists, interleaved, casts included; "
-        "under the lists relative to fp32 (below 1 is faster), or no measurable difference when the runs' spread "
-        f"says so.{esc(step_words(audit) if tune is None else ONE_STEP)}</p>",
+        f"inputs already arrive in its dtype casts nothing and has no own error. {esc(speed.op_caption(pairs))}"
+        f"{esc(steps)}</p>",
         boxed(op_chart(audit, tune)),
     ]
-
-
-# on a tune page the step time is stated once per configuration, from the paired timing (validation)
-ONE_STEP = (
-    " Each op's time is a part of a step recorded op by op; the step time of each configuration is stated "
-    "once, under Validation, from the paired timing."
-)
-
-
-def step_words(audit):
-    """The whole steps the op times are parts of (the same runs' wall times), for the op chart's caption."""
-    ms = getattr(audit, "step_ms", None) or {}
-    if "fp32" not in ms or "lists" not in ms:
-        return ""
-    return (
-        f" The whole step in those runs: {_num(ms['fp32'])} ms in fp32, {_num(ms['lists'])} ms under the lists "
-        "(medians, recording included); each op's time is a part of it."
-    )
 
 
 def _pairs(audit):
@@ -314,22 +298,19 @@ def proposal_sections(tune):
 
 
 def tune_sections(tune):
+    fp32_step = tune.fp32_step() if "fp32" in tune.timings else ""
     return [
         "<h2>Ops tried in bf16</h2>",
         '<p class="caption">Expensive ops still computing in fp32, each tried alone in bf16 and kept when its '
         "own error and the error it passes to the loss stay under the thresholds with no inf/NaN, and a step with "
-        "it in bf16 is faster than without beyond chance (adjacent step pairs; hover a row for why).</p>",
+        "it in bf16 is faster than without beyond chance (adjacent step pairs; hover a row for why). Each op's "
+        "time is a share of the step it was measured in (recorded op by op).</p>",
         boxed(trial_chart(tune)),
         *proposal_sections(tune),
         "<h2>Validation</h2>",
-        f'<p class="caption">Final loss after training the same steps from the same state. Step time: each '
-        f"configuration's steps paired with fp32's, the two steps of a pair adjacent (in alternating order), so "
-        f"load on this machine that lasts a pair falls on both; the median of the pairs' ratios and the spread "
-        f"of their middle half (below 1 is faster), a difference stated only outside the {timing.MARGIN:.0%} "
-        f"margin and where both halves of the pairs say the same. "
-        f"{esc(tune.fp32_step() if 'fp32' in tune.timings else '')}"
-        "</p>",
+        f'<p class="caption">{esc(speed.validation_caption(fp32_step))}</p>',
         boxed(validation_table(tune)),
+        boxed(loss_chart(tune)),
     ]
 
 

@@ -12,7 +12,7 @@ import html
 import math
 
 from hmp.binding import kinds
-from hmp.tools import timing
+from hmp.tools import speed
 
 FONT = 12  # px, row and header text
 TICK_FONT = 10  # px, axis tick labels
@@ -323,7 +323,7 @@ class TimeColumn(Column):
         if b is None:
             return f"{a:.3g} ms"
         ratio = self.ratio(row)
-        return f"{a:.3g} ms; lists: {timing.UNCLEAR if ratio is None else ratio.short()}"
+        return f"{a:.3g} ms; lists: {speed.short(ratio) if ratio is not None else speed.UNCLEAR}"
 
     def header(self, x):
         return [
@@ -352,8 +352,7 @@ class TimeColumn(Column):
         if b is not None:
             length, _ = self.axis.bar(b)
             if length:
-                ratio = self.ratio(row)
-                fill = SLOWER if ratio and ratio.slower else LOW_TIME if ratio and ratio.faster else UNCLEAR_TIME
+                fill = {"slower": SLOWER, "faster": LOW_TIME}.get(speed.colour_key(self.ratio(row)), UNCLEAR_TIME)
                 out.append(svg_rect(x0, top + 11, length, 6, "bar time-low", fill, f' data-value="{b:g}"'))
         out.append(svg_text(x + self.value_x, _baseline(top), self._label(row), "value"))
         return out
