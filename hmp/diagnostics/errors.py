@@ -23,7 +23,7 @@ import re
 from hmp.binding import kinds, list_files, lists
 from hmp.binding.kinds import FP32, LOWER, PROMOTE
 from hmp.binding.pays import NORMALIZATIONS
-from hmp.core import rescue, state, torch_private
+from hmp.core import state, torch_private
 from hmp.diagnostics import culprit
 
 _LOW = re.compile(r"BFloat16|bfloat16|\bHalf\b|\bhalf\b|float16")
@@ -273,7 +273,3 @@ def explain(exc):
         return line
     except Exception:  # a note must never replace the user's error
         return None
-
-
-# the wrappers' error path (hmp/core/rescue.py) calls it: core knows nothing of this floor
-rescue.on_error(annotate)

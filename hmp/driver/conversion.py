@@ -21,13 +21,13 @@ from hmp.binding import imports, lists, module_entries, modules, pays, sites, wr
 from hmp.binding.aten import returns_view
 from hmp.binding.kinds import FP32, LOWER
 from hmp.binding.resolve import Binding, Resolver, attribute_site, owner_label
-from hmp.core import cache, dtypes
+from hmp.core import cache, dtypes, rescue
 from hmp.core.cache import clear_cache
 from hmp.core.cast_copies import FINITE_CASTS
 from hmp.core.hints import ListPath, ModuleTargets
 from hmp.core.identity import unwrap
 from hmp.core.state import close_block, first_time, runtime, user_stacklevel
-from hmp.diagnostics import errors, interop  # noqa: F401 (errors registers its note on the wrappers' errors)
+from hmp.diagnostics import errors, interop
 from hmp.driver.patch import MISSING, PatchLog
 from hmp.driver.plan import Requested, options_of, plan
 from hmp.driver.queries import effective_lists, in_force
@@ -168,6 +168,8 @@ def apply(conversion, resolver=None, recorder=None, passthrough=False):
     """Install ``conversion`` (a Conversion with checked lists) in place of
     the current one. profile/audit/tune pass a ``recorder`` (hmp/tools/record.py)
     and ``passthrough``."""
+    # the wrappers' error path (hmp/core/rescue.py) adds errors' note: core knows nothing of that floor
+    rescue.on_error(errors.annotate)
     # once per process, outside the lock: an import that may run a watched module's callback
     if not runtime.ready_for_compile:
         wrapper_life.ready_for_compile()

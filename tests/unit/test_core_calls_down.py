@@ -67,6 +67,8 @@ _SHARED = {
     # per thread too, where no hook sees it: a thread started while converted joins before its profile
     # hook is set (test_engine.py::test_threads_started_while_converted_join_and_earlier_ones_do_not)
     "delegation.py:Engine.join": "the converting thread joins the engine; so does each thread it starts",
+    # core imports nothing above it, so the driver hands it diagnostics' note at install
+    "rescue.py:on_error": "the wrappers' error path keeps its annotators beside it",
 }
 
 
