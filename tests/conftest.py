@@ -93,6 +93,13 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture(params=("python", "autocast"))
+def each_engine(request, monkeypatch):
+    """The test once per engine: convert()'s default (HMP_ENGINE) set to each (docs/engines.md)."""
+    monkeypatch.setenv("HMP_ENGINE", request.param)
+    return request.param
+
+
 @pytest.fixture
 def pristine():
     hmp.revert()

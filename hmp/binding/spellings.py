@@ -26,7 +26,7 @@ from hmp.binding.aten import aten_op, makes_view
 from hmp.core import torch_private
 
 # Probe shapes, tried in order until the call runs: every tensor argument gets the same one.
-_SHAPES = ((4, 4), (2, 4, 4), (2, 4, 4, 4), (4,))
+SHAPES = ((4, 4), (2, 4, 4), (2, 4, 4, 4), (4,))
 # The one argument no schema type can fill: einsum's equation. A last resort by argument
 # name, for the probe only (what binds is still the traced computation).
 _STRINGS = {"equation": {2: "ij,jk->ik"}}
@@ -37,8 +37,9 @@ _SCALARS = {"int": 1, "SymInt": 1, "float": 0.5, "bool": False, "Scalar": 2, "nu
 _NO_COMPUTE = _ALLOCATES | {"_unsafe_view", "clone", "copy_"}
 
 
-def _argument(arg, shape):
-    """A probe value for one schema argument, or raise LookupError."""
+def _argument(arg, shape, sizes=1):
+    """A probe value for one schema argument (``sizes``: the length of an int list whose
+    schema gives none), or raise LookupError."""
     jit_type = str(arg.type)  # the schema's JIT type: Tensor, List[Tensor], List[int], Optional[...], int, ...
     if jit_type == "Tensor":
         return torch.empty(shape, device="meta")
@@ -47,7 +48,7 @@ def _argument(arg, shape):
     if jit_type in _SCALARS:
         return _SCALARS[jit_type]
     if jit_type == "List[int]":  # sizes, strides, dims: 2, not 1, where 1 takes a shortcut (a pool to 1 is a mean)
-        return [2] * (getattr(arg, "N", None) or 1)
+        return [2] * (getattr(arg, "N", None) or sizes)
     if jit_type.startswith("Optional["):
         return None
     if jit_type == "str" and len(shape) in _STRINGS.get(arg.name, {}):
@@ -59,9 +60,9 @@ def _needs_out(schema):
     return any(a.kwarg_only and not a.has_default_value() for a in schema.arguments)
 
 
-def _probe_args(schema, shape, optional_tensors=False):
+def probe_args(schema, shape, optional_tensors=False, sizes=1):
     """Positional arguments for ``schema`` (defaults where it has them; with
-    ``optional_tensors``, a tensor for each optional one), or None."""
+    ``optional_tensors``, a tensor for each optional one; ``sizes``: as ``_argument``'s), or None."""
     args = []
     for arg in schema.arguments:
         if arg.kwarg_only:
@@ -72,7 +73,7 @@ def _probe_args(schema, shape, optional_tensors=False):
             if optional_tensors and str(arg.type) == "Optional[Tensor]":
                 args.append(torch.empty(shape, device="meta"))
             else:
-                args.append(arg.default_value if arg.has_default_value() else _argument(arg, shape))
+                args.append(arg.default_value if arg.has_default_value() else _argument(arg, shape, sizes))
         except LookupError:
             return None
     return args
@@ -150,9 +151,9 @@ def _probes(packet, builtin):
             continue
         fn = builtin if builtin is not None else getattr(packet, overload)
         optional = any(str(a.type) == "Optional[Tensor]" for a in schema.arguments)
-        for shape in _SHAPES:
+        for shape in SHAPES:
             for given in (False, True) if optional else (False,):
-                args = _probe_args(schema, shape, given)
+                args = probe_args(schema, shape, given)
                 ops = None if args is None else traced(fn, args)
                 if ops is not None:
                     yield overload, ops

@@ -128,13 +128,6 @@ def resume(wrapper, prepare, eager_prepare=None):
     swap(wrapper, record(wrapper)._replace(prepare=prepare, eager_prepare=eager_prepare))
 
 
-def adapt(wrapper, how):
-    """Make a wrapper call ``how(op)`` in place of its op (engine="autocast":
-    hmp/core/delegation.py's ``off_around``); retire() puts the original back."""
-    spec = record(wrapper)
-    swap(wrapper, spec._replace(op=how(spec.op)))
-
-
 def take_over(wrapper, donor):
     """Give ``wrapper`` (an hmp wrapper another library holds: it wrapped it,
     or saved it to put back later) everything ``donor``, a wrapper built for

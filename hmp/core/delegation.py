@@ -1,13 +1,13 @@
-"""engine="autocast" at call time: torch's autocast casts the ops where hmp's lists and
-autocast's policy agree, with no Python per call (docs/engines.md; which ops:
+"""engine="autocast" at call time: torch's autocast casts the ops where it gives what hmp's
+rule gives for every mix of input dtypes, with no Python per call (docs/engines.md; which ops:
 hmp/binding/engine.py).
 
 A joined thread has autocast on for the engine's devices exactly where hmp casts
-(``tls.off == 0``): ``state.enter``/``leave`` keep it so (``state.follow``), so
-every rule that turns hmp's casts off turns autocast off too. ``off_around(op)`` runs
-``op`` with autocast off, for the ops hmp runs itself and for sites the lists leave
-uncast. In a user's own torch.autocast region ``engine_on`` is False, so the region
-stays theirs.
+(``tls.off == 0``): ``state.enter``/``leave`` keep it so (``state.follow``), and so does
+the wrapper body where it inlines them (``pause``/``resume``, core/wrap.py), so every rule
+that turns hmp's casts off turns autocast off too. ``off_around(op)`` runs ``op`` with
+autocast off, for sites of ops the lists leave to torch that autocast would act on. In a
+user's own torch.autocast region ``engine_on`` is False, so the region stays theirs.
 
 Autocast's weight cache is on in joined threads (``convert(cache=True)``). It never
 checks a tensor's version, so its copies are dropped (``drop``) at every point where
@@ -22,6 +22,7 @@ made with grad off without its graph, grad turning back on drops them too
 (``copies_keep_graphs``). The cache is one for the process (torch 2.4 to 2.15: a map
 under a lock), so a drop in any thread drops every thread's (docs/engines.md)."""
 
+import ctypes
 import functools
 import threading
 
@@ -49,6 +50,7 @@ class Engine:
 
     def __init__(self, devices, dtype):
         self.devices = tuple(devices)
+        self.on = (True,) * len(self.devices)  # autocast on for each of them (pause)
         self.dtype = dtype
         self.delegated = {}
         self.in_force = False
@@ -85,6 +87,81 @@ class Engine:
         st.engine, st.engine_on, st.engine_found = None, False, None
         self.threads.discard(threading.get_ident())
         _clear()  # the copies its cache made: none outlives the conversion
+
+    def leave_main_thread(self):
+        """Out of force (revert() in another thread): the main thread, if joined, departs at its
+        next bytecode, before any op of its next line runs. Autocast's state is the thread's own
+        and no other thread can write it; Python runs a pending call in the main thread only, so
+        any other thread departs at its next switch of hmp's (docs/engines.md)."""
+        main = threading.main_thread().ident
+        if main in self.threads and threading.get_ident() != main:
+            in_main_thread(self._depart_main)
+
+    def _depart_main(self):
+        st = tls
+        if st.engine is self and not self.in_force:
+            self.depart(st)
+
+
+# kept: pending calls' C callbacks and whether each has run, alive past their run (freed at the next schedule)
+_pending = []
+_PENDING_CALL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+def in_main_thread(fn):
+    """Run ``fn()`` in the main thread at its next bytecode (CPython's Py_AddPendingCall);
+    False where it cannot be scheduled."""
+    add = getattr(getattr(ctypes, "pythonapi", None), "Py_AddPendingCall", None)
+    if add is None:
+        return False
+    _pending[:] = [p for p in _pending if not p[1]]
+    entry = [None, False]
+
+    def call(_):
+        try:
+            fn()
+        except Exception:  # a pending call must not raise into whatever the main thread runs
+            pass
+        entry[1] = True
+        return 0
+
+    entry[0] = _PENDING_CALL(call)
+    _pending.append(entry)
+    if add(entry[0], None) != 0:
+        _pending.remove(entry)
+        return False
+    return True
+
+
+def pause(st, running):
+    """A joined thread's autocast off for a call hmp runs itself (core/wrap.py: its casts and its op),
+    where hmp had it on; returns what to give ``resume``. In compiled or traced code (``running``) the
+    state found is what comes back, not the one ``engine_on`` says: while dynamo traces, a traced switch
+    has changed the state and its write of ``engine_on`` waits for the graph (dynamo runs wrappers
+    for their fake values meanwhile). In eager code ``engine_on`` is the state: nothing is read."""
+    engine = st.engine
+    found = tuple([_is_enabled(device) for device in engine.devices]) if running else engine.on
+    st.engine_on = False
+    for device in engine.devices:
+        _set_enabled(device, False)
+    return found
+
+
+def resume(st, found):
+    """Undo ``pause``."""
+    st.engine_on = True
+    for device, on in zip(st.engine.devices, found):
+        _set_enabled(device, on)
+
+
+def as_torch(st, running, op, args, kwargs):
+    """``op`` (a builtin) called as torch's, with a joined thread's autocast paused: a wrapper's call
+    that needs no cast (an op in no list, bound for the calls that do) is one autocast must not cast."""
+    found = pause(st, running)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        resume(st, found)
 
 
 def drop():
@@ -228,6 +305,9 @@ def off_around(op, devices):
         st = tls
         if not st.engine_on:
             return op(*args, **kwargs)
+        # the state found, not the one ``engine_on`` says: while dynamo traces, a traced switch has
+        # changed the state and its write of ``engine_on`` waits for the graph (a fake-value run)
+        found = [_is_enabled(device) for device in devices]
         st.engine_on = False
         for device in devices:
             _set_enabled(device, False)
@@ -235,8 +315,8 @@ def off_around(op, devices):
             return op(*args, **kwargs)
         finally:
             st.engine_on = True
-            for device in devices:
-                _set_enabled(device, True)
+            for device, on in zip(devices, found):
+                _set_enabled(device, on)
 
     stand_in(autocast_off, op)
     setattr(autocast_off, AROUND, op)

@@ -247,6 +247,18 @@ def composite_implicit(overload):  # no kernel of its own: it runs other ops (hm
     return overload.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
+_KEYS = torch._C.DispatchKey
+_COMPOSITE_KEYS = (_KEYS.CompositeExplicitAutograd, _KEYS.CompositeExplicitAutogradNonFunctional)
+
+
+def composite_kernel(overload):  # the key of a kernel that only calls other ops, or None (binding/autocast_reach.py)
+    return next((k for k in _COMPOSITE_KEYS if overload.has_kernel_for_dispatch_key(k)), None)
+
+
+def run_kernel(overload, key, args, kwargs):  # that kernel itself, its calls dispatched as any (2.4 to 2.15)
+    return overload._op_dk(key, *args, **kwargs)
+
+
 def schema_of(packet, overload):
     return overload_schema(getattr(packet, overload))  # what it returns as a view, which arguments it writes
 

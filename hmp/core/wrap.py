@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from hmp.core import cast_copies, policy, rescue, torch_private, wrapper_frames
+from hmp.core import cast_copies, delegation, policy, rescue, torch_private, wrapper_frames
 from hmp.core.state import OFF, graph_off, tls, weight_cache
 
 NEVER = 1 << 62  # inplace_at of a site without an ``inplace`` parameter
@@ -23,6 +23,7 @@ PAUSED = None  # a wrapper's prepare while paused or retired: the call is a plai
 _cast_each, _SAME, _one_dtype, _write_back = policy.cast_each, policy.SAME, policy.one_dtype, cast_copies.write_back
 _PROMOTE = policy.PROMOTE
 _graph_off = graph_off
+_pause, _resume, _as_torch = delegation.pause, delegation.resume, delegation.as_torch
 _dynamo_compiling, _after_dynamo = torch_private.dynamo_compiling, torch_private.after_dynamo
 _compile_flag, _tracing_state = torch_private.compile_flag, torch_private.tracing_state
 _COMPILING, _DYNAMO, _LOWERING = torch_private.COMPILING, torch_private.DYNAMO, torch_private.LOWERING
@@ -82,12 +83,15 @@ def _body(spec):
         else:
             running = 0
         if running == _LOWERING and lowers or needs is not None and not needs(args, kwargs):
-            return op(*args, **kwargs)
+            # a builtin's own ops are none of hmp's: autocast off for them (a Python function's calls
+            # cast as usual, autocast following ``off``)
+            return _as_torch(st, running, op, args, kwargs) if st.engine_on and not hidden else op(*args, **kwargs)
         if not running:  # eager: the rule on the casters' eager forms
             rule = eager_prepare
         # casts off from here: for the casts' own ops (a BF16 module's mode must not see them) and for
-        # the ops this one calls (the outermost op decides: state.enter/leave, inlined)
+        # the ops this one calls (the outermost op decides: state.enter/leave, inlined, engine="autocast" too)
         st.off = OFF
+        paused = st.engine_on and _pause(st, running)
         a = graph = None
         try:
             if src is None or kwargs or inplace_at != NEVER and len(args) > inplace_at and args[inplace_at]:
@@ -121,6 +125,8 @@ def _body(spec):
             return result
         finally:
             st.off = 0
+            if paused:
+                _resume(st, paused)
             if graph:
                 _graph_off(0)
 

@@ -204,7 +204,7 @@ def _build(conversion, resolver, recorder, passthrough):
     # entries that gain nothing from their list's rule are not bound: torch runs them (hmp/binding/pays.py)
     one_dtype = lists.one_dtype_names()
     bound = {k: {n for n in v if pays.decision(k, n, options.strict, one_dtype)[0]} for k, v in effective.items()}
-    delegating = engine_plan.decide(options, bound, effective)  # engine="autocast": what torch.autocast casts
+    delegating = engine_plan.decide(options, bound, effective, resolver)  # engine="autocast": what autocast casts
     op_sites = [
         (b.site.namespace, b.site.attr, wrappers.site(b, _original(b.site, placed)))
         for b in resolver.bind(bound, fallback)

@@ -17,7 +17,7 @@ from torch import nn
 import hmp
 
 pytestmark = [
-    pytest.mark.usefixtures("fresh_dynamo"),
+    pytest.mark.usefixtures("fresh_dynamo", "each_engine"),
     needs("traced_state_writes"),
     needs("dynamo_traces_wrappers_fully"),
 ]

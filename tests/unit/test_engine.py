@@ -80,18 +80,26 @@ def test_compiled_equals_eager(backend, fresh_dynamo):
 
 
 def test_delegated_ops_have_no_wrapper_and_detail_names_the_engine():
-    original = F.linear
+    """mse_loss (FP32 list): autocast casts it as hmp would for every dtype mix, so it is left to
+    autocast; linear is not (autocast would cast a float16 input to bfloat16, hmp keeps it), nor mv
+    (CPU autocast has no kernel for it); cat is hmp's to leave to torch, and autocast, which would
+    raise on float16, is off around it."""
+    original = torch._C._nn.mse_loss
     hmp.convert(engine="autocast")
-    assert F.linear is original and torch.matmul.__module__ != "hmp"
+    assert torch._C._nn.mse_loss is original and F.linear.__module__ != "torch.nn.functional"
     detail = hmp.effective_lists(detail=True)
-    assert detail["bf16"]["linear"] == engine_plan.DELEGATED
-    assert detail["bf16"]["mv"] == engine_plan.WRAPPED
+    assert detail["fp32"]["mse_loss"] == engine_plan.DELEGATED
+    assert detail["bf16"]["linear"] == detail["bf16"]["mv"] == engine_plan.WRAPPED
+    assert detail["promote"]["cat"].endswith(engine_plan.OFF)
+    x = torch.randn(3, dtype=torch.bfloat16)
+    assert F.mse_loss(x, x).dtype == torch.float32
     assert F.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.bfloat16
     assert torch.mv(torch.randn(2, 3), torch.randn(3)).dtype == torch.bfloat16
+    assert torch.cat([torch.ones(2, dtype=torch.float16)] * 2).dtype == torch.float16
 
 
-def test_no_hmp_frame_runs_in_a_delegated_linear():
-    x, w = torch.randn(4, 8), torch.randn(6, 8, requires_grad=True)
+def test_no_hmp_frame_runs_in_a_delegated_call():
+    x, y = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 8, requires_grad=True)
     seen = []
 
     def profile(frame, event, arg):
@@ -99,12 +107,12 @@ def test_no_hmp_frame_runs_in_a_delegated_linear():
             seen.append(frame.f_code.co_name)
 
     hmp.convert(engine="autocast")
-    F.linear(x, w)  # first call: nothing lazy left
+    F.mse_loss(x, y)  # first call: nothing lazy left
     for grad in (True, False):
         with torch.set_grad_enabled(grad):
             with profiled(profile):
-                y = F.linear(x, w)
-        assert y.dtype == torch.bfloat16
+                out = F.mse_loss(x, y)
+        assert out.dtype == torch.float32
     assert seen == []
 
 
@@ -236,10 +244,10 @@ def _in_thread(fn, start_gate=None):
 
 
 def test_threads_started_while_converted_join_and_earlier_ones_do_not():
-    x, w, m, v = torch.randn(4, 8), torch.randn(6, 8), torch.randn(2, 3), torch.randn(3)
+    x, m, v = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(2, 3), torch.randn(3)
 
-    def dtypes():
-        return F.linear(x, w).dtype, torch.mv(m, v).dtype, torch.is_autocast_enabled("cpu")
+    def dtypes():  # (l1_loss: torch 2.4's CPU mse_loss has no bfloat16 kernel)
+        return F.l1_loss(x, x).dtype, torch.mv(m, v).dtype, torch.is_autocast_enabled("cpu")
 
     gate = threading.Event()
     earlier, earlier_result = _in_thread(dtypes, gate)
@@ -250,9 +258,9 @@ def test_threads_started_while_converted_join_and_earlier_ones_do_not():
     later.join()
     gate.set()
     earlier.join()
-    assert later_result == [(torch.bfloat16, torch.bfloat16, True)]
+    assert later_result == [(torch.float32, torch.bfloat16, True)]
     # a thread running before convert() has its own autocast state: hmp's wrappers cast there, autocast does not
-    assert earlier_result == [(torch.float32, torch.bfloat16, False)]
+    assert earlier_result == [(torch.bfloat16, torch.bfloat16, False)]
 
 
 def test_a_thread_started_while_converted_gets_its_state_back_at_its_next_switch():
@@ -277,9 +285,43 @@ def test_a_thread_started_while_converted_gets_its_state_back_at_its_next_switch
     assert seen == [True, True, False]
 
 
-def test_the_differences_docs_engines_md_names(tmp_path):
-    """Pinned so the docs change with them: a delegated op's cast does not saturate
-    (never-changes.md), and a composite in no list has its parts cast by CPU autocast."""
+def test_the_difference_docs_engines_md_names():
+    """Pinned so the docs change with it: a bfloat16 leaf used by several delegated calls of one
+    forward is cast at each by autocast, once by hmp's weight cache, so its gradient is summed in
+    bfloat16 under the engine and in float32 under engine="python"; the forward is bit-equal."""
+    torch.manual_seed(0)
+    w0, t = torch.randn(64, dtype=torch.bfloat16), torch.randn(64)
+    found = {}
+    for engine in ENGINES:
+        w = nn.Parameter(w0.clone())
+        with hmp.converted(engine=engine):
+            loss = F.mse_loss(w, t) + F.l1_loss(w, 2 * t) + F.mse_loss(w, 3 * t)
+            loss.backward()
+        found[engine] = loss.detach(), w.grad
+    assert torch.equal(found["python"][0], found["autocast"][0])
+    grads = [g.float() for _, g in found.values()]
+    assert not torch.equal(*grads)
+    assert torch.allclose(*grads, rtol=2**-7, atol=0)  # within a bfloat16 rounding of the sum
+
+
+def test_an_op_removed_from_its_list_runs_as_torchs_on_both_engines(tmp_path):
+    """addmm removed from the BF16 list keeps a wrapper for the calls that need one dtype; a
+    float32 call needs none and runs as torch's: autocast, which would cast it, is off there."""
+    no_addmm = tmp_path / "bf16.txt"
+    no_addmm.write_text("include default\n-addmm\n")
+    a, b, c = torch.randn(2, 3), torch.randn(2, 4), torch.randn(4, 3)
+    found = {}
+    for engine in ENGINES:
+        with hmp.converted(engine=engine, bf16_file_path=no_addmm):
+            found[engine] = torch.addmm(a, b, c)
+    assert found["python"].dtype == found["autocast"].dtype == torch.float32
+    assert torch.equal(found["python"], found["autocast"])
+
+
+def test_what_were_differences_are_equal(tmp_path):
+    """The saturating cast holds on both engines (no op that casts down is delegated: autocast
+    would cast a float16 input too), and a composite in no list whose kernels call ops autocast
+    casts (nn.LSTM with lstm removed from the BF16 list) runs as torch's on both."""
     x, w = torch.tensor([[3.4e38, 1.0]]), torch.ones(1, 2)
     lstm, seq = nn.LSTM(4, 4), torch.randn(2, 1, 4)
     no_lstm = tmp_path / "bf16.txt"
@@ -289,8 +331,10 @@ def test_the_differences_docs_engines_md_names(tmp_path):
         with hmp.converted(engine=engine):
             found[engine] = [bool(torch.isfinite(F.linear(x, w)).all())]
         with hmp.converted(engine=engine, bf16_file_path=no_lstm):
-            found[engine].append(lstm(seq)[0].dtype)
-    assert found == {"python": [True, torch.float32], "autocast": [False, torch.bfloat16]}
+            out = lstm(seq)[0]
+            found[engine] += [out.dtype, out]
+    assert found["python"][:2] == found["autocast"][:2] == [True, torch.float32]
+    assert torch.equal(found["python"][2], found["autocast"][2])
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

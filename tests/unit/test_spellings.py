@@ -65,8 +65,8 @@ def _probe(name):
     builtin = dict(aten.python_builtins()).get(name)
     for overload in packet.overloads():
         schema = getattr(packet, overload)._schema
-        for shape in spellings._SHAPES:
-            args = spellings._probe_args(schema, shape)
+        for shape in spellings.SHAPES:
+            args = spellings.probe_args(schema, shape)
             if args is not None and spellings.traced(builtin, args) is not None:
                 return builtin, args
     raise AssertionError(name)

@@ -13,7 +13,7 @@ from hmp.core.state import tls
 
 BF16 = torch.bfloat16
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread", "each_engine")
 
 
 class Recording(torch.optim.SGD):
