@@ -55,8 +55,10 @@ class ThreadState(threading.local):
 
 if not torch_releases.BOUNDARIES["traced_state_writes"].present:
     # the floor's dynamo breaks the graph at every threading.local write and, without class
-    # attributes, traced a stale ``off`` after a second conversion (tests/unit/test_compile.py)
+    # attributes, traced a stale ``off`` (and engine="autocast"'s ``engine_on``) after a second
+    # conversion (tests/unit/test_compile.py)
     ThreadState.off, ThreadState.lower_mode = 0, None
+    ThreadState.engine, ThreadState.engine_on = None, False
 
 tls = ThreadState()
 _KEEP = object()
