@@ -170,4 +170,12 @@ def hold(result, fresh):
 
 
 _BODY = _body(None).__code__
-wrapper_frames.register_wrapper(_BODY, lambda frame: (frame.f_locals.get("s") or (None,))[0])  # the op it calls
+
+
+def _op_of(frame):
+    """The op a wrapper frame calls: from the record the call read (``s``), or before its first line
+    runs (a profiler's call event) from the wrapper's cell."""
+    return (frame.f_locals.get("s") or frame.f_locals.get("spec") or (None,))[0]
+
+
+wrapper_frames.register_wrapper(_BODY, _op_of)
