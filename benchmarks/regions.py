@@ -18,7 +18,7 @@ on), ``hmp`` (``hmp.converted()``), ``hmp cache=False``. Each round takes one sa
 configuration in a rotated order (hmp.tools.timing.interleaved); a sample is a fresh process (the
 allocator's state, which decides whether freed copies go back to the system, is then a program's own,
 not what the other configurations left) running ``--reps`` regions after a warm one. Times are that
-process's CPU time per forward (time.process_time: one torch thread, so another process's load moves it
+thread's CPU time per forward (timing.per_call_wall_and_thread: one torch thread, so another process's load moves it
 less than the wall clock), beside the wall clock; minor page faults per forward (getrusage), casts per
 forward (dtype conversions dispatched) and the most bytes of copies held at once in a region
 (hmp.cache_bytes() after each module: what the allocator must find fresh memory for), both deterministic.
@@ -36,7 +36,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -46,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 import hmp  # noqa: E402
-from hmp.tools.timing import interleaved  # noqa: E402
+from hmp.tools.timing import interleaved, per_call_wall_and_thread  # noqa: E402
 
 QUICK = ("--quick",)
 CONFIGS = ("autocast", "hmp", "hmp cache=False")
@@ -141,12 +140,13 @@ def one_sample(config, shape, args):
     with scheme(config):
         forwards(config, shape, encoder, x, args.loop)  # warm: the region's first state is the timed ones'
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        cpu, wall, n = time.process_time(), time.perf_counter(), 0
-        for _ in range(args.reps):
-            n += forwards(config, shape, encoder, x, args.loop)
-        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        counts = []  # forwards per rep
+        wall, cpu = per_call_wall_and_thread(
+            lambda: counts.append(forwards(config, shape, encoder, x, args.loop)), calls=args.reps
+        )
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    return {"cpu_ms": cpu / n * 1e3, "wall_ms": wall / n * 1e3, "faults": faults / n}
+    n = sum(counts) / args.reps  # forwards per timed call
+    return {"cpu_ms": cpu / n * 1e3, "wall_ms": wall / n * 1e3, "faults": faults * args.reps / sum(counts)}
 
 
 def sampler(config, shape, args):

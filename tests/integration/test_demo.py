@@ -377,7 +377,9 @@ def test_default_run_names_the_model_says_what_to_expect_and_sizes_itself_first(
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()
     assert "model: a character-level transformer LM, 4 pre-norm blocks of width 256" in lines[0]
-    assert "a bf16 matmul takes" in lines[1] and "expect" in lines[1]
+    # the matmul's ratio and what it implies, or (on a host too busy to time it) that it could not measure here
+    assert "a bf16 matmul" in lines[1] and "expect" in lines[1]
+    assert "a bf16 matmul takes" in lines[1] or f"{speed.NOT_HERE} (in " in lines[1], lines[1]
     assert "sized to this machine:" in lines[3]
     res = json.loads(out.read_text())
     meta = res["meta"]

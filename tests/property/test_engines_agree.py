@@ -6,14 +6,18 @@ with autocast never on; engine="autocast" runs it where the dispatcher decides.
 The calls are OpInfo's CPU float32 samples (benchmarks/kernel_lists.py collects them, through
 each op's public Python name, so through hmp's wrappers), each floating tensor converted to a
 dtype drawn from float32, bfloat16, float16 and float64. An op whose result draws random numbers
-is seeded the same on both; one whose result is not even the same twice on one engine (``empty``,
-run again over memory filled with another value) is compared by dtype and shape.
+is seeded the same on both. Memory an op leaves unwritten (``empty``, ``new_empty_strided``) is
+torch's to fill: the sweep runs in torch's deterministic mode, which fills it with NaN, so such an
+output is the same on both engines (comparing whatever the allocator handed out failed at random). One
+whose result is still not the same twice on one engine (run again over memory filled with another
+value) is compared by dtype and shape.
 
 The one difference docs/engines.md names: a kernel that calls autocast's promotion (``cat``) from
 C++, where no trace of hmp's sees it (``torch.roll``), raises on float16 inputs under the engine
 (autocast's promotion refuses float16 beside bfloat16), where engine="python" runs it. It is
 recognised by autocast's message and only with a float16 input, and pinned below."""
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -64,6 +68,18 @@ def _variant(probe, mix):
     return kl._map_tensors((probe.args, probe.kwargs), convert)
 
 
+@contextlib.contextmanager
+def filled_memory():
+    """torch's deterministic mode (warnings, not errors, for ops without a deterministic kernel): it fills
+    memory an op leaves unwritten with NaN, where the allocator would hand out whatever was there."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def _outcome(probe, mix, poison=()):
     """The call's outputs as ``[(dtype, dense values)]``, or ``(exception type, message)``.
     ``poison``: outputs of an earlier run; memory of their sizes is filled and freed just before
@@ -73,7 +89,8 @@ def _outcome(probe, mix, poison=()):
         torch.full_like(values, 7.0) if values.is_floating_point() else torch.full_like(values, 7)
     torch.manual_seed(0)
     try:
-        out = probe.call(*args, **kwargs)
+        with filled_memory():
+            out = probe.call(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the exception is the outcome compared
         return type(e).__name__, str(e)
     leaves = []
