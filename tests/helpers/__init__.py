@@ -4,9 +4,11 @@ The worker scripts beside this file are run by the tests; models.py holds the sh
 
 import ast
 import contextlib
+import importlib.util
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,6 +151,17 @@ TRITON_INTERPRETER_PROBE = textwrap.dedent(
         raise SystemExit("INTERPRETER COPIES WRONG: " + str(out.tolist()))
     """
 )
+
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def benchmark(script, name=None):
+    """A script of benchmarks/ (not a package), imported by its path as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name or f"bench_{Path(script).stem}", BENCHMARKS / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_python(*args, cwd, env=None, timeout=120):

@@ -3,7 +3,6 @@ passes the harness's own checks of its results (benchmarks/run.py,
 check_results), benchmarks this checkout's hmp, and measures each
 configuration's memory in a process of its own. It checks no speed."""
 
-import importlib.util
 import json
 import math
 import re
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_python
+from helpers import benchmark, run_python
 
 from hmp.core import torch_releases
 
@@ -77,10 +76,7 @@ def test_percall_prints_one_progress_line_not_one_per_rep(tmp_path):
 
 
 def _load_run():
-    spec = importlib.util.spec_from_file_location("bench_run", RUN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("run.py")
 
 
 def test_run_states_each_configurations_output_dtype_off_the_fast_path(tmp_path):

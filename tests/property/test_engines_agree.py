@@ -18,11 +18,10 @@ C++, where no trace of hmp's sees it (``torch.roll``), raises on float16 inputs 
 recognised by autocast's message and only with a float16 input, and pinned below."""
 
 import contextlib
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import benchmark
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,18 +29,10 @@ import hmp
 from hmp.binding.autocast_policy import MIXED
 from hmp.core import dtypes
 
-ROOT = Path(__file__).resolve().parents[2]
 PRIORITIZE = "at::autocast::prioritize"  # autocast's promotion refusing a dtype
 
 
-def _generator():
-    spec = importlib.util.spec_from_file_location("hmp_kernel_lists", ROOT / "benchmarks" / "kernel_lists.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-kl = _generator()
+kl = benchmark("kernel_lists.py", "hmp_kernel_lists")
 # uniform mixes and each pair (the first floating tensor in one dtype, the rest in another)
 SWEPT = [(d,) for d in MIXED] + [(a, b) for a in MIXED for b in MIXED if a != b]
 

@@ -15,29 +15,17 @@ hmp; their failures are reported as a warning, not failed on. The same sweep wit
 the files' names (``python benchmarks/kernel_lists.py --check``).
 """
 
-import importlib.util
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import benchmark
 
 import hmp
 from hmp.binding import list_files
 from hmp.binding.resolve import BOUND, UNKNOWN, Resolver
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _generator():
-    """benchmarks/kernel_lists.py, imported by path (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("hmp_kernel_lists", ROOT / "benchmarks" / "kernel_lists.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-kl = _generator()
+kl = benchmark("kernel_lists.py", "hmp_kernel_lists")
 
 
 @pytest.fixture(scope="module")

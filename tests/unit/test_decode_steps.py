@@ -5,12 +5,12 @@ decode loop feeds the KV cache back and reads the logits. Each call is marked a 
 a tiny Llama: a recorder stands in for the compiled model, logs each call beside each mark, and holds every
 call's outputs alive, so a tensor sharing storage with one of them is one of them (no memory is reused)."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -31,10 +31,7 @@ def decode(monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])
     before = set(sys.modules)
-    spec = importlib.util.spec_from_file_location("bench_decode", BENCHMARKS / "decode.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
+    yield benchmark("decode.py")
     for name in set(sys.modules) - before:
         if Path(getattr(sys.modules[name], "__file__", None) or "/").parent == BENCHMARKS:
             del sys.modules[name]
