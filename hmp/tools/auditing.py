@@ -18,10 +18,7 @@ times each (op_times()).
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
-
-import torch
 
 from hmp.binding import kinds
 from hmp.binding.pays import CAST
@@ -29,164 +26,22 @@ from hmp.core.hints import Step
 from hmp.driver.conversion import applied
 from hmp.driver.plan import Requested, plan
 from hmp.driver.queries import decisions, in_force
-from hmp.tools import host, speed
+from hmp.tools import host
+from hmp.tools.audit_report import AuditReport
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import step_loss
 from hmp.tools.op_costs import NOT_TIMED, TIMED_PAIRS, op_times
+from hmp.tools.output_errors import by_op, compare, pairs, worst, worst_by_module
 from hmp.tools.progress import StepRuns
 from hmp.tools.record import Confinement, ModuleHooks, Recorder, module_paths, ran_in
-from hmp.tools.report.page import write as write_html
 from hmp.tools.target import user_name
 
-TINY = 1e-30
 QUIET = StepRuns("", False)  # counts nothing anyone sees: audit_with() called without a counter
-TOP = 10  # module rows table() shows; all are in AuditReport.modules / .module_classes
 
 
 def _final(value, tool):
     """What a run's errors are measured on: the step's loss (loss.step_loss)."""
     return (step_loss(value, tool).detach().clone(),)
-
-
-def compare(ref, got):
-    """Errors of ``got`` against ``ref`` (tuples of tensors of equal shapes):
-    max and mean error relative to the reference's scale, and the number of
-    elements that are finite in ``ref`` but not in ``got``."""
-    max_rel = mean_rel = 0.0
-    nonfinite = 0
-    for r, g in zip(ref, got):
-        if r.shape != g.shape:
-            continue
-        r, g = r.double(), g.double()
-        both = torch.isfinite(r) & torch.isfinite(g)
-        nonfinite += int((torch.isfinite(r) & ~torch.isfinite(g)).sum())
-        if both.any():
-            diff, scale = (g - r).abs()[both], r.abs()[both]
-            max_rel = max(max_rel, float(diff.max() / (scale.max() + TINY)))
-            mean_rel = max(mean_rel, float(diff.mean() / (scale.mean() + TINY)))
-    return max_rel, mean_rel, nonfinite
-
-
-class AuditReport:
-    def __init__(
-        self, rows, output_error, threshold, loss_threshold, modules=(), seen=None, time_ratio=None, uncast=None
-    ):
-        self.rows = rows  # one dict per op that ran
-        self.output_error = output_error  # relative error of fn's output under full hmp
-        self.threshold, self.loss_threshold = threshold, loss_threshold
-        self.modules = list(modules)  # one dict per hooked module that ran, by path
-        self.module_classes = _class_rows(self.modules, threshold)  # the same, per module class
-        # module class -> the largest integer input (position, timestep, id) its instances were given:
-        # an error that grows with positions or timesteps is measured only up to there
-        self.seen = dict(seen or {})
-        # the listed ops' time under the lists relative to fp32 (timing.Ratio), None when not timed
-        self.time_ratio = time_ratio
-        self.uncast = dict(uncast or {})  # why hmp does not cast them -> entries ("kind name"; queries.decisions)
-        self.created = datetime.now(timezone.utc)  # when measured, for the HTML report's title
-        self.step_ms = {}  # "fp32"/"lists" -> median wall time of the runs the op times come from
-
-    def save_html(self, path, title=None):
-        """Write the report as one self-contained HTML page with inline SVG
-        charts (report.write: atomic; ValueError naming ``path`` when it
-        cannot be written)."""
-        write_html(path, audit=self, title=title)
-
-    @property
-    def flagged(self):
-        return sorted(r["op"] for r in self.rows if r["flagged"])
-
-    @property
-    def flagged_modules(self):
-        """Import paths of the module classes in which an op's own error exceeds ``threshold``."""
-        return sorted(r["class"] for r in self.module_classes if r["flagged"])
-
-    def table(self):
-        lines = [
-            f"output (loss) relative error under hmp: {self.output_error:.3g}",
-            f"listed ops' forward time under the lists: {speed.words(self.time_ratio, control_of='the lists')}",
-            "",
-            "| op | list | calls | max rel err | mean rel err | own max rel err | inf/NaN introduced "
-            "| error passed to loss | flagged |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---|",
-        ]
-        for r in sorted(self.rows, key=lambda r: -r["loss_error"]):  # "-": casts nothing, never run cast alone
-            own, passed = (f"{r['own_max_rel']:.3g}", f"{r['loss_error']:.3g}") if r.get("casts", 1) else ("-", "-")
-            lower = "/".join(d for d in r.get("ran_in", "").split(",") if d in ("bfloat16", "float16"))
-            kind = r["list"] or (f"none, ran in {lower}" if lower else "none")  # as the HTML's badge says
-            lines.append(
-                f"| {r['op']} | {kind} | {r['calls']} | {r['max_rel']:.3g} | {r['mean_rel']:.3g} | "
-                f"{own} | {r['nonfinite']} | {passed} | {r['reason'] or ''} |"
-            )
-        lines += [] if all(r.get("casts", 1) for r in self.rows) else ["", "-: the op casts nothing: no own error"]
-        for what, rows, columns in (
-            ("modules", self.modules, MODULE_COLUMNS),
-            ("module classes", self.module_classes, CLASS_COLUMNS),
-        ):
-            if rows:
-                lines += [
-                    "",
-                    _heading(what, len(rows)),
-                    "",
-                    "| " + " | ".join(title for title, _, _ in columns) + " |",
-                    "|" + "|".join(align for _, align, _ in columns) + "|",
-                ]
-                lines += ["| " + " | ".join(cell(r) for _, _, cell in columns) + " |" for r in _by_error(rows)[:TOP]]
-        if self.uncast:
-            lines += ["", "List entries hmp does not cast, and why:", ""]
-            lines += [f"- {', '.join(entries)}: {why}" for why, entries in self.uncast.items()]
-        if self.seen:
-            lines += [
-                "",
-                "What this audit could not see: the module classes below were given integer inputs "
-                "(positions, timesteps, ids) up to the value shown, and an error that grows with position or "
-                "timestep (rotary or sinusoidal embeddings) is measured only up to there. Audit with inputs "
-                "that reach the positions and timesteps you run at.",
-                "",
-                "| class | largest integer input seen |",
-                "|---|---:|",
-            ]
-            lines += [f"| {cls} | {value} |" for cls, value in sorted(self.seen.items(), key=lambda kv: -kv[1])[:TOP]]
-        return "\n".join(lines)
-
-    def __str__(self):
-        return self.table()
-
-
-def _own_error_cell(row):
-    return f"{row['own_max_rel']:.3g} ({row['own_op']})" if row["own_op"] else "-"
-
-
-# (title, alignment, cell) of the module tables' columns
-MODULE_COLUMNS = (
-    ("module", "---", lambda r: r["path"] or "(root)"),
-    ("class", "---", lambda r: r["class"]),
-    ("calls", "---:", lambda r: str(r["calls"])),
-    ("output max rel err", "---:", lambda r: f"{r['max_rel']:.3g}"),
-    ("output mean rel err", "---:", lambda r: f"{r['mean_rel']:.3g}"),
-    ("error made in it", "---:", lambda r: f"{r['made_max_rel']:.3g}"),
-    ("largest own op error in it", "---:", _own_error_cell),
-)
-CLASS_COLUMNS = (
-    ("class", "---", lambda r: r["class"]),
-    ("instances", "---:", lambda r: str(r["instances"])),
-    ("calls", "---:", lambda r: str(r["calls"])),
-    ("output max rel err", "---:", lambda r: f"{r['max_rel']:.3g}"),
-    ("error made in it", "---:", lambda r: f"{r['made_max_rel']:.3g}"),
-    ("largest own op error in it", "---:", _own_error_cell),
-    ("flagged", "---", lambda r: r["reason"]),
-)
-
-
-def _heading(what, count):
-    shown = f"the {TOP} with the largest error made in it" if count > TOP else "by error made in it"
-    return (
-        f"{what} ({count}; {shown}; error made in it: at its outputs, when only the ops called directly in it "
-        f"cast, from fp32 inputs; own op error: of one op called directly in it, cast alone):"
-    )
-
-
-def _by_error(rows):
-    return sorted(rows, key=lambda r: (-max(r["made_max_rel"], r["own_max_rel"]), -r["max_rel"]))
 
 
 def _module_rows(paths, ref, full, ops, made):
@@ -214,43 +69,6 @@ def _module_rows(paths, ref, full, ops, made):
                 "own_max_rel": own.get(own_op, 0.0),
                 "own_op": own_op,
                 "made_max_rel": made.get(path, (0.0,))[0],
-            }
-        )
-    return rows
-
-
-def _class_rows(module_rows, threshold):
-    """``module_rows`` aggregated per class: the largest errors of its
-    instances; flagged when an op's own error in one, or the error one's
-    own code makes, exceeds ``threshold``."""
-    by_class = {}
-    for r in module_rows:
-        by_class.setdefault(r["type"], []).append(r)
-    rows = []
-    for cls, instances in by_class.items():
-        top = max(instances, key=lambda r: r["own_max_rel"])
-        made = max(r["made_max_rel"] for r in instances)
-        if top["own_max_rel"] > threshold:
-            reason = f"{top['own_op']} error {top['own_max_rel']:.2g} > {threshold:g}"
-        elif made > threshold:
-            reason = f"error made in it {made:.2g} > {threshold:g}"
-        else:
-            reason = ""
-        rows.append(
-            {
-                "class": user_name(cls),
-                "type": cls,
-                "instances": len(instances),
-                "paths": [r["path"] for r in instances],
-                "calls": sum(r["calls"] for r in instances),
-                "max_rel": max(r["max_rel"] for r in instances),
-                "mean_rel": max(r["mean_rel"] for r in instances),
-                "nonfinite": sum(r["nonfinite"] for r in instances),
-                "own_max_rel": top["own_max_rel"],
-                "own_op": top["own_op"],
-                "made_max_rel": made,
-                "flagged": bool(reason),
-                "reason": reason,
             }
         )
     return rows
@@ -379,48 +197,10 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold, runs=None):
     output_error = compare(ref_final, hmp_final)[0]
     by_op_ref, by_op_hmp = by_op(ref.outputs), by_op(full.outputs)
     runs.expect(sum(1 for stats in full.stats.values() if stats.casts), "audit: each op cast alone")
+    step = (fn, args, kwargs, guard)
     rows = []
     for name, stats in full.stats.items():
-        max_rel, mean_rel, nonfinite = worst(pairs(by_op_ref, by_op_hmp, name))
-        row = {
-            "op": name,
-            "list": kind_of(name, lists),
-            "ran_in": ran_in(stats),
-            "calls": stats.calls,
-            "casts": stats.casts,
-            "max_rel": max_rel,
-            "mean_rel": mean_rel,
-            "nonfinite": nonfinite,
-            "own_max_rel": 0.0,
-            "loss_error": 0.0,
-            "own_by_module": {},
-        }
-        if stats.casts:
-            only = {k: ({name} if name in lists[k] else set()) for k in kinds.KINDS}
-            own_final, own = run_step(
-                fn, args, kwargs, guard, conversion._replace(lists=only), keep_outputs=True, restore_dtype=True
-            )
-            own_pairs = pairs(by_op_ref, by_op(own.outputs), name)
-            row["own_max_rel"], _, own_nonfinite = worst(own_pairs)
-            row["own_by_module"] = worst_by_module(own_pairs)
-            if row["own_max_rel"] > threshold and len(row["own_by_module"]) > 1:
-                # which module's calls introduce it: once more, each call from the fp32 run's
-                # inputs, so the error of the op's earlier calls does not count in later ones
-                runs.expect(1)
-                _, forced = run_step(
-                    fn,
-                    args,
-                    kwargs,
-                    guard,
-                    conversion._replace(lists=only),
-                    keep_outputs=True,
-                    restore_dtype=True,
-                    forced=by_op_ref,
-                )
-                row["own_by_module"] = worst_by_module(pairs(by_op_ref, by_op(forced.outputs), name))
-            row["nonfinite"] = max(nonfinite, own_nonfinite)
-            row["loss_error"], _, final_nonfinite = compare(ref_final, own_final)
-            row["nonfinite"] += final_nonfinite
+        row = _op_row(step, conversion, lists, name, stats, (ref_final, by_op_ref, by_op_hmp), threshold, runs)
         _flag(row, threshold, loss_threshold)
         rows.append(row)
     made = made_by_class(fn, args, kwargs, guard, conversion, ref, full, runs)
@@ -439,6 +219,45 @@ def audit_with(guard, fn, args, kwargs, threshold, loss_threshold, runs=None):
     report = AuditReport(rows, output_error, threshold, loss_threshold, modules, seen, total, _uncast(decided))
     report.step_ms = walls
     return report
+
+
+def _op_row(step, conversion, lists, name, stats, fp32_and_lists, threshold, runs):
+    """One op's row: its outputs' error under the lists against fp32 and, where it casts, a run with only
+    it cast: its own error, where each call was made (a module whose calls introduce it), and the error it
+    alone passes on to the loss. ``fp32_and_lists``: the fp32 run's loss, both runs' outputs by op."""
+    fn, args, kwargs, guard = step
+    ref_final, by_op_ref, by_op_hmp = fp32_and_lists
+    max_rel, mean_rel, nonfinite = worst(pairs(by_op_ref, by_op_hmp, name))
+    row = {
+        "op": name,
+        "list": kind_of(name, lists),
+        "ran_in": ran_in(stats),
+        "calls": stats.calls,
+        "casts": stats.casts,
+        "max_rel": max_rel,
+        "mean_rel": mean_rel,
+        "nonfinite": nonfinite,
+        "own_max_rel": 0.0,
+        "loss_error": 0.0,
+        "own_by_module": {},
+    }
+    if not stats.casts:
+        return row
+    only = conversion._replace(lists={k: ({name} if name in lists[k] else set()) for k in kinds.KINDS})
+    own_final, own = run_step(fn, args, kwargs, guard, only, keep_outputs=True, restore_dtype=True)
+    own_pairs = pairs(by_op_ref, by_op(own.outputs), name)
+    row["own_max_rel"], _, own_nonfinite = worst(own_pairs)
+    row["own_by_module"] = worst_by_module(own_pairs)
+    if row["own_max_rel"] > threshold and len(row["own_by_module"]) > 1:
+        # which module's calls introduce it: once more, each call from the fp32 run's
+        # inputs, so the error of the op's earlier calls does not count in later ones
+        runs.expect(1)
+        _, forced = run_step(fn, args, kwargs, guard, only, keep_outputs=True, restore_dtype=True, forced=by_op_ref)
+        row["own_by_module"] = worst_by_module(pairs(by_op_ref, by_op(forced.outputs), name))
+    row["nonfinite"] = max(nonfinite, own_nonfinite)
+    row["loss_error"], _, final_nonfinite = compare(ref_final, own_final)
+    row["nonfinite"] += final_nonfinite
+    return row
 
 
 def _flag(row, threshold, loss_threshold):
@@ -462,38 +281,3 @@ def _uncast(decided):
             if why != CAST:
                 uncast.setdefault(why, []).append(f"{kind.name} {name}")
     return uncast
-
-
-def by_op(outputs):
-    """name -> innermost module path (None: outside the hooked modules) ->
-    the recorded outputs (record.Output), in call order."""
-    out = {}
-    for o in outputs:
-        out.setdefault(o.name, {}).setdefault(o.module, []).append(o.value)
-    return out
-
-
-def pairs(ref, got, name):
-    """``[(module path, ref output, got output)]``: the calls of ``name`` in
-    two by_op() results, paired by order within each innermost module (so
-    calls one run does not record, inside an FP32 module, shift no others)."""
-    mine = got.get(name, {})
-    return [(m, r, g) for m, values in ref.get(name, {}).items() for r, g in zip(values, mine.get(m, ()))]
-
-
-def worst(calls):
-    """The largest errors over ``calls`` (from pairs()), and their inf/NaN count."""
-    max_rel = mean_rel = 0.0
-    nonfinite = 0
-    for _, ref, got in calls:
-        a, b, c = compare(ref, got)
-        max_rel, mean_rel, nonfinite = max(max_rel, a), max(mean_rel, b), nonfinite + c
-    return max_rel, mean_rel, nonfinite
-
-
-def worst_by_module(calls):
-    """module path -> the largest max relative error of ``calls`` made directly in it."""
-    out = {}
-    for module, ref, got in calls:
-        out[module] = max(out.get(module, 0.0), compare(ref, got)[0])
-    return out

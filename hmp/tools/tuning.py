@@ -35,9 +35,10 @@ from hmp.binding.resolve import Resolver
 from hmp.core.hints import Step
 from hmp.driver.conversion import applied
 from hmp.tools import host, op_costs, speed, timing
-from hmp.tools.auditing import audit_with, by_op, compare, in_force_or_default, kind_of, made_in, pairs, run_step, worst
+from hmp.tools.auditing import audit_with, in_force_or_default, kind_of, made_in, run_step
 from hmp.tools.guard import StateGuard
 from hmp.tools.loss import StepDoesNotTrain, check_trains, step_loss  # noqa: F401 (tune_cli's)
+from hmp.tools.output_errors import by_op, compare, pairs, worst
 from hmp.tools.progress import StepRuns
 from hmp.tools.record import within
 from hmp.tools.sentences import bounds_broken

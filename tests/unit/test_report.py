@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hmp
-from hmp.tools.auditing import AuditReport
+from hmp.tools.audit_report import AuditReport
 from hmp.tools.op_costs import TIMED_PAIRS
 from hmp.tools.report import page as report
 from hmp.tools.report import svg as drawing

@@ -23,7 +23,7 @@ from helpers import op_row
 import hmp
 from hmp.binding import kinds
 from hmp.tools import host, op_costs, progress, sentences, speed, tuned_files
-from hmp.tools.auditing import AuditReport
+from hmp.tools.audit_report import AuditReport
 from hmp.tools.record import OpStats
 from hmp.tools.report import page as report
 from hmp.tools.timing import Ratio
