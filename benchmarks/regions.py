@@ -1,7 +1,7 @@
 """What a no-grad region costs batch-1 inference: a region of one forward, and a region over a loop (issue 77).
 
     python benchmarks/regions.py [--rounds 15] [--reps 5] [--tokens 64] [--layers 4] [--width 512] [--json out.json]
-    python benchmarks/regions.py --quick        # a few small rounds: checks the script, measures little
+    python benchmarks/regions.py --quick        # one small round: checks the script, measures little
 
 Two shapes of ``torch.no_grad()`` on a ``nn.TransformerEncoder`` (``--layers`` layers ``--width`` wide,
 batch 1, ``--tokens`` tokens, eval, one torch thread):
@@ -224,14 +224,18 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--loop", type=int, default=8)
     p.add_argument("--json", type=Path)
-    p.add_argument("--quick", action="store_true", help="2 rounds of 2 regions of a 2-layer 64-wide encoder")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="1 round of 2 regions of a 2-layer 64-wide encoder (6 processes: checks the script)",
+    )
     p.add_argument("--sample", nargs=2, metavar=("CONFIG", "SHAPE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.sample:
         print(json.dumps(one_sample(*args.sample, args)))
         return
     if args.quick:
-        args.rounds, args.reps, args.tokens, args.layers, args.width, args.loop = 2, 2, 8, 2, 64, 3
+        args.rounds, args.reps, args.tokens, args.layers, args.width, args.loop = 1, 2, 8, 2, 64, 3
     torch.set_num_threads(1)
     results, weights = measure(args)
     print(report(results, weights, args))
