@@ -99,3 +99,13 @@ def test_ci_runs_readmes_test_command_in_a_folder_named_hmp():
     assert body.startswith("python3 -m venv .venv && . .venv/bin/activate && ")
     found = re.findall(r"`pip install pytest [^`]*python -m pytest tests/unit`", README)
     assert found
+
+
+def test_every_test_file_cis_legs_name_exists():
+    """The legs after leg 1 run the files .ci/run names (TORCH_TESTS, MIDDLE_TESTS, the engine legs'): a
+    renamed or moved test file must not silently leave a torch release untested (pytest would only say it
+    found no such file once that leg ran)."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    named = set(re.findall(r"\btests/[\w/]+\.py\b", ci))
+    assert len(named) > 30, named  # the lists are read
+    assert sorted(p for p in named if not (ROOT / p).is_file()) == []
