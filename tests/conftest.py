@@ -95,8 +95,8 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-# every engine, unless HMP_TEST_ENGINES names some: CI's legs 2 and 3 run the Python engine's half and their
-# engine legs the other (.ci/run), so each torch runs both once
+# every engine, unless HMP_TEST_ENGINES names some (python or autocast: to run one engine's half of the
+# each_engine suites)
 ENGINES_UNDER_TEST = tuple(os.environ.get("HMP_TEST_ENGINES", "python,autocast").split(","))
 
 
