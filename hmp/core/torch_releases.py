@@ -82,6 +82,14 @@ BOUNDARIES = {
         "only in part: export with strict=False, which hmp follows on every release",
         promise_kept=False,
     ),
+    "traced_autocast_switch": _boundary(
+        "dynamo traces torch.set_autocast_enabled(device, enabled): the switch engine='autocast' makes around "
+        "each call hmp runs itself (2.11 does not; 2.12 was not tested)",
+        "2.13",
+        "under engine='autocast' a compiled graph breaks at each call hmp runs itself, and fullgraph=True raises: "
+        "compile with engine='python' (the default) on these releases",
+        promise_kept=False,
+    ),
     "autograd_cache": _boundary(
         "torch._functorch.config.enable_autograd_cache: AOTAutograd's cache, keyed without hmp's state",
         "2.5",

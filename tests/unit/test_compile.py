@@ -27,6 +27,7 @@ from hmp.core import torch_releases
 pytestmark = [
     pytest.mark.skipif(not hasattr(torch, "compile"), reason="no torch.compile"),
     pytest.mark.usefixtures("fresh_dynamo", "each_engine"),
+    pytest.mark.compiled,
 ]
 
 TOL = dict(atol=2e-2, rtol=2e-2)

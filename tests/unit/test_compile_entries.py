@@ -18,6 +18,7 @@ import hmp
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_dynamo", "each_engine"),
+    pytest.mark.compiled,
     needs("traced_state_writes"),
     needs("dynamo_traces_wrappers_fully"),
 ]

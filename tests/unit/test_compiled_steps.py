@@ -20,6 +20,7 @@ import hmp.core.torch_releases
 pytestmark = [
     pytest.mark.skipif(not hasattr(torch, "compile"), reason="no torch.compile"),
     pytest.mark.usefixtures("fresh_dynamo", "each_engine"),
+    pytest.mark.compiled,
     pytest.mark.slow,
     pytest.mark.torch_internals,
 ]
