@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from hmp.binding import autocast_policy, autocast_reach
-from hmp.binding.kinds import PROMOTE
+from hmp.binding.kinds import LOWER, PROMOTE
 from hmp.binding.resolve import Site
 from hmp.core import torch_private
 from hmp.core.delegation import Engine, copies_keep_graphs, dropping, joining, off_around, uncached
@@ -74,8 +74,12 @@ def decide(options, bound, effective, resolver):
     promote = [n for n in effective.get(PROMOTE, ()) if n not in bound.get(PROMOTE, ())]
     listed = [(kind, name, True) for kind, names in bound.items() for name in names]
     listed += [(PROMOTE, name, False) for name in promote]
-    # autocast's policy is the list's on float32 inputs, then on every mix, in a thread with no state of ours
-    candidates = [e for e in listed if all(autocast_policy.policy(e[1], d, low) == e[0].name for d in on)]
+    # autocast's policy is the list's on float32 inputs, then on every mix, in a thread with no state of ours;
+    # never an op that casts down: autocast's cast rounds a finite float32 past the lower dtype's range to
+    # inf where hmp's saturates (never-changes.md), which no probe on ordinary values would see
+    candidates = [
+        e for e in listed if e[0] is not LOWER and all(autocast_policy.policy(e[1], d, low) == e[0].name for d in on)
+    ]
 
     def agreed():
         return [

@@ -337,6 +337,30 @@ def test_what_were_differences_are_equal(tmp_path):
     assert torch.equal(found["python"][2], found["autocast"][2])
 
 
+def test_no_op_that_casts_down_is_delegated_even_where_every_mix_agrees(monkeypatch, pristine):
+    """On a torch whose autocast kept float16 (the probe's mixes float32, bfloat16 and float64 only),
+    linear would agree on every mix: it still keeps hmp's wrapper, whose cast saturates where
+    autocast's gives inf (a value no probe tries). The FP32 list's losses are delegated as before."""
+    from hmp.binding import autocast_policy
+    from hmp.binding.kinds import LOWER
+    from hmp.binding.resolve import Resolver
+    from hmp.core.dtypes import BF16, FP32, FP64
+
+    monkeypatch.setattr(autocast_policy, "MIXED", (FP32, BF16, FP64))
+    monkeypatch.setattr(autocast_policy, "_agreed", {})
+    agrees = autocast_policy.in_clean_thread(
+        lambda: autocast_policy.agrees(Resolver(), LOWER, "linear", "cpu", BF16, False, True)
+    )
+    assert agrees  # the premise: on these mixes autocast gives what hmp's wrapper gives
+    with hmp.converted(engine="autocast"):
+        detail = hmp.effective_lists(detail=True)
+        assert detail["bf16"]["linear"] == engine_plan.WRAPPED
+        assert engine_plan.DELEGATED not in detail["bf16"].values()
+        assert detail["fp32"]["mse_loss"] == engine_plan.DELEGATED
+        x, w = torch.tensor([[3.4e38, 1.0]]), torch.ones(1, 2)
+        assert torch.isfinite(F.linear(x, w)).all()
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_recompute_with_a_wrapped_op_matches_and_says_nothing(reentrant):
     """torch's checkpoint re-enters its forward's autocast state to recompute: hmp's wrapped op
