@@ -3,7 +3,7 @@ rule gives for every mix of input dtypes, with no Python per call (docs/engines.
 hmp/binding/engine.py).
 
 A joined thread has autocast on for the engine's devices exactly where hmp casts
-(``tls.off == 0``): ``state.enter``/``leave`` keep it so (``state.follow``), and so does
+(``tls.off == 0``): ``state.enter``/``leave`` keep it so (``Engine.follow``), and so does
 the wrapper body where it inlines them (``pause``/``resume``, core/wrap.py), so every rule
 that turns hmp's casts off turns autocast off too. ``off_around(op)`` runs ``op`` with
 autocast off, for sites of ops the lists leave to torch that autocast would act on. In a
@@ -30,7 +30,7 @@ import torch
 
 from hmp.core import torch_private
 from hmp.core.identity import stand_in
-from hmp.core.state import follow, tls, weight_cache
+from hmp.core.state import tls, weight_cache
 
 _set_enabled, _is_enabled = torch.set_autocast_enabled, torch.is_autocast_enabled
 _set_dtype, _get_dtype = torch.set_autocast_dtype, torch.get_autocast_dtype
@@ -70,9 +70,19 @@ class Engine:
             _set_dtype(device, self.dtype)
         _set_cache(self.cache)
         _nest()  # as inside a torch.autocast region: a region's exit inside (enabled=False) keeps the copies
-        st.engine, st.engine_on = self, None  # None: follow() sets the state whatever it is
+        st.engine, st.engine_on = self, None  # None: follow sets the state whatever it is
         self.threads.add(threading.get_ident())
-        follow(st, st.off)
+        self.follow(st, st.off)
+
+    def follow(self, st, off):
+        """The joined thread's autocast state after its ``off`` changed (``st``: its ``tls``): on
+        exactly where hmp casts; out of force, the thread gets its own back."""
+        if not self.in_force:
+            self.depart(st)
+        elif (off == 0) is not st.engine_on:
+            st.engine_on = on = off == 0
+            for device in self.devices:
+                _set_enabled(device, on)
 
     def depart(self, st):
         """The calling thread's autocast state as before it joined."""

@@ -46,8 +46,10 @@ class ThreadState(threading.local):
         self.region_keeps = True  # the next no-grad region keeps copies from a weight's first use (cache._Region)
         self.accumulating = None  # the accumulation() block's copies (cache.py), or None
         self.fresh = []  # grad-mode copies the call in progress made, for its output's graph to hold (cache.py)
-        # engine="autocast" (hmp/core/delegation.py): the Engine this thread joined, whose devices' autocast
-        # state follows ``off`` (``follow``); whether hmp turned it on here; what the thread had before joining
+        # engine="autocast" (hmp/core/delegation.py, which alone writes these): the Engine this thread joined,
+        # whose devices' autocast state follows ``off`` (``Engine.follow``, called by enter/leave); whether hmp
+        # turned it on here (the wrapper body reads it per call, so it lives on this object); what the thread
+        # had before joining
         self.engine = None
         self.engine_on = False
         self.engine_found = None
@@ -65,7 +67,6 @@ _KEEP = object()
 _dynamo_tracing = torch.compiler.is_dynamo_compiling
 _example_code, _compile_in_progress = torch_private.dynamo_example_code, torch_private.compile_in_progress
 _FOUND = (0, OFF, MODULE)  # off -> itself, as a constant of the code dynamo traces
-_set_autocast = torch.set_autocast_enabled
 
 
 def graph_off(off):
@@ -103,7 +104,7 @@ def enter(off, lower_mode=_KEEP, graph=True):
     st.frames.append(frame)
     st.off = off
     if st.engine is not None:
-        follow(st, off)
+        st.engine.follow(st, off)
     if graph and _dynamo_tracing():
         graph_off(off)
     if lower_mode is not _KEEP:
@@ -116,21 +117,9 @@ def leave(frame, graph=True):
     if close_block(tls.frames, frame):
         tls.off, tls.lower_mode = frame
         if tls.engine is not None:
-            follow(tls, frame[0])
+            tls.engine.follow(tls, frame[0])
         if graph and _dynamo_tracing():
             graph_off(frame[0])
-
-
-def follow(st, off):
-    """A joined thread's autocast state after its ``off`` changed: on exactly where hmp
-    casts (engine="autocast"); a thread whose engine is out of force gets its own back."""
-    engine = st.engine
-    if not engine.in_force:
-        engine.depart(st)
-    elif (off == 0) is not st.engine_on:
-        st.engine_on = on = off == 0
-        for device in engine.devices:
-            _set_autocast(device, on)
 
 
 def close_block(stack, block):
