@@ -8,40 +8,15 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from helpers import release_said
+from helpers.models import CheckpointedBlocks
 
 import hmp
 from hmp.core import torch_private
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
-
-
-class Block(nn.Module):
-    """Ops of all three default lists: linear, relu, layer_norm (BF16), softmax (FP32), add (promote)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2, self.norm = nn.Linear(16, 32), nn.Linear(32, 16), nn.LayerNorm(16)
-
-    def forward(self, x):
-        h = self.fc2(F.relu(self.fc1(x)))
-        return self.norm(x + h * F.softmax(h, dim=-1))
-
-
-class Net(nn.Module):
-    def __init__(self, mode):
-        super().__init__()
-        self.mode = mode  # None, or use_reentrant
-        self.embed, self.blocks, self.head = nn.Linear(8, 16), nn.ModuleList([Block(), Block()]), nn.Linear(16, 4)
-
-    def forward(self, x):
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h) if self.mode is None else torch_checkpoint.checkpoint(block, h, use_reentrant=self.mode)
-        return self.head(h)
 
 
 SCENARIOS = {  # (forward with casts, backward with casts)
@@ -54,7 +29,7 @@ SCENARIOS = {  # (forward with casts, backward with casts)
 def gradients(mode, scenario):
     forward_on, backward_on = SCENARIOS[scenario]
     torch.manual_seed(0)
-    net = Net(mode)
+    net = CheckpointedBlocks(mode)
     x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
     with contextlib.nullcontext() if forward_on else hmp.disable_casts():
         loss = F.cross_entropy(net(x), y)
@@ -157,12 +132,12 @@ def test_a_torch_without_the_generator_gets_one_warning_naming_it(monkeypatch):
 
 
 def _grads_when(mode, backward_at):
-    """Gradients of ``Net(mode)`` whose forward ran under hmp O1 and whose
+    """Gradients of ``CheckpointedBlocks(mode)`` whose forward ran under hmp O1 and whose
     backward ran at ``backward_at``: after the converted block exited (as
     torch.autocast's docs do it), in another thread after that, after
     revert(), or after convert() reconfigured to O2."""
     torch.manual_seed(0)
-    net = Net(mode)
+    net = CheckpointedBlocks(mode)
     x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
     if backward_at in ("after the block", "in another thread"):
         with hmp.converted():

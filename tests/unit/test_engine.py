@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import profiled
+from helpers.models import ConvAttention
 from torch.utils.checkpoint import checkpoint
 
 import hmp
@@ -28,31 +29,9 @@ def autocast_state():
     )
 
 
-class Net(nn.Module):
-    """linear, conv1d, matmul, bmm (delegated on CPU), mv (hmp's wrapper: CPU
-    autocast does not cast it), layer_norm, softmax, gelu, log_softmax."""
-
-    def __init__(self, d=16):
-        super().__init__()
-        self.conv = nn.Conv1d(d, d, 3, padding=1)
-        self.ln = nn.LayerNorm(d)
-        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-        self.v = nn.Parameter(torch.randn(d))
-
-    def forward(self, x, recompute=False):
-        x = self.conv(x.transpose(1, 2)).transpose(1, 2)
-        h = self.ln(x)
-        a = torch.softmax(h @ h.transpose(-1, -2) / 4, -1)
-        h = torch.bmm(a, h)
-        mlp = lambda t: self.down(F.gelu(self.up(t)))  # noqa: E731
-        h = h + (checkpoint(mlp, h, use_reentrant=False) if recompute else mlp(h))
-        s = torch.mv(h.reshape(-1, h.shape[-1]), self.v)
-        return F.log_softmax(h.float(), -1).sum() + s.float().sum()
-
-
 def run(engine, recompute=False, compile_backend=None):
     torch.manual_seed(0)
-    model, x = Net(), torch.randn(2, 5, 16)
+    model, x = ConvAttention(), torch.randn(2, 5, 16)
     with hmp.converted(engine=engine):
         fn = model if compile_backend is None else torch.compile(model, backend=compile_backend)
         out = fn(x, recompute)

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers.models import KVDecoder
 
 import hmp
 from hmp.binding.aten import dispatched
@@ -49,35 +50,6 @@ def casts(fn, weights=()):
 
 
 # -- a decoder with a KV cache: one token per call, as generate() runs it ---------------------------
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x, past):
-        k, v = self.k(x), self.v(x)
-        if past is not None:
-            k, v = torch.cat([past[0], k], 1), torch.cat([past[1], v], 1)
-        a = torch.softmax(self.q(x) @ k.transpose(1, 2) / 4, -1) @ v
-        x = x + self.o(a)
-        return x + self.down(F.gelu(self.up(x))), (k, v)
-
-
-class Decoder(nn.Module):
-    def __init__(self, vocab=32, d=16, layers=2):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, tokens, cache):
-        x = self.emb(tokens).float()
-        for i, block in enumerate(self.blocks):
-            x, cache[i] = block(x, cache[i])
-        return self.head(x)
 
 
 def decode(model, tokens=4):
@@ -141,7 +113,7 @@ def test_a_decode_token_casts_the_weights_autocast_casts_and_computes_the_python
     """A decoder whose lists differ from autocast's (softmax in hmp's FP32 list): the engine casts the
     weights torch.autocast casts per token, and its logits are engine="python"'s, bit for bit."""
     torch.manual_seed(0)
-    model = Decoder().eval().requires_grad_(trainable)
+    model = KVDecoder().eval().requires_grad_(trainable)
     n_weights = sum(1 for n, _ in model.named_parameters() if not n.startswith("emb"))  # the linears'
     with torch.autocast("cpu", dtype=BF16):
         stock = decode(model)
@@ -159,7 +131,7 @@ def test_before_this_the_engine_cast_every_weight_at_every_token():
     """What autocast's cache saves here, counted with it turned off as the engine kept it before
     (``convert(cache=False)`` keeps it off): every linear's weight and bias at every token."""
     torch.manual_seed(0)
-    model = Decoder().eval()
+    model = KVDecoder().eval()
     n_weights = sum(1 for n, _ in model.named_parameters() if not n.startswith("emb"))
     with hmp.converted(engine="autocast", cache=False):
         assert not torch.is_autocast_cache_enabled()

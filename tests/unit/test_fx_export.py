@@ -10,23 +10,11 @@ What docs/integrations.md#fx-tracing-and-torchexport says, checked:
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers.models import ProductSpellings
 
 import hmp
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "export"), reason="no torch.export")
-
-
-class Net(torch.nn.Module):
-    """Function, method and operator calls of BF16-list ops, a leaf module, an FP32-list op."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = F.relu(torch.mm(x, x.t())) + x.mm(x.t()) + x @ x.t()
-        return self.lin(h), F.softmax(h, dim=-1)
 
 
 def dtypes(outputs):
@@ -36,7 +24,7 @@ def dtypes(outputs):
 @pytest.fixture
 def net_and_input():
     torch.manual_seed(0)
-    return Net(), torch.randn(8, 8)
+    return ProductSpellings(), torch.randn(8, 8)
 
 
 def test_fx_graph_code_calls_torch_by_name_so_a_later_conversion_applies(net_and_input):

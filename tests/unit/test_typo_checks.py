@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from helpers.models import ConvNorm
 
 import hmp
 from hmp.__main__ import main
@@ -125,6 +126,7 @@ def test_the_uncast_calls_file_warns_too(tmp_path):
 
 TARGETS = """
 import torch
+from helpers.models import ConvNorm
 
 def make(name, seed=0):
     model = torch.nn.Linear(4, 2)
@@ -177,18 +179,9 @@ def test_an_exception_from_the_users_own_target_keeps_its_traceback(targets):
 # --- what the tables and help say --------------------------------------------------------------------
 
 
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv, self.norm = torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)
-
-    def forward(self, x):
-        return self.norm(self.conv(x)).sum()
-
-
 def test_the_audit_table_shows_no_own_error_for_an_op_that_casts_nothing():
     torch.manual_seed(0)
-    net, x = _Net(), torch.randn(2, 3, 8, 8)
+    net, x = ConvNorm(), torch.randn(2, 3, 8, 8)
     report = hmp.audit(lambda: net(x), state=(net,), progress=False)
     row = next(r for r in report.rows if r["op"] == "batch_norm")
     assert row["casts"] == 0 and row["list"] is None  # bf16 in from conv2d: nothing to cast
