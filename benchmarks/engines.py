@@ -177,15 +177,15 @@ def mode(name, grad, whole):
     (``whole``) or what its calls put around each forward."""
     region = accumulation = contextlib.nullcontext
     with contextlib.ExitStack() as stack:
+        if name in HMP_MODES:  # converted first, as a script converts before its loops: the grad block is a region
+            stack.enter_context(hmp.converted(engine="autocast" if "engine" in name else "python"))
+            accumulation = hmp.accumulation
         stack.enter_context(torch.set_grad_enabled(grad))
         if name == "autocast":
             if whole:
                 stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
             else:
                 region = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
-        elif name in HMP_MODES:
-            stack.enter_context(hmp.converted(engine="autocast" if "engine" in name else "python"))
-            accumulation = hmp.accumulation
         yield Mode(region, accumulation)
 
 
