@@ -15,7 +15,11 @@ from helpers.models import ConvAttention
 from torch.utils.checkpoint import checkpoint
 
 import hmp
+from hmp.binding import autocast_policy
 from hmp.binding import engine as engine_plan
+from hmp.binding.kinds import LOWER
+from hmp.binding.resolve import Resolver
+from hmp.core.dtypes import BF16, FP32, FP64
 
 ENGINES = ("python", "autocast")
 HMP_DIR = os.path.dirname(os.path.abspath(hmp.__file__))
@@ -320,11 +324,6 @@ def test_no_op_that_casts_down_is_delegated_even_where_every_mix_agrees(monkeypa
     """On a torch whose autocast kept float16 (the probe's mixes float32, bfloat16 and float64 only),
     linear would agree on every mix: it still keeps hmp's wrapper, whose cast saturates where
     autocast's gives inf (a value no probe tries). The FP32 list's losses are delegated as before."""
-    from hmp.binding import autocast_policy
-    from hmp.binding.kinds import LOWER
-    from hmp.binding.resolve import Resolver
-    from hmp.core.dtypes import BF16, FP32, FP64
-
     monkeypatch.setattr(autocast_policy, "MIXED", (FP32, BF16, FP64))
     monkeypatch.setattr(autocast_policy, "_agreed", {})
     agrees = autocast_policy.in_clean_thread(

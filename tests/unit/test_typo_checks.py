@@ -126,7 +126,6 @@ def test_the_uncast_calls_file_warns_too(tmp_path):
 
 TARGETS = """
 import torch
-from helpers.models import ConvNorm
 
 def make(name, seed=0):
     model = torch.nn.Linear(4, 2)
