@@ -5,7 +5,7 @@
 #     benchmarks/gpu_checks.sh decode percall  # only the steps named
 #
 # Steps (each under `timeout`, its stdout and stderr in $OUT/<step>.log):
-#   launch     tests/unit/test_triton_launch.py: the cast's Triton kernel launched without Triton's JIT after its
+#   launch     tests/unit/core/test_triton_launch.py: the cast's Triton kernel launched without Triton's JIT after its
 #              first launch (hmp/core/triton_launch.py): torch's bits, no JIT launch after the first per
 #              specialisation, a side stream, a CUDA graph; prints host µs per cast, direct and through the JIT
 #   castbench  ../shared/gpu/castbench.py: host cost of one saturating cast, its bits against the stock ops
@@ -83,7 +83,7 @@ step() {
 
 run_step() {
     case "$1" in
-    launch) step launch 60 "$PY" -m pytest -q -s -p no:cacheprovider tests/unit/test_triton_launch.py ;;
+    launch) step launch 60 "$PY" -m pytest -q -s -p no:cacheprovider tests/unit/core/test_triton_launch.py ;;
     castbench) step castbench 50 "$PY" "$SHARED/castbench.py" ;;
     percall) step percall 50 "$PY" benchmarks/percall.py --device cuda --reps 5 --calls 200 --json "$OUT/percall.json" ;;
     gpu) step gpu 150 "$PY" benchmarks/gpu.py --parts train,decode --out "$OUT/gpu.md" ;;

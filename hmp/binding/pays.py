@@ -8,7 +8,7 @@ such an entry is treated as unlisted: torch decides its dtype from its inputs
 (docs/never-changes.md). ``strict=True`` casts every entry.
 
 Pointwise and random ops come from torch's op tags; normalisations have no tag and
-are named (``NORMALIZATIONS``, checked against torch.nn by tests/unit/test_where_it_pays.py)."""
+are named (``NORMALIZATIONS``, checked against torch.nn by tests/unit/binding/test_where_it_pays.py)."""
 
 import functools
 import operator

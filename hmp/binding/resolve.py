@@ -8,7 +8,7 @@ generated from it (``aten_entry_points``). A name torch does not have is an erro
 Three tables are kept by hand where torch's names and schemas do not show a call's
 path: FUSED (fused kernels that contain a listed op), RNN_KERNELS (reached through
 torch._VF) and UNMARKED_WRITERS (batch_norm's schema omits its running statistics);
-tests/unit/test_fused.py, test_rnn.py and test_written_arguments.py check them."""
+tests/unit/binding/test_fused.py, rules/test_rnn.py and binding/test_written_arguments.py check them."""
 
 import difflib
 import importlib

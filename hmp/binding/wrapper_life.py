@@ -67,7 +67,7 @@ def script_as(wrapper, original):
     (torch_private.jit_register_builtin, private: no public way scripts a call of a
     builtin's wrapper), dropped when the wrapper is collected; a Python original
     (``F.relu``) is compiled from its source through ``__prepare_scriptable__``.
-    tests/unit/test_interop_jit_refs.py fails without the table."""
+    tests/unit/binding/test_interop_jit_refs.py fails without the table."""
     builtin = torch_private.jit_find_builtin(original)
     if builtin is not None:
         torch_private.jit_register_builtin(wrapper, builtin)

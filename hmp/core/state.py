@@ -58,7 +58,7 @@ class ThreadState(threading.local):
 if not torch_releases.BOUNDARIES["traced_state_writes"].present:
     # the floor's dynamo breaks the graph at every threading.local write and, without class
     # attributes, traced a stale ``off`` (and engine="autocast"'s ``engine_on``) after a second
-    # conversion (tests/unit/test_compile.py)
+    # conversion (tests/unit/core/test_compile.py)
     ThreadState.off, ThreadState.lower_mode = 0, None
     ThreadState.engine, ThreadState.engine_on = None, False
 

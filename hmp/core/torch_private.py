@@ -1,5 +1,5 @@
 """Every private torch name hmp reaches, in one module: one file to read when a release breaks
-something (tests/unit/test_structure.py keeps other modules off them; tests/unit/test_torch_private.py
+something (tests/unit/test_structure.py keeps other modules off them; tests/unit/core/test_torch_private.py
 checks each on the running torch).
 
 Each entry says why hmp needs it. A name a release lacks gets a fallback here, never an error at

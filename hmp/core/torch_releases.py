@@ -1,6 +1,6 @@
 """Which torch release has what hmp relies on: ``BOUNDARIES``, one row per private name
 or behaviour whose shape changes between releases, with its first release and what
-hmp does without it. docs/torch-releases.md shows the table (tests/unit/test_torch_private.py
+hmp does without it. docs/torch-releases.md shows the table (tests/unit/core/test_torch_private.py
 keeps them equal); skipped tests read their reason from it; ``release_lacks()`` says
 what the running release cannot give. Presence is asked in torch_private.py (``PRESENT``)."""
 

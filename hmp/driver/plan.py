@@ -20,7 +20,7 @@ from hmp.core.state import first_time, user_stacklevel
 
 class Requested(NamedTuple):
     """What a convert() call asks for, as given, by convert()'s parameter names: convert() builds
-    it from its named parameters and plan() takes it (tests/unit/test_conversion.py checks that
+    it from its named parameters and plan() takes it (tests/unit/driver/test_conversion.py checks that
     these defaults are convert()'s)."""
 
     opt_level: str = "O1"

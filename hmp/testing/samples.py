@@ -10,7 +10,7 @@ submodule's ``torch.fft.rfft``). Shapes are small and every call is one
 torch accepts in float32; which dtype each floating tensor has is ``g``'s
 choice.
 hmp/testing/samples_extra.py adds the ops torch.autocast keeps in float32
-(BUILDERS below includes them). tests/unit/test_testing_kit.py checks that
+(BUILDERS below includes them). tests/unit/testing/test_testing_kit.py checks that
 every name of every shipped list has a builder that draws calls torch runs.
 """
 

@@ -1,4 +1,4 @@
-"""Models with a planted numerically unsafe module, for tests/unit/test_tune.py.
+"""Models with a planted numerically unsafe module, for tests/unit/tools/test_tune.py.
 
 The module classes live here, at module level, so their import paths
 (``helpers.planted.Recenter``) load from a list file while the tests run

@@ -207,7 +207,7 @@ def test_traceback_starts_at_the_script_as_under_python(tmp_path):
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="add_note is Python 3.11+")
 def test_uncaught_mismatch_is_noted_only_while_converted(tmp_path):
-    """The runner notes the script's uncaught dtype mismatch (tests/unit/test_errors.py)
+    """The runner notes the script's uncaught dtype mismatch (tests/unit/diagnostics/test_errors.py)
     only while hmp is converted: the lists a note names are the conversion's."""
     path = tmp_path / "mismatch.py"
     path.write_text(

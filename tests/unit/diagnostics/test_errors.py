@@ -18,7 +18,7 @@ import hmp
 from hmp.diagnostics import errors
 
 BF16, FP32 = torch.bfloat16, torch.float32
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 needs_notes = pytest.mark.skipif(sys.version_info < (3, 11), reason="add_note is Python 3.11+")
 
 

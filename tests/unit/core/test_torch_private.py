@@ -290,7 +290,7 @@ def test_the_docs_table_is_the_boundaries_table():
 
     from hmp.core import torch_releases
 
-    doc = (Path(__file__).parents[2] / "docs" / "torch-releases.md").read_text()
+    doc = (Path(__file__).parents[3] / "docs" / "torch-releases.md").read_text()
     shown = [line for line in doc.splitlines() if re.match(r"\| `\w+` \|", line)]
     assert shown == torch_releases.table_rows()
 

@@ -15,7 +15,7 @@ from hmp.binding.list_files import default_path, names
 from hmp.testing import strategies as hst
 from hmp.testing.entries import public_function
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "never-changes.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "never-changes.md"
 
 
 def _names(file):

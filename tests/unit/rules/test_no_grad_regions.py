@@ -47,7 +47,7 @@ class Casts(TorchDispatchMode):
 def casts(fn, *args):
     """The conversions one call of ``fn`` dispatches, given fresh copies of its tensor arguments: the
     weights' copies are what is counted here (an activation is cast at every call:
-    tests/unit/test_activation_casts.py)."""
+    tests/unit/core/test_activation_casts.py)."""
     args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     with Casts() as counted:
         fn(*args)
@@ -669,12 +669,12 @@ def test_the_cache_section_of_the_docs_names_tests_that_exist():
     (test_cache.py), ``regions::test_...`` (this file), ``accumulation::test_...``
     (test_accumulation.py) or ``activations::test_...`` (test_activation_casts.py): each one exists."""
     here = pathlib.Path(__file__).parent
-    docs = (here.parents[1] / "docs" / "performance.md").read_text()
+    docs = (here.parents[2] / "docs" / "performance.md").read_text()
     section = docs[docs.index("## The weight-cast cache") :]
     section = section[: section.index("\n## ", 1)]
     named = re.findall(r"\b(cache|regions|accumulation|activations)::(test_\w+)", section)
     assert len(named) >= 15
-    files = {"cache": "test_cache.py", "regions": "test_no_grad_regions.py", "accumulation": "test_accumulation.py"}
-    files["activations"] = "test_activation_casts.py"
+    files = {"cache": "core/test_cache.py", "regions": "rules/test_no_grad_regions.py"}
+    files |= {"accumulation": "core/test_accumulation.py", "activations": "core/test_activation_casts.py"}
     for where, name in named:
-        assert f"def {name}(" in (here / files[where]).read_text(), (where, name)
+        assert f"def {name}(" in (here.parent / files[where]).read_text(), (where, name)

@@ -24,7 +24,7 @@ from hmp.testing.samples import BUILDERS
 
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LISTS = ROOT / "op_lists"
 FP32 = torch.float32
 DRAWS = settings(

@@ -34,7 +34,7 @@ from hmp.testing.follows import first_floating
 from hmp.testing.recording import SEES_BODIES
 from hmp.testing.samples import BUILDERS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 SOFTMAX_IN_BF16 = "include default\nsoftmax\n"
 CONFIGS = {

@@ -257,7 +257,7 @@ def test_tied_weight_cast_once_per_forward_and_not_kept_after_backward():
 
 
 def test_no_grad_copies_are_not_kept_outside_a_region():
-    """Grad turned off by a call, not a block: no region (tests/unit/test_no_grad_regions.py has
+    """Grad turned off by a call, not a block: no region (tests/unit/rules/test_no_grad_regions.py has
     what a region keeps), so every call casts again and sees any write."""
     hmp.convert()
     lin = torch.nn.Linear(8, 8)

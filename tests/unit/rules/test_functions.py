@@ -4,7 +4,7 @@ before or after convert(), by patching those classes alone: torch's
 ``Function.apply``, ``BackwardCFunction.apply`` and every Function without
 the decorators stay the very objects they were, and revert() puts every
 class's ``__dict__`` back exactly. (What the decorators do to a training
-step: tests/unit/test_never_corrupt.py.)"""
+step: tests/unit/core/test_never_corrupt.py.)"""
 
 import torch
 
