@@ -1,5 +1,5 @@
 """What tests share: namespace snapshots, list-file writing, the devices to run on,
-training steps, Python subprocesses, tiny Hugging Face configs.
+training steps, cast counts, Python subprocesses, tiny Hugging Face configs.
 The worker scripts beside this file are run by the tests; models.py holds the shared models."""
 
 import ast
@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hmp.binding.aten import dispatched
 from hmp.core import torch_releases
 
 NAMESPACES = {"torch": torch, "torch.nn.functional": F, "torch.Tensor": torch.Tensor}
@@ -89,6 +90,32 @@ def write(tmp_path, name, text, mode="w"):
     else:
         path.write_text(text)
     return path
+
+
+def fp32_list_with(tmp_path, *lines):
+    """The shipped FP32 list plus module lines, written as ``tmp_path/fp32.txt``."""
+    return write(tmp_path, "fp32.txt", "include default\n" + "\n".join(lines) + "\n")
+
+
+def casts(fn, weights=()):
+    """``(casts, casts of weights, fn's result)``: the casts between floating dtypes ``fn`` dispatches
+    (``_to_copy``; ``to`` where inference mode dispatches it whole), and those of the tensors in
+    ``weights`` (by identity: autocast casts the parameter itself)."""
+    mine = {id(w) for w in weights}
+    found = [0, 0]
+
+    def seen(op, args, kwargs):
+        name = op.__name__.split(".")[0]
+        if name not in ("_to_copy", "to") or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
+            return
+        dtype = kwargs.get("dtype", args[1] if len(args) > 1 and isinstance(args[1], torch.dtype) else None)
+        if dtype is None or dtype == args[0].dtype or not dtype.is_floating_point:
+            return
+        found[0] += 1
+        found[1] += id(args[0]) in mine
+
+    result = dispatched(fn, seen)
+    return found[0], found[1], result
 
 
 def clone_with_backward(backward):

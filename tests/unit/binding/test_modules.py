@@ -5,59 +5,26 @@ with the rules checked against an oracle written here."""
 import copy
 import dataclasses
 import io
-import statistics
 import threading
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import assert_same, needs, skip_without_bf16_lstm, snapshot, tiny_llama_config, write
+from helpers import assert_same, fp32_list_with, needs, skip_without_bf16_lstm, snapshot, write
 from helpers.models import mlp
+from helpers.rmsnorm_entry import IDS, RMSNORM, llama, llama_rmsnorm, record
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hmp
 
 BF16, FP32 = torch.bfloat16, torch.float32
-RMSNORM = "transformers.models.llama.modeling_llama.LlamaRMSNorm"
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
-def fp32_list_with(tmp_path, *lines):
-    """The shipped FP32 list plus module lines."""
-    return write(tmp_path, "fp32.txt", "include default\n" + "\n".join(lines) + "\n")
-
-
 # -- a tiny Llama with LlamaRMSNorm in the FP32 list ------------------------------------------
-
-VOCAB, SEQ, BATCH, HIDDEN = 128, 32, 4, 64
-
-
-def llama():
-    """A tiny Llama; the test skips where transformers is not installed (only the tests that use it)."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = tiny_llama_config(VOCAB, HIDDEN, max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def llama_rmsnorm():
-    """transformers' LlamaRMSNorm class; the test skips without transformers."""
-    return pytest.importorskip("transformers.models.llama.modeling_llama").LlamaRMSNorm
-
-
-IDS = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-
-
-def record(model, kind):
-    seen = []
-    hooks = [
-        m.register_forward_hook(lambda mod, args, out: seen.append((mod, args[0].detach(), out.detach())))
-        for m in model.modules()
-        if isinstance(m, kind)
-    ]
-    return seen, hooks
+# (its effect on a training run's loss: tests/integration/test_rmsnorm_entry_training.py)
 
 
 def test_rmsnorm_in_the_fp32_list_computes_fp32_rmsnorm_bit_for_bit(tmp_path):
@@ -78,44 +45,6 @@ def test_rmsnorm_in_the_fp32_list_computes_fp32_rmsnorm_bit_for_bit(tmp_path):
     assert gate == [BF16]  # everything else as under O1
     assert {p.grad.dtype for p in model.parameters()} == {FP32}
     assert {p.dtype for p in model.parameters()} == {FP32}
-
-
-def rmsnorm_error_under_o1(**kwargs):
-    model = llama()
-    seen, hooks = record(model, llama_rmsnorm())
-    with hmp.converted(**kwargs):
-        model(input_ids=IDS)
-    for h in hooks:
-        h.remove()
-    with torch.no_grad():
-        return max((out.float() - m(x.float())).abs().max().item() for m, x, out in seen)
-
-
-def loss_gaps(config, steps=12):
-    """Relative gap to fp32's loss at each of ``steps`` AdamW steps."""
-    losses = {}
-    for name, kwargs in (("fp32", None), ("hmp", config)):
-        model = llama()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        out = []
-        with hmp.converted(**kwargs) if kwargs is not None else hmp.disable_casts():
-            for _ in range(steps):
-                loss = model(input_ids=IDS, labels=IDS).loss
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                out.append(loss.item())
-        losses[name] = out
-    return [abs(a - b) / b for a, b in zip(losses["hmp"], losses["fp32"])]
-
-
-def test_rmsnorm_entry_brings_the_loss_at_least_as_close_to_fp32(tmp_path):
-    assert rmsnorm_error_under_o1() == 0  # its ops are pointwise: they follow torch's promotion
-    assert rmsnorm_error_under_o1(strict=True) > 1e-3  # Habana's rule: its multiplies run in bf16
-    without = statistics.fmean(loss_gaps({"strict": True}))
-    entry = fp32_list_with(tmp_path, RMSNORM)
-    with_entry = statistics.fmean(loss_gaps({"strict": True, "fp32_file_path": entry}))
-    assert with_entry <= without, (with_entry, without)
 
 
 def test_the_same_from_python_by_class_and_by_name(tmp_path):

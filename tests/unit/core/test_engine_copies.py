@@ -7,7 +7,6 @@ tests use are cast by hmp's wrappers on both engines: autocast's own limits are 
 torch.autocast, and beside them the engine gives what engine="python" gives."""
 
 import contextlib
-import inspect
 import threading
 import warnings
 
@@ -15,10 +14,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import casts
 from helpers.models import KVDecoder
 
 import hmp
-from hmp.binding.aten import dispatched
 from hmp.core.delegation import copies_keep_graphs
 
 BF16 = torch.bfloat16
@@ -28,28 +27,8 @@ K = 4  # micro-batches per optimizer step
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
-def casts(fn, weights=()):
-    """``(casts, casts of weights, fn's result)``: the casts between floating dtypes ``fn`` dispatches
-    (``_to_copy``; ``to`` where inference mode dispatches it whole), and those of the tensors in
-    ``weights`` (by identity: autocast casts the parameter itself)."""
-    mine = {id(w) for w in weights}
-    found = [0, 0]
-
-    def seen(op, args, kwargs):
-        name = op.__name__.split(".")[0]
-        if name not in ("_to_copy", "to") or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
-            return
-        dtype = kwargs.get("dtype", args[1] if len(args) > 1 and isinstance(args[1], torch.dtype) else None)
-        if dtype is None or dtype == args[0].dtype or not dtype.is_floating_point:
-            return
-        found[0] += 1
-        found[1] += id(args[0]) in mine
-
-    result = dispatched(fn, seen)
-    return found[0], found[1], result
-
-
 # -- a decoder with a KV cache: one token per call, as generate() runs it ---------------------------
+# (transformers' Llama through its own decode loop: tests/integration/test_llama_decode_casts.py)
 
 
 def decode(model, tokens=4):
@@ -59,53 +38,6 @@ def decode(model, tokens=4):
     with torch.no_grad():
         model(torch.arange(6).view(1, 6), cache)
         return [casts(lambda t=t: model(torch.tensor([[t]]), cache), weights) for t in range(tokens)]
-
-
-LLAMA = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
-
-
-def llama_decode(model, tokens=4):
-    """transformers' decode loop under no_grad: a prompt of 8, then ``tokens`` tokens fed back with the KV
-    cache; each token's casts and weight casts."""
-    prompt, token = torch.arange(8).view(1, 8), torch.zeros(1, 1, dtype=torch.long)
-    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    weights = list(model.parameters())
-    found = []
-    with torch.no_grad():
-        out = model(input_ids=prompt, use_cache=True)
-        for _ in range(tokens):
-            past = out.cache if hasattr(out, "cache") else out.past_key_values
-            n, w, out = casts(lambda past=past: model(input_ids=token, use_cache=True, **{kw: past}), weights)
-            found.append((n, w))
-    return found
-
-
-@pytest.mark.parametrize("trainable", [True, False], ids=["requires_grad", "frozen"])
-def test_a_llama_decode_token_casts_no_more_than_under_torch_autocast(trainable):
-    """The issue's target, on a tiny transformers Llama: per token the engine casts no more than
-    torch.autocast over the same loop (before this it cast every weight again: 2 layers' 7 linears
-    and the head), and the same weights (none where they require grad; every one where they are
-    frozen, which autocast never caches)."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**LLAMA)
-    cfg._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(cfg).eval().requires_grad_(trainable)
-    n_weights = 2 * 7 + 1  # q k v o gate up down per layer, the head (no biases)
-    with torch.autocast("cpu", dtype=BF16):
-        stock = llama_decode(model)
-    with hmp.converted(engine="autocast"):
-        found = llama_decode(model)
-    for (n, w), (n_stock, w_stock) in zip(found, stock):
-        assert n <= n_stock and w == w_stock == (0 if trainable else n_weights)
 
 
 @pytest.mark.parametrize("trainable", [True, False], ids=["requires_grad", "frozen"])
