@@ -11,28 +11,23 @@ The innermost module policy wins; ``disable_casts()``, torch.autocast regions,
 backward and an enclosing listed op win over all of them. A class entry patches
 ``__call__`` on the class and its subclasses that define their own, so ``forward``
 stays the class's; an instance entry sets ``forward`` on the instance. Both go
-through the patch log, so revert() restores them exactly."""
+through the patch log, so revert() restores them exactly. What runs in the module's
+calls (the forwards, the BF16 module's mode) is hmp/core/module_rules.py's; this
+module builds it and decides each op's rule inside a BF16 module."""
 
-import copy
-import dataclasses
 import inspect
 import types
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from hmp.binding import refusals
 from hmp.binding.aten import returns_view
 from hmp.binding.module_entries import Pattern, resolved
 from hmp.binding.pays import NORMALIZATIONS
 from hmp.binding.resolve import writes
-from hmp.core import cast_copies, dtypes, policy
+from hmp.core import dtypes, module_rules, policy
 from hmp.core.identity import mark, unwrap
-from hmp.core.state import MODULE, OFF, enter, leave, tls
-from hmp.core.torch_private import tree_map
-
-Module = torch.nn.Module
-_is_compiling = torch.compiler.is_compiling
+from hmp.core.module_rules import OWN, getstate, is_entry
 
 # calls the lower-precision mode leaves alone: dtype and device conversions
 # (they say what dtype they want), and questions about a tensor
@@ -77,151 +72,31 @@ def _writes_first(name):
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"
 
 
-class LowerMode(TorchFunctionMode):
-    """Inside a BF16 module: each op not in a listed wrapper casts its float32
-    arguments to the lower dtype first (the FP32 list's ops to float32, an
-    in-place op's arguments to the dtype of the tensor it writes, a
-    normalisation with running statistics its input only: the statistics it
-    writes stay the module's own tensors, in their dtype)."""
+def op_rules(low, casters, fp32_names):
+    """``decide(func)``: the prepare an op not in a listed wrapper gets inside a BF16 module
+    (core/module_rules.py's LowerMode asks once per op): its float32 arguments to the lower
+    dtype (the FP32 list's ops to float32, an in-place op's arguments to the dtype of the tensor
+    it writes, a normalisation with running statistics its input only: the statistics it writes
+    stay the module's own tensors, in their dtype)."""
+    out = policy.inplace_out(casters)
+    lower, lower_input = policy.lower(low, casters, out), policy.lower_input_only(low, casters, out)
+    fp32, into = policy.fp32(low, casters, out), policy.inplace_self(casters)
 
-    def __init__(self, low, casters, fp32_names):
-        super().__init__()
-        out = policy.inplace_out(casters)
-        self._lower = policy.lower(low, casters, out)
-        self._lower_input = policy.lower_input_only(low, casters, out)
-        self._fp32 = policy.fp32(low, casters, out)
-        self._into = policy.inplace_self(casters)
-        self._casters = casters
-        self._fp32_names = fp32_names
-        self._prepares = {}
+    def decide(func):
+        name = getattr(func, "__name__", "")
+        op = name[2:-2] if name.startswith("__") and name.endswith("__") else name
+        if name in _UNCAST or returns_view(op) or name == "__getitem__":  # a view must stay a view
+            return policy.cast_nothing
+        if _writes_first(name):
+            return into
+        written = writes(func, op)  # batch_norm's running statistics: never a cast copy
+        if op in fp32_names:
+            prepare = fp32
+        else:
+            prepare = lower_input if written and op in NORMALIZATIONS else lower
+        return policy.written_into(written, prepare, casters) if written else prepare
 
-    def _prepare(self, func):
-        prepare = self._prepares.get(func)
-        if prepare is None:
-            name = getattr(func, "__name__", "")
-            op = name[2:-2] if name.startswith("__") and name.endswith("__") else name
-            if name in _UNCAST or returns_view(op) or name == "__getitem__":  # a view must stay a view
-                prepare = policy.cast_nothing
-            elif _writes_first(name):
-                prepare = self._into
-            else:
-                written = writes(func, op)  # batch_norm's running statistics: never a cast copy
-                if op in self._fp32_names:
-                    prepare = self._fp32
-                else:
-                    prepare = self._lower_input if written and op in NORMALIZATIONS else self._lower
-                if written:
-                    prepare = policy.written_into(written, prepare, self._casters)
-            self._prepares[func] = prepare
-        return prepare
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        st = tls
-        if st.off:  # a listed op, an FP32 module, disable_casts(): they decided
-            return func(*args, **kwargs)
-        a, k = self._prepare(func)(args, kwargs)
-        st.off = OFF  # the outermost op decides: state.enter/leave, inlined as in wrap.py
-        try:
-            result = func(*a, **k)
-            if not _is_compiling() and (a is not args or k is not kwargs):  # writes reach the caller's tensor
-                cast_copies.write_back(a, args, k, kwargs)
-            return result
-        finally:
-            st.off = 0
-
-
-def _fp32_forward(original, cast_in, cast_out, forwards):
-    def forward(self, *args, **kwargs):
-        # casts are off for another reason than a module: it wins; reverted: what another library
-        # captured of this forward (accelerate's hooks) runs the original
-        if tls.off == OFF or not forwards.in_force:
-            return original(self, *args, **kwargs)
-        cast_args, cast_kwargs = cast_in(args, kwargs)
-        found = enter(MODULE)
-        try:
-            out = original(self, *cast_args, **cast_kwargs)
-            if not _is_compiling() and (cast_args is not args or cast_kwargs is not kwargs):  # input writes too
-                cast_copies.write_back(cast_args, args, cast_kwargs, kwargs)
-        finally:
-            leave(found)
-        return cast_out(out)
-
-    return forward
-
-
-def _lower_forward(original, cast_in, mode, forwards):
-    def forward(self, *args, **kwargs):
-        if tls.off == OFF or not forwards.in_force:
-            return original(self, *args, **kwargs)
-        args, kwargs = cast_in(args, kwargs)
-        found = enter(0, mode)
-        try:
-            if found[1] is mode:  # already pushed by an enclosing BF16 module
-                return original(self, *args, **kwargs)
-            with mode:
-                return original(self, *args, **kwargs)
-        finally:
-            leave(found)
-
-    return forward
-
-
-def _each_tensor(up):
-    """``out`` with ``up`` applied to each of its tensors at any nesting, each container keeping its
-    type: a tensor and a plain tuple or list of tensors (a rotary embedding's cos and sin) directly;
-    anything else through pytree (dicts, namedtuples, ``ModelOutput``; its map costs a module entry
-    some twenty frames per call), and what pytree takes for a leaf though it holds tensors (a
-    dataclass, a tuple, list or dict subclass) walked field by field."""
-    Tensor = torch.Tensor
-
-    def leaf(v):
-        if isinstance(v, Tensor):
-            return up(v)
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return _rebuilt(v, {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}, each)
-        if isinstance(v, (tuple, list, dict)):  # a subclass pytree does not know
-            return _rebuilt(v, dict(v.items()) if isinstance(v, dict) else dict(enumerate(v)), each)
-        return v
-
-    def each(out):
-        t = type(out)
-        if t is Tensor:
-            return up(out)
-        if t is tuple or t is list:
-            for v in out:
-                if type(v) is not Tensor:
-                    break
-            else:
-                return t(map(up, out))
-        return tree_map(leaf, out)
-
-    return each
-
-
-def _rebuilt(container, parts, each):
-    """``container`` with ``each`` applied to its ``parts`` (field or key or index -> value), of its own
-    type; the container itself where nothing changed."""
-    mapped = {k: each(v) for k, v in parts.items()}
-    if all(mapped[k] is v for k, v in parts.items()):
-        return container
-    if isinstance(container, tuple):
-        new = tuple.__new__(type(container), mapped.values())
-        if hasattr(container, "__dict__"):
-            new.__dict__.update(container.__dict__)
-        return new
-    new = copy.copy(container)
-    if isinstance(container, list):
-        new[:] = mapped.values()
-    elif isinstance(container, dict) and not dataclasses.is_dataclass(container):
-        new.update(mapped)
-    else:
-        for name, value in mapped.items():
-            try:
-                setattr(new, name, value)
-            except dataclasses.FrozenInstanceError:
-                object.__setattr__(new, name, value)
-    return new
+    return decide
 
 
 class Forwards:
@@ -229,15 +104,10 @@ class Forwards:
 
     def __init__(self, low, casters, fp32_names):
         self.in_force = True
-        to_fp32, lower = casters[torch.float32].any, dtypes.LOW
-
-        def up(t):
-            return to_fp32(t) if t.dtype in lower else t
-
         self._fp32_in = policy.fp32(low, casters)
-        self._fp32_out = _each_tensor(up)
+        self._fp32_out = module_rules.to_float32(casters[torch.float32].any, dtypes.LOW)
         self._lower_in = policy.lower_tensors(low, casters)
-        self._mode = LowerMode(low, casters, fp32_names)
+        self._mode = module_rules.LowerMode(op_rules(low, casters, fp32_names))
 
     def replacing(self, kind, original, name="forward"):
         """``name(self, ...)`` (a module's ``forward``, or a class's
@@ -255,11 +125,11 @@ class Forwards:
 
     def in_float32(self, original):
         """The FP32 module rule: ``original`` computes in float32, its outputs float32 too."""
-        return _fp32_forward(original, self._fp32_in, self._fp32_out, self)
+        return module_rules.fp32_forward(original, self._fp32_in, self._fp32_out, self)
 
     def in_lower(self, original):
         """The lower list's module rule: every op of ``original`` in the lower dtype."""
-        return _lower_forward(original, self._lower_in, self._mode, self)
+        return module_rules.lower_forward(original, self._lower_in, self._mode, self)
 
 
 def on_import(modules, watch, forwards, later):
@@ -301,49 +171,19 @@ def patches(modules, forwards):
                         out.append((cls, CALL, forwards.replacing(kind, original, CALL)))
             else:
                 fn = forwards.replacing(kind, _instance_forward(entry))
-                setattr(fn, _OWN, _instance_own(entry, "forward"))
+                setattr(fn, OWN, _instance_own(entry, "forward"))
                 out.append((entry, "forward", types.MethodType(fn, entry)))
                 out.append(
-                    (entry, "__getstate__", types.MethodType(_getstate(_instance_own(entry, "__getstate__")), entry))
+                    (entry, "__getstate__", types.MethodType(getstate(_instance_own(entry, "__getstate__")), entry))
                 )
     return out
-
-
-# on an instance entry's functions: what the instance held in its own
-# __dict__ under that name before hmp (None: nothing)
-_OWN = "__hmp_own__"
-
-
-def _is_entry(value, module):
-    return isinstance(value, types.MethodType) and value.__self__ is module and hasattr(value.__func__, _OWN)
 
 
 def _instance_own(module, name):
     """What ``module`` holds in its own __dict__ under ``name`` without hmp
     (an entry of a conversion still in place is looked through)."""
     own = module.__dict__.get(name)
-    return getattr(own.__func__, _OWN) if _is_entry(own, module) else own
-
-
-def _getstate(own):
-    """``__getstate__`` of a module with an instance entry: a copy or pickle gets the module
-    without hmp (the entry names one object). Set on the instance, so classes stay untouched."""
-
-    def __getstate__(self):
-        state = own() if own is not None else type(self).__getstate__(self)
-        state = dict(state)
-        for name in ("forward", "__getstate__"):
-            value = state.get(name)
-            if _is_entry(value, self):
-                previous = getattr(value.__func__, _OWN)
-                if previous is None:
-                    del state[name]
-                else:
-                    state[name] = previous
-        return state
-
-    setattr(__getstate__, _OWN, own)
-    return __getstate__
+    return getattr(own.__func__, OWN) if is_entry(own, module) else own
 
 
 CALL = "__call__"

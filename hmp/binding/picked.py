@@ -17,7 +17,7 @@ more), decides it (``chooser``):
 Any other call runs as torch's, its inner ops cast as usual. The decision depends on
 the call's constants alone, so torch.compile and export take it while tracing
 (``assume_constant_result``). A large size is traced at one more than the largest
-integer the call names (at least ``_MIN_SIZE``); a trace beyond 64-bit sizes runs
+integer the call names (core/call_keys.py); a trace beyond 64-bit sizes runs
 as torch's."""
 
 import functools
@@ -25,80 +25,28 @@ import functools
 import torch
 
 from hmp.binding import aten, spellings
+from hmp.core import call_keys
 from hmp.core.dtypes import FLOATS, first_floating
 
-_TENSOR, _LIST, _TUPLE, _OTHER = "hmp:tensor", "hmp:list", "hmp:tuple", "hmp:other"
-_LARGE = "hmp:large"  # a size of 2 or more: traced at the key's threshold
-_PLAIN = (str, bool, int, float, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
-_EXACT = frozenset(_PLAIN)
 # What stands for a symbolic number in the trace (a compiled graph's size passed on).
 _SYMBOLIC = {"SymInt": 1, "SymFloat": 1.0, "SymBool": False}
-# The least size a large dimension is traced at (2 or 3 may take a shortcut no larger size takes).
-_MIN_SIZE = 4
-
-
-def key(args, kwargs):
-    """What of a call can pick its kernel: non-tensor arguments, each tensor's dtype and
-    rank, each size as 0, 1 or ``_LARGE`` (dynamo specialises 0 and 1 itself). Tuples
-    inside an argument's key are tagged, so no argument reads as a tag."""
-    exact = _EXACT
-    if all(type(v) in exact for v in args) and not kwargs:
-        return tuple(args), None
-    at = _threshold(args, kwargs)
-    got = tuple([v if type(v) in exact else _key(v, at) for v in args])
-    if not kwargs:
-        return got, None
-    return got, tuple([(n, v if type(v) in exact else _key(v, at)) for n, v in kwargs.items()])
-
-
-def _threshold(args, kwargs):
-    """One more than the largest integer the call names (at least ``_MIN_SIZE``): a size at or
-    above it is larger than any pad, window or index the call names."""
-    at = _MIN_SIZE
-    for v in (*args, *(kwargs or {}).values()):
-        at = _ints(v, at)
-    return at
-
-
-def _ints(v, at):
-    """``at``, raised past every integer in ``v`` (plain loops: torch.compile traces this)."""
-    t = type(v)
-    if t is int:
-        return max(at, abs(v) + 1)
-    if t is tuple or t is list:
-        for x in v:
-            at = _ints(x, at)
-    return at
-
-
-def _key(v, at):
-    t = type(v)
-    if t in _EXACT:
-        return v
-    if t is tuple or t is list:
-        items = tuple(v) if _EXACT.issuperset(map(type, v)) else tuple([_key(x, at) for x in v])
-        return (_TUPLE if t is tuple else _LIST, items)
-    if isinstance(v, torch.Tensor):
-        return (_TENSOR, v.dtype, tuple([0 if n == 0 else 1 if n == 1 else _LARGE for n in v.shape]), at)
-    if isinstance(v, _PLAIN):
-        return v
-    return (_OTHER, t.__name__)  # a SymInt, an object: what it is, not its value
 
 
 def _value(k):
-    """The trace's argument for ``_key``'s ``k``; LookupError for an object it cannot make."""
+    """The trace's argument for a part ``k`` of a call's key (core/call_keys.py); LookupError for an
+    object it cannot make."""
     if type(k) is not tuple:
         return k
     tag, what = k[0], k[1:]
-    if tag == _TENSOR:
+    if tag == call_keys.TENSOR:
         dtype, sizes, at = what
-        return torch.empty([at if n == _LARGE else n for n in sizes], dtype=dtype, device="meta")
-    if tag == _OTHER:
+        return torch.empty([at if n == call_keys.LARGE else n for n in sizes], dtype=dtype, device="meta")
+    if tag == call_keys.OTHER:
         if what[0] not in _SYMBOLIC:
             raise LookupError(what[0])
         return _SYMBOLIC[what[0]]
     items = [_value(x) for x in what[0]]
-    return items if tag == _LIST else tuple(items)
+    return items if tag == call_keys.LIST else tuple(items)
 
 
 def flat(values):
@@ -161,13 +109,12 @@ def _simulated(fn, args, kwargs, by_name, rules):
 def chooser(fn, computations, low):
     """``choose(args, kwargs)``: the position in ``computations`` of the entry a call of
     ``fn`` follows, or None; a plain int, which torch.compile and export carry as a
-    constant. Each key is traced once and kept in a bounded cache while the wrapper lives."""
+    constant (core/call_keys.py looks it up per call; each key is traced once here)."""
     rules = [_rule(kind, low) for _, kind, _ in computations]
     by_name = {}
     for i, (_, _, name) in enumerate(computations):
         by_name.setdefault(name, i)  # an operator a list names by its own name: where autocast casts
 
-    @functools.lru_cache(maxsize=256)
     def decided(k):
         try:
             args = [_value(v) for v in k[0]]
@@ -193,11 +140,4 @@ def chooser(fn, computations, low):
                     return i
         return None
 
-    @torch.compiler.assume_constant_result
-    def decide(k):
-        return decided(k)
-
-    def choose(args, kwargs):
-        return decide(key(args, kwargs))
-
-    return choose
+    return call_keys.looked_up(decided)

@@ -13,12 +13,10 @@ from hmp.binding import picked
 from hmp.binding.pays import NORMALIZATIONS
 from hmp.binding.resolve import BUILTINS
 from hmp.binding.wrapper_life import finish, make
-from hmp.core import policy, rescue, torch_private
+from hmp.core import policy, rescue
 from hmp.core.cast_copies import Cast, overflow_limit
 from hmp.core.rescue import About
 from hmp.core.wrap import NEVER, PAUSED
-
-_dynamo_compiling = torch_private.dynamo_compiling
 
 
 def about_of(binding):
@@ -105,7 +103,7 @@ class Wrappers:
                 made[kind, shown] = for_site(kind, shown, site, self.low, self.casters, self.strict)
             rules.append(made[kind, shown])
 
-        op, fallback = original, None
+        op, fallback, fallback_needs = original, None, None
         if binding.fallback:  # a call that picks no kernel entry: the rule of an op in no list (kinds.Fallback)
             kind = binding.kind
             fallback = for_site(kind, name, site, self.low, self.casters, self.strict, True)
@@ -114,19 +112,9 @@ class Wrappers:
             if to_one is not None and not self.passthrough:
                 op = one_dtype_on_reject(op, to_one)
 
-        def prepare(args, kwargs):
-            chosen = choose(args, kwargs)
-            return (fallback if chosen is None else rules[chosen])(args, kwargs)
-
-        def needs(args, kwargs):
-            return choose(args, kwargs) is not None or fallback is not None and fallback_needs(args, kwargs)
-
-        if binding.traced_only:  # eager calls: its builtin's wrapper decides, given what picks the kernel
-            decides = needs
-
-            def needs(args, kwargs):
-                return _dynamo_compiling() and decides(args, kwargs)
-
+        prepare = policy.chosen(choose, rules, fallback)
+        # traced only: eager calls are its builtin's wrapper's to decide, given what picks the kernel
+        needs = policy.chosen_needs(choose, fallback_needs, binding.traced_only)
         about = about_of(binding)
         hidden = not isinstance(original, BUILTINS)
         return make(self._op(op), self._prepare(prepare, site.label, name), about, original, hidden=hidden, needs=needs)
@@ -164,18 +152,7 @@ def op_wrap(op: Callable, cast_fn: Callable[[torch.Tensor], torch.Tensor]) -> Ca
     argument (positional, keyword, or inside a list/tuple) through
     ``cast_fn`` before calling it. It follows ``disable_casts`` and the
     outermost-op rule like every hmp wrapper, converted or not."""
-
-    def cast_value(v):
-        if isinstance(v, torch.Tensor):
-            return cast_fn(v)
-        if type(v) is list or type(v) is tuple:
-            return type(v)(cast_value(x) for x in v)
-        return v
-
-    def prepare(args, kwargs):
-        return tuple(cast_value(a) for a in args), {k: cast_value(v) for k, v in kwargs.items()}
-
-    return make(op, prepare, About(getattr(op, "__qualname__", None) or repr(op)))
+    return make(op, policy.through(cast_fn), About(getattr(op, "__qualname__", None) or repr(op)))
 
 
 # -- which prepare a site's wrapper calls, decided once per site --

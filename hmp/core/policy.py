@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from hmp.core import dtypes
+from hmp.core import dtypes, torch_private
 from hmp.core.cast_copies import is_number, overflow_limit
 from hmp.core.dtypes import FLOATS, FP32, FP32_ONLY, HALVES, OTHER_FLOATS
 
@@ -19,6 +19,7 @@ log = logging.getLogger("hmp")
 Tensor = torch.Tensor
 _promote_types = torch.promote_types  # captured: listing promote_types cannot recurse
 _INF = float("inf")
+_dynamo_compiling = torch_private.dynamo_compiling
 
 SAME = object()  # cast_each: nothing was cast
 PROMOTE = object()  # a lean wrapper's src for the promote rule's common case (one floating dtype: as given)
@@ -369,6 +370,51 @@ def as_given(low, casters, out=None):
         if kwargs and out is not None and kwargs.get("out") is not None:
             return out(args, kwargs)
         return args, kwargs
+
+    return prepare
+
+
+def chosen(choose, rules, fallback=None):
+    """The prepare of an op whose call picks its kernel (binding/picked.py): the rule of the entry
+    ``choose(args, kwargs)`` names, else ``fallback`` (the rule of an op in no list; a call with
+    neither is left alone by ``chosen_needs``)."""
+
+    def prepare(args, kwargs):
+        i = choose(args, kwargs)
+        return (fallback if i is None else rules[i])(args, kwargs)
+
+    return prepare
+
+
+def chosen_needs(choose, fallback_needs=None, traced_only=False):
+    """``needs`` of an op whose call picks its kernel: a call that picks a listed entry, or one the
+    fallback's ``needs`` takes; ``traced_only``: eager calls are its builtin's wrapper's to decide."""
+
+    def needs(args, kwargs):
+        return choose(args, kwargs) is not None or fallback_needs is not None and fallback_needs(args, kwargs)
+
+    if not traced_only:
+        return needs
+
+    def traced_needs(args, kwargs):
+        return _dynamo_compiling() and needs(args, kwargs)
+
+    return traced_needs
+
+
+def through(cast):
+    """Habana's ``op_wrap`` rule: every tensor argument, positional, keyword or inside a list or
+    tuple, passed through ``cast``."""
+
+    def cast_value(v):
+        if isinstance(v, torch.Tensor):
+            return cast(v)
+        if type(v) is list or type(v) is tuple:
+            return type(v)(cast_value(x) for x in v)
+        return v
+
+    def prepare(args, kwargs):
+        return tuple(cast_value(a) for a in args), {k: cast_value(v) for k, v in kwargs.items()}
 
     return prepare
 

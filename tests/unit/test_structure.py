@@ -183,11 +183,11 @@ def _thread_state_writes(tree):
 
 
 def test_one_protocol_writes_the_thread_cast_state():
-    # state.enter()/leave() everywhere; the per-call bodies (wrap.py, the
-    # BF16 module's mode, the cast down) inline the pair, and only from off == 0 back to 0
+    # state.enter()/leave() everywhere; the per-call bodies (wrap.py, the BF16 module's mode in
+    # module_rules.py, the cast down) inline the pair, and only from off == 0 back to 0: all of them in core/
     writers = {m for m, tree in SOURCES.items() if _thread_state_writes(tree)}
-    assert writers == {"hmp.core.state", "hmp.core.wrap", "hmp.binding.modules", "hmp.core.cast_copies"}
-    for m in ("hmp.core.wrap", "hmp.binding.modules", "hmp.core.cast_copies"):
+    assert writers == {"hmp.core.state", "hmp.core.wrap", "hmp.core.module_rules", "hmp.core.cast_copies"}
+    for m in ("hmp.core.wrap", "hmp.core.module_rules", "hmp.core.cast_copies"):
         lines = SOURCE_TEXT[m].splitlines()
         for n in _thread_state_writes(SOURCES[m]):
             assert lines[n - 1].strip() in ("st.off = OFF", "st.off = 0") or lines[n - 1].strip().startswith(
