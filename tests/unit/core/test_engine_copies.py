@@ -60,8 +60,9 @@ def test_a_decode_token_casts_the_weights_autocast_casts_and_computes_the_python
 
 
 def test_before_this_the_engine_cast_every_weight_at_every_token():
-    """What autocast's cache saves here, counted with it turned off as the engine kept it before
-    (``convert(cache=False)`` keeps it off): every linear's weight and bias at every token."""
+    """What the engine's kept weight copies save here (hmp's cache: the engine keeps every product,
+    linear included, in hmp's wrapper), counted with the caches off as the engine ran before
+    (``convert(cache=False)``, autocast's too): every linear's weight and bias at every token."""
     torch.manual_seed(0)
     model = KVDecoder().eval()
     n_weights = sum(1 for n, _ in model.named_parameters() if not n.startswith("emb"))
