@@ -255,7 +255,8 @@ def combine(loaded, sources):
     """Apply the precedence rules to each kind's Entries (``loaded``, by kinds.Kind) and return
     kind -> set of op names. An op a file names itself wins over the same op included in the
     other list; named or included in both is an error. The lower and FP32 lists win over
-    the promote list."""
+    the others (the promote list); among those an op goes to the list whose file names it,
+    else to the first in the kinds' order that holds it."""
     lower, fp32 = loaded[LOWER], loaded[FP32]
     low, high = set(lower.ops), set(fp32.ops)
     both = low & high
@@ -273,9 +274,12 @@ def combine(loaded, sources):
     high -= set(to_lower)
     low -= set(to_fp32)
     out = {LOWER: low, FP32: high}
-    for k in kinds.KINDS:
-        if k not in out:
-            out[k] = set(loaded[k].ops) - low - high
+    rest = [k for k in kinds.KINDS if k not in out]
+    taken = low | high
+    for k in rest:
+        named_elsewhere = set().union(*(loaded[o].explicit for o in rest if o is not k)) - loaded[k].explicit
+        out[k] = set(loaded[k].ops) - taken - named_elsewhere
+        taken |= out[k]
     return {k: out[k] for k in kinds.KINDS}
 
 

@@ -71,10 +71,10 @@ def _note_of(exc):
 
 # kept: a memo of what torch or a shipped file says, the same for every call, never written by one
 @functools.lru_cache(maxsize=1)
-def _shipped():
-    """Op names of the shipped O1 lists by kind, with O2's lower list in BF16
-    (O2's FP32 list holds ops that O1 runs in bf16)."""
-    files = {k: [k.defaults["O1"]] for k in kinds.KINDS}
+def _shipped(records):
+    """Op names of the shipped O1 lists of the kinds ``records`` (kinds.KINDS: a kind added
+    there is read too), with O2's lower list in BF16 (O2's FP32 list holds ops that O1 runs in bf16)."""
+    files = {k: [k.defaults["O1"]] for k in records}
     files[LOWER].append(LOWER.defaults["O2"])
     out = {}
     for kind, names in files.items():
@@ -89,7 +89,7 @@ def _shipped():
 
 def probable_list(name):
     """The list an op probably belongs in: the shipped lists first, then its name."""
-    shipped = _shipped()
+    shipped = _shipped(kinds.KINDS)
     for kind in kinds.KINDS:
         if name in shipped[kind]:
             return kind

@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from hmp.binding import aten, kinds, lists, pays, resolve, spellings
+from hmp.binding import aten, lists, pays, resolve, spellings
 from hmp.binding.picked import flat
 from hmp.binding.resolve import FUSED
 from hmp.core import torch_private
@@ -47,7 +47,7 @@ class Call(NamedTuple):
 
 
 class Bound(NamedTuple):
-    kind: str  # "bf16", "fp32" or "promote"
+    kind: object  # its list's kinds.Kind, whose fields say the rule
     name: str  # the list name whose rule applies
     fallback: bool  # an op in no list, under its rule only where a call needs it
     whole_call: bool = False  # a decorated function (@hmp.bf16_function): its list's rule for every call
@@ -169,30 +169,30 @@ def binding(conversion, op, call, runtime):
     to torch."""
     decorated = runtime.decorated.get(op) if isinstance(op, types.FunctionType) else None
     if decorated is not None:
-        return Bound(decorated.name, op.__qualname__, False, whole_call=True)
+        return Bound(decorated, op.__qualname__, False, whole_call=True)
     for owner, attr, kind in runtime.registered:  # hmp's own records; this kit's Bound names the kind
         if unwrap(getattr(owner, attr, None)) is call.fn:
-            return Bound(kind.name, attr, False)
+            return Bound(kind, attr, False)
     bound = bound_names(conversion)
     for kind, names in bound.items():  # listed names first, each kind's names in order
         for name in names:
             if name in call.names:
-                return Bound(kind.name, name, False)
+                return Bound(kind, name, False)
     for kind, names in bound.items():  # then the fused kernels of listed ops
         for name in names:
             for fused in FUSED.get(name, ()):
                 if fused in call.names:
-                    return Bound(kind.name, fused, False)
+                    return Bound(kind, fused, False)
     listed_by_kind = tuple((k, tuple(v)) for k, v in bound.items())
     per_call = spellings.per_call(listed_by_kind, aten.python_builtins(), resolve.RNN_KERNELS)
     for kind, name, spelling in spellings.spellings(listed_by_kind, aten.python_builtins(), resolve.RNN_KERNELS):
         if spelling in call.names and spelling not in per_call:  # another name of a listed op (spellings.py)
-            return Bound(kind.name, name, False)
+            return Bound(kind, name, False)
     listed = set().union(*bound.values())
     for record, names in lists.fallback_names(conversion.options.low_precision_type):
         for name in names:  # a spelling decided per call is bound as one, not by its fallback rule
             if name not in listed and name in call.names and name not in per_call:
-                return Bound(record.name, name, True)
+                return Bound(record, name, True)
     return None
 
 
@@ -228,7 +228,7 @@ def picked_binding(conversion, call, args, kwargs):
         elif not _moves_values(o):
             others.append(name)
     if call.names & picked and len(listed) == 1 and not others:
-        return Bound(listed[0][0].name, listed[0][1], False)
+        return Bound(listed[0][0], listed[0][1], False)
     if not listed:
         return None
 
@@ -245,7 +245,7 @@ def picked_binding(conversion, call, args, kwargs):
             except Exception:
                 continue
             if got == wanted:
-                return Bound(kind.name, name, False)
+                return Bound(kind, name, False)
     return None
 
 
@@ -270,17 +270,21 @@ def _first_floating(result):
 
 
 def _given(kind, low, args, kwargs):
-    """``(args, kwargs)`` as list ``kind``'s rule gives them, dtypes only: the lower rule takes
-    float32 to ``low``, the FP32 rule the lower dtypes to float32, the promote rule every floating
-    tensor to the widest (those with dimensions first)."""
+    """``(args, kwargs)`` as list ``kind``'s rule (its record's ``policy``) gives them, dtypes only:
+    the lower rule takes float32 to ``low``, the FP32 rule the lower dtypes to float32, the promote
+    rule every floating tensor to the widest (those with dimensions first); a ValueError for a rule
+    this kit does not know."""
     tensors = [t for t in flat((*args, *kwargs.values())) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if kind is kinds.LOWER:
+    ranked = [t.dtype for t in tensors if t.dim()] or [t.dtype for t in tensors]
+    widest = functools.reduce(torch.promote_types, ranked) if ranked else None
+    if kind.policy == "lower":
         to, src = low, (FP32,)
-    elif kind is kinds.FP32:
+    elif kind.policy == "fp32":
         to, src = FP32, LOW
+    elif kind.policy == "promote":
+        to, src = widest, tuple({t.dtype for t in tensors})
     else:
-        ranked = [t.dtype for t in tensors if t.dim()] or [t.dtype for t in tensors]
-        to, src = (functools.reduce(torch.promote_types, ranked) if ranked else None), tuple({t.dtype for t in tensors})
+        raise ValueError(f"hmp.testing: no rule {kind.policy!r} in this kit (the {kind.name} list's)")
 
     def one(v):
         if isinstance(v, torch.Tensor):

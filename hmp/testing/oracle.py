@@ -174,10 +174,10 @@ class _Rules:
         limit = torch.finfo(self.low).max
         for v in flat((*args, *kwargs.values())):
             if _number(v) and abs(float(v)) > limit and abs(float(v)) != float("inf"):
-                return self.up(args, kwargs)
+                return self.fp32(args, kwargs)
         return self._all((FP32,), self.low, args, kwargs)
 
-    def up(self, args, kwargs):
+    def fp32(self, args, kwargs):
         return self._all(LOWER, FP32, args, kwargs)
 
     def promote(self, args, kwargs):
@@ -186,13 +186,22 @@ class _Rules:
             return args, kwargs
         return self._all(tuple(d for d in FLOATING if d != widest), widest, args, kwargs)
 
-    def input_only(self, args, kwargs):
+    def lower_input_only(self, args, kwargs):
         """A normalisation under the BF16 rule: its input alone goes down."""
         if args:
             return (self.lower((args[0],), {})[0][0], *args[1:]), kwargs
         if "input" in kwargs:
             return args, dict(kwargs, input=self.lower((kwargs["input"],), {})[0][0])
         return args, kwargs
+
+    def as_given(self, args, kwargs):
+        return args, kwargs
+
+    def named(self, name):
+        """The rule a kind's record names (kinds.py), by the name of hmp/core/policy.py's factory:
+        this module's own rule of that name, written from the docs; a KeyError for one it lacks."""
+        rules = (self.lower, self.fp32, self.promote, self.lower_input_only, self.as_given)
+        return {rule.__name__: rule for rule in rules}[name]
 
     def into(self, leader, args, kwargs, unmoved=()):
         """Every floating argument but ``leader``, the written ones (positions
@@ -225,21 +234,22 @@ class _Rules:
         return None
 
     def main(self, args, kwargs):
+        """The rule the kind's record gives the entry: its norms' rule for a normalisation, its
+        fallback's for an op in no list (the promote list's: as given, promoted on rejection)."""
         kind, name = self.bound.kind, self.bound.name
-        if kind == "bf16":
-            return self.input_only(args, kwargs) if name in NORMALIZATIONS else self.lower(args, kwargs)
-        if kind == "fp32":
-            return self.up(args, kwargs)
-        if self.bound.fallback:  # an op in no list that needs one dtype: as given, promoted on rejection
-            return args, kwargs
-        return self.promote(args, kwargs)
+        chosen = kind.policy
+        if kind.norms is not None and name in NORMALIZATIONS:
+            chosen = kind.norms
+        elif self.bound.fallback:
+            chosen = kind.fallback.policy or chosen
+        return self.named(chosen)(args, kwargs)
 
     def needed(self):
-        """An op in no list steps in only for a call that needs its rule."""
+        """An op in no list steps in only for a call that needs its rule (the record's fallback
+        names when: given a lower-precision tensor, or given mixed floating dtypes)."""
         floating = {t.dtype for t in _floating(self.args, self.kwargs)}
-        if self.bound.kind == "fp32":
-            return bool(floating & set(LOWER))
-        return len(floating) > 1
+        needs = {"given_lower": lambda: bool(floating & set(LOWER)), "given_mixed": lambda: len(floating) > 1}
+        return needs[self.bound.kind.fallback.needs]()
 
     def rule(self):
         """``(args, kwargs, words)``: what the op receives, and why."""
@@ -257,16 +267,17 @@ class _Rules:
                 apart = {n: kwargs[n] for j, n in self.call.written if j >= len(args) and n in kwargs}
                 a, k = self.into(given, args, {n: v for n, v in kwargs.items() if n not in apart}, unmoved)
                 return a, dict(k, **apart), "a written tensor: the call runs in its dtype"
-        return a, k, f"{self.bound.kind} rule of {self.bound.name}"
+        return a, k, f"{self.bound.kind.name} rule of {self.bound.name}"
 
     def retry(self):
         """The rule that puts every floating argument in one dtype where the
         kernel rejects a mix, or None."""
         kind, name = self.bound.kind, self.bound.name
-        if kind == "bf16" and name in AFFINE_ONLY_NORMS:
-            return self.lower
-        if kind == "promote" and self.bound.fallback and not self.call.inplace:
-            return self.promote
+        if kind.norms is not None and name in AFFINE_ONLY_NORMS:
+            return self.named(kind.policy)
+        retry = kind.fallback.retry if self.bound.fallback else None
+        if retry is not None and not self.call.inplace:
+            return self.named(retry)
         return None
 
     def expect(self):
@@ -306,7 +317,7 @@ class _Rules:
                 i < len(self.args) and self.args[i] is not None for i, _ in self.call.written
             ):
                 raise error from None
-        a, k = self.up(*given)
+        a, k = self.fp32(*given)
         try:
             return _run(fn, a, k), a, k, f"{error}".splitlines()[0]
         except Exception:
