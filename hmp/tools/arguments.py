@@ -10,10 +10,8 @@ from pathlib import Path
 
 import torch
 
-from hmp.binding.kinds import FP32, LOWER
+from hmp.binding import kinds
 
-# flag -> the attribute argparse stores it under
-LIST_FLAGS = {"--bf16-file": "bf16_file", "--fp32-file": "fp32_file"}
 # what hmp's own messages start with; after "PROG: error: " they say nothing more
 PREFIXES = ("hmp.tune: ", "hmp.audit: ", "hmp.profile: ", "hmp.tools.report: ", "hmp: ")
 
@@ -46,18 +44,28 @@ def fraction(text):
     )
 
 
+def list_flags():
+    """``{flag: (kind, the attribute argparse stores it under)}``: ``--<name>-file`` for each
+    list kind (hmp/binding/kinds.py), read when asked, so a kind added there has its flag."""
+    return {f"--{k.name}-file": (k, f"{k.name}_file") for k in kinds.KINDS}
+
+
+def given_files(args):
+    """``[(kind, the file its flag gave, or "")]`` for parsed ``args``."""
+    return [(k, getattr(args, attr, "")) for k, attr in list_flags().values()]
+
+
 def add_list_files(p, what="to run under"):
-    """--bf16-file and --fp32-file on parser ``p``."""
-    for flag, record, example in (
-        ("--bf16-file", LOWER, "tuned_bf16.txt"),
-        ("--fp32-file", FP32, "tuned_fp32.txt"),
-    ):
-        kind, env = record.title_in(torch.bfloat16), record.environ[0]
+    """--bf16-file, --fp32-file, ... (list_flags) on parser ``p``."""
+    for flag, (record, attr) in list_flags().items():
+        kind = record.title_in(torch.bfloat16)
+        env = f"${record.environ[0]}, else " if record.environ else ""
         p.add_argument(
             flag,
+            dest=attr,
             default="",
             metavar="PATH",
-            help=f"the {kind} list file {what}, e.g. {example} (default: ${env}, else the shipped list)",
+            help=f"the {kind} list file {what}, e.g. tuned_{record.name}.txt (default: {env}the shipped list)",
         )
 
 
@@ -74,7 +82,7 @@ def list_file_problem(error, args, prog=""):
     """The line for a list file hmp.convert() refused (an OSError or a ValueError it raised), led
     by the flag that gave the file when one did."""
     named = getattr(error, "filename", None)
-    for flag, attr in LIST_FLAGS.items():
+    for flag, (_, attr) in list_flags().items():
         given = getattr(args, attr, "")
         if given and (
             (named and Path(named) == Path(given)) or repr(given) in str(error) or os.path.abspath(given) in str(error)

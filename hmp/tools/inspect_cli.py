@@ -4,17 +4,18 @@ all checked before anything runs; each problem is one line and exit 2."""
 
 import os
 
-from hmp.binding.kinds import FP32, LOWER
+import torch
+
 from hmp.binding.list_files import list_path
 from hmp.driver.conversion import converted
-from hmp.tools.arguments import add_list_files, fail, list_file_problem, said
+from hmp.tools.arguments import add_list_files, fail, given_files, list_file_problem, said
 from hmp.tools.files import check_outputs
 from hmp.tools.progress import bar as progress_bar
 from hmp.tools.target import HELP, TargetError, load_target, make_target
 
 
 def add_common(p):
-    """TARGET, --bf16-file/--fp32-file, --report and --json on parser ``p``."""
+    """TARGET, --bf16-file/--fp32-file/..., --report and --json on parser ``p``."""
     p.add_argument("target", metavar="TARGET", help=HELP)
     add_list_files(p)
     p.add_argument("--report", metavar="PATH", help="write the result as one self-contained HTML page")
@@ -22,8 +23,8 @@ def add_common(p):
 
 
 def lists(args):
-    """The convert() arguments of the list-file flags."""
-    return {"bf16_file_path": args.bf16_file, "fp32_file_path": args.fp32_file}
+    """The convert() arguments of the list-file flags given (one not given is convert()'s default)."""
+    return {kind.parameter: given for kind, given in given_files(args) if given}
 
 
 def lists_words(args, environ=None):
@@ -31,10 +32,10 @@ def lists_words(args, environ=None):
     environment's (``$LOWER_LIST``, ...), else hmp's default (O1, bfloat16)."""
     environ = os.environ if environ is None else environ
     said = []
-    for kind, given in ((LOWER, args.bf16_file), (FP32, args.fp32_file)):
+    for kind, given in given_files(args):
         var = next((v for v in kind.environ if environ.get(v)), None)
         where = given or (f"{environ[var]} (from ${var})" if var else f"hmp's default, {list_path(kind.name)}")
-        said.append(f"the {kind.name.upper()} list {where}")
+        said.append(f"the {kind.title_in(torch.bfloat16)} list {where}")
     return "ran under " + " and ".join(said)
 
 

@@ -13,6 +13,7 @@ import json
 
 import torch
 
+from hmp.binding import kinds
 from hmp.binding.module_entries import class_path
 from hmp.driver.conversion import converted
 from hmp.tools import inspect_cli, tuning
@@ -113,9 +114,12 @@ def run(args):
         result.write(args.bf16_out, args.fp32_out)
     except (ValueError, OSError) as e:
         return fail(PROG, said(e))
+    wrote = {kinds.LOWER.parameter: args.bf16_out, kinds.FP32.parameter: args.fp32_out}
+    # a list tune does not write (--promote-file) stays the file it started from
+    use = {**wrote, **{k: v for k, v in inspect_cli.lists(args).items() if k not in wrote}}
     print(
         f"\nwrote {args.bf16_out} and {args.fp32_out}; use them with "
-        f"hmp.convert(bf16_file_path={args.bf16_out!r}, fp32_file_path={args.fp32_out!r})"
+        f"hmp.convert({', '.join(f'{k}={v!r}' for k, v in use.items())})"
     )
     if args.report:
         try:
