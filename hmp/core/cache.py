@@ -309,7 +309,7 @@ def caster(dtype):
         # eager: inside a wrapper's call casts are off already, and the shield has nothing to do
         return eager(t) if tls.off else through(t)
 
-    through = shielded(eager)  # a BF16 module's mode (modules.LowerMode) must not see the cast's own ops
+    through = shielded(eager)  # a BF16 module's mode (module_rules.LowerMode) must not see the cast's own ops
     return Cast(cast, eager)
 
 

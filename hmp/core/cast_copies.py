@@ -76,7 +76,7 @@ def _finite(dtype):
         return y
 
     def cast_finite(t):
-        # casts off while hmp casts: a BF16 module's mode (modules.LowerMode) must not lower the
+        # casts off while hmp casts: a BF16 module's mode (module_rules.LowerMode) must not lower the
         # source before its range is read, nor cast what the saturation computes
         st = tls
         shield = not st.off

@@ -28,7 +28,7 @@ _graph_task_id = torch_private.current_graph_task_id()
 
 
 OFF = 1  # casts off: disable_casts(), an op in progress, backward, a step, a region hmp leaves alone
-MODULE = 2  # casts off for an FP32 module's forward (modules.py): a BF16 module inside turns them on
+MODULE = 2  # casts off for an FP32 module's forward (module_rules.py): a BF16 module inside turns them on
 
 
 class ThreadState(threading.local):
