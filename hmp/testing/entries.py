@@ -275,14 +275,14 @@ def _given(kind, low, args, kwargs):
     rule every floating tensor to the widest (those with dimensions first); a ValueError for a rule
     this kit does not know."""
     tensors = [t for t in flat((*args, *kwargs.values())) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    ranked = [t.dtype for t in tensors if t.dim()] or [t.dtype for t in tensors]
-    widest = functools.reduce(torch.promote_types, ranked) if ranked else None
     if kind.policy == "lower":
         to, src = low, (FP32,)
     elif kind.policy == "fp32":
         to, src = FP32, LOW
     elif kind.policy == "promote":
-        to, src = widest, tuple({t.dtype for t in tensors})
+        ranked = [t.dtype for t in tensors if t.dim()] or [t.dtype for t in tensors]
+        to = functools.reduce(torch.promote_types, ranked) if ranked else None
+        src = tuple({t.dtype for t in tensors})
     else:
         raise ValueError(f"hmp.testing: no rule {kind.policy!r} in this kit (the {kind.name} list's)")
 
