@@ -29,6 +29,9 @@ from hmp.tools.timing import MARGIN, MIN_PAIRS
 
 UNCLEAR = "no measurable difference"
 NOT_HERE = "could not measure here"
+# what each tool's control timed twice, named the same in every sentence of its output
+TUNE_CONTROL = "the starting lists"
+AUDIT_CONTROL = "the lists"
 
 
 # --- one comparison ---------------------------------------------------------------------------------------------
@@ -243,7 +246,7 @@ def more_rounds(rounds):
     return f"--rounds {2 * rounds}" if rounds else None
 
 
-def speed_sentence(ratio, what, longer=None, control_of="the starting lists"):
+def speed_sentence(ratio, what, longer=None, control_of=TUNE_CONTROL):
     """``what``'s time relative to fp32 as a verdict's sentence: faster or slower where measurable; where the
     machine did not let it be judged, that, why and how to; else no measurable difference, cannot tell yet
     (``longer``: what to run to tell, ``--rounds 10``)."""
@@ -288,8 +291,8 @@ def slower_words(ratio, matmul):
     if ratio is None or not ratio.slower:
         return ""
     return (
-        f"On this machine a step under these lists takes {words(ratio)}: fp32 without hmp is faster here. "
-        + hardware_words(matmul)
+        f"On this machine a step under these lists takes {words(ratio, control_of=TUNE_CONTROL)}: fp32 without hmp "
+        "is faster here. " + hardware_words(matmul)
     ).strip()
 
 
@@ -297,7 +300,7 @@ def tune_verdict(ratio, rounds):
     """The speed part of TuneResult.verdict's line."""
     if ratio is None:
         return ""
-    line = "; step time: " + words(ratio, longer=more_rounds(rounds), control_of="the starting lists")
+    line = "; step time: " + words(ratio, longer=more_rounds(rounds), control_of=TUNE_CONTROL)
     if ratio.judged and not ratio.measurable:
         line += ", cannot tell yet whether faster or slower" + (
             f": run longer to tell ({more_rounds(rounds)})" if rounds else ""

@@ -172,7 +172,7 @@ def summary(audit, tune):
     ]
     if tune is None:
         items.append(
-            ("listed ops' forward time under the lists", speed.words(audit.time_ratio, control_of="the lists"))
+            ("listed ops' forward time under the lists", speed.words(audit.time_ratio, control_of=speed.AUDIT_CONTROL))
         )
     else:
         items.append(("step time under the tuned lists", tune.time_cell("tuned lists")))
