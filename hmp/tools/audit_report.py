@@ -45,7 +45,7 @@ class AuditReport:
     def table(self):
         lines = [
             f"output (loss) relative error under hmp: {self.output_error:.3g}",
-            f"listed ops' forward time under the lists: {speed.words(self.time_ratio, control_of=speed.AUDIT_CONTROL)}",
+            f"listed ops' forward time under the lists: {speed.words(self.time_ratio)}",
             "",
             "| op | list | calls | max rel err | mean rel err | own max rel err | inf/NaN introduced "
             "| error passed to loss | flagged |",

@@ -306,7 +306,7 @@ def total_ratio(runs):
         kind: [s._replace(seconds=sum(stats[op].op_seconds + _cast(kind, stats[op]) for op in ops)) for s, stats in got]
         for kind, got in runs.items()
     }
-    control = timing.ratio(totals["lists"], totals[AGAIN]) if AGAIN in totals else None
+    control = timing.ratio(totals["lists"], totals[AGAIN], timed="the lists") if AGAIN in totals else None
     return timing.ratio(totals["fp32"], totals["lists"], control=control)
 
 

@@ -230,11 +230,7 @@ def audit_outcome(audit):
     return (OUTSIDE if flagged else WITHIN), [
         first,
         f"After one step under the lists the loss is {_num(audit.output_error)} off fp32's (relative).",
-        speed.speed_sentence(
-            audit.time_ratio,
-            "the listed ops' forward time under the lists" + timed_ops(audit),
-            control_of=speed.AUDIT_CONTROL,
-        ),
+        speed.speed_sentence(audit.time_ratio, "the listed ops' forward time under the lists" + timed_ops(audit)),
     ]
 
 

@@ -29,9 +29,6 @@ from hmp.tools.timing import MARGIN, MIN_PAIRS
 
 UNCLEAR = "no measurable difference"
 NOT_HERE = "could not measure here"
-# what each tool's control timed twice, named the same in every sentence of its output
-TUNE_CONTROL = "the starting lists"
-AUDIT_CONTROL = "the lists"
 
 
 # --- one comparison ---------------------------------------------------------------------------------------------
@@ -100,19 +97,21 @@ def takes(subject, ratio, of="fp32's time"):
     return f"{subject} takes {words(ratio, of)}"
 
 
-def control_words(control, what="the same lists"):
-    """``the same lists timed twice: 1.01x (middle half of 10 pairs: 0.98x to 1.03x)``."""
+def control_words(control):
+    """``the same lists timed twice: 1.01x (middle half of 10 pairs: 0.98x to 1.03x)``, the control named as
+    where it was made (Ratio.timed)."""
+    what = control.timed or "the same lists"
     if control.busy:
         return f"{what} timed twice: not judged, {busy_words(control)}"
     return f"{what} timed twice: {control.median:.2f}x ({middle_half(control)})"
 
 
-def not_judged_because(ratio, control_of="the same lists"):
+def not_judged_because(ratio):
     """Why the machine did not let ``ratio`` be judged (busy, or its control disagreed)."""
     if ratio.busy:
         return busy_words(ratio)
     return (
-        f"the control disagreed, {control_words(ratio.control, control_of)}, not within the {ratio.margin:.0%} "
+        f"the control disagreed, {control_words(ratio.control)}, not within the {ratio.margin:.0%} "
         "margin of 1.0: this machine's timing moved more than a difference could be told from"
     )
 
@@ -131,15 +130,15 @@ def unmeasured_because(ratio):
     )
 
 
-def words(ratio, of="fp32's time", longer=None, control_of="the same lists"):
+def words(ratio, of="fp32's time", longer=None):
     """``0.62x fp32's time (middle half of 10 pairs: 0.58x to 0.66x)``; ``no measurable difference (...)``;
     ``could not measure here (why; how to)``; ``of``: what the ratio is relative to; ``longer``: what to
     run for more pairs (``--rounds 10``). A control's spread is said with a judged comparison."""
     if ratio is None:
         return f"{UNCLEAR} (not timed)"
     if not ratio.judged:
-        return f"{NOT_HERE} ({not_judged_because(ratio, control_of)}; {how_to_measure(longer)})"
-    control = f"; control: {control_words(ratio.control, control_of)}" if ratio.control is not None else ""
+        return f"{NOT_HERE} ({not_judged_because(ratio)}; {how_to_measure(longer)})"
+    control = f"; control: {control_words(ratio.control)}" if ratio.control is not None else ""
     if not ratio.measurable:
         return f"{UNCLEAR} ({middle_half(ratio)}{unmeasured_because(ratio)}{control})"
     return f"{ratio.median:.2f}x {of} ({middle_half(ratio)}{control})"
@@ -246,7 +245,7 @@ def more_rounds(rounds):
     return f"--rounds {2 * rounds}" if rounds else None
 
 
-def speed_sentence(ratio, what, longer=None, control_of=TUNE_CONTROL):
+def speed_sentence(ratio, what, longer=None):
     """``what``'s time relative to fp32 as a verdict's sentence: faster or slower where measurable; where the
     machine did not let it be judged, that, why and how to; else no measurable difference, cannot tell yet
     (``longer``: what to run to tell, ``--rounds 10``)."""
@@ -254,13 +253,13 @@ def speed_sentence(ratio, what, longer=None, control_of=TUNE_CONTROL):
         return f"Speed: {what} was not timed."
     if not ratio.judged:
         return (
-            f"Speed: {NOT_HERE} how {what} compares with fp32: {not_judged_because(ratio, control_of)}. "
+            f"Speed: {NOT_HERE} how {what} compares with fp32: {not_judged_because(ratio)}. "
             f"{how_to_measure(longer).capitalize()}."
         )
     if ratio.measurable:
-        return f"{direction(ratio).capitalize()}: {what} takes {words(ratio, control_of=control_of)}."
+        return f"{direction(ratio).capitalize()}: {what} takes {words(ratio)}."
     more = f"; run longer ({longer}) to tell" if longer else ""
-    control = f"; control: {control_words(ratio.control, control_of)}" if ratio.control is not None else ""
+    control = f"; control: {control_words(ratio.control)}" if ratio.control is not None else ""
     return (
         f"Speed: {UNCLEAR} between {what} and fp32 ({middle_half(ratio)}{unmeasured_because(ratio)}, adjacent "
         f"pairs{control}): it cannot tell yet whether it is faster or slower{more}."
@@ -291,8 +290,8 @@ def slower_words(ratio, matmul):
     if ratio is None or not ratio.slower:
         return ""
     return (
-        f"On this machine a step under these lists takes {words(ratio, control_of=TUNE_CONTROL)}: fp32 without hmp "
-        "is faster here. " + hardware_words(matmul)
+        f"On this machine a step under these lists takes {words(ratio)}: fp32 without hmp is faster here. "
+        + hardware_words(matmul)
     ).strip()
 
 
@@ -300,7 +299,7 @@ def tune_verdict(ratio, rounds):
     """The speed part of TuneResult.verdict's line."""
     if ratio is None:
         return ""
-    line = "; step time: " + words(ratio, longer=more_rounds(rounds), control_of=TUNE_CONTROL)
+    line = "; step time: " + words(ratio, longer=more_rounds(rounds))
     if ratio.judged and not ratio.measurable:
         line += ", cannot tell yet whether faster or slower" + (
             f": run longer to tell ({more_rounds(rounds)})" if rounds else ""

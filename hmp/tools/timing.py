@@ -76,7 +76,8 @@ class Load(NamedTuple):
 class Ratio(NamedTuple):
     """Time relative to fp32 from paired samples: the median of the clean pairs' ratios, the 25th and
     75th percentiles of them, and how many pairs; ``load``, what the machine did meanwhile (None: plain
-    numbers, no host read); ``control``, the same lists timed twice (None: no control)."""
+    numbers, no host read); ``control``, the same lists timed twice (None: no control); ``timed``, a
+    control's: what it timed twice, as a sentence names it (None: the same lists), set where it is made."""
 
     median: float
     low: float
@@ -90,6 +91,7 @@ class Ratio(NamedTuple):
     margin: float = MARGIN
     load: Load | None = None
     control: Ratio | None = None
+    timed: str | None = None
 
     def side(self, value):
         """-1 below the band of ``margin`` around 1.0, +1 above it, 0 inside it."""
@@ -215,12 +217,14 @@ def load_of(pairs, contended):
     )
 
 
-def ratio(fp32: Sequence, other: Sequence, margin: float = MARGIN, control: Ratio | None = None) -> Ratio | None:
+def ratio(
+    fp32: Sequence, other: Sequence, margin: float = MARGIN, control: Ratio | None = None, timed: str | None = None
+) -> Ratio | None:
     """The Ratio of ``other``'s times to ``fp32``'s, paired by position (both taken in pairs, paired(),
     in the order taken: the first half of the pairs and the second are judged apart too). Samples are
     seconds or host.Samples; a pair in which a run lost more than ``margin`` of its time to other
     programs is left out (load says how many). None when there is no pair or an fp32 time is not
-    positive."""
+    positive. ``timed``: a control's name for what it timed twice (Ratio.timed)."""
     pairs = list(zip(fp32, other))
     if not pairs or any(_seconds(a) <= 0 for a, _ in pairs):
         return None
@@ -231,11 +235,13 @@ def ratio(fp32: Sequence, other: Sequence, margin: float = MARGIN, control: Rati
     ratios = sorted(taken)
     below = sum(r < 1.0 for r in ratios) if clean else 0
     if len(ratios) == 1:
-        return Ratio(ratios[0], ratios[0], ratios[0], kept, below, margin=margin, load=load, control=control)
+        return Ratio(
+            ratios[0], ratios[0], ratios[0], kept, below, margin=margin, load=load, control=control, timed=timed
+        )
     low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
     half = len(taken) // 2
     first, second = statistics.median(taken[:half]), statistics.median(taken[half:])
-    return Ratio(statistics.median(ratios), low, high, kept, below, first, second, margin, load, control)
+    return Ratio(statistics.median(ratios), low, high, kept, below, first, second, margin, load, control, timed)
 
 
 @contextlib.contextmanager
@@ -333,11 +339,11 @@ class Paired(NamedTuple):
         got = self.pairs[name]
         return ratio([a for a, _ in got], [b for _, b in got], margin, control)
 
-    def control(self, first, second, margin=MARGIN):
+    def control(self, first, second, margin=MARGIN, timed=None):
         """The same lists timed twice, as ``first`` and ``second`` (each paired with the reference in the
         same rounds): ``second``'s samples relative to ``first``'s, round by round (1.0 when this machine
-        times alike what is alike)."""
-        return ratio(self.samples(first), self.samples(second), margin)
+        times alike what is alike); ``timed``, what sentences call them (Ratio.timed)."""
+        return ratio(self.samples(first), self.samples(second), margin, timed=timed)
 
 
 def paired(

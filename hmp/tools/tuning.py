@@ -389,7 +389,7 @@ class _Tuner:
         timed.update({name: c for name, c in self.configs.items() if name not in self.same_as and name not in timed})
         self.runs.expect(len(timed) * self.pairs * PAIR_STEPS, "timing a step of each configuration")
         got = _paired_times(self.run, self.args, self.kwargs, self.guard, timed, self.pairs, "fp32")
-        self.control = got.control("starting lists", CONTROL)
+        self.control = got.control("starting lists", CONTROL, timed="the starting lists")
         self.pairs_taken = {name: p for name, p in got.pairs.items() if name != CONTROL}
         self.samples = {"fp32": got.reference, **{name: got.samples(name) for name in self.pairs_taken}}
         self.samples = {name: [s.seconds for s in taken] for name, taken in self.samples.items()}

@@ -177,8 +177,8 @@ def test_the_tune_page_says_what_the_verdict_and_the_table_say(pages, tmp_path):
     # the same ratio, from the same samples, in the verdict and the validation table
     verdict = html.unescape(page[page.index('id="verdict"') : page.index('id="todo"')])
     ratio = tuned.ratio("tuned lists")
-    if ratio.measurable:  # the control named as the page names it (the branch this machine's timing takes)
-        assert speed.words(ratio, control_of=speed.TUNE_CONTROL) in verdict
+    if ratio.measurable:
+        assert speed.words(ratio) in verdict
     else:
         assert (speed.middle_half(ratio) if ratio.judged else speed.NOT_HERE) in verdict
     assert f'<td class="num">{cell}</td>' in page

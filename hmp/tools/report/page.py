@@ -171,9 +171,7 @@ def summary(audit, tune):
         ("module classes flagged", ", ".join(audit.flagged_modules) or "none"),
     ]
     if tune is None:
-        items.append(
-            ("listed ops' forward time under the lists", speed.words(audit.time_ratio, control_of=speed.AUDIT_CONTROL))
-        )
+        items.append(("listed ops' forward time under the lists", speed.words(audit.time_ratio)))
     else:
         items.append(("step time under the tuned lists", tune.time_cell("tuned lists")))
     return _summary(items)

@@ -326,6 +326,20 @@ def test_tune_page_has_trials_and_validation(tuned):
     assert "Validation" in page and "reference" in page
 
 
+def test_each_tools_control_is_named_where_it_is_timed(audited, tuned):
+    """A real tune's and a real audit's control carry what they timed twice, so every sentence says it alike
+    (speed.control_words reads it), through their JSON too."""
+    from hmp.tools import speed, timing
+
+    for control, name in (
+        (tuned.ratio("tuned lists").control, "the starting lists"),
+        (audited.time_ratio.control, "the lists"),
+    ):
+        assert control is not None and control.timed == name
+        assert speed.control_words(control).startswith(f"{name} timed twice: ")
+        assert timing.Ratio.from_dict(control.as_dict()).timed == name
+
+
 # --- the axes, for any values ---------------------------------------------------------------------------------------
 
 values = st.one_of(st.floats(min_value=1e-40, max_value=1e6), st.sampled_from([0.0, math.inf, math.nan, -1.0, None]))
@@ -470,14 +484,14 @@ def test_a_measured_step_time_names_its_control_alike_in_every_sentence_of_the_t
         {"fp32": 1.0, "starting lists": 1.0, "tuned lists": 1.0},
         {"fp32": fp32, "starting lists": fp32, "tuned lists": [t * 1.8 for t in fp32]},
     )
-    tune.control = timing.ratio(fp32, fp32)
+    tune.control = timing.ratio(fp32, fp32, timed="the starting lists")  # named where tune makes it
     ratio = tune.ratio("tuned lists")
     assert ratio.measurable and ratio.slower and ratio.control is not None
     page = html.unescape(report.render(tune=tune))
     verdict = section(page, 'id="verdict"', 'id="todo"')
-    assert speed.words(ratio, control_of=speed.TUNE_CONTROL) in verdict
+    assert speed.words(ratio) in verdict
     said = re.findall(r"(\w+ \w+ \w+)(?: are)? timed twice", page)
-    assert len(said) >= 3 and {s.lower() for s in said} == {speed.TUNE_CONTROL}, said
+    assert len(said) >= 3 and {s.lower() for s in said} == {"the starting lists"}, said
 
 
 def test_the_module_class_table_lists_only_classes_that_make_too_much_error():
